@@ -1,0 +1,21 @@
+"""Where data sets live and how a missing one is reported."""
+import os
+from pathlib import Path
+
+from engine.errors import UserFacingError
+
+DOWNLOAD_HINT = "run scripts/download_data.sh DATA_DIR (needs the internet) or pass --data-dir"
+
+
+def default_data_dir() -> str:
+    """`$CDGRAB_DATA` when set, else `./datasets`."""
+    return os.environ.get("CDGRAB_DATA") or "./datasets"
+
+
+def require_files(folder: Path, names: list[str], what: str) -> list[Path]:
+    """Return folder/name for each name, or raise one clear error naming every missing file."""
+    paths = [Path(folder) / n for n in names]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise UserFacingError(f"{what} not found: missing {', '.join(missing)}; {DOWNLOAD_HINT}")
+    return paths
