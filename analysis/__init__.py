@@ -1,0 +1,27 @@
+"""Logs to figures: read run directories and herding CSVs, aggregate over seeds, draw the paper's figures.
+
+    from analysis import load_runs, aggregate, final_table, plots
+    df = load_runs("results")                     # one row per (run, epoch)
+    agg = aggregate(df, ["train_loss"])           # mean/std/min/max/count over seeds per epoch
+    plots.draw_all(df, load_herding("results/herding"), "figures")
+
+Command line: python -m analysis RESULTS_DIR --out figures/   (see --help)
+"""
+from analysis import plots
+from analysis.aggregate import (BENCHMARKS, EXPECTED_SORTERS, HEADLINE, aggregate, aggregate_herding,
+                                final_table, headline_metrics, missing_sorters, time_breakdown)
+from analysis.load import Problem, load_herding, load_runs
+
+__all__ = ["BENCHMARKS", "EXPECTED_SORTERS", "HEADLINE", "Problem", "aggregate", "aggregate_herding",
+           "final_table", "format_table", "headline_metrics", "load_herding", "load_runs", "missing_sorters",
+           "plots", "time_breakdown"]
+
+
+def format_table(table) -> str:
+    """final_table as text: one line per benchmark x sorter (x setting), 'mean ± std' and the seed count."""
+    if table.empty:
+        return "(no finished runs)"
+    shown = table.assign(
+        lr=table["lr"].map("{:g}".format),
+        final=[f"{m:.4g} ± {s:.2g}" if s == s else f"{m:.4g}" for m, s in zip(table["mean"], table["std"])])
+    return shown[["benchmark", "sorter", "node_cnt", "B", "lr", "metric", "epoch", "final", "seeds"]].to_string(index=False)

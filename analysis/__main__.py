@@ -1,0 +1,67 @@
+"""python -m analysis RESULTS_DIR --out figures/ : draw every figure the results allow, print the table.
+
+Walks RESULTS_DIR for run directories (config.json + metrics.csv), reports unreadable, unfinished
+and duplicate runs and expected sorters without runs (never fails on them), saves PNG + PDF
+figures (see analysis/plots.py for the names), prints the final-metric table and writes it to
+<out>/final-metrics.csv. Exit status 0 unless the arguments are wrong.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; must precede the pyplot import in analysis.plots
+
+from analysis import EXPECTED_SORTERS, final_table, format_table, load_herding, load_runs, missing_sorters  # noqa: E402
+from analysis.plots import draw_all  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results_dir", help="folder searched recursively for run dirs, e.g. results/")
+    p.add_argument("--out", default="figures", help="folder for the PNG/PDF figures and final-metrics.csv "
+                                                    "(default figures/)")
+    p.add_argument("--band", choices=["std", "minmax"], default="std",
+                   help="shaded band around the mean over seeds/trials: mean ± 1 std (default) or min–max")
+    p.add_argument("--herding-dir", default=None,
+                   help="folder with herding simulation CSVs (scripts/herding_simulation.py); "
+                        "default RESULTS_DIR/herding")
+    p.add_argument("--include-incomplete", action="store_true",
+                   help="also plot unfinished runs (fewer metrics.csv rows than args.epochs); they are reported either way")
+    p.add_argument("--expect-sorters", nargs="+", default=list(EXPECTED_SORTERS), metavar="SORTER",
+                   help=f"sorters every benchmark should have; missing ones are reported (default {' '.join(EXPECTED_SORTERS)})")
+    args = p.parse_args(argv)
+
+    df, problems = load_runs(args.results_dir, include_incomplete=args.include_incomplete,
+                             with_problems=True, warn=False)
+    herding_dir = Path(args.herding_dir) if args.herding_dir else Path(args.results_dir) / "herding"
+    hdf, herding_problems = load_herding(herding_dir, with_problems=True, warn=False)
+    if args.herding_dir is None and not herding_dir.is_dir():
+        herding_problems = []  # the default location is optional
+    print(f"{df['run_dir'].nunique() if len(df) else 0} runs loaded from {args.results_dir}, "
+          f"{len(hdf)} herding rows from {herding_dir}")
+
+    written = draw_all(df, hdf, args.out, band=args.band)
+    table = final_table(df)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    table.to_csv(Path(args.out) / "final-metrics.csv", index=False)
+
+    print("\nFinal metric (last epoch, mean ± std over seeds):")
+    print(format_table(table))
+    notes = [str(x) for x in problems + herding_problems] + missing_sorters(df, sorters=args.expect_sorters)
+    if not len(hdf):
+        notes.append(f"no herding simulation CSVs in {herding_dir} (run scripts/herding_simulation.py)")
+    if notes:
+        print(f"\nReported ({len(notes)}):")
+        for note in notes:
+            print(f"  - {note}")
+    print(f"\nWrote {len(written)} figure files to {args.out}/")
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Read finished runs (config.json + metrics.csv) and the herding simulation CSVs into tidy DataFrames.
+
+A run directory holds
+    config.json  {"benchmark": ..., "args": {"sorter", "seed", "lr", "B", "node_cnt", "epochs", ...}, "sizes": ...}
+    metrics.csv  one row per finished epoch: epoch,train_loss,test_loss,<benchmark columns>,
+                 epoch_seconds,sorter_seconds,comm_seconds,compute_seconds,comm_bytes
+and is finished when metrics.csv has args.epochs rows.
+"""
+import json
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import pandas as pd
+
+RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "run_dir"]
+SETTING = ["node_cnt", "B", "lr"]  # runs of one benchmark and sorter that differ here are different curves
+HERDING_COLUMNS = ["n_workers", "m", "d", "trial", "method", "round", "bound"]
+
+
+class Problem(NamedTuple):
+    """A run directory (or file) that was skipped or only partly used, and why."""
+    path: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.path}: {self.reason}"
+
+
+def _read_run(run_dir: Path, include_incomplete: bool):
+    """(DataFrame of this run's epochs, problem or None); raises ValueError when unusable."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        args = config["args"]
+        info = {"benchmark": config["benchmark"], "sorter": args["sorter"], "seed": int(args["seed"]),
+                "node_cnt": int(args["node_cnt"]), "B": int(args["B"]), "lr": float(args["lr"]),
+                "run_dir": str(run_dir)}
+        epochs = int(args["epochs"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"unreadable config.json ({type(e).__name__}: {e})") from None
+    try:
+        metrics = pd.read_csv(run_dir / "metrics.csv")
+    except (OSError, ValueError) as e:  # EmptyDataError and ParserError are ValueErrors
+        raise ValueError(f"unreadable metrics.csv ({type(e).__name__}: {e})") from None
+    if "epoch" not in metrics.columns or "epoch_seconds" not in metrics.columns:
+        raise ValueError(f"metrics.csv lacks epoch/epoch_seconds columns (has {list(metrics.columns)})")
+    metrics = metrics.apply(pd.to_numeric, errors="coerce")  # a garbled cell becomes NaN, not a crash
+    if metrics["epoch"].isna().any():
+        raise ValueError("metrics.csv has rows without an epoch number")
+    metrics = metrics.sort_values("epoch").reset_index(drop=True)
+    if len(metrics) == 0:
+        raise ValueError(f"incomplete: 0/{epochs} epochs")
+    problem = None
+    if len(metrics) < epochs:
+        problem = f"incomplete: {len(metrics)}/{epochs} epochs"
+        if not include_incomplete:
+            raise ValueError(problem)
+    metrics["cum_seconds"] = metrics["epoch_seconds"].cumsum()
+    for key, value in reversed(list(info.items())):
+        metrics.insert(0, key, value)
+    return metrics, problem
+
+
+def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool = False, warn: bool = True):
+    """Every run under results_dir (searched recursively) as one tidy DataFrame, one row per (run, epoch).
+
+    Columns: benchmark, sorter, seed, node_cnt, B, lr, run_dir, epoch, <every metrics.csv column>,
+    cum_seconds (running sum of epoch_seconds within the run). Columns a benchmark lacks are NaN.
+
+    Runs that cannot be read, or are unfinished (fewer rows than args.epochs; kept when
+    include_incomplete), or repeat an already loaded (benchmark, sorter, node_cnt, B, lr, seed),
+    are skipped and reported: as warnings (warn) and as a list of Problem when with_problems,
+    in which case the return value is (DataFrame, problems). Never raises for a bad run.
+    """
+    results_dir = Path(results_dir)
+    frames, problems, seen = [], [], {}
+    run_dirs = sorted({p.parent for p in results_dir.rglob("config.json")} |
+                      {p.parent for p in results_dir.rglob("metrics.csv")}) if results_dir.is_dir() else []
+    if not results_dir.is_dir():
+        problems.append(Problem(str(results_dir), "results directory does not exist"))
+    for run_dir in run_dirs:
+        try:
+            frame, problem = _read_run(run_dir, include_incomplete)
+        except ValueError as e:
+            problems.append(Problem(str(run_dir), str(e)))
+            continue
+        key = tuple(frame.loc[0, ["benchmark", "sorter", *SETTING, "seed"]])
+        if key in seen:
+            problems.append(Problem(str(run_dir), f"duplicate of {seen[key]} (same benchmark, sorter, "
+                                                  "node_cnt, B, lr, seed); skipped"))
+            continue
+        seen[key] = str(run_dir)
+        if problem:
+            problems.append(Problem(str(run_dir), problem + " (included)"))
+        frames.append(frame)
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RUN_COLUMNS + ["epoch", "cum_seconds"])
+    # metrics columns in first-seen order, cum_seconds last
+    ordered = RUN_COLUMNS + [c for c in df.columns if c not in RUN_COLUMNS and c != "cum_seconds"] + ["cum_seconds"]
+    df = df[ordered]
+    if warn:
+        for problem in problems:
+            warnings.warn(f"skipped run: {problem}", stacklevel=2)
+    return (df, problems) if with_problems else df
+
+
+def load_herding(herding_dir, with_problems: bool = False, warn: bool = True):
+    """All herding simulation CSVs (scripts/herding_simulation.py) under herding_dir as one DataFrame.
+
+    Columns: n_workers, m, d, trial, method, round, bound (+ seconds when present), one row per
+    (n_workers, trial, method, round). Files without these columns are skipped and reported.
+    """
+    herding_dir = Path(herding_dir)
+    frames, problems = [], []
+    paths = sorted(herding_dir.rglob("*.csv")) if herding_dir.is_dir() else []
+    if not herding_dir.is_dir():
+        problems.append(Problem(str(herding_dir), "herding directory does not exist"))
+    for path in paths:
+        try:
+            frame = pd.read_csv(path)
+        except (OSError, ValueError) as e:
+            problems.append(Problem(str(path), f"unreadable ({type(e).__name__}: {e})"))
+            continue
+        missing = [c for c in HERDING_COLUMNS if c not in frame.columns]
+        if missing:
+            problems.append(Problem(str(path), f"not a herding CSV: missing columns {missing}"))
+            continue
+        frames.append(frame)
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=HERDING_COLUMNS)
+    if len(df):
+        df = df.drop_duplicates(["n_workers", "trial", "method", "round"]).sort_values(
+            ["n_workers", "method", "trial", "round"]).reset_index(drop=True)
+    if warn:
+        for problem in problems:
+            warnings.warn(f"skipped herding file: {problem}", stacklevel=2)
+    return (df, problems) if with_problems else df

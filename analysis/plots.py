@@ -1,0 +1,166 @@
+"""The paper's figures from load_runs / load_herding frames. Every function returns a matplotlib
+Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and PDF:
+
+    <out>/<benchmark>-vs-epoch.{png,pdf}        train loss + headline metric(s) vs epoch, band over seeds
+    <out>/<benchmark>-vs-seconds.{png,pdf}      the same vs cumulative wall-clock seconds (mean over seeds)
+    <out>/<benchmark>-time-breakdown.{png,pdf}  mean sorter/comm/compute/other seconds per epoch, stacked
+    <out>/herding-bound.{png,pdf}               parallel herding bound per round (log y), one panel per n
+
+The caller picks the backend: `python -m analysis` uses Agg, notebooks their inline backend.
+"""
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from analysis.aggregate import GROUP, TIME_PARTS, aggregate, aggregate_herding, headline_metrics, time_breakdown
+
+LABELS = {
+    "train_loss": "train loss", "test_loss": "test loss", "valid_loss": "validation loss",
+    "train_acc": "train accuracy", "test_acc": "test accuracy",
+    "train_ppl": "train perplexity", "valid_ppl": "validation perplexity", "test_ppl": "test perplexity",
+    "test_smape": "test sMAPE",
+}
+BENCHMARK_LABELS = {"MLP-M4": {"train_loss": "train MSE (standardised)"}}
+SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
+                 "D-SO": "tab:purple", "ALL": "tab:gray"}
+PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
+               "other_seconds": "tab:gray"}
+LOG_Y = ("_ppl",)  # perplexities span orders of magnitude in the first epochs
+
+
+def _label(metric, benchmark=None):
+    return BENCHMARK_LABELS.get(benchmark, {}).get(metric) or LABELS.get(metric, metric)
+
+
+def _curve_labels(groups):
+    """{group tuple: label}: the sorter name, plus the setting when a benchmark has several."""
+    settings = {g[2:] for g in groups}
+    labels = {}
+    for g in groups:
+        _, sorter, node_cnt, B, lr = g
+        labels[g] = sorter if len(settings) == 1 else f"{sorter} (n={node_cnt}, B={B}, lr={lr:g})"
+    return labels
+
+
+def _color(sorter, i):
+    return SORTER_COLORS.get(sorter, f"C{i % 10}")
+
+
+def plot_benchmark(df, benchmark, x="epoch", band="std", metrics=None):
+    """One panel per metric (train_loss + the headline metrics), one curve per sorter (x setting),
+    mean over seeds with a shaded band. x: "epoch" or "seconds" (mean cumulative wall clock)."""
+    if x not in ("epoch", "seconds"):
+        raise ValueError(f"x must be 'epoch' or 'seconds', got {x!r}")
+    bench = df[df["benchmark"] == benchmark]
+    if bench.empty:
+        return None
+    metrics = metrics or [m for m in ["train_loss"] + headline_metrics(bench, benchmark) if m in bench.columns]
+    agg = aggregate(bench, metrics, band=band)
+    if agg.empty:
+        return None
+    groups = sorted({tuple(g) for g in agg[GROUP].itertuples(index=False)})
+    labels = _curve_labels(groups)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.8 * len(metrics), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for i, g in enumerate(groups):
+            rows = agg[(agg["metric"] == metric) & (agg[GROUP] == list(g)).all(axis=1)].sort_values("epoch")
+            if rows.empty:
+                continue
+            xs, color = rows[x].to_numpy(float), _color(g[1], i)
+            seeds = int(rows["count"].max())
+            ax.plot(xs, rows["mean"], color=color, label=f"{labels[g]} ({seeds} seed{'s' * (seeds > 1)})")
+            ax.fill_between(xs, rows["lo"].to_numpy(float), rows["hi"].to_numpy(float), color=color, alpha=0.2, lw=0)
+        ax.set_xlabel("epoch" if x == "epoch" else "wall-clock seconds")
+        ax.set_ylabel(_label(metric, benchmark))
+        if metric.endswith(LOG_Y):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    band_text = "mean ± 1 std" if band == "std" else "mean, min–max"
+    fig.suptitle(f"{benchmark} vs {'epoch' if x == 'epoch' else 'wall-clock time'} ({band_text} over seeds)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_time_breakdown(df, benchmark):
+    """Stacked bars, one per sorter (x setting): mean seconds per epoch in sorter / communication /
+    compute / other (epoch minus those three)."""
+    times = time_breakdown(df[df["benchmark"] == benchmark])
+    if times.empty:
+        return None
+    groups = [tuple(g) for g in times[GROUP].itertuples(index=False)]
+    labels = _curve_labels(groups)
+    fig, ax = plt.subplots(figsize=(1.6 * len(groups) + 2.4, 3.6))
+    bottom = [0.0] * len(groups)
+    for part in TIME_PARTS + ["other_seconds"]:
+        heights = times[part].fillna(0).to_list()
+        ax.bar([labels[g] for g in groups], heights, bottom=bottom, color=PART_COLORS[part],
+               label=part.replace("_seconds", ""))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("seconds per epoch (mean)")
+    ax.set_title(f"{benchmark}: time per epoch")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_herding(hdf, band="std"):
+    """Parallel herding bound vs reorder round (log y), one panel per worker count, one curve per
+    method, mean over trials with a band. Titles use the paper's notation (m workers, n examples each)."""
+    agg = aggregate_herding(hdf, band=band)
+    if agg.empty:
+        return None
+    panels = sorted(agg[["n_workers", "m"]].drop_duplicates().itertuples(index=False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, sharey=True)
+    for ax, (n, m) in zip(axes[0], panels):
+        panel = agg[(agg["n_workers"] == n) & (agg["m"] == m)]
+        for i, method in enumerate(sorted(panel["method"].unique())):
+            rows = panel[panel["method"] == method].sort_values("round")
+            color = _color(method, i)
+            ax.plot(rows["round"], rows["mean"], marker=".", color=color, label=method)
+            ax.fill_between(rows["round"].to_numpy(float), rows["lo"].to_numpy(float), rows["hi"].to_numpy(float),
+                            color=color, alpha=0.2, lw=0)
+        ax.set_yscale("log")
+        ax.set_title(f"m={n} workers, n={m:g} examples per worker", fontsize=9)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("parallel herding bound")
+    axes[0][0].legend(fontsize=8)
+    trials = int(agg["count"].max())
+    fig.suptitle(f"Parallel herding bound of random unit vectors ({trials} trial{'s' * (trials > 1)})")
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig, out_dir, name) -> list:
+    """Write fig as <out_dir>/<name>.png and .pdf; return the two paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.{ext}" for ext in ("png", "pdf")]
+    for path in paths:
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+    return paths
+
+
+def benchmark_figures(df, benchmark, band="std") -> dict:
+    """{file stem: Figure} of one benchmark (those with data)."""
+    figs = {f"{benchmark}-vs-epoch": plot_benchmark(df, benchmark, "epoch", band),
+            f"{benchmark}-vs-seconds": plot_benchmark(df, benchmark, "seconds", band),
+            f"{benchmark}-time-breakdown": plot_time_breakdown(df, benchmark)}
+    return {k: v for k, v in figs.items() if v is not None}
+
+
+def draw_all(df, hdf, out_dir, band="std") -> list:
+    """Save every figure the data allows into out_dir (closing each); return the written paths."""
+    written = []
+    figs = {}
+    for benchmark in sorted(df["benchmark"].unique()) if len(df) else []:
+        figs.update(benchmark_figures(df, benchmark, band))
+    if hdf is not None and len(hdf):
+        figs["herding-bound"] = plot_herding(hdf, band)
+    for name, fig in figs.items():
+        if fig is not None:
+            written += save_figure(fig, out_dir, name)
+            plt.close(fig)
+    return written

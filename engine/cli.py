@@ -1,0 +1,66 @@
+"""The command line shared by every entry script, and its checks."""
+import argparse
+import math
+
+from data.common import default_data_dir
+from engine.errors import UserFacingError
+from sorters import SORTER_NAMES
+
+
+def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.ArgumentParser:
+    """The flags every main-*.py takes; `defaults` holds the benchmark's paper settings."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
+                   help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
+                        "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance)")
+    p.add_argument("--seed", type=int, default=defaults.get("seed", 0),
+                   help="seeds the model initialisation, the data split and the sorter")
+    p.add_argument("--lr", type=float, default=defaults["lr"], help="initial learning rate")
+    p.add_argument("--momentum", type=float, default=defaults.get("momentum", 0.9),
+                   help="SGD momentum (ignored by AdamW)")
+    p.add_argument("--weight_decay", type=float, default=defaults.get("weight_decay", 0.0), help="weight decay")
+    p.add_argument("--B", type=int, default=defaults["B"],
+                   help="global batch per step over all workers; each worker takes B / node_cnt")
+    p.add_argument("--node_cnt", type=int, default=defaults["node_cnt"],
+                   help="number of logical workers n (all in one process, or n / nproc per torchrun process)")
+    p.add_argument("--epochs", type=int, default=defaults["epochs"], help="training epochs")
+    p.add_argument("--data-dir", default=default_data_dir(),
+                   help="folder holding the data sets (default: $CDGRAB_DATA, else ./datasets)")
+    p.add_argument("--out", default=None,
+                   help=f"run directory (default: results/{benchmark}/<sorter>-node<n>-B<B>-lr<lr>-seed<seed>)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when available, else CPU")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="torch.distributed backend under torchrun (default: nccl on CUDA, gloo on CPU)")
+    p.add_argument("--max-train-examples", type=int, default=None, metavar="N",
+                   help="use only the first N training units (quick runs); also limits the full-train evaluation")
+    p.add_argument("--max-eval-examples", type=int, default=None, metavar="N",
+                   help="cap the validation/test sets at N units (quick runs)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from <out>/checkpoint.pt when it exists (else start fresh)")
+    p.add_argument("--record-orders", action="store_true",
+                   help="also save every epoch's (n, m) orders to <out>/orders.pt")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="tqdm progress bar on rank 0 (auto: only on a terminal)")
+    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="torch.distributed collective timeout; a dead rank is normally detected at once")
+    return p
+
+
+def check_args(args, benchmark: str) -> None:
+    """Refuse bad settings with one line that says what to do; fill in the default --out."""
+    if args.node_cnt < 1:
+        raise UserFacingError(f"--node_cnt must be >= 1, got {args.node_cnt}")
+    if args.B < 1 or args.B % args.node_cnt:
+        raise UserFacingError(f"--B {args.B} is not divisible by --node_cnt {args.node_cnt}: "
+                              f"each worker takes B / node_cnt units per step; pick B as a multiple of node_cnt")
+    if args.epochs < 1:
+        raise UserFacingError(f"--epochs must be >= 1, got {args.epochs}")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise UserFacingError(f"--lr must be a positive number, got {args.lr}")
+    for flag in ("max_train_examples", "max_eval_examples"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.out is None:
+        args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}-seed{args.seed}"

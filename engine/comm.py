@@ -1,0 +1,119 @@
+"""How the n logical workers exchange tensors, in one process or across torchrun processes.
+
+Every collective takes the tensor of THIS process's local workers, stacked on dim 0
+(shape (n_local, ...)), so the training loop reads the same in both modes:
+
+    total = comm.all_reduce_sum(local)    # (...)       sum over all n workers
+    every = comm.all_gather(local)        # (n, ...)    worker j's tensor at row j
+
+`GradientExchange.comm_bytes` counts the gradient payload as if each worker were its own process
+(all-reduce of a d-vector: n * d floats; all-gather: n * k * d floats), so the number is the same
+in both modes and runs can be compared.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import UserFacingError
+
+
+class LocalCommunicator:
+    """All n workers live in this process; collectives are plain tensor reductions."""
+
+    world_size, rank = 1, 0
+
+    def __init__(self, n_workers: int, device="cpu"):
+        self.n_workers, self.device = n_workers, torch.device(device)
+        self.local_workers = list(range(n_workers))
+
+    def all_reduce_sum(self, local: torch.Tensor) -> torch.Tensor:
+        return local.sum(dim=0)
+
+    def all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class DistributedCommunicator:
+    """torch.distributed (gloo on CPU, NCCL on CUDA); this process hosts n / world_size workers,
+    rank r the contiguous block r * n_local ... (r + 1) * n_local - 1."""
+
+    def __init__(self, n_workers: int, device, backend: str, timeout_seconds: float):
+        self.device = torch.device(device)  # where collective buffers live (NCCL needs CUDA)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        if n_workers % self.world_size:
+            raise UserFacingError(f"--node_cnt {n_workers} is not a multiple of the {self.world_size} "
+                                  "torchrun processes; use --nproc_per_node that divides --node_cnt")
+        self.n_workers = n_workers
+        n_local = n_workers // self.world_size
+        self.local_workers = list(range(self.rank * n_local, (self.rank + 1) * n_local))
+
+    def all_reduce_sum(self, local):
+        total = local.sum(dim=0)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total
+
+    def all_gather(self, local):
+        out = torch.empty((self.n_workers,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(out, local.contiguous())
+        return out
+
+    def barrier(self):
+        dist.barrier()
+
+    def close(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def make_communicator(n_workers: int, device: torch.device, backend: str | None, timeout_seconds: float):
+    """LocalCommunicator for a plain `python` start, DistributedCommunicator under torchrun."""
+    if not launched_by_torchrun():
+        return LocalCommunicator(n_workers, device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    return DistributedCommunicator(n_workers, device, backend, timeout_seconds)
+
+
+class GradientExchange:
+    """The one place that decides what workers send each other per step.
+
+    `exchange(local_unit_grads, local_mean_grad)` returns `(update, all_unit_grads)`:
+      local_unit_grads: (n_local, k, d) per-unit gradients of this process's workers, or None
+      local_mean_grad:  (d,) mean gradient over this process's units (used when no unit grads)
+      update:           (d,) the global-batch gradient (mean over all workers' units)
+      all_unit_grads:   (n, k, d) every worker's unit gradients, or None
+
+    Sorters that balance need every worker's unit gradients in every process (CD-GraB runs its
+    identical balancing redundantly on each rank, spec 1.5), so they all-gather and average the
+    gathered tensor; the others all-reduce one d-vector, as D-RR does in the paper. Later
+    strategies (sparsified reduction, periodic averaging) subclass this.
+    """
+
+    def __init__(self, comm, gather_unit_grads: bool):
+        self.comm = comm
+        self.gather_unit_grads = gather_unit_grads
+        self.comm_bytes = 0
+
+    def exchange(self, local_unit_grads, local_mean_grad):
+        n = self.comm.n_workers
+        if self.gather_unit_grads:
+            every = self.comm.all_gather(local_unit_grads)
+            self.comm_bytes += every.numel() * every.element_size()
+            return every.mean(dim=(0, 1)), every
+        self.comm_bytes += n * local_mean_grad.numel() * local_mean_grad.element_size()
+        n_local = len(self.comm.local_workers)
+        # weight by n_local so that the sum over processes is n * (global mean)
+        total = self.comm.all_reduce_sum((local_mean_grad * n_local).unsqueeze(0))
+        return total / n, None

@@ -1,0 +1,82 @@
+"""The run directory: config.json, metrics.csv, checkpoint.pt (and orders.pt), all written atomically.
+
+A crash never leaves a partial file: each write goes to a temporary file that then replaces
+the old one. Only rank 0 writes.
+"""
+import csv
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+TIMING_COLUMNS = ("epoch_seconds", "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes")
+REPO_DIR = Path(__file__).resolve().parents[1]
+
+
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def metrics_header(metric_columns) -> list[str]:
+    return ["epoch", "train_loss", "test_loss", *metric_columns, *TIMING_COLUMNS]
+
+
+def write_metrics(path: Path, rows: list[dict], metric_columns) -> None:
+    """metrics.csv: one row per finished epoch (floats with full precision, so resumed and
+    uninterrupted runs can be compared exactly)."""
+    header = metrics_header(metric_columns)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=header, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: _format(row[key]) for key in header})
+    atomic_write_bytes(path, text.getvalue().encode())
+
+
+def _format(value):
+    return repr(float(value)) if isinstance(value, float) else value
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_DIR), "describe", "--always", "--dirty", "--abbrev=40"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def library_versions() -> dict:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("torchopt", "numpy", "pandas", "transformers", "tokenizers"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions[name] = getattr(module, "__version__", "?")
+    return versions
+
+
+def write_config(path: Path, config: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(config, indent=2, default=str) + "\n").encode())

@@ -1,0 +1,63 @@
+"""What a benchmark hands the training engine: its units, its loss, its evaluation."""
+import torch
+
+from engine.functional import FlatModel, unit_gradients
+
+
+class Task:
+    """One benchmark, already split over the n workers.
+
+    Worker j owns `n_units` ordering units (local ids 0..n_units-1); each step it uses
+    `units_per_step` of them. Subclasses set the attributes and implement `units`, `loss` and
+    `evaluate`; the engine does ordering, gradients, communication, optimizer, logging.
+    """
+
+    name = "task"                     # benchmark name, e.g. "LR-HMDA"; also the results sub-folder
+    metric_columns: tuple = ()        # benchmark's own metrics.csv columns (after train_loss, test_loss)
+    optimizer = "sgd"                 # "sgd" or "adamw"
+    lr_decay_every: int | None = None  # epochs between learning-rate decays (None: constant)
+    lr_decay_gamma = 1.0
+
+    model: FlatModel
+    n_workers: int
+    n_units: int                      # m, units per worker
+    units_per_step: int               # k
+    global_batch: int                 # what B means for this benchmark (examples, columns, windows)
+    data_info: dict                   # recorded in config.json: data source, files, sizes
+
+    def units(self, workers: list[int], unit_ids: torch.Tensor):
+        """unit_ids: (n_local, k) local ids of the units that `workers` use this step.
+        Returns a pytree of tensors whose dim 0 runs over the n_local * k units, worker-major."""
+        raise NotImplementedError
+
+    def loss(self, flat: torch.Tensor, batch):
+        """Mean loss over a batch of units (dim 0) at parameters flat (d,). Returns (loss, aux)."""
+        raise NotImplementedError
+
+    def unit_grads(self, flat: torch.Tensor, batch, n_local: int, k: int):
+        """Per-unit gradients (n_local, k, d) and losses (n_local, k); vmap over units by default."""
+        grads, losses = unit_gradients(self.loss, flat, batch)
+        return grads.reshape(n_local, k, -1), losses.reshape(n_local, k)
+
+    def evaluate(self, flat: torch.Tensor, comm) -> dict:
+        """Metrics after an epoch: train_loss, test_loss and every name in metric_columns.
+        Each process may evaluate a shard (see `shard`) and sum with comm.all_reduce_sum."""
+        raise NotImplementedError
+
+    def start_epoch(self, epoch: int) -> None:
+        """Hook for per-epoch state (e.g. an LSTM hidden state reset)."""
+
+    def end_step(self, aux) -> None:
+        """Hook receiving the aux output of the loss after each step (e.g. a carried hidden state)."""
+
+
+def shard(n_items: int, comm) -> range:
+    """The contiguous share of range(n_items) that this process evaluates."""
+    per = -(-n_items // comm.world_size)
+    return range(min(comm.rank * per, n_items), min((comm.rank + 1) * per, n_items))
+
+
+def sum_over_processes(values: list[float], comm) -> list[float]:
+    """Element-wise sum of per-process float64 sums (evaluation metrics)."""
+    total = comm.all_reduce_sum(torch.tensor([values], dtype=torch.float64, device=comm.device))
+    return total.cpu().tolist()

@@ -1,0 +1,225 @@
+"""The training loop shared by every benchmark, and the wrapper that runs an entry script.
+
+Per epoch:   orders = sorter.sort()
+Per step t:  every local worker j takes its units orders[j, t:t+k]
+             gradients  (per unit when the sorter balances, else one batch gradient)
+             exchange   (all-gather unit gradients, or all-reduce the mean gradient)
+             sorter.step(all workers' unit gradients, positions t..t+k-1)
+             optimizer step with the global-batch gradient
+After epoch: evaluate, append a metrics row, save checkpoint.pt and metrics.csv.
+"""
+import math
+import os
+import random
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engine import runlog
+from engine.cli import check_args
+from engine.comm import GradientExchange, make_communicator
+from engine.errors import UserFacingError
+from engine.functional import batch_gradient
+from engine.optim import Optimizer, StepDecay
+from sorters import build_sorter
+
+# args that may differ between a checkpoint and the run that resumes it
+RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "record_orders",
+                     "progress", "dist_timeout"}
+
+
+class Timers:
+    """Wall-clock seconds per region; synchronises CUDA at region edges so GPU work is counted."""
+
+    def __init__(self, device):
+        self.seconds = {"sorter": 0.0, "comm": 0.0, "compute": 0.0}
+        self.cuda = device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, region):
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds[region] += time.perf_counter() - start
+
+
+def resolve_device(choice: str, comm_rank_local: int = 0) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserFacingError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    return torch.device("cuda", comm_rank_local % torch.cuda.device_count())
+
+
+def run_entry_point(benchmark: str, parser, build_task) -> None:
+    """Parse, check, set up workers, build the task, train; turn failures into one-line errors.
+
+    build_task(args, device) -> Task. Exit status: 0 ok, 2 bad input / failed run, 1 lost a peer.
+    """
+    args = parser.parse_args()
+    comm = None
+    try:
+        check_args(args, benchmark)
+        device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+        comm = make_communicator(args.node_cnt, device, args.backend, args.dist_timeout)
+        torch.manual_seed(args.seed)
+        task = build_task(args, device)
+        train(task, args, comm, device)
+    except UserFacingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted; the last finished epoch is in checkpoint.pt (continue with --resume)", file=sys.stderr)
+        sys.exit(130)
+    except (RuntimeError, ConnectionError) as error:
+        if comm is None or comm.world_size == 1:
+            raise
+        # under torchrun a failed collective almost always means a peer died; say so in one line
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        print(f"error: rank {comm.rank}: a collective failed ({first_line}); did another rank die? see its "
+              "output above. The last finished epoch is in checkpoint.pt (continue with --resume)", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+def train(task, args, comm, device) -> list[dict]:
+    """Train `task` for args.epochs; write the run directory (rank 0). Returns the metrics rows."""
+    n, m, k, d = task.n_workers, task.n_units, task.units_per_step, task.model.d
+    if m % k:
+        raise UserFacingError(f"{task.name}: {m} units per worker is not a multiple of {k} units per step")
+    steps_per_epoch = m // k
+    local_workers, n_local = comm.local_workers, len(comm.local_workers)
+    writer = comm.rank == 0
+    out = Path(args.out)
+    checkpoint_path = out / "checkpoint.pt"
+
+    flat = task.model.flat
+    sorter = build_sorter(args.sorter, n, m, d, seed=args.seed, device=device)
+    exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads)
+    schedule = StepDecay(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma)
+    optimizer = Optimizer(task.optimizer, flat, schedule, args.momentum, args.weight_decay)
+    arg_dict = {key: value for key, value in vars(args).items()}
+    rows, recorded_orders, first_epoch = [], [], 1
+
+    if checkpoint_path.exists():
+        if not args.resume:
+            raise UserFacingError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it, "
+                                  "or choose another --out")
+        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        changed = sorted(key for key in (set(state["args"]) | set(arg_dict)) - RESUMABLE_CHANGES
+                         if state["args"].get(key) != arg_dict.get(key))
+        if changed:
+            raise UserFacingError(f"cannot resume {out}: these settings differ from the checkpoint: "
+                                  + ", ".join(f"--{key} {state['args'].get(key)} (now {arg_dict.get(key)})"
+                                              for key in changed))
+        flat.copy_(state["flat"])
+        optimizer.load_state_dict(state["optimizer"])
+        sorter.load_state_dict(state["sorter"])
+        rows, recorded_orders, first_epoch = state["rows"], state.get("orders", []), state["epoch"] + 1
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        if writer:
+            print(f"resuming {out} after epoch {state['epoch']}", file=sys.stderr)
+
+    if writer:
+        runlog.write_config(out / "config.json", {
+            "benchmark": task.name,
+            "args": arg_dict,
+            "sizes": {"n_workers": n, "world_size": comm.world_size, "workers_per_process": n_local,
+                      "units_per_worker": m, "units_per_step": k, "steps_per_epoch": steps_per_epoch,
+                      "d": d, "global_batch": task.global_batch},
+            "data": task.data_info,
+            "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads},
+            "optimizer": {"name": task.optimizer, "lr_decay_every": task.lr_decay_every,
+                          "lr_decay_gamma": task.lr_decay_gamma},
+            "device": str(device),
+            "versions": runlog.library_versions(),
+            "git_commit": runlog.git_commit(),
+        })
+
+    fault = _fault_injection(comm.rank)
+    show_progress = writer and {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
+    for epoch in range(first_epoch, args.epochs + 1):
+        timers = Timers(device)
+        bytes_before = exchange.comm_bytes
+        epoch_start = time.perf_counter()
+        task.start_epoch(epoch)
+        with timers("sorter"):
+            orders = sorter.sort()
+        local_orders = orders[local_workers].cpu()  # (n_local, m)
+        loss_total = 0.0
+        bar = tqdm(total=steps_per_epoch, desc=f"{task.name} {sorter.name} epoch {epoch}/{args.epochs}",
+                   disable=not show_progress, leave=False, mininterval=0.5, file=sys.stderr)
+        for step in range(steps_per_epoch):
+            if fault == step + (epoch - 1) * steps_per_epoch:
+                os._exit(3)
+            positions = torch.arange(step * k, (step + 1) * k)
+            with timers("compute"):
+                batch = task.units(local_workers, local_orders[:, step * k:(step + 1) * k])
+                if sorter.uses_grads:
+                    unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
+                    local_mean_grad, local_loss, aux = None, unit_losses.mean(), None
+                else:
+                    unit_grads = None
+                    local_mean_grad, local_loss, aux = batch_gradient(task.loss, flat, batch)
+            with timers("comm"):
+                update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
+                step_loss = comm.all_reduce_sum((local_loss.detach() * n_local).reshape(1, 1)).item() / n
+            if not math.isfinite(step_loss):
+                raise UserFacingError(f"{task.name}: the training loss became {step_loss} at epoch {epoch}, "
+                                      f"step {step + 1}; lower --lr. The last good epoch is in {checkpoint_path} "
+                                      "(continue with --resume after changing nothing else, or start over)")
+            with timers("sorter"):
+                sorter.step(every_unit_grad, positions)
+            with timers("compute"):
+                optimizer.step(update)
+                task.end_step(aux)
+            loss_total += step_loss
+            bar.update()
+            if step % 50 == 0:
+                bar.set_postfix(loss=f"{loss_total / (step + 1):.4f}", refresh=False)
+        bar.close()
+        epoch_seconds = time.perf_counter() - epoch_start
+
+        with torch.no_grad():
+            metrics = task.evaluate(flat, comm)
+        row = {"epoch": epoch, **{key: float(metrics[key]) for key in ("train_loss", "test_loss", *task.metric_columns)},
+               "epoch_seconds": epoch_seconds, "sorter_seconds": timers.seconds["sorter"],
+               "comm_seconds": timers.seconds["comm"], "compute_seconds": timers.seconds["compute"],
+               "comm_bytes": exchange.comm_bytes - bytes_before}
+        rows.append(row)
+        if args.record_orders:
+            recorded_orders.append(orders.to(torch.int32).cpu())
+        if writer:
+            runlog.atomic_torch_save({
+                "epoch": epoch, "args": arg_dict, "flat": flat.detach().cpu(), "optimizer": optimizer.state_dict(),
+                "sorter": sorter.state_dict(), "rows": rows, "orders": recorded_orders,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            }, checkpoint_path)
+            if args.record_orders:
+                runlog.atomic_torch_save(recorded_orders, out / "orders.pt")
+            runlog.write_metrics(out / "metrics.csv", rows, task.metric_columns)
+            shown = " | ".join(f"{key} {row[key]:.4f}" for key in ("train_loss", "test_loss", *task.metric_columns))
+            print(f"{task.name} {sorter.name} epoch {epoch}/{args.epochs} | {shown} | {epoch_seconds:.1f} s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def _fault_injection(rank: int):
+    """CDGRAB_FAULT=RANK:STEP makes that rank exit abruptly before that global step (tests only)."""
+    spec = os.environ.get("CDGRAB_FAULT")
+    if not spec:
+        return None
+    fault_rank, fault_step = (int(x) for x in spec.split(":"))
+    return fault_step if fault_rank == rank else None

@@ -1,0 +1,133 @@
+"""The parallel herding bound simulation of spec 5.6 (the paper's random-vector figure).
+
+Per trial: 10^6 * scale vectors ~ N(0, I_16) from numpy RandomState(trial), each normalised to unit
+L2 norm, reshaped to (m examples, n workers, d) and centred per worker (each worker's m vectors sum
+to 0). Every method reorders its own copy for `rounds` rounds through the ordinary sorter API:
+
+    orders = sorter.sort()                         # round r's order (round 0: the initial order)
+    bound  = parallel_herding_bound(z, orders)     # max_k || sum_{t<=k} sum_j z[j, orders[j, t]] ||_inf
+    sorter.step(z[j, orders[j, t]] for t in chunk, chunk)   # the whole round, chunk by chunk
+
+Output: one tidy CSV per (n_workers, trial, method) in --out, named n{n}-m{m}-trial{t}-{method}.csv,
+columns n_workers,m,d,trial,method,round,bound,seconds (seconds: this method's cumulative wall time
+when the round's bound was recorded). Files are written atomically; existing ones are skipped
+unless --force, so an interrupted run continues where it stopped.
+
+    python scripts/herding_simulation.py                       # paper scale (1e6 vectors)
+    python scripts/herding_simulation.py --scale 0.001 --trials 1 --out /tmp/herding   # seconds
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters`
+from sorters import build_sorter, parallel_herding_bound  # noqa: E402
+
+METHODS = ("CD-GraB", "I-B", "I-PB", "D-RR")  # the four plotted in the paper's figure
+COLUMNS = ("n_workers", "m", "d", "trial", "method", "round", "bound", "seconds")
+
+
+def make_vectors(n_total: int, n_workers: int, d: int, trial: int) -> np.ndarray:
+    """(n_workers, m, d) float64, m = n_total // n_workers: unit-norm Gaussian vectors, centred so
+    that each worker's m vectors sum to zero. Same RandomState(trial) stream for every n_workers."""
+    m = n_total // n_workers
+    x = np.random.RandomState(trial).randn(n_total, d)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    z = x[: m * n_workers].reshape(m, n_workers, d).transpose(1, 0, 2)  # (m, n, d) -> (n, m, d)
+    return z - z.mean(axis=1, keepdims=True)
+
+
+def simulate(z: np.ndarray, method: str, rounds: int, seed: int, chunk: int = 1000):
+    """Yield (round, bound, seconds) for rounds 0..rounds of `method` on z (n, m, d) float64."""
+    n, m, d = z.shape
+    z64 = torch.from_numpy(np.ascontiguousarray(z))
+    z32 = z64.float()  # what the sorter sees, like float32 gradients in training
+    start = time.perf_counter()
+    sorter = build_sorter(method, n_workers=n, m=m, d=d, seed=seed)
+    orders = sorter.sort()
+    for r in range(rounds + 1):
+        # z is centred already (float64), so the bound needs no second centring
+        yield r, parallel_herding_bound(z64, orders, center=False), time.perf_counter() - start
+        if r == rounds:
+            break
+        if sorter.uses_grads:
+            ordered = torch.gather(z32, 1, orders[:, :, None].expand(n, m, d))  # (n, m, d) in round order
+            for t in range(0, m, chunk):
+                k = min(chunk, m - t)
+                sorter.step(ordered[:, t:t + k], torch.arange(t, t + k))
+        else:
+            sorter.step(None, torch.arange(m))
+        orders = sorter.sort()
+
+
+def write_csv_atomic(path: Path, rows: list) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(",".join(COLUMNS) + "\n")
+        for row in rows:
+            f.write(",".join(f"{v:.10g}" if isinstance(v, float) else str(v) for v in row) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def parse_methods(text: str) -> list:
+    names = []
+    for name in text.replace(",", " ").split():
+        names += list(METHODS) if name.upper() == "ALL" else [name]
+    return list(dict.fromkeys(names))  # de-duplicated, order kept
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="fraction of the paper's 10^6 vectors per trial (default 1; 0.001 for a smoke test)")
+    p.add_argument("--workers", type=int, nargs="+", default=[5, 10, 20, 50, 100],
+                   help="worker counts n; each worker gets m = vectors // n (default 5 10 20 50 100)")
+    p.add_argument("--rounds", type=int, default=15, help="reorder rounds after the initial order (default 15)")
+    p.add_argument("--trials", type=int, default=3,
+                   help="trials 0..T-1, each with numpy RandomState(trial) vectors and sorter seed trial (default 3)")
+    p.add_argument("--methods", default="ALL",
+                   help="sorter names from sorters.SORTER_NAMES, space/comma separated; ALL = "
+                        f"{' '.join(METHODS)} (default ALL)")
+    p.add_argument("--d", type=int, default=16, help="vector dimension (default 16)")
+    p.add_argument("--chunk", type=int, default=1000, help="positions per sorter.step call (default 1000)")
+    p.add_argument("--out", default="results/herding", help="output folder for the CSVs (default results/herding)")
+    p.add_argument("--force", action="store_true", help="recompute runs whose CSV already exists")
+    args = p.parse_args(argv)
+
+    n_total = int(round(1e6 * args.scale))
+    methods = parse_methods(args.methods)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # the sorters are sequential loops; threads only add overhead here
+
+    jobs = [(trial, n, method) for trial in range(args.trials) for n in args.workers for method in methods]
+    bar = tqdm(jobs, desc="herding", unit="run")
+    cache = {}
+    for trial, n, method in bar:
+        m = n_total // n
+        if m < 2:
+            raise SystemExit(f"--scale {args.scale} leaves m = {m} vectors per worker for n = {n}; need >= 2")
+        path = out / f"n{n}-m{m}-trial{trial}-{method}.csv"
+        if path.exists() and not args.force:
+            continue
+        bar.set_postfix(n=n, trial=trial, method=method)
+        if (trial, n) not in cache:
+            cache = {(trial, n): make_vectors(n_total, n, args.d, trial)}  # keep one trial's vectors
+        rows = []
+        for r, bound, seconds in tqdm(simulate(cache[trial, n], method, args.rounds, seed=trial, chunk=args.chunk),
+                                      total=args.rounds + 1, desc=f"{method} n={n}", leave=False, unit="round"):
+            rows.append((n, m, args.d, trial, method, r, bound, seconds))
+        write_csv_atomic(path, rows)
+        tqdm.write(f"n={n:4d} m={m:7d} trial={trial} {method:8s} bound {rows[0][6]:8.3f} -> {rows[-1][6]:8.3f}"
+                   f"  ({rows[-1][7]:.1f} s)")
+    print(f"wrote {out}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Example-order sorters for distributed training, independent of any training loop.
+
+    from sorters import build_sorter, SORTER_NAMES
+    s = build_sorter("CD-GraB", n_workers=4, m=1000, d=10, seed=0)
+    orders = s.sort()          # (n_workers, m) LongTensor, row j worker j's order this epoch
+    s.step(grads, positions)   # grads (n_workers, k, d) of the units at epoch positions (k,)
+
+| name    | what                                                        | uses gradients |
+|---------|-------------------------------------------------------------|----------------|
+| CD-GraB | coordinated pair balance, one running sum over all workers   | all workers'   |
+| D-RR    | fresh independent random permutation per worker per epoch    | no             |
+| D-SO    | random permutation per worker drawn once                     | no             |
+| I-B     | GraB mean balance per worker (stale mean)                    | own only       |
+| I-PB    | pair balance per worker                                      | own only       |
+"""
+from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalance
+from sorters.base import Sorter
+from sorters.herding import parallel_herding_bound
+from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
+
+SORTERS = {cls.name: cls for cls in (CDGraB, DistributedRandomReshuffle, DistributedShuffleOnce,
+                                     IndependentMeanBalance, IndependentPairBalance)}
+SORTER_NAMES = tuple(SORTERS)
+
+
+def build_sorter(name: str, n_workers: int, m: int, d: int, seed: int = 0, device="cpu") -> Sorter:
+    """A fresh sorter `name` (one of SORTER_NAMES) for n_workers workers with m units each and
+    d-dimensional gradients. Everything it does is determined by `seed`."""
+    if name not in SORTERS:
+        raise ValueError(f"unknown sorter {name!r}; choose one of {', '.join(SORTER_NAMES)}")
+    return SORTERS[name](n_workers, m, d, seed=seed, device=device)
+
+
+__all__ = ["SORTER_NAMES", "SORTERS", "Sorter", "build_sorter", "parallel_herding_bound"]

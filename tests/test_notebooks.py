@@ -1,0 +1,170 @@
+"""The analysis layer on synthetic, schema-exact run directories: aggregation numbers, the
+`python -m analysis` command, and every notebook executed headless (nbclient)."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from analysis import aggregate, final_table, load_runs
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+BENCH_COLUMNS = {  # metrics.csv columns between test_loss and the timing columns
+    "LR-HMDA": ["train_acc", "test_acc"],
+    "LSTM-Wiki2": ["valid_loss", "train_ppl", "valid_ppl", "test_ppl"],
+    "MLP-M4": ["valid_loss", "test_smape"],
+    "GPT2-Wiki103": ["valid_loss", "train_ppl", "valid_ppl", "test_ppl"],
+}
+TIME_COLUMNS = ["epoch_seconds", "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+SETTINGS = {"LR-HMDA": (4, 16, 0.005), "LSTM-Wiki2": (4, 16, 5.0), "MLP-M4": (32, 32, 0.001),
+            "GPT2-Wiki103": (64, 64, 0.0005)}
+
+
+def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None):
+    """A run dir exactly as the entry scripts write it; `rows` finished epochs (default all), metric
+    values from `values(column, epoch)` (default a smooth synthetic curve). Returns the dir."""
+    node_cnt, B, lr = SETTINGS[benchmark]
+    run_dir = Path(root) / benchmark / f"{sorter}-node{node_cnt}-B{B}-lr{lr}-seed{seed}"
+    run_dir.mkdir(parents=True)
+    args = {"sorter": sorter, "seed": seed, "lr": lr, "momentum": 0.9, "weight_decay": 0.0, "B": B,
+            "node_cnt": node_cnt, "epochs": epochs, "data_dir": "datasets", "out": str(run_dir),
+            "device": "cpu", "backend": None, "max_train_examples": None, "resume": False}
+    config = {"benchmark": benchmark, "args": args,
+              "sizes": {"n_workers": node_cnt, "world_size": 1, "units_per_worker": 100, "units_per_step": B // node_cnt,
+                        "steps_per_epoch": 100, "d": 27, "global_batch": B},
+              "data": {"source": "synthetic", "files": []}, "versions": {"torch": "2.13.0"}, "git_commit": "0" * 40}
+    (run_dir / "config.json").write_text(json.dumps(config, indent=1))
+    columns = ["epoch", "train_loss", "test_loss"] + BENCH_COLUMNS[benchmark] + TIME_COLUMNS
+    shift = 0.1 * seed + (0.0 if sorter == "CD-GraB" else 0.2)
+    values = values or (lambda c, e: 1.0 + 1.0 / e + shift if not c.endswith("seconds") and c != "comm_bytes"
+                        else {"epoch_seconds": 2.0, "sorter_seconds": 0.2, "comm_seconds": 0.5,
+                              "compute_seconds": 1.0, "comm_bytes": 1e6}[c] + shift)
+    lines = [",".join(columns)]
+    for e in range(1, (epochs if rows is None else rows) + 1):
+        lines.append(",".join([str(e)] + [repr(float(values(c, e))) for c in columns[1:]]))
+    (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def write_herding(folder, trials=2):
+    """A tiny herding CSV set in the schema of scripts/herding_simulation.py."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for n, m in [(5, 200), (10, 100)]:
+        for method in ["CD-GraB", "D-RR"]:
+            lines = ["n_workers,m,d,trial,method,round,bound,seconds"]
+            for trial in range(trials):
+                for r in range(4):
+                    bound = 10.0 / (1 + r) if method == "CD-GraB" else 10.0 + trial
+                    lines.append(f"{n},{m},16,{trial},{method},{r},{bound},{0.1 * r}")
+            (folder / f"n{n}-m{m}-trial-all-{method}.csv").write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """2 sorters x 2 seeds x 3 epochs per benchmark, a herding set, and three broken runs."""
+    root = tmp_path_factory.mktemp("results")
+    for benchmark in BENCH_COLUMNS:
+        for sorter in ["CD-GraB", "D-RR"]:
+            for seed in [0, 1]:
+                write_run(root, benchmark, sorter, seed)
+    write_herding(root / "herding")
+    write_run(root, "LR-HMDA", "I-B", 0, rows=2)                       # unfinished: 2 of 3 epochs
+    broken = write_run(root, "MLP-M4", "I-PB", 0)
+    (broken / "config.json").write_text("{not json")                    # unreadable config
+    (root / "LSTM-Wiki2" / "stray").mkdir()
+    (root / "LSTM-Wiki2" / "stray" / "metrics.csv").write_text("epoch\n")  # metrics without config
+    return root
+
+
+def test_load_runs_columns_and_problems(results):
+    df, problems = load_runs(results, with_problems=True, warn=False)
+    assert list(df.columns[:8]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "run_dir", "epoch"]
+    assert df.columns[-1] == "cum_seconds"
+    assert len(df) == 4 * 2 * 2 * 3 and df["run_dir"].nunique() == 16
+    assert {"test_acc", "test_ppl", "test_smape", "comm_bytes"} <= set(df.columns)
+    run = df[df["run_dir"] == df["run_dir"].iloc[0]]
+    assert run["cum_seconds"].tolist() == pytest.approx(run["epoch_seconds"].cumsum().tolist())
+    reasons = " | ".join(str(p) for p in problems)
+    assert len(problems) == 3 and "incomplete: 2/3" in reasons and "config.json" in reasons
+    with pytest.warns(UserWarning, match="skipped run"):
+        load_runs(results)
+    assert load_runs(results, include_incomplete=True, warn=False)["run_dir"].nunique() == 17
+
+
+def test_aggregate_hand_example(tmp_path):
+    """Two seeds whose train_loss is 1.0 and 3.0 at epoch 1, 2.0 and 2.0 at epoch 2."""
+    table = {0: {1: 1.0, 2: 2.0}, 1: {1: 3.0, 2: 2.0}}
+    for seed in (0, 1):
+        write_run(tmp_path, "LR-HMDA", "CD-GraB", seed, epochs=2,
+                  values=lambda c, e, seed=seed: table[seed][e] if c in ("train_loss", "test_acc") else 1.0 + seed)
+    df = load_runs(tmp_path)
+    agg = aggregate(df, ["train_loss"]).set_index("epoch")
+    assert agg.loc[1, "mean"] == 2.0 and agg.loc[1, "std"] == pytest.approx(math.sqrt(2))
+    assert (agg.loc[1, "min"], agg.loc[1, "max"], agg.loc[1, "count"]) == (1.0, 3.0, 2)
+    assert (agg.loc[1, "lo"], agg.loc[1, "hi"]) == pytest.approx((2 - math.sqrt(2), 2 + math.sqrt(2)))
+    assert agg.loc[2, "std"] == 0.0
+    # epoch_seconds is 1.0 (seed 0) and 2.0 (seed 1): mean cumulative seconds 1.5, then 3.0
+    assert agg["seconds"].tolist() == pytest.approx([1.5, 3.0])
+    minmax = aggregate(df, ["train_loss"], band="minmax").set_index("epoch")
+    assert (minmax.loc[1, "lo"], minmax.loc[1, "hi"]) == (1.0, 3.0)
+    final = final_table(df).iloc[0]
+    assert (final["metric"], final["mean"], final["std"], final["seeds"]) == ("test_acc", 2.0, 0.0, 2)
+
+
+def test_cli(results, tmp_path):
+    out = tmp_path / "figures"
+    proc = subprocess.run([sys.executable, "-m", "analysis", str(results), "--out", str(out), "--band", "minmax"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "Final metric" in text and "test_smape" in text and "CD-GraB" in text and "D-RR" in text
+    assert "incomplete: 2/3 epochs" in text and "unreadable config.json" in text
+    for benchmark in BENCH_COLUMNS:
+        for kind in ("vs-epoch", "vs-seconds", "time-breakdown"):
+            for ext in ("png", "pdf"):
+                assert (out / f"{benchmark}-{kind}.{ext}").stat().st_size > 0
+    assert (out / "herding-bound.png").exists() and (out / "herding-bound.pdf").exists()
+    assert (out / "final-metrics.csv").read_text().count("\n") == 1 + 4 * 2
+    help_text = subprocess.run([sys.executable, "-m", "analysis", "--help"], cwd=REPO,
+                               capture_output=True, text=True).stdout
+    assert all(flag in help_text for flag in ("--out", "--band", "--herding-dir"))
+
+
+def test_cli_empty_results_is_not_fatal(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "analysis", str(tmp_path / "none"), "--out", str(tmp_path / "f")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "no finished runs" in proc.stdout and "does not exist" in proc.stdout
+
+
+def test_notebooks_stored_without_outputs():
+    assert {p.name for p in NOTEBOOKS} >= {"LR-HMDA.ipynb", "LSTM-Wiki2.ipynb", "MLP-M4.ipynb",
+                                           "GPT2-Wiki103.ipynb", "herding-bound.ipynb"}
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        first = nb.cells[0].source
+        assert nb.cells[0].cell_type == "code" and "RESULTS_DIR" in first and "sys.path" in first
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, path.name
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, results, monkeypatch):
+    monkeypatch.setenv("CDGRAB_RESULTS", str(results))
+    monkeypatch.setenv("CDGRAB_HERDING", str(results / "herding"))
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()  # raises on a cell error
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == (1 if path.stem == "herding-bound" else 3), path.name
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "nothing to plot" not in text
