@@ -17,6 +17,7 @@ class Task:
     optimizer = "sgd"                 # "sgd" or "adamw"
     lr_decay_every: int | None = None  # epochs between learning-rate decays (None: constant)
     lr_decay_gamma = 1.0
+    clip_grad_norm: float | None = None  # clip the global-batch gradient to this L2 norm (None: off)
 
     model: FlatModel
     n_workers: int

@@ -183,6 +183,8 @@ def train(task, args, comm, device) -> list[dict]:
             with timers("sorter"):
                 sorter.step(every_unit_grad, positions)
             with timers("compute"):
+                if task.clip_grad_norm:
+                    update = clip_to_norm(update, task.clip_grad_norm)
                 optimizer.step(update)
                 task.end_step(aux)
             loss_total += step_loss
@@ -214,6 +216,11 @@ def train(task, args, comm, device) -> list[dict]:
             print(f"{task.name} {sorter.name} epoch {epoch}/{args.epochs} | {shown} | {epoch_seconds:.1f} s",
                   file=sys.stderr, flush=True)
     return rows
+
+
+def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """(d,) gradient scaled down to L2 norm max_norm when larger (torch's clip_grad_norm_ rule)."""
+    return gradient * (max_norm / (gradient.norm() + 1e-6)).clamp(max=1.0)
 
 
 def _fault_injection(rank: int):
