@@ -7,9 +7,16 @@ from engine.errors import UserFacingError
 from sorters import SORTER_NAMES
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (argparse prints the whole usage block first)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.ArgumentParser:
     """The flags every main-*.py takes; `defaults` holds the benchmark's paper settings."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineErrorParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
                    help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
                         "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance)")

@@ -44,9 +44,13 @@ class Optimizer:
             raise ValueError(f"unknown optimizer {name!r}")
         self.params = (flat,)
         self.state = self.transform.init(self.params)
+        # torchopt's momentum keeps a hidden `first_call` flag in a closure, outside the state, so a
+        # rebuilt optimizer would treat its first step after a resume as the run's first. Spend
+        # that flag now on a throwaway update: with a zero trace both branches give the same result.
+        self.transform.update((torch.zeros_like(flat),), self.state, params=self.params, inplace=False)
 
     def step(self, gradient: torch.Tensor) -> None:
-        """gradient: (d,) the global-batch gradient."""
+        """gradient: (d,) the global-batch gradient; overwritten (torchopt updates it in place)."""
         updates, self.state = self.transform.update((gradient,), self.state, params=self.params, inplace=True)
         torchopt.apply_updates(self.params, updates, inplace=True)
 

@@ -148,7 +148,7 @@ def train(task, args, comm, device) -> list[dict]:
             "git_commit": runlog.git_commit(),
         })
 
-    fault = _fault_injection(comm.rank)
+    fault_kind, fault_step = _fault_injection(comm.rank)
     show_progress = writer and {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
     for epoch in range(first_epoch, args.epochs + 1):
         timers = Timers(device)
@@ -162,7 +162,8 @@ def train(task, args, comm, device) -> list[dict]:
         bar = tqdm(total=steps_per_epoch, desc=f"{task.name} {sorter.name} epoch {epoch}/{args.epochs}",
                    disable=not show_progress, leave=False, mininterval=0.5, file=sys.stderr)
         for step in range(steps_per_epoch):
-            if fault == step + (epoch - 1) * steps_per_epoch:
+            global_step = step + (epoch - 1) * steps_per_epoch
+            if fault_kind == "exit" and global_step == fault_step:
                 os._exit(3)
             positions = torch.arange(step * k, (step + 1) * k)
             with timers("compute"):
@@ -176,10 +177,13 @@ def train(task, args, comm, device) -> list[dict]:
             with timers("comm"):
                 update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
                 step_loss = comm.all_reduce_sum((local_loss.detach() * n_local).reshape(1, 1)).item() / n
+            if fault_kind == "nan" and global_step == fault_step:
+                step_loss = float("nan")
             if not math.isfinite(step_loss):
+                saved = (f"epochs 1-{epoch - 1} are saved in {checkpoint_path} and metrics.csv" if rows
+                         else "no epoch had finished, so nothing was saved")
                 raise UserFacingError(f"{task.name}: the training loss became {step_loss} at epoch {epoch}, "
-                                      f"step {step + 1}; lower --lr. The last good epoch is in {checkpoint_path} "
-                                      "(continue with --resume after changing nothing else, or start over)")
+                                      f"step {step + 1}; lower --lr and start a new run ({saved})")
             with timers("sorter"):
                 sorter.step(every_unit_grad, positions)
             with timers("compute"):
@@ -223,10 +227,13 @@ def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:
     return gradient * (max_norm / (gradient.norm() + 1e-6)).clamp(max=1.0)
 
 
-def _fault_injection(rank: int):
-    """CDGRAB_FAULT=RANK:STEP makes that rank exit abruptly before that global step (tests only)."""
-    spec = os.environ.get("CDGRAB_FAULT")
-    if not spec:
-        return None
-    fault_rank, fault_step = (int(x) for x in spec.split(":"))
-    return fault_step if fault_rank == rank else None
+def _fault_injection(rank: int) -> tuple[str | None, int]:
+    """Test hook. CDGRAB_FAULT=exit:RANK:STEP makes that rank exit abruptly before global step STEP
+    (0-based, counted over the whole run); CDGRAB_FAULT=nan:STEP makes every rank see a NaN loss there."""
+    spec = os.environ.get("CDGRAB_FAULT", "")
+    kind, *numbers = spec.split(":") if spec else (None,)
+    if kind == "exit" and int(numbers[0]) == rank:
+        return "exit", int(numbers[1])
+    if kind == "nan":
+        return "nan", int(numbers[0])
+    return None, -1

@@ -93,8 +93,9 @@ class IndependentMeanBalance(OnlineBalancer):
         return super().sort()
 
     def step(self, grads, positions):
-        positions = self._advance(positions)
+        positions = self._check_positions(positions)
         grads = self._check_grads(grads, positions.numel()).to(device=self.device, dtype=self.dtype)
+        self._next_position += positions.numel()
         workers = torch.arange(self.n, device=self.device)
         with torch.no_grad():
             for i, position in enumerate(positions.tolist()):

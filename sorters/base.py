@@ -54,10 +54,11 @@ class Sorter:
 
     def step(self, grads, positions) -> None:
         """Record the gradients of the units just used. grads: (n, k, d); positions: (k,)."""
-        self._advance(positions)
+        self._next_position += self._check_positions(positions).numel()
 
-    def _advance(self, positions) -> torch.Tensor:
-        """Check that `positions` continue the epoch; return them as a CPU LongTensor (k,)."""
+    def _check_positions(self, positions) -> torch.Tensor:
+        """Check that `positions` continue the epoch; return them as a CPU LongTensor (k,).
+        The caller advances `_next_position` once the whole step is known to be valid."""
         positions = torch.as_tensor(positions, dtype=torch.long).cpu().reshape(-1)
         k = positions.numel()
         expected = torch.arange(self._next_position, self._next_position + k)
@@ -65,7 +66,6 @@ class Sorter:
             raise ValueError(f"{self.name}: expected positions {self._next_position}..."
                              f"{min(self._next_position + max(k, 1), self.m) - 1} of {self.m}, "
                              f"got {positions.tolist()[:8]}")
-        self._next_position += k
         return positions
 
     def _check_grads(self, grads, k: int) -> torch.Tensor:
@@ -145,9 +145,10 @@ class PairBalancer(OnlineBalancer):
         raise NotImplementedError
 
     def step(self, grads, positions):
-        positions = self._advance(positions)
+        positions = self._check_positions(positions)
         k = positions.numel()
         grads = self._check_grads(grads, k).to(device=self.device, dtype=self.dtype)
+        self._next_position += k
         with torch.no_grad():
             diff_blocks, first_pos, second_pos = [], [], []
             start = 0

@@ -1,0 +1,135 @@
+"""LR-HMDA end to end on the real data: modes agree, resume is exact, bad input fails cleanly."""
+import json
+import re
+import subprocess
+import time
+
+import pytest
+import torch
+
+from sorters import SORTER_NAMES
+from tests.helpers import check_ok, error_lines, metrics_header, needs_data, read_metrics, run_script
+
+pytestmark = [needs_data, pytest.mark.slow]
+SCRIPT = "main-LR-HMDA.py"
+QUICK = ["--max-train-examples", "1600", "--max-eval-examples", "2000", "--record-orders"]
+RESULT_COLUMNS = ("train_loss", "test_loss", "train_acc", "test_acc")
+
+
+def orders_of(run_dir):
+    return torch.load(run_dir / "orders.pt")
+
+
+def assert_same_results(a, b, exact=False):
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    assert len(rows_a) == len(rows_b)
+    for ra, rb in zip(rows_a, rows_b):
+        for column in RESULT_COLUMNS:
+            if exact:
+                assert ra[column] == rb[column], (column, ra, rb)
+            else:
+                assert ra[column] == pytest.approx(rb[column], rel=1e-5, abs=1e-7), (column, ra, rb)
+
+
+@pytest.mark.parametrize("sorter", SORTER_NAMES)
+def test_every_sorter_trains_and_writes_the_run_directory(tmp_path, sorter):
+    out = tmp_path / sorter
+    check_ok(run_script(SCRIPT, "--sorter", sorter, "--epochs", "2", "--out", out, *QUICK))
+    assert metrics_header(out) == ["epoch", "train_loss", "test_loss", "train_acc", "test_acc", "epoch_seconds",
+                                   "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]
+    assert all(0.5 < r["test_acc"] <= 1 for r in rows)
+    config = json.loads((out / "config.json").read_text())
+    assert config["sizes"] == {"n_workers": 4, "world_size": 1, "workers_per_process": 4, "units_per_worker": 400,
+                               "units_per_step": 4, "steps_per_epoch": 100, "d": 26, "global_batch": 16}
+    assert config["data"]["source"] == "hmda-2018-sample" and config["args"]["sorter"] == sorter
+    assert {"torch", "torchopt", "python"} <= set(config["versions"])
+    orders = orders_of(out)
+    assert len(orders) == 2 and all(sorted(row.tolist()) == list(range(400)) for o in orders for row in o)
+    assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
+def test_one_process_and_torchrun_give_the_same_orders_and_losses(tmp_path, sorter):
+    single = tmp_path / "single"
+    check_ok(run_script(SCRIPT, "--sorter", sorter, "--epochs", "2", "--out", single, *QUICK))
+    for nproc in (2, 4):
+        multi = tmp_path / f"nproc{nproc}"
+        check_ok(run_script(SCRIPT, "--sorter", sorter, "--epochs", "2", "--out", multi, *QUICK, nproc=nproc))
+        assert all(torch.equal(a, b) for a, b in zip(orders_of(single), orders_of(multi)))
+        assert_same_results(single, multi)
+        assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == nproc
+        assert [r["comm_bytes"] for r in read_metrics(multi)] == [r["comm_bytes"] for r in read_metrics(single)]
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    check_ok(run_script(SCRIPT, "--epochs", "3", "--out", straight, *QUICK))
+    # dies abruptly in the middle of epoch 2 (100 steps per epoch)
+    result = run_script(SCRIPT, "--epochs", "3", "--out", crashed, *QUICK, env={"CDGRAB_FAULT": "exit:0:150"})
+    assert result.returncode != 0
+    assert [r["epoch"] for r in read_metrics(crashed)] == [1]  # complete file, finished epochs only
+    refused = run_script(SCRIPT, "--epochs", "3", "--out", crashed, *QUICK)
+    assert refused.returncode == 2 and "--resume" in error_lines(refused)[0]
+    check_ok(run_script(SCRIPT, "--epochs", "3", "--out", crashed, "--resume", *QUICK))
+    assert_same_results(straight, crashed, exact=True)
+    assert all(torch.equal(a, b) for a, b in zip(orders_of(straight), orders_of(crashed)))
+    # a resumed run may change the process count but not the experiment
+    check_ok(run_script(SCRIPT, "--epochs", "4", "--out", crashed, "--resume", *QUICK, nproc=2))
+    changed = run_script(SCRIPT, "--epochs", "5", "--out", crashed, "--resume", "--lr", "0.1", *QUICK)
+    assert changed.returncode == 2 and "--lr" in error_lines(changed)[0]
+
+
+def test_a_dead_rank_stops_the_others_quickly(tmp_path):
+    start = time.monotonic()
+    result = run_script(SCRIPT, "--epochs", "2", "--out", tmp_path / "run", *QUICK, nproc=2,
+                        env={"CDGRAB_FAULT": "exit:1:20"}, timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+
+
+def test_non_finite_loss_stops_and_keeps_the_finished_epochs(tmp_path):
+    out = tmp_path / "run"
+    result = run_script(SCRIPT, "--epochs", "3", "--out", out, *QUICK, env={"CDGRAB_FAULT": "nan:130"})
+    assert result.returncode == 2
+    (line,) = error_lines(result)
+    assert "loss became nan at epoch 2" in line and "lower --lr" in line
+    assert [r["epoch"] for r in read_metrics(out)] == [1]
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["epoch"] == 1
+    diverged = run_script(SCRIPT, "--epochs", "1", "--lr", "1e38", "--out", tmp_path / "diverged", *QUICK)
+    assert diverged.returncode == 2 and "nothing was saved" in error_lines(diverged)[0]
+    assert not (tmp_path / "diverged" / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--B", "15"], r"--B 15 is not divisible by --node_cnt 4"),
+    (["--sorter", "GraB"], r"invalid choice: 'GraB'"),
+    (["--data-dir", "/nonexistent"], r"no HMDA data in .*expected .*download_data\.sh"),
+    (["--max-train-examples", "20"], r"too few for --B 16"),
+    (["--epochs", "0"], r"--epochs must be >= 1"),
+])
+def test_bad_input_gets_one_clear_line(tmp_path, args, message):
+    result = run_script(SCRIPT, "--out", tmp_path / "run", *args)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "Warning" not in line
+             and not line.startswith("  ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_node_count_must_be_a_multiple_of_the_process_count(tmp_path):
+    result = run_script(SCRIPT, "--node_cnt", "3", "--B", "6", "--out", tmp_path / "run", *QUICK, nproc=2)
+    assert result.returncode != 0
+    assert "--node_cnt 3 is not a multiple of the 2 torchrun processes" in result.stderr
+
+
+def test_help_explains_every_flag():
+    result = subprocess.run(["python", SCRIPT, "--help"], capture_output=True, text=True, check=True)
+    flags = re.findall(r"^  (--[\w-]+)", result.stdout, flags=re.M)
+    assert {"--sorter", "--seed", "--lr", "--momentum", "--weight_decay", "--B", "--node_cnt", "--epochs",
+            "--data-dir", "--out", "--device", "--backend", "--max-train-examples", "--resume",
+            "--hmda-file"} <= set(flags)
+    for block in re.split(r"\n(?=  -)", result.stdout.split("options:")[1])[1:]:
+        assert len(block.split(None, 2)) >= 2 and re.search(r"[a-z]{3,}", block.split("\n", 1)[-1]), block

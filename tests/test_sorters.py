@@ -1,0 +1,213 @@
+"""Sorter behaviour: valid permutations, exactness against naive spec implementations, herding."""
+import pytest
+import torch
+
+from sorters import SORTER_NAMES, build_sorter, parallel_herding_bound
+
+
+def run_epoch(sorter, grads_of, k):
+    """Step `sorter` through one epoch; grads_of(orders, positions) -> (n, len(positions), d)."""
+    orders = sorter.sort()
+    m = orders.shape[1]
+    for t in range(0, m, k):
+        positions = torch.arange(t, min(t + k, m))
+        sorter.step(grads_of(orders, positions) if sorter.uses_grads else None, positions)
+    return orders
+
+
+def unit_vectors(n, m, d, seed=0):
+    """(n, m, d) random unit vectors, centred per worker (spec 5.6)."""
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(seed))
+    z = z / z.norm(dim=2, keepdim=True)
+    return z - z.mean(dim=1, keepdim=True)
+
+
+def gather_units(z):
+    """grads_of for fixed per-unit vectors z (n, m, d): the vectors of the units at those positions."""
+    return lambda orders, positions: torch.stack([z[j, orders[j, positions]] for j in range(len(z))])
+
+
+def is_permutation(row, m):
+    return torch.equal(torch.sort(row).values, torch.arange(m))
+
+
+@pytest.mark.parametrize("name", SORTER_NAMES)
+@pytest.mark.parametrize("m,k", [(12, 1), (12, 2), (12, 4), (12, 5), (11, 1), (11, 2), (11, 3), (9, 4)])
+def test_orders_are_permutations_every_epoch(name, m, k):
+    n, d = 3, 5
+    z = unit_vectors(n, m, d)
+    sorter = build_sorter(name, n_workers=n, m=m, d=d, seed=1)
+    for _ in range(4):
+        orders = run_epoch(sorter, gather_units(z), k)
+        assert orders.shape == (n, m) and orders.dtype == torch.long
+        assert all(is_permutation(row, m) for row in orders), orders
+    assert all(is_permutation(row, m) for row in sorter.sort())
+
+
+@pytest.mark.parametrize("name", SORTER_NAMES)
+def test_same_seed_same_orders_and_state_round_trip(name):
+    n, m, d = 2, 10, 4
+    z = unit_vectors(n, m, d)
+    a, b = (build_sorter(name, n, m, d, seed=7) for _ in range(2))
+    for _ in range(3):
+        assert torch.equal(run_epoch(a, gather_units(z), 2), run_epoch(b, gather_units(z), 2))
+    restored = build_sorter(name, n, m, d, seed=123)
+    restored.load_state_dict(a.state_dict())
+    for _ in range(3):
+        assert torch.equal(run_epoch(a, gather_units(z), 2), run_epoch(restored, gather_units(z), 2))
+
+
+def test_d_rr_is_fresh_and_independent_per_worker_and_d_so_is_fixed():
+    rr = build_sorter("D-RR", n_workers=4, m=50, d=1, seed=0)
+    first = run_epoch(rr, None, 5)
+    second = run_epoch(rr, None, 5)
+    assert not torch.equal(first, second)
+    assert len({tuple(row.tolist()) for row in first}) == 4  # the original drew one permutation for all ranks
+    assert not torch.equal(first, build_sorter("D-RR", 4, 50, 1, seed=1).sort())
+    so = build_sorter("D-SO", n_workers=4, m=50, d=1, seed=0)
+    assert torch.equal(run_epoch(so, None, 5), run_epoch(so, None, 5))
+
+
+# --- naive reference implementations, written straight from the spec -------------------------
+
+def reference_cd_grab(z, initial_orders, epochs):
+    """Spec 1.5-1.7: pairs (2i, 2i+1) of epoch positions; for each pair, for each worker j in turn,
+    one shared running sum s: first goes left iff <s, first - second> <= 0. Returns orders per epoch."""
+    n, m, d = z.shape
+    orders, history = initial_orders.clone(), []
+    for _ in range(epochs):
+        history.append(orders.clone())
+        nxt = torch.full((n, m), -1, dtype=torch.long)
+        s = torch.zeros(d)
+        left, right = 0, m - 1
+        for i in range(m // 2):
+            for j in range(n):
+                a, b = orders[j, 2 * i], orders[j, 2 * i + 1]
+                diff = z[j, a] - z[j, b]
+                if torch.dot(s, diff) <= 0:
+                    nxt[j, left], nxt[j, right], s = a, b, s + diff
+                else:
+                    nxt[j, left], nxt[j, right], s = b, a, s - diff
+            left, right = left + 1, right - 1
+        orders = nxt
+    return history
+
+
+def reference_mean_balance(z, initial_orders, epochs):
+    """Spec 1.1 per worker: centre with the previous epoch's mean, herd, + to the front, - to the back."""
+    n, m, d = z.shape
+    orders, history = initial_orders.clone(), []
+    stale = torch.zeros(n, d)
+    for _ in range(epochs):
+        history.append(orders.clone())
+        nxt = torch.full((n, m), -1, dtype=torch.long)
+        for j in range(n):
+            s, left, right, total = torch.zeros(d), 0, m - 1, torch.zeros(d)
+            for t in range(m):
+                g = z[j, orders[j, t]]
+                total += g
+                c = g - stale[j]
+                if torch.dot(s, c) <= 0:
+                    nxt[j, left], left, s = orders[j, t], left + 1, s + c
+                else:
+                    nxt[j, right], right, s = orders[j, t], right - 1, s - c
+            stale[j] = total / m
+        orders = nxt
+    return history
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_cd_grab_matches_the_spec_stream_order(k):
+    n, m, d = 3, 16, 6
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(3))
+    sorter = build_sorter("CD-GraB", n, m, d, seed=5)
+    expected = reference_cd_grab(z, sorter.orders, epochs=5)
+    got = [run_epoch(sorter, gather_units(z), k) for _ in range(5)]
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert not torch.equal(got[0], got[-1])  # it really reorders
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_cd_grab_with_one_worker_is_plain_pair_balance(k):
+    m, d = 20, 4
+    z = torch.randn(1, m, d, generator=torch.Generator().manual_seed(4))
+    cd, ipb = build_sorter("CD-GraB", 1, m, d, seed=2), build_sorter("I-PB", 1, m, d, seed=2)
+    expected = reference_cd_grab(z, cd.orders, epochs=4)  # with n = 1 this is single-stream PairBalance
+    for e in expected:
+        assert torch.equal(run_epoch(cd, gather_units(z), k), e)
+        assert torch.equal(run_epoch(ipb, gather_units(z), k), e)
+
+
+def test_independent_pair_balance_is_cd_grab_per_worker():
+    n, m, d = 3, 12, 5
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(6))
+    sorter = build_sorter("I-PB", n, m, d, seed=1)
+    start = sorter.orders.clone()
+    got = [run_epoch(sorter, gather_units(z), 2) for _ in range(4)]
+    for j in range(n):
+        expected = reference_cd_grab(z[j:j + 1], start[j:j + 1], epochs=4)
+        assert all(torch.equal(e[0], g[j]) for e, g in zip(expected, got))
+
+
+def test_mean_balance_matches_the_spec():
+    n, m, d = 2, 15, 4
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(8)) + 0.3  # not centred: the mean matters
+    sorter = build_sorter("I-B", n, m, d, seed=3)
+    expected = reference_mean_balance(z, sorter.orders, epochs=4)
+    assert all(torch.equal(e, run_epoch(sorter, gather_units(z), 3)) for e in expected)
+
+
+def test_pairing_across_steps_copies_the_cached_gradient():
+    """Spec bug 1: a caller that reuses one buffer for every step must not turn every diff into 0."""
+    n, m, d = 2, 10, 3
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(9))
+    fresh, reused = build_sorter("CD-GraB", n, m, d, seed=0), build_sorter("CD-GraB", n, m, d, seed=0)
+    buffer = torch.empty(n, 1, d)
+
+    def into_buffer(orders, positions):
+        buffer.copy_(gather_units(z)(orders, positions))
+        return buffer
+
+    for _ in range(4):
+        assert torch.equal(run_epoch(fresh, gather_units(z), 1), run_epoch(reused, into_buffer, 1))
+    assert reused.running_sum.abs().sum() > 0
+
+
+def test_balancing_lowers_the_parallel_herding_bound():
+    n, m, d = 8, 256, 16
+    z = unit_vectors(n, m, d, seed=1)
+    bounds = {}
+    for name in ("CD-GraB", "D-RR", "I-PB", "I-B"):
+        sorter = build_sorter(name, n, m, d, seed=0)
+        for _ in range(10):
+            run_epoch(sorter, gather_units(z), 16)
+        bounds[name] = parallel_herding_bound(z, sorter.sort())
+    random_level = parallel_herding_bound(z, build_sorter("D-RR", n, m, d, seed=0).sort())
+    assert bounds["CD-GraB"] < 0.25 * bounds["D-RR"], bounds
+    assert bounds["CD-GraB"] < bounds["I-PB"], bounds
+    assert bounds["CD-GraB"] < 0.25 * random_level, (bounds, random_level)
+
+
+def test_parallel_herding_bound_by_hand():
+    z = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]], [[0.0, 2.0], [0.0, -2.0]]])  # (n=2, m=2, d=2), centred
+    assert parallel_herding_bound(z, torch.tensor([[0, 1], [0, 1]])) == 2.0
+    assert parallel_herding_bound(z, torch.tensor([[1, 0], [1, 0]])) == 2.0
+    z2 = torch.tensor([[[1.0], [-1.0]], [[1.0], [-1.0]]])
+    assert parallel_herding_bound(z2, torch.tensor([[0, 1], [1, 0]])) == 0.0  # workers cancel each other
+    assert parallel_herding_bound(z2, torch.tensor([[0, 1], [0, 1]])) == 2.0
+
+
+def test_misuse_gets_clear_errors():
+    with pytest.raises(ValueError, match="unknown sorter 'GraB'.*CD-GraB"):
+        build_sorter("GraB", 2, 4, 3)
+    sorter = build_sorter("CD-GraB", 2, 6, 3)
+    sorter.sort()
+    with pytest.raises(ValueError, match="expected positions 0"):
+        sorter.step(torch.zeros(2, 2, 3), torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match=r"shape \(n, k, d\)"):
+        sorter.step(torch.zeros(2, 2, 4), torch.tensor([0, 1]))
+    sorter.step(torch.zeros(2, 2, 3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="ended after 2 of 6"):
+        sorter.sort()
+    with pytest.raises(ValueError, match="expected positions"):
+        sorter.step(torch.zeros(2, 6, 3), torch.arange(2, 8))  # past the end of the epoch
