@@ -25,29 +25,34 @@ class CDGraB(PairBalancer):
         return shared_sum_signs(self.running_sum, stream).reshape(n_pairs, n).T
 
 
-# Below this size a NumPy loop is ~5x faster than torch ops on the CPU (per-op dispatch overhead).
-SMALL_D = 4096
-
-
 def shared_sum_signs(running_sum: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     """Online herding over a stream of vectors, updating `running_sum` (d,) in place.
 
     stream: (N, d). Returns (N,) bool: True where the vector got sign +1, i.e. <s, v> <= 0
     (ties go to +1), after which s += v; otherwise s -= v. Sequential by definition.
     """
-    if running_sum.device.type == "cpu" and running_sum.numel() <= SMALL_D:
-        s, vectors = running_sum.numpy(), stream.contiguous().numpy()  # s shares memory with the tensor
-        plus = np.empty(len(vectors), dtype=bool)
-        for r, v in enumerate(vectors):
-            plus[r] = s.dot(v) <= 0
-            if plus[r]:
-                s += v
-            else:
-                s -= v
-        return torch.from_numpy(plus)
+    if running_sum.device.type == "cpu":
+        return signs_numpy(running_sum, stream)
+    return signs_torch(running_sum, stream)
+
+
+def signs_numpy(running_sum, stream):
+    """CPU path: a NumPy loop has ~10-30x less per-vector overhead than torch ops (bench/balancing_loop.py)."""
+    s, vectors = running_sum.numpy(), stream.contiguous().numpy()  # s shares memory with the tensor
+    plus = np.empty(len(vectors), dtype=bool)
+    for r, v in enumerate(vectors):
+        plus[r] = s.dot(v) <= 0
+        if plus[r]:
+            s += v
+        else:
+            s -= v
+    return torch.from_numpy(plus)
+
+
+def signs_torch(running_sum, stream):
+    """GPU path: tensor-valued signs keep the loop free of host synchronisations."""
     plus = torch.empty(len(stream), dtype=torch.bool, device=running_sum.device)
     for r, v in enumerate(stream):
-        # a tensor-valued sign keeps the loop free of host syncs on a GPU
         plus[r] = torch.dot(running_sum, v) <= 0
         running_sum.add_(v * sign_as_float(plus[r]))
     return plus
