@@ -108,29 +108,16 @@ def train(task, args, comm, device) -> list[dict]:
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads)
     schedule = StepDecay(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma)
     optimizer = Optimizer(task.optimizer, flat, schedule, args.momentum, args.weight_decay)
-    arg_dict = {key: value for key, value in vars(args).items()}
+    arg_dict = dict(vars(args))
     rows, recorded_orders, first_epoch = [], [], 1
 
     if checkpoint_path.exists():
         if not args.resume:
             raise UserFacingError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it, "
                                   "or choose another --out")
-        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        changed = sorted(key for key in (set(state["args"]) | set(arg_dict)) - RESUMABLE_CHANGES
-                         if state["args"].get(key) != arg_dict.get(key))
-        if changed:
-            raise UserFacingError(f"cannot resume {out}: these settings differ from the checkpoint: "
-                                  + ", ".join(f"--{key} {state['args'].get(key)} (now {arg_dict.get(key)})"
-                                              for key in changed))
-        flat.copy_(state["flat"])
-        optimizer.load_state_dict(state["optimizer"])
-        sorter.load_state_dict(state["sorter"])
-        rows, recorded_orders, first_epoch = state["rows"], state.get("orders", []), state["epoch"] + 1
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device)
         if writer:
-            print(f"resuming {out} after epoch {state['epoch']}", file=sys.stderr)
+            print(f"resuming {out} after epoch {first_epoch - 1}", file=sys.stderr)
 
     if writer:
         runlog.write_config(out / "config.json", {
@@ -212,7 +199,7 @@ def train(task, args, comm, device) -> list[dict]:
                 "epoch": epoch, "args": arg_dict, "flat": flat.detach().cpu(), "optimizer": optimizer.state_dict(),
                 "sorter": sorter.state_dict(), "rows": rows, "orders": recorded_orders,
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-            }, checkpoint_path)
+            }, checkpoint_path)  # read back by restore()
             if args.record_orders:
                 runlog.atomic_torch_save(recorded_orders, out / "orders.pt")
             runlog.write_metrics(out / "metrics.csv", rows, task.metric_columns)
@@ -220,6 +207,25 @@ def train(task, args, comm, device) -> list[dict]:
             print(f"{task.name} {sorter.name} epoch {epoch}/{args.epochs} | {shown} | {epoch_seconds:.1f} s",
                   file=sys.stderr, flush=True)
     return rows
+
+
+def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
+    """Load a checkpoint into the run's objects; refuse one made with different settings.
+    Returns (metrics rows so far, recorded orders, first epoch to run)."""
+    state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+    changed = sorted(key for key in (set(state["args"]) | set(arg_dict)) - RESUMABLE_CHANGES
+                     if state["args"].get(key) != arg_dict.get(key))
+    if changed:
+        raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
+                              + ", ".join(f"--{key} {state['args'].get(key)} (now {arg_dict.get(key)})"
+                                          for key in changed))
+    flat.copy_(state["flat"])
+    optimizer.load_state_dict(state["optimizer"])
+    sorter.load_state_dict(state["sorter"])
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    return state["rows"], state.get("orders", []), state["epoch"] + 1
 
 
 def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:
