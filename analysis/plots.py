@@ -11,6 +11,7 @@ The caller picks the backend: `python -m analysis` uses Agg, notebooks their inl
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import GROUP, TIME_PARTS, aggregate, aggregate_herding, headline_metrics, time_breakdown
 
@@ -99,7 +100,8 @@ def plot_time_breakdown(df, benchmark):
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_ylabel("seconds per epoch (mean)")
     ax.set_title(f"{benchmark}: time per epoch")
-    ax.legend(fontsize=8)
+    handles, names = ax.get_legend_handles_labels()  # top of the stack first, outside the bars
+    ax.legend(handles[::-1], names[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
@@ -118,15 +120,22 @@ def plot_herding(hdf, band="std"):
         for i, method in enumerate(sorted(panel["method"].unique())):
             rows = panel[panel["method"] == method].sort_values("round")
             color = _color(method, i)
-            ax.plot(rows["round"], rows["mean"], marker=".", color=color, label=method)
+            # ALL (centralised, one sequence of n*m vectors) is a reference, not a parallel bound: dashed
+            ax.plot(rows["round"], rows["mean"], marker=".", color=color, ls="--" if method == "ALL" else "-",
+                    label="ALL (centralised)" if method == "ALL" else method)
             ax.fill_between(rows["round"].to_numpy(float), rows["lo"].to_numpy(float), rows["hi"].to_numpy(float),
                             color=color, alpha=0.2, lw=0)
         ax.set_yscale("log")
         ax.set_title(f"m={n} workers, n={m:g} examples per worker", fontsize=9)
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("parallel herding bound")
-    axes[0][0].legend(fontsize=8)
+    handles = {}  # every method of every panel (a method may be missing from some)
+    for ax in axes[0]:
+        handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+    axes[0][-1].legend(handles.values(), handles.keys(), fontsize=8, loc="upper left",
+                       bbox_to_anchor=(1.02, 1))  # outside: the curves fill the panels
     trials = int(agg["count"].max())
     fig.suptitle(f"Parallel herding bound of random unit vectors ({trials} trial{'s' * (trials > 1)})")
     fig.tight_layout()

@@ -8,6 +8,11 @@ to 0). Every method reorders its own copy for `rounds` rounds through the ordina
     bound  = parallel_herding_bound(z, orders)     # max_k || sum_{t<=k} sum_j z[j, orders[j, t]] ||_inf
     sorter.step(z[j, orders[j, t]] for t in chunk, chunk)   # the whole round, chunk by chunk
 
+Methods: the sorters CD-GraB, I-B, I-PB, D-RR (the paper's figure), and ALL, the centralised
+baseline the original scripts also computed: pair balance (CD-GraB with one worker) over all n*m
+vectors as one stream, scored by the herding bound of that single sequence (not comparable step for
+step with the parallel bound: n*m prefixes instead of m; the paper does not plot it).
+
 Output: one tidy CSV per (n_workers, trial, method) in --out, named n{n}-m{m}-trial{t}-{method}.csv,
 columns n_workers,m,d,trial,method,round,bound,seconds (seconds: this method's cumulative wall time
 when the round's bound was recorded). Files are written atomically; existing ones are skipped
@@ -17,9 +22,11 @@ unless --force, so an interrupted run continues where it stopped.
     python scripts/herding_simulation.py --scale 0.001 --trials 1 --out /tmp/herding   # seconds
 """
 import argparse
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +34,10 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters`
-from sorters import build_sorter, parallel_herding_bound  # noqa: E402
+from sorters import SORTER_NAMES, build_sorter, parallel_herding_bound  # noqa: E402
 
-METHODS = ("CD-GraB", "I-B", "I-PB", "D-RR")  # the four plotted in the paper's figure
+PAPER_METHODS = ("CD-GraB", "I-B", "I-PB", "D-RR")  # the paper's figure; the default
+METHODS = PAPER_METHODS + ("ALL",)
 COLUMNS = ("n_workers", "m", "d", "trial", "method", "round", "bound", "seconds")
 
 
@@ -45,6 +53,8 @@ def make_vectors(n_total: int, n_workers: int, d: int, trial: int) -> np.ndarray
 
 def simulate(z: np.ndarray, method: str, rounds: int, seed: int, chunk: int = 1000):
     """Yield (round, bound, seconds) for rounds 0..rounds of `method` on z (n, m, d) float64."""
+    if method == "ALL":  # centralised: one worker holding all n*m vectors (still summing to zero)
+        z, method = z.reshape(1, -1, z.shape[2]), "CD-GraB"
     n, m, d = z.shape
     z64 = torch.from_numpy(np.ascontiguousarray(z))
     z32 = z64.float()  # what the sorter sees, like float32 gradients in training
@@ -76,10 +86,29 @@ def write_csv_atomic(path: Path, rows: list) -> None:
 
 
 def parse_methods(text: str) -> list:
-    names = []
-    for name in text.replace(",", " ").split():
-        names += list(METHODS) if name.upper() == "ALL" else [name]
-    return list(dict.fromkeys(names))  # de-duplicated, order kept
+    names = list(dict.fromkeys(text.replace(",", " ").split()))  # de-duplicated, order kept
+    unknown = [name for name in names if name != "ALL" and name not in SORTER_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(SORTER_NAMES)}, ALL")
+    return names
+
+
+_VECTORS = {}  # this process's vectors of the (trial, n) it ran last; jobs come grouped by (trial, n)
+
+
+def run_one(job: dict) -> str:
+    """Simulate one (trial, n_workers, method), write its CSV atomically, return a summary line."""
+    key = (job["trial"], job["n"], job["n_total"], job["d"])
+    if key not in _VECTORS:
+        _VECTORS.clear()  # one trial's vectors (n_total x d float64) at a time
+        _VECTORS[key] = make_vectors(job["n_total"], job["n"], job["d"], job["trial"])
+    steps = simulate(_VECTORS[key], job["method"], job["rounds"], seed=job["trial"], chunk=job["chunk"])
+    if job["inner_bar"]:
+        steps = tqdm(steps, total=job["rounds"] + 1, desc=f"{job['method']} n={job['n']}", leave=False, unit="round")
+    rows = [(job["n"], job["m"], job["d"], job["trial"], job["method"], r, bound, seconds) for r, bound, seconds in steps]
+    write_csv_atomic(job["path"], rows)
+    return (f"n={job['n']:4d} m={job['m']:7d} trial={job['trial']} {job['method']:8s} "
+            f"bound {rows[0][6]:8.3f} -> {rows[-1][6]:8.3f}  ({rows[-1][7]:.1f} s)")
 
 
 def main(argv=None):
@@ -91,13 +120,15 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=15, help="reorder rounds after the initial order (default 15)")
     p.add_argument("--trials", type=int, default=3,
                    help="trials 0..T-1, each with numpy RandomState(trial) vectors and sorter seed trial (default 3)")
-    p.add_argument("--methods", default="ALL",
-                   help="sorter names from sorters.SORTER_NAMES, space/comma separated; ALL = "
-                        f"{' '.join(METHODS)} (default ALL)")
+    p.add_argument("--methods", default=" ".join(PAPER_METHODS),
+                   help="space/comma separated sorter names (sorters.SORTER_NAMES) and/or ALL, the "
+                        f"centralised pair balance over all vectors (default \"{' '.join(PAPER_METHODS)}\")")
     p.add_argument("--d", type=int, default=16, help="vector dimension (default 16)")
     p.add_argument("--chunk", type=int, default=1000, help="positions per sorter.step call (default 1000)")
     p.add_argument("--out", default="results/herding", help="output folder for the CSVs (default results/herding)")
     p.add_argument("--force", action="store_true", help="recompute runs whose CSV already exists")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs in parallel processes (default 1; each needs ~0.5 GB at full scale)")
     args = p.parse_args(argv)
 
     n_total = int(round(1e6 * args.scale))
@@ -106,26 +137,30 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # the sorters are sequential loops; threads only add overhead here
 
-    jobs = [(trial, n, method) for trial in range(args.trials) for n in args.workers for method in methods]
-    bar = tqdm(jobs, desc="herding", unit="run")
-    cache = {}
-    for trial, n, method in bar:
-        m = n_total // n
-        if m < 2:
-            raise SystemExit(f"--scale {args.scale} leaves m = {m} vectors per worker for n = {n}; need >= 2")
-        path = out / f"n{n}-m{m}-trial{trial}-{method}.csv"
-        if path.exists() and not args.force:
-            continue
-        bar.set_postfix(n=n, trial=trial, method=method)
-        if (trial, n) not in cache:
-            cache = {(trial, n): make_vectors(n_total, n, args.d, trial)}  # keep one trial's vectors
-        rows = []
-        for r, bound, seconds in tqdm(simulate(cache[trial, n], method, args.rounds, seed=trial, chunk=args.chunk),
-                                      total=args.rounds + 1, desc=f"{method} n={n}", leave=False, unit="round"):
-            rows.append((n, m, args.d, trial, method, r, bound, seconds))
-        write_csv_atomic(path, rows)
-        tqdm.write(f"n={n:4d} m={m:7d} trial={trial} {method:8s} bound {rows[0][6]:8.3f} -> {rows[-1][6]:8.3f}"
-                   f"  ({rows[-1][7]:.1f} s)")
+    jobs = []
+    for trial in range(args.trials):
+        for n in args.workers:
+            m = n_total // n
+            if m < 2:
+                raise SystemExit(f"--scale {args.scale} leaves m = {m} vectors per worker for n = {n}; need >= 2")
+            for method in methods:
+                path = out / f"n{n}-m{m}-trial{trial}-{method}.csv"
+                if args.force or not path.exists():  # an existing CSV is a finished run
+                    jobs.append(dict(trial=trial, n=n, m=m, method=method, n_total=n_total, d=args.d,
+                                     rounds=args.rounds, chunk=args.chunk, path=path, inner_bar=args.jobs == 1))
+    bar = tqdm(total=len(jobs), desc="herding", unit="run")
+    if args.jobs == 1:
+        for job in jobs:
+            bar.set_postfix(n=job["n"], trial=job["trial"], method=job["method"])
+            tqdm.write(run_one(job))
+            bar.update()
+    else:  # independent runs in parallel processes; spawn: no forked torch/OpenMP state
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            for line in (f.result() for f in as_completed([pool.submit(run_one, job) for job in jobs])):
+                tqdm.write(line)
+                bar.update()
+    bar.close()
     print(f"wrote {out}/")
 
 

@@ -211,3 +211,20 @@ def test_misuse_gets_clear_errors():
         sorter.sort()
     with pytest.raises(ValueError, match="expected positions"):
         sorter.step(torch.zeros(2, 6, 3), torch.arange(2, 8))  # past the end of the epoch
+
+
+def test_torch_code_path_used_on_gpus_gives_the_same_orders(monkeypatch):
+    """The CPU runs the balancing loops on NumPy views; other devices run the same loops on torch."""
+    import sorters.balance as balance
+
+    n, m, d = 3, 14, 5
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(11))
+    cpu_orders = {}
+    for name in ("CD-GraB", "I-PB", "I-B"):
+        sorter = build_sorter(name, n, m, d, seed=4)
+        cpu_orders[name] = [run_epoch(sorter, gather_units(z), 3) for _ in range(4)]
+    monkeypatch.setattr(balance, "array_views", lambda *tensors: (torch, list(tensors)))
+    monkeypatch.setattr(balance, "shared_sum_signs", balance.signs_torch)
+    for name, expected in cpu_orders.items():
+        sorter = build_sorter(name, n, m, d, seed=4)
+        assert all(torch.equal(e, run_epoch(sorter, gather_units(z), 3)) for e in expected), name

@@ -1,0 +1,188 @@
+"""The sweep scripts' skip/resume logic, with a fake PYTHON that records its argv and writes a
+schema-exact run dir (so the real entry scripts are not needed)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+PAPER = {  # benchmark: (lr as passed, node_cnt, B, run-dir lr)
+    "LR-HMDA": ("5e-3", "4", "16", "0.005"),
+    "LSTM-Wiki2": ("5.0", "4", "16", "5"),
+    "MLP-M4": ("1e-3", "32", "32", "0.001"),
+    "GPT2-Wiki103": ("5e-4", "64", "64", "0.0005"),
+}
+
+# Records argv (one JSON line per call) in $FAKE_LOG. For an entry script (main-*.py, possibly behind
+# torchrun) it writes config.json and appends the missing metrics rows to --out, like a run that
+# resumes; FAKE_STOP_AFTER=k stops after epoch k and exits 1 (a crash). Anything else: exit 0.
+FAKE = r'''#!{python}
+import json, os, sys
+from pathlib import Path
+argv = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(argv) + "\n")
+scripts = [a for a in argv if Path(a).name.startswith("main-") and a.endswith(".py")]
+if not scripts:
+    sys.exit(0)
+def flag(name):
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name][-1]
+out, epochs = Path(flag("--out")), int(flag("--epochs"))
+benchmark = Path(scripts[0]).stem[len("main-"):]
+out.mkdir(parents=True, exist_ok=True)
+args = {"sorter": flag("--sorter"), "seed": int(flag("--seed")), "lr": float(flag("--lr")), "momentum": 0.9,
+        "weight_decay": 0.0, "B": int(flag("--B")), "node_cnt": int(flag("--node_cnt")), "epochs": epochs,
+        "data_dir": flag("--data-dir"), "out": str(out), "device": "cpu", "backend": None,
+        "max_train_examples": None, "resume": "--resume" in argv}
+(out / "config.json").write_text(json.dumps({"benchmark": benchmark, "args": args, "sizes": {}, "data": {},
+                                             "versions": {}, "git_commit": "0"}))
+metrics = out / "metrics.csv"
+header = "epoch,train_loss,test_loss,train_acc,test_acc,epoch_seconds,sorter_seconds,comm_seconds,compute_seconds,comm_bytes"
+rows = metrics.read_text().splitlines()[1:] if "--resume" in argv and metrics.exists() else []
+stop = int(os.environ.get("FAKE_STOP_AFTER", epochs))
+for e in range(len(rows) + 1, min(epochs, stop) + 1):
+    rows.append(f"{e},1.0,1.0,0.5,0.5,1.0,0.1,0.2,0.7,100")
+metrics.write_text("\n".join([header] + rows) + "\n")
+sys.exit(1 if stop < epochs else 0)
+'''
+
+
+@pytest.fixture
+def env(tmp_path):
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE.replace("{python}", sys.executable, 1))
+    fake.chmod(0o755)
+    data = tmp_path / "data"
+    data.mkdir()
+    return {**os.environ, "PYTHON": str(fake), "TORCHRUN": f"{fake} torchrun", "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+            "RESULTS": str(tmp_path / "results"), "DATA": str(data), "SEEDS": "0 1", "EPOCHS": "2"}
+
+
+def sweep(bench, env, *args, check=True, **extra):
+    proc = subprocess.run(["bash", str(SCRIPTS / f"sweep-{bench}.sh"), *args], env={**env, **extra},
+                          capture_output=True, text=True, timeout=60)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def calls(env):
+    """The recorded argv lists, and clear the log."""
+    log = Path(env["FAKE_LOG"])
+    lines = log.read_text().splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return [json.loads(line) for line in lines]
+
+
+def value(argv, name):
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name][-1]
+
+
+@pytest.mark.parametrize("bench", PAPER)
+def test_fresh_sweep_uses_paper_settings_and_layout(bench, env):
+    sweep(bench, env, "--max-train-examples", "64")
+    lr, node_cnt, B, lr_name = PAPER[bench]
+    recorded = calls(env)
+    assert len(recorded) == 4  # 2 sorters x 2 seeds
+    for argv in recorded:
+        assert argv[0] == str(SCRIPTS.parent / f"main-{bench}.py")
+        assert (value(argv, "--lr"), value(argv, "--node_cnt"), value(argv, "--B")) == (lr, node_cnt, B)
+        assert value(argv, "--epochs") == "2" and value(argv, "--max-train-examples") == "64"
+        assert argv[-1] == "--resume"
+        name = f"{value(argv, '--sorter')}-node{node_cnt}-B{B}-lr{lr_name}-seed{value(argv, '--seed')}"
+        assert value(argv, "--out") == f"{env['RESULTS']}/{bench}/{name}"
+    assert {(value(a, "--sorter"), value(a, "--seed")) for a in recorded} == {
+        ("CD-GraB", "0"), ("CD-GraB", "1"), ("D-RR", "0"), ("D-RR", "1")}
+    if bench == "GPT2-Wiki103":  # no WikiText-103 train split in DATA: WikiText-2's stands in
+        assert all(value(a, "--train-file") == f"{env['DATA']}/wikitext-2/train.txt" for a in recorded)
+    else:
+        assert not any("--train-file" in a for a in recorded)
+
+
+def test_finished_runs_are_skipped_and_unfinished_resumed(env):
+    sweep("LR-HMDA", env)
+    assert len(calls(env)) == 4
+    proc = sweep("LR-HMDA", env)  # everything finished: nothing runs
+    assert calls(env) == [] and proc.stdout.count("] skip ") == 4
+    run = Path(env["RESULTS"]) / "LR-HMDA" / "D-RR-node4-B16-lr0.005-seed1"
+    metrics = run / "metrics.csv"
+    metrics.write_text("\n".join(metrics.read_text().splitlines()[:2]) + "\n")  # only epoch 1 left
+    sweep("LR-HMDA", env)
+    (argv,) = calls(env)
+    assert value(argv, "--out") == str(run) and argv[-1] == "--resume"
+    assert len(metrics.read_text().splitlines()) == 3  # resumed to 2 epochs
+    sweep("LR-HMDA", env, EPOCHS="3")  # more epochs asked than the runs were made for: all resume
+    assert len(calls(env)) == 4
+
+
+def test_crash_stops_sweep_and_rerun_resumes(env):
+    proc = sweep("LR-HMDA", env, check=False, FAKE_STOP_AFTER="1")
+    assert proc.returncode != 0 and len(calls(env)) == 1
+    sweep("LR-HMDA", env)
+    recorded = calls(env)
+    assert len(recorded) == 4 and all(a[-1] == "--resume" for a in recorded)
+    log = Path(env["RESULTS"]) / "logs" / "LR-HMDA" / "CD-GraB-node4-B16-lr0.005-seed0.log"
+    assert log.exists()
+
+
+def test_torchrun_and_overrides(env):
+    sweep("MLP-M4", env, "--lr", "2e-3", NPROC="4", SORTERS="CD-GraB", SEEDS="3")
+    (argv,) = calls(env)
+    assert argv[:3] == ["torchrun", "--standalone", "--nproc_per_node=4"]
+    assert value(argv, "--lr") == "2e-3"
+    assert value(argv, "--out").endswith("MLP-M4/CD-GraB-node32-B32-lr0.002-seed3")
+    proc = sweep("LR-HMDA", env, check=False, NPROC="3")  # 4 workers cannot split over 3 processes
+    assert proc.returncode != 0 and "multiple" in proc.stderr and calls(env) == []
+
+
+def test_gpt2_uses_wikitext103_train_split_when_present(env):
+    folder = Path(env["DATA"]) / "wikitext-103"
+    folder.mkdir()
+    (folder / "wiki.train.tokens").write_text(" = x = \n")
+    sweep("GPT2-Wiki103", env, SEEDS="0", SORTERS="D-RR")
+    (argv,) = calls(env)
+    assert "--train-file" not in argv and value(argv, "--data-dir") == env["DATA"]
+
+
+@pytest.mark.parametrize("script", ["sweep-LR-HMDA.sh", "sweep-LSTM-Wiki2.sh", "sweep-MLP-M4.sh",
+                                    "sweep-GPT2-Wiki103.sh", "reproduce-all.sh"])
+def test_help(script):
+    proc = subprocess.run(["bash", str(SCRIPTS / script), "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "SEEDS" in proc.stdout and "RESULTS" in proc.stdout
+
+
+def test_reproduce_all_chains_everything(env, tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPTS / "reproduce-all.sh"), "--max-train-examples", "8"],
+                          env={**env, "SEEDS": "0", "SORTERS": "CD-GraB", "EPOCHS": "1",
+                               "HERDING_ARGS": "--scale 0.001 --trials 1", "FIGURES": str(tmp_path / "fig")},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    recorded = calls(env)
+    entry = [a for a in recorded if Path(a[0]).name.startswith("main-")]
+    assert [Path(a[0]).stem for a in entry] == ["main-LR-HMDA", "main-LSTM-Wiki2", "main-MLP-M4", "main-GPT2-Wiki103"]
+    assert all(value(a, "--max-train-examples") == "8" for a in entry)
+    herding = [a for a in recorded if a[0].endswith("herding_simulation.py")]
+    assert herding == [[str(SCRIPTS / "herding_simulation.py"), "--out", f"{env['RESULTS']}/herding",
+                        "--scale", "0.001", "--trials", "1"]]
+    assert ["-m", "analysis", env["RESULTS"], "--out", str(tmp_path / "fig")] in recorded
+
+
+def test_herding_simulation_smallest_scale(tmp_path):
+    """The real simulation at --scale 0.001: tidy CSVs, identical round-0 bounds across methods."""
+    out = tmp_path / "herding"
+    subprocess.run([sys.executable, str(SCRIPTS / "herding_simulation.py"), "--scale", "0.001", "--trials", "1",
+                    "--workers", "5", "10", "--rounds", "3", "--out", str(out)], check=True, capture_output=True,
+                   timeout=60)
+    import pandas as pd
+    df = pd.concat([pd.read_csv(p) for p in sorted(out.glob("*.csv"))])
+    assert list(df.columns[:7]) == ["n_workers", "m", "d", "trial", "method", "round", "bound"]
+    assert len(df) == 2 * 5 * 4 and set(df["method"]) == {"CD-GraB", "I-B", "I-PB", "D-RR", "ALL"}
+    parallel = df[(df["round"] == 0) & (df["method"] != "ALL")]
+    assert parallel.groupby("n_workers")["bound"].nunique().eq(1).all()  # same initial order
+    cd = df[df["method"] == "CD-GraB"].set_index(["n_workers", "round"])["bound"]
+    assert (cd.xs(3, level="round") < cd.xs(0, level="round")).all()  # balancing lowers the bound
+    assert not list(out.glob("*.tmp*"))
