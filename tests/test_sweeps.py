@@ -175,7 +175,8 @@ def test_herding_simulation_smallest_scale(tmp_path):
     """The real simulation at --scale 0.001: tidy CSVs, identical round-0 bounds across methods."""
     out = tmp_path / "herding"
     subprocess.run([sys.executable, str(SCRIPTS / "herding_simulation.py"), "--scale", "0.001", "--trials", "1",
-                    "--workers", "5", "10", "--rounds", "3", "--out", str(out)], check=True, capture_output=True,
+                    "--workers", "5", "10", "--rounds", "3", "--methods", "CD-GraB I-B I-PB D-RR ALL",
+                    "--out", str(out)], check=True, capture_output=True,
                    timeout=60)
     import pandas as pd
     df = pd.concat([pd.read_csv(p) for p in sorted(out.glob("*.csv"))])
