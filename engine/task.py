@@ -1,7 +1,7 @@
 """What a benchmark hands the training engine: its units, its loss, its evaluation."""
 import torch
 
-from engine.functional import FlatModel, unit_gradients
+from engine.functional import FlatModel, batch_gradient, unit_gradients
 
 
 class Task:
@@ -39,6 +39,11 @@ class Task:
         """Per-unit gradients (n_local, k, d) and losses (n_local, k); vmap over units by default."""
         grads, losses = unit_gradients(self.loss, flat, batch)
         return grads.reshape(n_local, k, -1), losses.reshape(n_local, k)
+
+    def batch_grad(self, flat: torch.Tensor, batch):
+        """Gradient (d,) of the mean loss over all local units, the loss, and the loss's aux output
+        (used when the sorter needs no per-unit gradients)."""
+        return batch_gradient(self.loss, flat, batch)
 
     def evaluate(self, flat: torch.Tensor, comm) -> dict:
         """Metrics after an epoch: train_loss, test_loss and every name in metric_columns.

@@ -24,7 +24,6 @@ from engine import runlog
 from engine.cli import check_args
 from engine.comm import GradientExchange, make_communicator
 from engine.errors import UserFacingError
-from engine.functional import batch_gradient
 from engine.optim import Optimizer, StepDecay
 from sorters import build_sorter
 
@@ -160,7 +159,7 @@ def train(task, args, comm, device) -> list[dict]:
                     local_mean_grad, local_loss, aux = None, unit_losses.mean(), None
                 else:
                     unit_grads = None
-                    local_mean_grad, local_loss, aux = batch_gradient(task.loss, flat, batch)
+                    local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)
             with timers("comm"):
                 update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
                 step_loss = comm.all_reduce_sum((local_loss.detach() * n_local).reshape(1, 1)).item() / n
@@ -173,6 +172,7 @@ def train(task, args, comm, device) -> list[dict]:
                                       f"step {step + 1}; lower --lr and start a new run ({saved})")
             with timers("sorter"):
                 sorter.step(every_unit_grad, positions)
+            del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
             with timers("compute"):
                 if task.clip_grad_norm:
                     update = clip_to_norm(update, task.clip_grad_norm)

@@ -1,0 +1,148 @@
+"""Tiny GPT-2 on WikiText-103 with distributed example ordering (the paper's simulated 64-worker run).
+
+    python main-GPT2-Wiki103.py --sorter CD-GraB --seed 0 --train-file DATA/wikitext-2/train.txt
+    torchrun --standalone --nproc_per_node=4 main-GPT2-Wiki103.py --sorter D-RR --train-file ...
+
+The ordering unit is one block of --max-seq-length tokens; by default 64 workers each take one block
+per step (B = 64), as the original's single-process simulation. Per-example gradients come from
+torch.func; the update uses their mean over all workers (AdamW, one optimizer state for the run).
+"""
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers is imported: we fork later
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from data.wikitext103 import load_blocks, split_file  # noqa: E402
+from engine.cli import common_parser  # noqa: E402
+from engine.errors import UserFacingError  # noqa: E402
+from engine.functional import FlatModel, batch_gradient, unit_gradients  # noqa: E402
+from engine.task import Task, shard, sum_over_processes  # noqa: E402
+from engine.train import run_entry_point  # noqa: E402
+
+BENCHMARK = "GPT2-Wiki103"
+# the original README command: --sorter {CD-GraB|D-RR} --seed 0 (B 64 = node_cnt 64, AdamW 5e-4, wd 0, 50 epochs)
+DEFAULTS = dict(sorter="CD-GraB", seed=0, lr=5e-4, weight_decay=0.0, B=64, node_cnt=64, epochs=50)
+EVAL_BATCH = 32   # blocks per evaluation forward pass (32 x 128 x 50,257 logits = 0.8 GB in fp32)
+GRAD_CHUNK = 16   # blocks per vmapped per-example-gradient pass; bounds the intermediates (see unit_grads)
+
+
+class GPT2Wiki103(Task):
+    name = BENCHMARK
+    metric_columns = ("valid_loss", "train_ppl", "valid_ppl", "test_ppl")
+    optimizer = "adamw"  # constant lr, as the original
+
+    def __init__(self, args, device):
+        block = args.max_seq_length
+        if block < 2:
+            raise UserFacingError(f"--max-seq-length must be >= 2 (one input and one target token), got {block}")
+        train = load_blocks(args.data_dir, "train", block, train_file=args.train_file, cache_dir=args.cache_dir)
+        available = len(train)
+        if args.max_train_examples:
+            train = train[:args.max_train_examples]
+        n, k = args.node_cnt, args.B // args.node_cnt
+        # contiguous split like the original: m = last_even(N // n) blocks per worker (for k = 1); in general an
+        # even number of steps of k blocks, so that pair sorters see complete pairs
+        steps = len(train) // n // k // 2 * 2
+        if steps == 0:
+            raise UserFacingError(f"{len(train)} training blocks of {block} tokens are too few for --node_cnt {n} "
+                                  f"and --B {args.B}: need at least {2 * args.B}")
+        self.n_workers, self.n_units, self.units_per_step, self.global_batch = n, steps * k, k, args.B
+        used = n * self.n_units
+        # worker j owns blocks j*m .. (j+1)*m - 1
+        self.worker_blocks = train[:used].reshape(n, self.n_units, block).to(device)  # (n, m, T)
+        self.eval_blocks = {}
+        for split in ("valid", "test"):  # the real WikiText-103 splits (the original reported valid as "test")
+            blocks = load_blocks(args.data_dir, split, block, cache_dir=args.cache_dir)
+            self.eval_blocks[split] = blocks[:args.max_eval_examples].to(device)
+        from models.gpt2 import build_gpt2, lm_loss  # imports transformers (seconds): only once the data is there
+        self.lm_loss = lm_loss
+        self.model = FlatModel(build_gpt2(n_positions=block)).to(device)
+        self._grad_buffer = None
+        self.data_info = {
+            "train_file": str(split_file(args.data_dir, "train", args.train_file)),
+            "block_size": block, "tokenizer": "GPT-2 byte-level BPE (50,257 ids)",
+            "train_blocks_used": used, "train_blocks_available": available,
+            "valid_blocks": len(self.eval_blocks["valid"]), "test_blocks": len(self.eval_blocks["test"]),
+        }
+
+    def units(self, workers, unit_ids):
+        rows = torch.as_tensor(workers)[:, None]
+        return self.worker_blocks[rows, unit_ids.to(self.worker_blocks.device)].flatten(0, 1)  # (U, T)
+
+    def logits(self, flat, ids):
+        return self.model(flat, input_ids=ids, use_cache=False).logits
+
+    def loss(self, flat, ids):
+        return self.lm_loss(self.logits(flat, ids), ids), None
+
+    def unit_grads(self, flat, batch, n_local, k):
+        """Per-block gradients (n_local, k, d), vmapped GRAD_CHUNK blocks at a time into one buffer.
+
+        One vmap over all 64 blocks holds every block's embedding and LM-head gradient of the tied
+        50,257 x 128 matrix plus their concatenation (peak RSS 13.9 GiB at B = 64 on the CPU, and slower);
+        chunks of 16 bound that (6.4 GiB, of which 1.6 GiB is this buffer and 1.6 GiB CD-GraB's cached
+        pair half). The buffer is reused from step to step, so the (U, d) gradients exist once: the
+        returned tensor is valid until the next call (the engine and the sorters copy what they keep).
+        """
+        units = len(batch)
+        d = flat.numel()
+        buffer = self._grad_buffer
+        if buffer is None or buffer.shape != (units, d) or buffer.device != flat.device or buffer.dtype != flat.dtype:
+            self._grad_buffer = None  # free the old one first
+            buffer = self._grad_buffer = torch.empty(units, d, dtype=flat.dtype, device=flat.device)
+        losses = torch.empty(units, dtype=flat.dtype, device=flat.device)
+        for start in range(0, units, GRAD_CHUNK):
+            stop = min(start + GRAD_CHUNK, units)
+            grads, chunk_losses = unit_gradients(self.loss, flat, batch[start:stop])
+            buffer[start:stop].copy_(grads)
+            losses[start:stop].copy_(chunk_losses.detach())
+            del grads
+        return buffer.view(n_local, k, d), losses.view(n_local, k)
+
+    def batch_grad(self, flat, batch):
+        """Mean gradient (d,) over the local blocks, accumulated GRAD_CHUNK blocks at a time
+        (one pass over 64 blocks peaks at 7.5 GiB on the CPU, mostly the 50,257-way logits)."""
+        total_grad, total_loss = torch.zeros_like(flat), torch.zeros((), dtype=flat.dtype, device=flat.device)
+        for start in range(0, len(batch), GRAD_CHUNK):
+            chunk = batch[start:start + GRAD_CHUNK]
+            grad, loss, _ = batch_gradient(self.loss, flat, chunk)
+            total_grad.add_(grad, alpha=len(chunk) / len(batch))
+            total_loss += loss * (len(chunk) / len(batch))
+        return total_grad, total_loss, None
+
+    def evaluate(self, flat, comm):
+        splits = {"train": self.worker_blocks.flatten(0, 1), **self.eval_blocks}
+        metrics = {}
+        for split, blocks in splits.items():
+            loss_sum = 0.0
+            rows = shard(len(blocks), comm)
+            for start in range(rows.start, rows.stop, EVAL_BATCH):
+                ids = blocks[start:min(start + EVAL_BATCH, rows.stop)]
+                logits = self.logits(flat, ids)
+                per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+                loss_sum += per_token.double().sum().item()
+                del logits, per_token
+            loss_sum, = sum_over_processes([loss_sum], comm)
+            mean = loss_sum / (len(blocks) * (blocks.size(1) - 1))  # mean per predicted token
+            metrics[f"{split}_loss"] = mean
+            metrics[f"{split}_ppl"] = float(torch.tensor(mean, dtype=torch.float64).exp())  # not exp(sum/(N-1))
+        return metrics
+
+
+def main():
+    parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
+    parser.add_argument("--train-file", default=None, metavar="PATH",
+                        help="training text in WikiText format, instead of <data-dir>/wikitext-103/wiki.train.* "
+                             "(stand-in: <data-dir>/wikitext-2/train.txt, whose articles are in WikiText-103)")
+    parser.add_argument("--max-seq-length", type=int, default=128, metavar="T",
+                        help="tokens per block (one ordering unit); also the model's number of positions")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="folder for the tokenized-block cache; when unset: $CDGRAB_CACHE, else a cache/ "
+                             "folder beside each data file, else ~/.cache/cdgrab")
+    run_entry_point(BENCHMARK, parser, GPT2Wiki103)
+
+
+if __name__ == "__main__":
+    main()

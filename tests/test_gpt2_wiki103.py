@@ -1,0 +1,95 @@
+"""GPT2-Wiki103 end to end on a tiny slice of the real data: every sorter trains, modes agree.
+
+The slice: 8 training blocks of 32 tokens (2 workers x 4 blocks, one block per worker per step, so
+4 steps per epoch), 4 validation and 4 test blocks, 2 epochs. The full 50,257-word GPT-2 embedding
+is kept, so each step still handles 6.8M-parameter per-block gradients. Every run shares one token
+cache, so WikiText-2's train.txt is tokenized once per module.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from sorters import SORTER_NAMES
+from tests.helpers import DATA_DIR, check_ok, error_lines, metrics_header, read_metrics, run_script
+
+SCRIPT = "main-GPT2-Wiki103.py"
+TRAIN_FILE = DATA_DIR / "wikitext-2" / "train.txt"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not ((DATA_DIR / "gpt2-tokenizer" / "merges.txt").is_file() and TRAIN_FILE.is_file()
+                            and (DATA_DIR / "wikitext-103" / "wiki.valid.tokens").is_file()),
+                       reason=f"GPT-2 tokenizer, WikiText-2 train or WikiText-103 valid/test not found under {DATA_DIR}"),
+]
+QUICK = ["--max-seq-length", "32", "--max-train-examples", "8", "--max-eval-examples", "4",
+         "--node_cnt", "2", "--B", "2", "--epochs", "2", "--lr", "3e-3", "--record-orders"]
+HEADER = ["epoch", "train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl", "test_ppl", "epoch_seconds",
+          "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+RESULT_COLUMNS = ("train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl", "test_ppl")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-cache")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir):
+    """run(sorter, nproc=None) -> run directory; each configuration is trained once per module."""
+    root, done = tmp_path_factory.mktemp("runs"), {}
+
+    def run(sorter, nproc=None):
+        if (sorter, nproc) not in done:
+            out = root / f"{sorter}-nproc{nproc or 1}"
+            check_ok(run_script(SCRIPT, "--sorter", sorter, "--out", out, "--train-file", TRAIN_FILE,
+                                "--cache-dir", cache_dir, *QUICK, nproc=nproc))
+            done[sorter, nproc] = out
+        return done[sorter, nproc]
+
+    return run
+
+
+@pytest.mark.parametrize("sorter", SORTER_NAMES)
+def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
+    out = runs(sorter)
+    assert metrics_header(out) == HEADER
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r[c]) for r in rows for c in RESULT_COLUMNS)
+    assert rows[1]["train_loss"] < rows[0]["train_loss"] < 10.9  # ln(50,257) = 10.8 at a uniform guess
+    for r in rows:
+        for split in ("train", "valid", "test"):
+            assert r[f"{split}_ppl"] == pytest.approx(math.exp(r[f"{split}_loss"]), rel=1e-12)
+    config = json.loads((out / "config.json").read_text())
+    assert config["sizes"] == {"n_workers": 2, "world_size": 1, "workers_per_process": 2, "units_per_worker": 4,
+                               "units_per_step": 1, "steps_per_epoch": 4, "d": 6_846_080 - 96 * 128,
+                               "global_batch": 2}
+    assert config["data"]["train_blocks_used"] == 8 and config["data"]["block_size"] == 32
+    assert config["data"]["valid_blocks"] == config["data"]["test_blocks"] == 4
+    assert config["optimizer"]["name"] == "adamw" and config["args"]["sorter"] == sorter
+    orders = torch.load(out / "orders.pt")
+    assert len(orders) == 2 and all(sorted(row.tolist()) == list(range(4)) for o in orders for row in o)
+    assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
+def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, sorter):
+    single, multi = runs(sorter), runs(sorter, nproc=2)
+    assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == 2
+    orders_single, orders_multi = torch.load(single / "orders.pt"), torch.load(multi / "orders.pt")
+    assert len(orders_single) == len(orders_multi) == 2
+    assert all(torch.equal(a, b) for a, b in zip(orders_single, orders_multi))
+    for a, b in zip(read_metrics(single), read_metrics(multi)):
+        for column in RESULT_COLUMNS:
+            assert a[column] == pytest.approx(b[column], rel=1e-5), (column, a, b)
+        assert a["comm_bytes"] == b["comm_bytes"]
+
+
+def test_missing_train_file_is_one_line_and_exit_2(tmp_path, cache_dir):
+    result = run_script(SCRIPT, "--train-file", tmp_path / "absent.txt", "--out", tmp_path / "run",
+                        "--cache-dir", cache_dir, *QUICK)
+    assert result.returncode == 2
+    lines = error_lines(result)
+    assert len(lines) == 1 and "absent.txt" in lines[0] and "--train-file" in lines[0]
+    assert "Traceback" not in result.stderr
