@@ -11,7 +11,7 @@ from data.hmda import (LAR_CATEGORICAL, LAR_NEVER_USED, LAR_NUMERIC, SAMPLE_COLU
                        split_80_20)
 from engine.errors import UserFacingError
 
-REAL_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"   # <repo>/../shared/data
+from tests.helpers import DATA_DIR as REAL_DATA  # noqa: E402
 
 # The 78 columns of the public CFPB hmda_2017_<state>_all-records_labels.csv, in file order.
 LAR_2017_HEADER = (

@@ -1,6 +1,5 @@
 """M4 windows, split, standardisation and sMAPE (spec 3.3 and 4)."""
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ import torch
 from data.m4 import destandardise, load_m4, read_series, smape
 from engine.errors import UserFacingError
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from tests.helpers import DATA_DIR  # noqa: E402
 needs_data = pytest.mark.skipif(not (DATA_DIR / "m4" / "Weekly-train.csv").is_file(),
                                 reason=f"M4 csv files not found under {DATA_DIR}")
 

@@ -10,7 +10,7 @@ import data.wikitext103 as wt
 from data.wikitext103 import cache_folder, gpt2_tokenizer, load_blocks
 from engine.errors import UserFacingError
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from tests.helpers import DATA_DIR  # noqa: E402
 needs_data = pytest.mark.skipif(
     not ((DATA_DIR / "gpt2-tokenizer" / "merges.txt").is_file()
          and (DATA_DIR / "wikitext-103" / "wiki.valid.tokens").is_file()),

@@ -1,5 +1,4 @@
 """WikiText-2 word-level corpus and LSTM batching (spec 3.2)."""
-from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +6,7 @@ import torch
 from data.wikitext2 import batchify, get_chunk, load_wikitext2, n_chunks
 from engine.errors import UserFacingError
 
-DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from tests.helpers import DATA_DIR  # noqa: E402
 needs_data = pytest.mark.skipif(not (DATA_DIR / "wikitext-2" / "train.txt").is_file(),
                                 reason=f"WikiText-2 not found under {DATA_DIR}")
 

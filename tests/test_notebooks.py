@@ -2,7 +2,6 @@
 `python -m analysis` command, and every notebook executed headless (nbclient)."""
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -1,0 +1,162 @@
+"""LSTM-Wiki2 on a small slice of the real WikiText-2: every sorter trains, modes agree, the task's pieces
+(units, per-chunk gradients, carried hidden state, evaluation blocking) do what the script says."""
+import argparse
+import importlib.util
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.comm import LocalCommunicator
+from engine.errors import UserFacingError
+from engine.functional import batch_gradient
+from sorters import SORTER_NAMES
+from tests.helpers import DATA_DIR, REPO, check_ok, metrics_header, needs_data, read_metrics, run_script
+
+pytestmark = needs_data
+SCRIPT = "main-LSTM-Wiki2.py"
+# 2 workers x 2 columns, 10-token chunks, 12 chunks (= steps per epoch); lr 2 falls fast from ln(33278)
+QUICK = ["--B", "4", "--node_cnt", "2", "--bptt", "10", "--lr", "2", "--max-train-examples", "12",
+         "--max-eval-examples", "2", "--epochs", "2", "--record-orders"]
+RESULT_COLUMNS = ("train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl", "test_ppl")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 2-epoch run per sorter in one process (shared by the tests below), two at a time: each
+    run is a single-threaded process, mostly start-up (imports, data, torch.func's first call)."""
+    root = tmp_path_factory.mktemp("lstm")
+    done = {sorter: root / sorter for sorter in SORTER_NAMES}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = pool.map(lambda s: run_script(SCRIPT, "--sorter", s, "--out", done[s], *QUICK), SORTER_NAMES)
+        for result in results:
+            check_ok(result)
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sorter", SORTER_NAMES)
+def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
+    out = runs[sorter]
+    assert metrics_header(out) == ["epoch", "train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl",
+                                   "test_ppl", "epoch_seconds", "sorter_seconds", "comm_seconds",
+                                   "compute_seconds", "comm_bytes"]
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(torch.isfinite(torch.tensor(r[c])) for c in RESULT_COLUMNS), r
+        for split in ("train", "valid", "test"):
+            assert r[f"{split}_ppl"] == pytest.approx(torch.tensor(r[f"{split}_loss"]).exp().item(), rel=1e-6)
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["sizes"] == {"n_workers": 2, "world_size": 1, "workers_per_process": 2, "units_per_worker": 12,
+                               "units_per_step": 1, "steps_per_epoch": 12, "d": 1_081_792, "global_batch": 4}
+    assert config["data"]["train_chunks_used"] == 12 and config["data"]["vocab_size"] == 33_278
+    orders = torch.load(out / "orders.pt")
+    assert len(orders) == 2 and all(sorted(row.tolist()) == list(range(12)) for o in orders for row in o)
+    assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
+def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, tmp_path, sorter):
+    multi = tmp_path / "nproc2"
+    check_ok(run_script(SCRIPT, "--sorter", sorter, "--out", multi, *QUICK, nproc=2))
+    single_orders, multi_orders = torch.load(runs[sorter] / "orders.pt"), torch.load(multi / "orders.pt")
+    assert len(single_orders) == len(multi_orders) == 2
+    assert all(torch.equal(a, b) for a, b in zip(single_orders, multi_orders))
+    for ra, rb in zip(read_metrics(runs[sorter]), read_metrics(multi), strict=True):
+        for column in RESULT_COLUMNS:
+            assert ra[column] == pytest.approx(rb[column], rel=1e-5), (column, ra, rb)
+    assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == 2
+
+
+# ---------------------------------------------------------------- the task in-process (no training run)
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("main_lstm_wiki2", REPO / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    corpus = module.load_wikitext2(DATA_DIR)  # read once for the several tasks built below
+    module.load_wikitext2 = lambda data_dir: corpus
+    return module
+
+
+def task_args(**changes):
+    args = dict(data_dir=str(DATA_DIR), B=4, node_cnt=2, bptt=5, max_train_examples=6, max_eval_examples=3,
+                clip=None, carry_hidden=False, order_unit="chunk")
+    return argparse.Namespace(**{**args, **changes})
+
+
+def test_units_gradients_hidden_state_and_evaluation():
+    module = load_script()
+    torch.manual_seed(0)
+    task = module.LSTMWiki2(task_args(), torch.device("cpu"))
+    flat, train, T = task.model.flat, task.train_matrix, 5
+    assert (task.n_units, task.units_per_step, task.n_chunks) == (6, 1, 6)
+
+    # chunk unit: worker r's chunk i is rows [5i, 5i+5) of columns [2r, 2r+2), targets one row down
+    inputs, targets, h0, c0 = task.units([0, 1], torch.tensor([[3], [1]]))
+    assert torch.equal(inputs[0], train[15:20, 0:2]) and torch.equal(targets[0], train[16:21, 0:2])
+    assert torch.equal(inputs[1], train[5:10, 2:4]) and torch.equal(targets[1], train[6:11, 2:4])
+    assert not h0.any() and h0.shape == (2, 2, 2, 32)
+
+    # per-chunk gradients equal one backward of that worker's chunk loss
+    grads, losses = task.unit_grads(flat, (inputs, targets, h0, c0), 2, 1)
+    assert grads.shape == (2, 1, task.model.d)
+    for r in range(2):
+        p = flat.clone().requires_grad_(True)
+        log_probs, _ = task.model(p, inputs[r], (h0[r], c0[r]))
+        loss = F.nll_loss(log_probs, targets[r].reshape(-1))
+        torch.testing.assert_close(grads[r, 0], torch.autograd.grad(loss, p)[0])
+        torch.testing.assert_close(losses[r, 0], loss.detach())
+    # ... and their mean is the batch gradient the non-balancing sorters use
+    mean_grad, _, _ = batch_gradient(task.loss, flat, (inputs, targets, h0, c0))
+    torch.testing.assert_close(mean_grad, grads.mean((0, 1)), rtol=1e-4, atol=1e-7)
+
+    # evaluation in blocks of B/n columns = plain B-column evaluation, hidden carried chunk to chunk
+    valid, chunks = task.eval_matrices["valid"]
+    with torch.no_grad():
+        blocked = task._mean_nll(flat, valid, chunks, LocalCommunicator(2))
+        state, total = task.model.module.init_hidden(4), 0.0
+        for i in range(chunks):
+            log_probs, state = task.model(flat, valid[T * i:T * i + T], state)
+            total += F.nll_loss(log_probs, valid[T * i + 1:T * i + T + 1].reshape(-1), reduction="sum").item()
+    assert blocked == pytest.approx(total / (chunks * T * 4), rel=1e-5)
+
+    # example unit: worker r's unit u is column r*mb + u % mb of chunk u // mb
+    example = module.LSTMWiki2(task_args(order_unit="example"), torch.device("cpu"))
+    assert (example.n_units, example.units_per_step) == (12, 2)
+    inputs, targets, _, _ = example.units([0, 1], torch.tensor([[5, 0], [2, 11]]))
+    assert inputs.shape == (4, T, 1)
+    for i, (chunk, column) in enumerate([(2, 1), (0, 0), (1, 2), (5, 3)]):
+        assert torch.equal(inputs[i, :, 0], train[T * chunk:T * chunk + T, column])
+        assert torch.equal(targets[i, :, 0], train[T * chunk + 1:T * chunk + T + 1, column])
+
+    # carried hidden state: both gradient paths hand the chunk's final state to the next step
+    carry = module.LSTMWiki2(task_args(carry_hidden=True), torch.device("cpu"))
+    carry.start_epoch(1)
+    batch = carry.units([0, 1], torch.tensor([[3], [1]]))
+    carry.unit_grads(flat, batch, 2, 1)
+    carry.end_step(None)
+    via_unit_grads = tuple(s.clone() for s in carry.hidden)
+    carry.start_epoch(1)
+    _, _, aux = batch_gradient(carry.loss, flat, carry.units([0, 1], torch.tensor([[3], [1]])))
+    carry.end_step(aux)
+    for r in range(2):
+        _, (h, c) = carry.model(flat, batch[0][r], (torch.zeros(2, 2, 32), torch.zeros(2, 2, 32)))
+        torch.testing.assert_close(via_unit_grads[0][r], h)
+        torch.testing.assert_close(via_unit_grads[1][r], c)
+        torch.testing.assert_close(carry.hidden[0][r], h, rtol=1e-5, atol=1e-6)
+    inputs, _, h0, c0 = carry.units([0, 1], torch.tensor([[0], [5]]))
+    assert torch.equal(h0, carry.hidden[0]) and h0.abs().sum() > 0
+    carry.start_epoch(2)
+    assert not carry.hidden[0].any()
+
+    with pytest.raises(UserFacingError, match="--carry-hidden needs --order-unit chunk"):
+        module.LSTMWiki2(task_args(carry_hidden=True, order_unit="example"), torch.device("cpu"))
+    with pytest.raises(UserFacingError, match="need at least 2"):
+        module.LSTMWiki2(task_args(max_train_examples=1), torch.device("cpu"))
+    assert module.LSTMWiki2(task_args(clip=0.25), torch.device("cpu")).clip_grad_norm == 0.25

@@ -1,0 +1,122 @@
+"""MLP-M4 on a small slice of the real M4 Weekly data: every sorter trains, modes agree, the worker split
+and the metrics are what the script says."""
+import argparse
+import importlib.util
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.comm import LocalCommunicator
+from engine.errors import UserFacingError
+from sorters import SORTER_NAMES
+from tests.helpers import DATA_DIR, REPO, check_ok, metrics_header, needs_data, read_metrics, run_script
+
+pytestmark = needs_data
+SCRIPT = "main-MLP-M4.py"
+# 2 workers x 2 windows per step, 64 windows per worker (32 steps per epoch); lr 5e-4 keeps epoch 2
+# in the fast initial descent for every sorter and seed tried
+QUICK = ["--B", "4", "--node_cnt", "2", "--lr", "5e-4", "--max-train-examples", "128",
+         "--max-eval-examples", "128", "--epochs", "2", "--record-orders"]
+RESULT_COLUMNS = ("train_loss", "test_loss", "valid_loss", "test_smape")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 2-epoch run per sorter in one process (shared by the tests below), two at a time: each
+    run is a single-threaded process, mostly start-up (imports, data, torch.func's first call)."""
+    root = tmp_path_factory.mktemp("m4")
+    done = {sorter: root / sorter for sorter in SORTER_NAMES}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = pool.map(lambda s: run_script(SCRIPT, "--sorter", s, "--out", done[s], *QUICK), SORTER_NAMES)
+        for result in results:
+            check_ok(result)
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sorter", SORTER_NAMES)
+def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
+    out = runs[sorter]
+    assert metrics_header(out) == ["epoch", "train_loss", "test_loss", "valid_loss", "test_smape", "epoch_seconds",
+                                   "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(torch.isfinite(torch.tensor(r[c])) for c in RESULT_COLUMNS), r
+        assert 0 < r["test_smape"] < 200
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["sizes"] == {"n_workers": 2, "world_size": 1, "workers_per_process": 2, "units_per_worker": 64,
+                               "units_per_step": 2, "steps_per_epoch": 32, "d": 5_569, "global_batch": 4}
+    assert config["data"]["train_windows_used"] == 128 and config["data"]["test_horizon"] == 13
+    orders = torch.load(out / "orders.pt")
+    assert len(orders) == 2 and all(sorted(row.tolist()) == list(range(64)) for o in orders for row in o)
+    assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
+def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, tmp_path, sorter):
+    multi = tmp_path / "nproc2"
+    check_ok(run_script(SCRIPT, "--sorter", sorter, "--out", multi, *QUICK, nproc=2))
+    single_orders, multi_orders = torch.load(runs[sorter] / "orders.pt"), torch.load(multi / "orders.pt")
+    assert len(single_orders) == len(multi_orders) == 2
+    assert all(torch.equal(a, b) for a, b in zip(single_orders, multi_orders))
+    for ra, rb in zip(read_metrics(runs[sorter]), read_metrics(multi), strict=True):
+        for column in RESULT_COLUMNS:
+            assert ra[column] == pytest.approx(rb[column], rel=1e-5), (column, ra, rb)
+    assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == 2
+
+
+# ---------------------------------------------------------------- the task in-process (no training run)
+
+def task_args(**changes):
+    args = dict(data_dir=str(DATA_DIR), freq="Weekly", in_len=20, hidden=64, layers=3, B=6, node_cnt=2,
+                seed=0, max_train_examples=1000, max_eval_examples=None)
+    return argparse.Namespace(**{**args, **changes})
+
+
+def test_worker_split_units_and_metrics():
+    spec = importlib.util.spec_from_file_location("main_mlp_m4", REPO / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data = module.load_m4(DATA_DIR)
+    module.load_m4 = lambda *args, **kwargs: data  # read once for the several tasks built below
+    torch.manual_seed(0)
+    task = module.MLPM4(task_args(), torch.device("cpu"))
+    # k = B/n = 3 windows per worker per step; m = 1000 // 2 = 500 rounded down to a multiple of 6
+    assert (task.n_workers, task.n_units, task.units_per_step, task.model.d) == (2, 498, 3, 5_569)
+    # the split: a seeded shuffle of the first 1000 windows, 2 x 498 of them, no window twice
+    used = task.worker_x.reshape(-1, 20)
+    ids = torch.randperm(1000, generator=torch.Generator().manual_seed(0))[:996]
+    assert torch.equal(used, data.train_x[ids]) and torch.equal(task.worker_y.reshape(-1, 6), data.train_y[ids])
+    other = module.MLPM4(task_args(seed=1), torch.device("cpu"))
+    assert not torch.equal(other.worker_x, task.worker_x)
+
+    # units: worker-major, k windows each
+    x, y = task.units([0, 1], torch.tensor([[4, 0, 7], [1, 2, 3]]))
+    assert torch.equal(x, torch.stack([task.worker_x[0, 4], task.worker_x[0, 0], task.worker_x[0, 7],
+                                       task.worker_x[1, 1], task.worker_x[1, 2], task.worker_x[1, 3]]))
+    assert y.shape == (6, 6)
+    grads, losses = task.unit_grads(task.model.flat, (x, y), 2, 3)
+    assert grads.shape == (2, 3, 5_569) and losses.shape == (2, 3)
+
+    # metrics: every window weighs the same; the test rollout covers the 13-week horizon; sMAPE as stated
+    flat = task.model.flat
+    with torch.no_grad():
+        metrics = task.evaluate(flat, LocalCommunicator(2))
+        pred_train = task.model(flat, used, 6)
+        pred_test = task.model(flat, data.test_x, 13)
+        valid = F.mse_loss(task.model(flat, data.valid_x, 6), data.valid_y).item()
+    assert metrics["train_loss"] == pytest.approx(F.mse_loss(pred_train, data.train_y[ids]).item(), rel=1e-5)
+    assert metrics["valid_loss"] == pytest.approx(valid, rel=1e-5)
+    assert metrics["test_loss"] == pytest.approx(F.mse_loss(pred_test, data.test_y).item(), rel=1e-5)
+    p = pred_test.double() * data.test_std[:, None].double() + data.test_mean[:, None].double()
+    t = data.test_y.double() * data.test_std[:, None].double() + data.test_mean[:, None].double()
+    assert metrics["test_smape"] == pytest.approx((200 * (p - t).abs() / (p.abs() + t.abs())).mean().item(), rel=1e-4)
+
+    with pytest.raises(UserFacingError, match="too few"):
+        module.MLPM4(task_args(max_train_examples=5), torch.device("cpu"))
