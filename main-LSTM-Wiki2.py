@@ -1,0 +1,233 @@
+"""2-layer LSTM language model on WikiText-2 with distributed example ordering (paper section 6.2).
+
+    python main-LSTM-Wiki2.py --sorter CD-GraB --seed 0                          # 4 workers, one process
+    torchrun --standalone --nproc_per_node=4 main-LSTM-Wiki2.py --sorter D-RR    # 4 workers, 4 processes
+
+The training split is batchified into B contiguous token streams (columns); worker r owns columns
+[r*B/n, (r+1)*B/n). The ordering unit is one bptt chunk: rows [bptt*i, bptt*(i+1)) of the worker's
+columns, the same chunk index space 0..m-1 on every worker (m = number of chunks rounded down to even).
+Each step every worker takes ONE chunk; CD-GraB pairs consecutive steps. Loss: NLL, mean over the
+bptt * B/n tokens of the chunk; the update averages the workers' gradients.
+
+Hidden state: by default every chunk starts from a zero state (chunks are reordered, so the state of
+the previous step belongs to an unrelated place in the text). --carry-hidden reproduces the original
+(zeros at the start of each epoch, then each worker carries its detached state from step to step).
+
+--order-unit example makes one column of one chunk (bptt tokens of one stream, zero initial state)
+the ordering unit: worker r owns m * B/n units (unit u = chunk u // (B/n), column r*B/n + u % (B/n))
+and takes B/n of them per step, so a step sees the same number of tokens; gradient sorters then
+get one gradient per sequence and CD-GraB pairs units inside a step. With a balancing sorter a step
+costs about 2x the chunk unit's (one backward per sequence, B/n times the gradients to gather and
+balance; measured 0.55 vs 0.31 s at B=16, n=4 on one CPU thread); D-RR costs the same in both.
+Not with --carry-hidden: a worker's units are no longer one stream whose state could be carried.
+
+Evaluation after every epoch: mean per-token NLL (train_loss / valid_loss / test_loss) and
+perplexity exp(mean NLL) on the used training chunks, the validation and the test split. Like the
+original LM_test, each split is batchified with the same B columns, read in order with the hidden
+state carried from chunk to chunk (zeros at the start of the split). Columns are evaluated in blocks of
+B/n (one block per worker, split across processes); since the columns are independent streams, the
+numbers do not depend on the blocking, and one-process and torchrun runs give the same values.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from data.wikitext2 import batchify, load_wikitext2, n_chunks
+from engine.cli import common_parser
+from engine.errors import UserFacingError
+from engine.functional import FlatModel, batch_gradient
+from engine.task import Task, shard, sum_over_processes
+from engine.train import run_entry_point
+from models.lstm import LSTMModel
+
+BENCHMARK = "LSTM-Wiki2"
+# the original README command: --sorter CD-GraB --lr 5.0 --B 16 --node_cnt 4 --epochs 50
+# (momentum 0.9, weight decay 0, lr x0.1 after epochs 10, 20, 30, 40)
+DEFAULTS = dict(sorter="CD-GraB", seed=0, lr=5.0, momentum=0.9, weight_decay=0.0, B=16, node_cnt=4, epochs=50)
+EMBED, HIDDEN, LAYERS = 32, 32, 2
+EVAL_TOKENS = 1024  # tokens per evaluation forward (several chunks of one column block at a time)
+
+
+class LSTMWiki2(Task):
+    name = BENCHMARK
+    metric_columns = ("valid_loss", "train_ppl", "valid_ppl", "test_ppl")
+    lr_decay_every = 10
+    lr_decay_gamma = 0.1
+
+    def __init__(self, args, device):
+        if args.bptt < 1:
+            raise UserFacingError(f"--bptt must be >= 1, got {args.bptt}")
+        if args.clip is not None and not (math.isfinite(args.clip) and args.clip > 0):
+            raise UserFacingError(f"--clip must be a positive number, got {args.clip}")
+        if args.carry_hidden and args.order_unit == "example":
+            raise UserFacingError("--carry-hidden needs --order-unit chunk: with one column per unit, the units "
+                                  "of a worker are no longer one stream whose state could be carried")
+        corpus = load_wikitext2(args.data_dir)
+        self.bptt, self.B, self.n_workers = args.bptt, args.B, args.node_cnt
+        self.mb = args.B // args.node_cnt  # columns per worker
+        self.carry_hidden, self.order_unit = args.carry_hidden, args.order_unit
+        self.clip_grad_norm = args.clip
+        self.device = device
+
+        train = batchify(corpus.train, self.B)  # (rows, B)
+        available = n_chunks(train.size(0), self.bptt)
+        chunks = min(available, args.max_train_examples or available) // 2 * 2  # pair sorters need m even
+        if chunks == 0:
+            limit = f" (--max-train-examples {args.max_train_examples})" if args.max_train_examples else ""
+            raise UserFacingError(f"WikiText-2 train with --B {self.B} --bptt {self.bptt} gives {available} chunk(s)"
+                                  f"{limit}; need at least 2")
+        self.n_chunks = chunks
+        # only the rows the used chunks read (inputs and their next-token targets)
+        self.train_matrix = train[: chunks * self.bptt + 1].to(device)
+        # (n, m, bptt + 1, mb): worker j's view of chunk i, input rows + the one extra target row
+        rows = self.train_matrix.unfold(0, self.bptt + 1, self.bptt)[:chunks]  # (m, B, bptt + 1)
+        rows = rows.reshape(chunks, self.n_workers, self.mb, self.bptt + 1)
+        self.worker_chunks = rows.permute(1, 0, 3, 2).contiguous()
+
+        self.eval_matrices = {}
+        for split in ("valid", "test"):
+            matrix = batchify(getattr(corpus, split), self.B)
+            n_split = min(n_chunks(matrix.size(0), self.bptt), args.max_eval_examples or matrix.size(0))
+            if n_split == 0:
+                raise UserFacingError(f"WikiText-2 {split} with --B {self.B} --bptt {self.bptt} has no full chunk")
+            self.eval_matrices[split] = (matrix[: n_split * self.bptt + 1].to(device), n_split)
+        self.eval_matrices["train"] = (self.train_matrix, chunks)
+
+        if self.order_unit == "chunk":
+            self.n_units, self.units_per_step = chunks, 1
+        else:
+            self.n_units, self.units_per_step = chunks * self.mb, self.mb
+        self.global_batch = self.B
+        self.model = FlatModel(LSTMModel(corpus.vocab_size, EMBED, HIDDEN, LAYERS)).to(device)
+        self.hidden = None          # carried (h, c), each (n, layers, mb, hidden), with --carry-hidden
+        self._local_workers = None  # the workers of the current step (set by `units`)
+        self._pending_hidden = None  # new states computed in unit_grads, installed by end_step
+        self.data_info = {
+            "source": "wikitext-2 (pytorch/examples word level)", "files": [f"{args.data_dir}/wikitext-2/{s}.txt"
+                                                                           for s in ("train", "valid", "test")],
+            "vocab_size": corpus.vocab_size,
+            "tokens": {s: len(getattr(corpus, s)) for s in ("train", "valid", "test")},
+            "bptt": self.bptt, "columns": self.B, "columns_per_worker": self.mb,
+            "train_chunks_available": available, "train_chunks_used": chunks,
+            "valid_chunks": self.eval_matrices["valid"][1], "test_chunks": self.eval_matrices["test"][1],
+            "order_unit": self.order_unit, "hidden_state": "carried" if self.carry_hidden else "zero per chunk",
+            "clip_grad_norm": self.clip_grad_norm,
+            "evaluation": f"B={self.B} columns, in order, hidden carried; blocks of {self.mb} columns; "
+                          "ppl = exp(mean NLL)",
+        }
+
+    # ------------------------------------------------------------------ training units
+    def units(self, workers, unit_ids):
+        """-> (inputs (U, bptt, w), targets (U, bptt, w), h0 (U, layers, w, hidden), c0 likewise), where
+        U = n_local * k and w = B/n columns per unit (chunk) or 1 (example)."""
+        self._local_workers = list(workers)
+        rows = torch.as_tensor(workers)[:, None]
+        unit_ids = unit_ids.to(self.worker_chunks.device)
+        if self.order_unit == "chunk":
+            seq = self.worker_chunks[rows, unit_ids].flatten(0, 1)  # (U, bptt + 1, mb)
+        else:
+            chunk, column = unit_ids // self.mb, unit_ids % self.mb
+            seq = self.worker_chunks[rows, chunk, :, column].flatten(0, 1).unsqueeze(-1)  # (U, bptt + 1, 1)
+        inputs, targets = seq[:, :-1], seq[:, 1:]
+        if self.carry_hidden:
+            h0, c0 = (state[self._local_workers] for state in self.hidden)  # k == 1: one unit per worker
+        else:
+            h0 = inputs.new_zeros((seq.size(0), LAYERS, seq.size(2), HIDDEN), dtype=self.model.flat.dtype)
+            c0 = h0
+        return inputs, targets, h0, c0
+
+    def loss(self, flat, batch):
+        """Mean NLL over all tokens of the units; the units' columns run side by side through the LSTM
+        (columns are independent). aux: the final (h, c) per unit with --carry-hidden, else None."""
+        inputs, targets, h0, c0 = batch
+        U, T, w = inputs.shape
+        x = inputs.permute(1, 0, 2).reshape(T, U * w)                    # time-major, column = (unit, col)
+        state = tuple(s.permute(1, 0, 2, 3).reshape(LAYERS, U * w, HIDDEN) for s in (h0, c0))
+        log_probs, (h, c) = self.model(flat, x, state)                   # (T * U * w, V)
+        loss = F.nll_loss(log_probs, targets.permute(1, 0, 2).reshape(-1))
+        if not self.carry_hidden:
+            return loss, None
+        back = lambda s: s.reshape(LAYERS, U, w, HIDDEN).permute(1, 0, 2, 3).detach()
+        return loss, (back(h), back(c))
+
+    def unit_grads(self, flat, batch, n_local, k):
+        """One backward per unit (a plain loop: torch.vmap has no batching rule for the CPU LSTM
+        kernel and falls back to a slower loop with a warning). Returns (n_local, k, d), (n_local, k)."""
+        grads, losses, states = [], [], []
+        for u in range(n_local * k):
+            g, loss, aux = batch_gradient(self.loss, flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
+            grads.append(g)
+            losses.append(loss)
+            states.append(aux)
+        if self.carry_hidden:
+            self._pending_hidden = tuple(torch.cat([s[i] for s in states]) for i in range(2))
+        return torch.stack(grads).reshape(n_local, k, -1), torch.stack(losses).reshape(n_local, k)
+
+    def start_epoch(self, epoch):
+        if self.carry_hidden:
+            zeros = torch.zeros(self.n_workers, LAYERS, self.mb, HIDDEN, device=self.device,
+                                dtype=self.model.flat.dtype)
+            self.hidden = (zeros, zeros.clone())
+
+    def end_step(self, aux):
+        if not self.carry_hidden:
+            return
+        if aux is None:  # the unit_grads path: states were kept aside there
+            aux, self._pending_hidden = self._pending_hidden, None
+        for carried, new in zip(self.hidden, aux):
+            carried[self._local_workers] = new.detach()
+
+    # ------------------------------------------------------------------ evaluation
+    def _mean_nll(self, flat, matrix, chunks, comm):
+        """Mean per-token NLL of chunks 0..chunks-1 of a (rows, B) matrix, hidden carried in order."""
+        per_forward = max(1, EVAL_TOKENS // (self.bptt * self.mb))  # chunks per forward
+        total = 0.0
+        for block in shard(self.n_workers, comm):  # a fixed blocking, whatever the world size
+            columns = matrix[:, block * self.mb:(block + 1) * self.mb]
+            state = self.model.module.init_hidden(self.mb)
+            state = tuple(s.to(device=flat.device, dtype=flat.dtype) for s in state)
+            for start in range(0, chunks, per_forward):
+                stop = min(start + per_forward, chunks)
+                rows = columns[start * self.bptt: stop * self.bptt + 1]
+                log_probs, state = self.model(flat, rows[:-1], state)
+                total += F.nll_loss(log_probs, rows[1:].reshape(-1), reduction="sum").double().item()
+        (total,) = sum_over_processes([total], comm)
+        return total / (chunks * self.bptt * self.B)
+
+    def evaluate(self, flat, comm):
+        metrics = {}
+        for split in ("train", "valid", "test"):
+            loss = self._mean_nll(flat, *self.eval_matrices[split], comm)
+            metrics[f"{split}_loss"] = loss
+            metrics[f"{split}_ppl"] = math.exp(loss) if loss < 700 else math.inf
+        return metrics
+
+
+def main():
+    parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
+    for action in parser._actions:  # say what a unit is for this benchmark
+        if action.dest == "max_train_examples":
+            action.help = ("use only the first N bptt chunks of the B-column training matrix (rounded down to "
+                           "even; also with --order-unit example); the train evaluation uses the same chunks")
+        elif action.dest == "max_eval_examples":
+            action.help = "evaluate only the first N bptt chunks of the validation and test matrices"
+    parser.add_argument("--bptt", type=int, default=35, help="tokens per stream per chunk (sequence length)")
+    parser.add_argument("--clip", type=float, nargs="?", const=0.25, default=None, metavar="NORM",
+                        help="clip the averaged (global-batch) gradient to this L2 norm, as torch's "
+                             "clip_grad_norm_; '--clip' alone means 0.25 (the v1 code); None: no clipping "
+                             "(as at HEAD)")
+    parser.add_argument("--carry-hidden", action="store_true",
+                        help="carry each worker's detached hidden state from step to step (zeros once per epoch), "
+                             "as the original, although consecutive chunks are unrelated; without it every chunk "
+                             "starts from zeros")
+    parser.add_argument("--order-unit", choices=("chunk", "example"), default="chunk",
+                        help="ordering unit: one bptt chunk of the worker's B/n columns (the paper), or one "
+                             "column of one chunk (B/n units per worker per step, zero initial state each; "
+                             "about 2x slower per step with gradient sorters; not with --carry-hidden)")
+    run_entry_point(BENCHMARK, parser, LSTMWiki2)
+
+
+if __name__ == "__main__":
+    main()
