@@ -14,9 +14,19 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is None or action.default is False \
+                or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.ArgumentParser:
     """The flags every main-*.py takes; `defaults` holds the benchmark's paper settings."""
-    p = OneLineErrorParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineErrorParser(description=description, formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
                    help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
                         "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance)")

@@ -37,7 +37,7 @@ class LocalCommunicator:
     def barrier(self):
         pass
 
-    def close(self):
+    def close(self, finished: bool = False):
         pass
 
 
@@ -63,14 +63,18 @@ class DistributedCommunicator:
 
     def all_gather(self, local):
         out = torch.empty((self.n_workers,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(out, local.contiguous())
+        dist.all_gather_single(out, local.contiguous())
         return out
 
     def barrier(self):
         dist.barrier()
 
-    def close(self):
+    def close(self, finished: bool = False):
+        """Leave the process group. After a finished run, wait for every rank first: tearing gloo
+        down while a peer still works (rank 0 writing the checkpoint) can abort the process."""
         if dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 

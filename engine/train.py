@@ -72,6 +72,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         torch.manual_seed(args.seed)
         task = build_task(args, device)
         train(task, args, comm, device)
+        comm.close(finished=True)
     except UserFacingError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -49,3 +49,32 @@ def metrics_header(run_dir) -> list[str]:
 def error_lines(result) -> list[str]:
     """The non-empty stderr lines that start with 'error:'."""
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def check_run_files(run_dir, epochs: int, m: int) -> list:
+    """A finished run: metrics rows for epochs 1..epochs, a checkpoint, and (from --record-orders) one
+    (n, m) order per epoch whose rows are permutations of range(m). Returns the orders."""
+    import torch
+
+    assert [r["epoch"] for r in read_metrics(run_dir)] == list(range(1, epochs + 1))
+    assert (Path(run_dir) / "checkpoint.pt").exists()
+    orders = torch.load(Path(run_dir) / "orders.pt")
+    assert len(orders) == epochs
+    assert all(sorted(row.tolist()) == list(range(m)) for o in orders for row in o)
+    return orders
+
+
+def assert_runs_agree(single, multi, columns, rel=1e-5, exact=False):
+    """Two runs of one experiment (e.g. one process vs torchrun) have the same orders, exactly, the
+    same metric `columns` (to `rel`, or exactly) and the same communication volume."""
+    import torch
+
+    orders_a, orders_b = torch.load(Path(single) / "orders.pt"), torch.load(Path(multi) / "orders.pt")
+    assert len(orders_a) == len(orders_b) and all(torch.equal(a, b) for a, b in zip(orders_a, orders_b))
+    rows_a, rows_b = read_metrics(single), read_metrics(multi)
+    assert len(rows_a) == len(rows_b)
+    for ra, rb in zip(rows_a, rows_b):
+        for column in columns:
+            expected = ra[column] if exact else pytest.approx(ra[column], rel=rel, abs=1e-7)
+            assert rb[column] == expected, (column, ra, rb)
+        assert ra["comm_bytes"] == rb["comm_bytes"]

@@ -9,10 +9,10 @@ import json
 import math
 
 import pytest
-import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import DATA_DIR, check_ok, error_lines, metrics_header, read_metrics, run_script
+from tests.helpers import (DATA_DIR, assert_runs_agree, check_ok, check_run_files, error_lines,
+                           metrics_header, read_metrics, run_script)
 
 SCRIPT = "main-GPT2-Wiki103.py"
 TRAIN_FILE = DATA_DIR / "wikitext-2" / "train.txt"
@@ -68,22 +68,14 @@ def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
     assert config["data"]["train_blocks_used"] == 8 and config["data"]["block_size"] == 32
     assert config["data"]["valid_blocks"] == config["data"]["test_blocks"] == 4
     assert config["optimizer"]["name"] == "adamw" and config["args"]["sorter"] == sorter
-    orders = torch.load(out / "orders.pt")
-    assert len(orders) == 2 and all(sorted(row.tolist()) == list(range(4)) for o in orders for row in o)
-    assert (out / "checkpoint.pt").exists()
+    check_run_files(out, epochs=2, m=4)
 
 
 @pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
 def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, sorter):
     single, multi = runs(sorter), runs(sorter, nproc=2)
     assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == 2
-    orders_single, orders_multi = torch.load(single / "orders.pt"), torch.load(multi / "orders.pt")
-    assert len(orders_single) == len(orders_multi) == 2
-    assert all(torch.equal(a, b) for a, b in zip(orders_single, orders_multi))
-    for a, b in zip(read_metrics(single), read_metrics(multi)):
-        for column in RESULT_COLUMNS:
-            assert a[column] == pytest.approx(b[column], rel=1e-5), (column, a, b)
-        assert a["comm_bytes"] == b["comm_bytes"]
+    assert_runs_agree(single, multi, RESULT_COLUMNS)
 
 
 def test_missing_train_file_is_one_line_and_exit_2(tmp_path, cache_dir):

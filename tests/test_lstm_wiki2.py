@@ -13,7 +13,8 @@ from engine.comm import LocalCommunicator
 from engine.errors import UserFacingError
 from engine.functional import batch_gradient
 from sorters import SORTER_NAMES
-from tests.helpers import DATA_DIR, REPO, check_ok, metrics_header, needs_data, read_metrics, run_script
+from tests.helpers import (DATA_DIR, REPO, assert_runs_agree, check_ok, check_run_files, metrics_header,
+                           needs_data, read_metrics, run_script)
 
 pytestmark = needs_data
 SCRIPT = "main-LSTM-Wiki2.py"
@@ -54,9 +55,7 @@ def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
     assert config["sizes"] == {"n_workers": 2, "world_size": 1, "workers_per_process": 2, "units_per_worker": 12,
                                "units_per_step": 1, "steps_per_epoch": 12, "d": 1_081_792, "global_batch": 4}
     assert config["data"]["train_chunks_used"] == 12 and config["data"]["vocab_size"] == 33_278
-    orders = torch.load(out / "orders.pt")
-    assert len(orders) == 2 and all(sorted(row.tolist()) == list(range(12)) for o in orders for row in o)
-    assert (out / "checkpoint.pt").exists()
+    check_run_files(out, epochs=2, m=12)
 
 
 @pytest.mark.slow
@@ -64,12 +63,7 @@ def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
 def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, tmp_path, sorter):
     multi = tmp_path / "nproc2"
     check_ok(run_script(SCRIPT, "--sorter", sorter, "--out", multi, *QUICK, nproc=2))
-    single_orders, multi_orders = torch.load(runs[sorter] / "orders.pt"), torch.load(multi / "orders.pt")
-    assert len(single_orders) == len(multi_orders) == 2
-    assert all(torch.equal(a, b) for a, b in zip(single_orders, multi_orders))
-    for ra, rb in zip(read_metrics(runs[sorter]), read_metrics(multi), strict=True):
-        for column in RESULT_COLUMNS:
-            assert ra[column] == pytest.approx(rb[column], rel=1e-5), (column, ra, rb)
+    assert_runs_agree(runs[sorter], multi, RESULT_COLUMNS)
     assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == 2
 
 
