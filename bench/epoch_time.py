@@ -20,9 +20,10 @@ def main():
     parser.add_argument("script", help="entry script, e.g. main-LR-HMDA.py")
     parser.add_argument("--sorters", nargs="+", default=["D-RR", "CD-GraB"], help="sorters to time")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per sorter (the mean is reported)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then flags for the entry script")
-    args = parser.parse_args()
-    extra = [a for a in args.script_args if a != "--"]
+    argv, extra = sys.argv[1:], []
+    if "--" in argv:  # everything after -- belongs to the entry script
+        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    args = parser.parse_args(argv)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for sorter in args.sorters:
