@@ -78,3 +78,17 @@ def assert_runs_agree(single, multi, columns, rel=1e-5, exact=False):
             expected = ra[column] if exact else pytest.approx(ra[column], rel=rel, abs=1e-7)
             assert rb[column] == expected, (column, ra, rb)
         assert ra["comm_bytes"] == rb["comm_bytes"]
+
+
+def run_every_sorter(script: str, root: Path, *args) -> dict:
+    """One run of `script` per sorter into root/<sorter>, two at a time (each run is a
+    single-threaded process, mostly start-up); fails on any non-zero exit. Returns sorter -> dir."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sorters import SORTER_NAMES
+
+    dirs = {sorter: Path(root) / sorter for sorter in SORTER_NAMES}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for result in pool.map(lambda s: run_script(script, "--sorter", s, "--out", dirs[s], *args), SORTER_NAMES):
+            check_ok(result)
+    return dirs

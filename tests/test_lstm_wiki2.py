@@ -3,7 +3,6 @@
 import argparse
 import importlib.util
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from engine.errors import UserFacingError
 from engine.functional import batch_gradient
 from sorters import SORTER_NAMES
 from tests.helpers import (DATA_DIR, REPO, assert_runs_agree, check_ok, check_run_files, metrics_header,
-                           needs_data, read_metrics, run_script)
+                           needs_data, read_metrics, run_every_sorter, run_script)
 
 pytestmark = needs_data
 SCRIPT = "main-LSTM-Wiki2.py"
@@ -26,15 +25,8 @@ RESULT_COLUMNS = ("train_loss", "test_loss", "valid_loss", "train_ppl", "valid_p
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One 2-epoch run per sorter in one process (shared by the tests below), two at a time: each
-    run is a single-threaded process, mostly start-up (imports, data, torch.func's first call)."""
-    root = tmp_path_factory.mktemp("lstm")
-    done = {sorter: root / sorter for sorter in SORTER_NAMES}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = pool.map(lambda s: run_script(SCRIPT, "--sorter", s, "--out", done[s], *QUICK), SORTER_NAMES)
-        for result in results:
-            check_ok(result)
-    return done
+    """One 2-epoch run per sorter in one process, shared by the tests below."""
+    return run_every_sorter(SCRIPT, tmp_path_factory.mktemp("lstm"), *QUICK)
 
 
 @pytest.mark.slow
