@@ -92,3 +92,25 @@ def run_every_sorter(script: str, root: Path, *args) -> dict:
         for result in pool.map(lambda s: run_script(script, "--sorter", s, "--out", dirs[s], *args), SORTER_NAMES):
             check_ok(result)
     return dirs
+
+
+def check_trained_two_epochs(run_dir, columns) -> tuple[list[dict], dict]:
+    """Epochs 1 and 2 logged, every metric in `columns` finite, train loss falling.
+    Returns (metrics rows, config.json)."""
+    import json
+    import math
+
+    rows = read_metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r[c]) for r in rows for c in columns), rows
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]
+    return rows, json.loads((Path(run_dir) / "config.json").read_text())
+
+
+def check_torchrun_agrees(script: str, single, multi, *args, columns, nproc: int = 2) -> None:
+    """Run `script` under torchrun into `multi` and check it agrees with the one-process run `single`."""
+    import json
+
+    check_ok(run_script(script, "--out", multi, *args, nproc=nproc))
+    assert_runs_agree(single, multi, columns)
+    assert json.loads((Path(multi) / "config.json").read_text())["sizes"]["world_size"] == nproc

@@ -2,7 +2,6 @@
 (units, per-chunk gradients, carried hidden state, evaluation blocking) do what the script says."""
 import argparse
 import importlib.util
-import json
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ from engine.comm import LocalCommunicator
 from engine.errors import UserFacingError
 from engine.functional import batch_gradient
 from sorters import SORTER_NAMES
-from tests.helpers import (DATA_DIR, REPO, assert_runs_agree, check_ok, check_run_files, metrics_header,
-                           needs_data, read_metrics, run_every_sorter, run_script)
+from tests.helpers import (DATA_DIR, REPO, check_run_files, check_torchrun_agrees, check_trained_two_epochs,
+                           metrics_header, needs_data, run_every_sorter)
 
 pytestmark = needs_data
 SCRIPT = "main-LSTM-Wiki2.py"
@@ -36,14 +35,10 @@ def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
     assert metrics_header(out) == ["epoch", "train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl",
                                    "test_ppl", "epoch_seconds", "sorter_seconds", "comm_seconds",
                                    "compute_seconds", "comm_bytes"]
-    rows = read_metrics(out)
-    assert [r["epoch"] for r in rows] == [1, 2]
+    rows, config = check_trained_two_epochs(out, RESULT_COLUMNS)
     for r in rows:
-        assert all(torch.isfinite(torch.tensor(r[c])) for c in RESULT_COLUMNS), r
         for split in ("train", "valid", "test"):
             assert r[f"{split}_ppl"] == pytest.approx(torch.tensor(r[f"{split}_loss"]).exp().item(), rel=1e-6)
-    assert rows[1]["train_loss"] < rows[0]["train_loss"]
-    config = json.loads((out / "config.json").read_text())
     assert config["sizes"] == {"n_workers": 2, "world_size": 1, "workers_per_process": 2, "units_per_worker": 12,
                                "units_per_step": 1, "steps_per_epoch": 12, "d": 1_081_792, "global_batch": 4}
     assert config["data"]["train_chunks_used"] == 12 and config["data"]["vocab_size"] == 33_278
@@ -53,10 +48,8 @@ def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
 @pytest.mark.slow
 @pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
 def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, tmp_path, sorter):
-    multi = tmp_path / "nproc2"
-    check_ok(run_script(SCRIPT, "--sorter", sorter, "--out", multi, *QUICK, nproc=2))
-    assert_runs_agree(runs[sorter], multi, RESULT_COLUMNS)
-    assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == 2
+    check_torchrun_agrees(SCRIPT, runs[sorter], tmp_path / "nproc2", "--sorter", sorter, *QUICK,
+                          columns=RESULT_COLUMNS)
 
 
 # ---------------------------------------------------------------- the task in-process (no training run)
