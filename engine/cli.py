@@ -29,7 +29,8 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     p = OneLineErrorParser(description=description, formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
                    help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
-                        "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance)")
+                        "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance), "
+                        "Fold (ablation: the fixed order the original's buggy CD-GraB applied every epoch, spec bug 1)")
     p.add_argument("--seed", type=int, default=defaults.get("seed", 0),
                    help="seeds the model initialisation, the data split and the sorter")
     p.add_argument("--lr", type=float, default=defaults["lr"], help="initial learning rate")

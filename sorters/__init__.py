@@ -12,14 +12,17 @@
 | D-SO    | random permutation per worker drawn once                     | no             |
 | I-B     | GraB mean balance per worker (stale mean)                    | own only       |
 | I-PB    | pair balance per worker                                      | own only       |
+| Fold    | ablation: fixed fold (evens, then odds reversed) per epoch,  | no             |
+|         | the order the original's buggy CD-GraB made (spec bug 1)     |                |
 """
 from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalance
 from sorters.base import Sorter
+from sorters.fold import Fold
 from sorters.herding import parallel_herding_bound
 from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
 
 SORTERS = {cls.name: cls for cls in (CDGraB, DistributedRandomReshuffle, DistributedShuffleOnce,
-                                     IndependentMeanBalance, IndependentPairBalance)}
+                                     IndependentMeanBalance, IndependentPairBalance, Fold)}
 SORTER_NAMES = tuple(SORTERS)
 
 

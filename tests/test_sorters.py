@@ -1,8 +1,11 @@
 """Sorter behaviour: valid permutations, exactness against naive spec implementations, herding."""
+import io
+
 import pytest
 import torch
 
 from sorters import SORTER_NAMES, build_sorter, parallel_herding_bound
+from sorters.fold import fold_map
 
 
 def run_epoch(sorter, grads_of, k):
@@ -68,6 +71,95 @@ def test_d_rr_is_fresh_and_independent_per_worker_and_d_so_is_fixed():
     assert torch.equal(run_epoch(so, None, 5), run_epoch(so, None, 5))
 
 
+@pytest.mark.parametrize("m,by_hand", [
+    (6, [[0, 2, 4, 5, 3, 1], [0, 4, 3, 1, 5, 2], [0, 3, 5, 2, 1, 4]]),
+    (7, [[0, 2, 4, 6, 5, 3, 1], [0, 4, 5, 1, 3, 6, 2], [0, 5, 3, 2, 6, 1, 4]]),
+    (1, [[0], [0], [0]]), (2, [[0, 1], [0, 1], [0, 1]]), (3, [[0, 2, 1], [0, 1, 2], [0, 2, 1]]),
+])
+def test_fold_map_by_hand(m, by_hand):
+    """Epoch e+1 uses the first order read at the positions by_hand[e] (the map, then the map twice, ...):
+    evens ascending, then odds descending; for m odd the last unit sits in the middle slot."""
+    assert fold_map(m).tolist() == by_hand[0]
+    n = 2
+    sorter = build_sorter("Fold", n_workers=n, m=m, d=3, seed=0)
+    assert not sorter.uses_grads
+    first = run_epoch(sorter, None, 1)
+    for positions in by_hand:
+        assert torch.equal(run_epoch(sorter, None, 1), first[:, positions])
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (1, 2), (3, 5), (4, 12), (2, 13), (5, 64)])
+def test_fold_orders_are_permutations_and_start_from_the_cd_grab_order(n, m):
+    fold, cd, rr = (build_sorter(name, n, m, d=2, seed=9) for name in ("Fold", "CD-GraB", "D-RR"))
+    first = fold.sort()
+    assert torch.equal(first, cd.sort()) and torch.equal(first, rr.sort())  # Sorter._random_orders, same seed
+    fold.step(None, torch.arange(m))
+    previous = first
+    for _ in range(6):
+        orders = run_epoch(fold, None, 3)
+        assert all(is_permutation(row, m) for row in orders)
+        assert torch.equal(orders, previous[:, fold_map(m)])
+        previous = orders
+    assert torch.equal(fold.sort(), previous[:, fold_map(m)])
+    assert torch.equal(fold.sort(), previous[:, fold_map(m)])  # an epoch without steps keeps the order, as CD-GraB
+
+
+def zero_pair_differences(n, m, d, seed):
+    """grads_of whose two units of every pair (positions 2i, 2i+1) get the same, fresh random vector per
+    worker and call: every pair difference is exactly 0, whether a pair lies within a step or across two."""
+    generator = torch.Generator().manual_seed(seed)
+    per_pair = []
+
+    def grads_of(orders, positions):
+        if int(positions[0]) == 0:
+            per_pair.append(torch.randn(n, (m + 1) // 2, d, generator=generator))  # new vectors every epoch
+        return per_pair[-1][:, positions // 2]
+    return grads_of
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,m", [(1, 8), (3, 12), (2, 13), (4, 7), (5, 20)])
+def test_cd_grab_with_zero_pair_differences_gives_the_fold_orders(n, m, k):
+    d = 4  # k = 1: every pair spans two steps; k even: pairs within a step; k = 3: both, and short last steps
+    cd, fold = build_sorter("CD-GraB", n, m, d, seed=k), build_sorter("Fold", n, m, d, seed=k)
+    grads_of = zero_pair_differences(n, m, d, seed=m)
+    for _ in range(5):
+        assert torch.equal(run_epoch(cd, grads_of, k), run_epoch(fold, None, k))
+        assert not cd.running_sum.any()  # every sign was a tie, +1, and the shared sum stayed 0
+    assert torch.equal(cd.sort(), fold.sort())
+
+
+def test_cd_grab_on_real_differences_is_not_the_fold():
+    n, m, d = 3, 16, 6
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(3))
+    cd, fold = build_sorter("CD-GraB", n, m, d, seed=5), build_sorter("Fold", n, m, d, seed=5)
+    got = [(run_epoch(cd, gather_units(z), 1), run_epoch(fold, None, 1)) for _ in range(4)]
+    assert torch.equal(*got[0]) and not all(torch.equal(a, b) for a, b in got[1:])
+
+
+def test_fold_state_round_trip_mid_run():
+    n, m, d, k = 3, 10, 2, 2
+    a = build_sorter("Fold", n, m, d, seed=4)
+    for _ in range(2):
+        run_epoch(a, None, k)
+    orders = a.sort()
+    for t in range(0, 4, k):  # stop in the middle of epoch 3, as a crash would
+        a.step(None, torch.arange(t, t + k))
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)  # through a checkpoint file, as engine.train does
+    buffer.seek(0)
+    restored = build_sorter("Fold", n, m, d, seed=99)
+    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    assert restored.epoch == 3 and torch.equal(restored.orders, orders)
+    for sorter in (a, restored):
+        for t in range(4, m, k):
+            sorter.step(None, torch.arange(t, t + k))
+    for _ in range(3):
+        assert torch.equal(run_epoch(a, None, k), run_epoch(restored, None, k))
+    with pytest.raises(ValueError, match="state is for m=10"):
+        build_sorter("Fold", n, 12, d).load_state_dict(a.state_dict())
+
+
 # --- naive reference implementations, written straight from the spec -------------------------
 
 def reference_cd_grab(z, initial_orders, epochs):
@@ -114,6 +206,40 @@ def reference_mean_balance(z, initial_orders, epochs):
             stale[j] = total / m
         orders = nxt
     return history
+
+
+def reference_buggy_single_grad(z, initial_orders, epochs):
+    """Spec 1.6 as the original ran it (bug 1): one unit per worker per step, the even step's gradients
+    cached as a *reference* to a gather buffer that the odd step overwrites in place. m even."""
+    n, m, d = z.shape
+    orders, history = initial_orders.clone(), []
+    for _ in range(epochs):
+        history.append(orders.clone())
+        nxt = torch.zeros(n, m, dtype=torch.long)
+        s, left, right = torch.zeros(d), 0, m - 1
+        buffer = torch.empty(n, d)  # allocated once per epoch
+        for t in range(m):
+            buffer.copy_(torch.stack([z[j, orders[j, t]] for j in range(n)]))  # all_gather_into_tensor
+            if t % 2 == 0:
+                cached = buffer  # the bug: no copy
+                continue
+            diffs = cached - buffer
+            for j in range(n):
+                if torch.dot(s, diffs[j]) <= 0:
+                    nxt[j, left], nxt[j, right], s = orders[j, t - 1], orders[j, t], s + diffs[j]
+                else:
+                    nxt[j, left], nxt[j, right], s = orders[j, t], orders[j, t - 1], s - diffs[j]
+            left, right = left + 1, right - 1
+        orders = nxt
+    return history
+
+
+def test_fold_is_what_the_original_buggy_cd_grab_did():
+    n, m, d = 3, 14, 5
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(12))
+    fold = build_sorter("Fold", n, m, d, seed=6)
+    expected = reference_buggy_single_grad(z, fold.orders, epochs=5)
+    assert all(torch.equal(e, run_epoch(fold, None, 1)) for e in expected)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
