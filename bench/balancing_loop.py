@@ -1,37 +1,44 @@
-"""Why CD-GraB's sequential sign loop uses NumPy on the CPU: both loops timed in one run.
+"""Why CD-GraB's sequential sign loop is compiled (numba) on the CPU: both paths timed in one run.
 
     python bench/balancing_loop.py
 
-For each d, runs CD-GraB's sign loop over the same stream of vectors with the NumPy path and with
-the torch path (the one used on GPUs), checks they give the same signs, and prints microseconds
-per vector and the torch / NumPy ratio.
+For each d, runs CD-GraB's sign loop over the same pair differences with the CPU path (numba) and
+with the torch path (the one used on GPUs), checks they give the same signs, and prints one JSON
+object: microseconds per vector and the torch / CPU ratio.
 """
+import json
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 import sorters.balance as balance  # noqa: E402
 
 
-def time_loop(signs_fn, stream):
-    running_sum = torch.zeros(stream.shape[1])
-    start = time.perf_counter()
-    signs = signs_fn(running_sum, stream)
-    return time.perf_counter() - start, signs
-
-
 def main():
-    print(f"{'d':>8} {'vectors':>8} {'numpy us':>9} {'torch us':>9} {'ratio':>6}")
-    for d, count in ((16, 20000), (26, 20000), (1024, 10000), (65536, 1000), (1_081_792, 100)):
-        stream = torch.randn(count, d, generator=torch.Generator().manual_seed(0))
-        numpy_s, numpy_signs = time_loop(balance.signs_numpy, stream)
-        torch_s, torch_signs = time_loop(balance.signs_torch, stream)
-        agree = (numpy_signs == torch_signs).float().mean().item()
-        print(f"{d:8d} {count:8d} {1e6 * numpy_s / count:9.2f} {1e6 * torch_s / count:9.2f} "
-              f"{torch_s / numpy_s:6.2f}   signs agree: {agree:.4f}")
+    compiled = balance._pair_signs_cpu()
+    report = {}
+    for d, count in ((16, 20000), (26, 20000), (1024, 10000), (65536, 1000), (1_081_792, 64)):
+        rng = np.random.default_rng(0)
+        firsts = rng.standard_normal((count, 1, d), dtype=np.float32)
+        seconds = rng.standard_normal((count, 1, d), dtype=np.float32)
+        plus = np.empty((1, count), dtype=np.bool_)
+        compiled(np.zeros(d, np.float32), firsts[:2], 0, seconds[:2], 0, plus[:, :2], balance._MINUS_PLUS_ONE[np.float32])
+        start = time.perf_counter()
+        compiled(np.zeros(d, np.float32), firsts, 0, seconds, 0, plus, balance._MINUS_PLUS_ONE[np.float32])
+        cpu_seconds = time.perf_counter() - start
+        stream = torch.from_numpy(firsts[:, 0] - seconds[:, 0])
+        start = time.perf_counter()
+        torch_plus = balance.signs_torch(torch.zeros(d), stream)
+        torch_seconds = time.perf_counter() - start
+        report[f"d={d}"] = {"vectors": count, "cpu_us_per_vector": round(1e6 * cpu_seconds / count, 3),
+                            "torch_us_per_vector": round(1e6 * torch_seconds / count, 3),
+                            "torch_over_cpu": round(torch_seconds / cpu_seconds, 2),
+                            "signs_agree": float((torch.from_numpy(plus[0]) == torch_plus).float().mean())}
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

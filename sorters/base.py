@@ -4,6 +4,7 @@ Notation (the authors' code, not the paper): `n` workers, each owning `m` local 
 (examples, bptt chunks, windows, token blocks), `d` model parameters. An epoch visits positions
 0..m-1; at position t worker j uses its local unit `orders[j, t]`.
 """
+import numpy as np
 import torch
 
 
@@ -53,20 +54,24 @@ class Sorter:
         return self.orders
 
     def step(self, grads, positions) -> None:
-        """Record the gradients of the units just used. grads: (n, k, d); positions: (k,)."""
-        self._next_position += self._check_positions(positions).numel()
+        """Record the gradients of the units just used. grads: (n, k, d); positions: (k,) or a range."""
+        self._next_position += self._check_positions(positions)[1]
 
-    def _check_positions(self, positions) -> torch.Tensor:
-        """Check that `positions` continue the epoch; return them as a CPU LongTensor (k,).
-        The caller advances `_next_position` once the whole step is known to be valid."""
-        positions = torch.as_tensor(positions, dtype=torch.long).cpu().reshape(-1)
-        k = positions.numel()
-        expected = torch.arange(self._next_position, self._next_position + k)
-        if k == 0 or self._next_position + k > self.m or not torch.equal(positions, expected):
+    def _check_positions(self, positions) -> tuple[int, int]:
+        """Check that `positions` (a LongTensor / list (k,), or a range) continue the epoch; return
+        (first position, k). The caller advances `_next_position` once the whole step is valid."""
+        if isinstance(positions, range) and positions.step == 1:  # the engine's form: no tensor work
+            start, k, consecutive = positions.start, len(positions), True
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.long).cpu().reshape(-1)
+            k = positions.numel()
+            start = int(positions[0]) if k else self._next_position
+            consecutive = torch.equal(positions, torch.arange(start, start + k))
+        if k == 0 or not consecutive or start != self._next_position or start + k > self.m:
+            shown = list(positions)[:8] if isinstance(positions, range) else positions.tolist()[:8]
             raise ValueError(f"{self.name}: expected positions {self._next_position}..."
-                             f"{min(self._next_position + max(k, 1), self.m) - 1} of {self.m}, "
-                             f"got {positions.tolist()[:8]}")
-        return positions
+                             f"{min(self._next_position + max(k, 1), self.m) - 1} of {self.m}, got {shown}")
+        return start, k
 
     def _check_grads(self, grads, k: int) -> torch.Tensor:
         if grads is None or tuple(grads.shape) != (self.n, k, self.d):
@@ -75,7 +80,7 @@ class Sorter:
         return grads
 
     def state_dict(self) -> dict:
-        state = {k: v for k, v in vars(self).items() if k not in ("generator", "device")}
+        state = {k: v for k, v in vars(self).items() if k not in ("generator", "device", "_pending_storage")}
         state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
         state["generator"] = self.generator.get_state()
         return state
@@ -140,54 +145,82 @@ class PairBalancer(OnlineBalancer):
     def _reset_running_sums(self):
         raise NotImplementedError
 
-    def _pair_signs(self, diffs: torch.Tensor) -> torch.Tensor:
-        """diffs: (n, P, d) first - second for P consecutive pairs; return (n, P) bool, True = first goes left."""
+    def _pair_signs(self, xp, first_units, first_index: int, second_units, second_index: int, n_pairs: int):
+        """Signs of n_pairs consecutive pairs: pair p of worker j is (first_units[j, first_index + 2p],
+        second_units[j, second_index + 2p]); the unit arrays are (n, k', d), C-contiguous NumPy arrays
+        when xp is numpy, else tensors. Return (n, P) bool of the same kind, True = first goes left."""
         raise NotImplementedError
 
     def step(self, grads, positions):
-        positions = self._check_positions(positions)
-        k = positions.numel()
-        grads = self._check_grads(grads, k).to(device=self.device, dtype=self.dtype)
+        start, k = self._check_positions(positions)
+        grads = self._check_grads(grads, k).detach()  # the sorter never differentiates
+        if grads.device != self.device or grads.dtype != self.dtype:
+            grads = grads.to(device=self.device, dtype=self.dtype)
         self._next_position += k
-        with torch.no_grad():
-            diff_blocks, first_pos, second_pos = [], [], []
-            start = 0
-            if self.pending is not None:
-                # in place: the cached copy is ours, and this saves an (n, d) allocation per step
-                diff_blocks.append(self.pending.sub_(grads[:, 0]).unsqueeze(1))
-                first_pos.append(self.pending_position)
-                second_pos.append(int(positions[0]))
-                self.pending, start = None, 1
-            n_paired = (k - start) // 2 * 2
-            if n_paired:
-                block = grads[:, start:start + n_paired]
-                diff_blocks.append(block[:, 0::2] - block[:, 1::2])
-                first_pos += positions[start:start + n_paired:2].tolist()
-                second_pos += positions[start + 1:start + n_paired:2].tolist()
-            if (k - start) % 2:
-                # a copy, never a view of the caller's buffer (spec bug 1: the original cached a
-                # reference to a gather buffer that the next step overwrote, so every diff was 0)
-                self.pending = grads[:, k - 1].clone()
-                self.pending_position = int(positions[k - 1])
-            if diff_blocks:
-                diffs = torch.cat(diff_blocks, dim=1) if len(diff_blocks) > 1 else diff_blocks[0]
-                self._place_pairs(self._pair_signs(diffs), first_pos, second_pos)
-            if self._next_position == self.m and self.pending is not None:
-                assert self.left == self.right
-                self.next_orders[:, self.left] = self.orders[:, self.pending_position]
-                self.pending, self.left, self.right = None, self.left + 1, self.right - 1
+        xp, (grads,) = array_views(grads)  # NumPy on the CPU: a tenth of torch's per-op overhead here
+        if xp is np:
+            grads = np.ascontiguousarray(grads)  # compiled loops assume rows of contiguous units
+        paired_from = 0
+        if self.pending is not None:  # the pair that began in the previous step
+            pending = array_views(self.pending)[1][0]
+            self._place_pairs(xp, self._pair_signs(xp, pending[:, None], 0, grads, 0, 1), self.pending_position)
+            self.pending, paired_from = None, 1
+        n_pairs = (k - paired_from) // 2
+        if n_pairs:
+            signs = self._pair_signs(xp, grads, paired_from, grads, paired_from + 1, n_pairs)
+            self._place_pairs(xp, signs, start + paired_from)
+        if (k - paired_from) % 2:  # an unpaired last unit: its partner comes with the next step
+            # a copy, never a view of the caller's buffer (spec bug 1: the original cached a
+            # reference to a gather buffer that the next step overwrote, so every diff was 0)
+            self.pending = self._pending_buffer(grads.shape[0], grads.shape[2])
+            if xp is np:
+                np.copyto(self.pending.numpy(), grads[:, k - 1])
+            else:
+                self.pending.copy_(grads[:, k - 1])
+            self.pending_position = start + k - 1
+        if self._next_position == self.m and self.pending is not None:
+            assert self.left == self.right
+            self.next_orders[:, self.left] = self.orders[:, self.pending_position]
+            self.pending, self.left, self.right = None, self.left + 1, self.right - 1
 
-    def _place_pairs(self, first_left: torch.Tensor, first_pos: list, second_pos: list):
-        """first_left: (n, P) bool. Pair i takes slot left+i on the left and right-i on the right."""
-        n_pairs = len(first_pos)
-        firsts = self.orders[:, first_pos]
-        seconds = self.orders[:, second_pos]
-        to_left = torch.where(first_left, firsts, seconds)
-        to_right = torch.where(first_left, seconds, firsts)
-        self.next_orders[:, self.left:self.left + n_pairs] = to_left
-        self.next_orders[:, self.right - n_pairs + 1:self.right + 1] = to_right.flip(1)
-        self.left += n_pairs
-        self.right -= n_pairs
+    def _pending_buffer(self, n: int, d: int) -> torch.Tensor:
+        """One (n, d) tensor reused for every cached first unit: a fresh one per pair costs page faults
+        (and for GPT-2 a 1.75 GB allocation) every other step."""
+        buffer = getattr(self, "_pending_storage", None)
+        if buffer is None or buffer.shape != (n, d):
+            buffer = self._pending_storage = torch.empty(n, d, dtype=self.dtype, device=self.device)
+        return buffer
+
+    def _place_pairs(self, xp, first_left, first: int):
+        """first_left: (n, P) bool (a NumPy array when xp is numpy, else a tensor) for the pairs at
+        epoch positions (first, first + 1), (first + 2, first + 3), ... Pair i takes slot left + i on
+        the left and right - i on the right."""
+        n_pairs = first_left.shape[1]
+        orders, next_orders = (self.orders.numpy(), self.next_orders.numpy()) if xp is np else \
+            (self.orders, self.next_orders)
+        firsts = orders[:, first:first + 2 * n_pairs:2]
+        seconds = orders[:, first + 1:first + 2 * n_pairs:2]
+        left, right = self.left, self.right
+        next_orders[:, left:left + n_pairs] = xp.where(first_left, firsts, seconds)
+        to_right = xp.where(first_left, seconds, firsts)
+        next_orders[:, right - n_pairs + 1:right + 1] = to_right[:, ::-1] if xp is np else to_right.flip(1)
+        self.left, self.right = left + n_pairs, right - n_pairs
+
+
+def pair_views(first_units, first_index: int, second_units, second_index: int, n_pairs: int):
+    """(firsts, seconds), each (n, n_pairs, d): the pairs that _pair_signs describes, as views."""
+    return (first_units[:, first_index:first_index + 2 * n_pairs:2],
+            second_units[:, second_index:second_index + 2 * n_pairs:2])
+
+
+def array_views(*tensors):
+    """(numpy, NumPy arrays sharing memory) on the CPU, where per-op overhead is ~10x lower than
+    torch's for these small per-step updates; (torch, the tensors) elsewhere. The bookkeeping is
+    written once against either. NumPy arrays pass through."""
+    if all(isinstance(t, np.ndarray) or t.device.type == "cpu" for t in tensors):
+        return np, [t if isinstance(t, np.ndarray) else (t.detach() if t.requires_grad else t).numpy()
+                    for t in tensors]
+    return torch, list(tensors)
 
 
 def sign_as_float(plus: torch.Tensor) -> torch.Tensor:
