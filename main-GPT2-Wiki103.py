@@ -5,7 +5,7 @@
 
 The ordering unit is one block of --max-seq-length tokens; by default 64 workers each take one block
 per step (B = 64), as the original's single-process simulation. Per-example gradients come from
-torch.func; the update uses their mean over all workers (AdamW, one optimizer state for the run).
+one backward plus per-block outer products (engine/functional.py); the update uses their mean over all workers (AdamW, one optimizer state for the run).
 """
 import os
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 from data.wikitext103 import load_blocks, split_file  # noqa: E402
 from engine.cli import common_parser  # noqa: E402
 from engine.errors import UserFacingError  # noqa: E402
-from engine.functional import FlatModel, batch_gradient, unit_gradients  # noqa: E402
+from engine.functional import FlatModel  # noqa: E402
 from engine.task import Task, shard, sum_over_processes  # noqa: E402
 from engine.train import run_entry_point  # noqa: E402
 
@@ -59,7 +59,7 @@ class GPT2Wiki103(Task):
         from models.gpt2 import build_gpt2, lm_loss  # imports transformers (seconds): only once the data is there
         self.lm_loss = lm_loss
         self.model = FlatModel(build_gpt2(n_positions=block)).to(device)
-        self._grad_buffer = None
+        self.positions = torch.arange(block, device=device)[None]  # (1, T)
         self.data_info = {
             "train_file": str(split_file(args.data_dir, "train", args.train_file)),
             "block_size": block, "tokenizer": "GPT-2 byte-level BPE (50,257 ids)",
@@ -72,45 +72,51 @@ class GPT2Wiki103(Task):
         return self.worker_blocks[rows, unit_ids.to(self.worker_blocks.device)].flatten(0, 1)  # (U, T)
 
     def logits(self, flat, ids):
-        return self.model(flat, input_ids=ids, use_cache=False).logits
+        """(U, T, V) logits of blocks ids (U, T); positions passed per block so that every layer input
+        has the blocks on dim 0 (what the outer-product gradients need)."""
+        positions = self.positions[:ids.shape[1]].expand(ids.shape[0], -1)
+        return self.model(flat, input_ids=ids, position_ids=positions, use_cache=False).logits
 
     def loss(self, flat, ids):
         return self.lm_loss(self.logits(flat, ids), ids), None
 
-    def unit_grads(self, flat, batch, n_local, k):
-        """Per-block gradients (n_local, k, d), vmapped GRAD_CHUNK blocks at a time into one buffer.
+    def unit_losses(self, flat, ids):
+        """(U,) mean next-token loss of each block."""
+        logits = self.logits(flat, ids)
+        return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
-        One vmap over all 64 blocks holds every block's embedding and LM-head gradient of the tied
-        50,257 x 128 matrix plus their concatenation (peak RSS 13.9 GiB at B = 64 on the CPU, and slower);
-        chunks of 16 bound that (6.4 GiB, of which 1.6 GiB is this buffer and 1.6 GiB CD-GraB's cached
-        pair half). The buffer is reused from step to step, so the (U, d) gradients exist once: the
-        returned tensor is valid until the next call (the engine and the sorters copy what they keep).
+    def unit_grads(self, flat, batch, n_local, k):
+        """Per-block gradients (n_local, k, d), GRAD_CHUNK blocks per pass into one reused buffer.
+
+        Each pass is one forward and one backward to the layer outputs, then per-block outer products
+        written straight into the buffer rows (engine/functional.py). Chunks bound the intermediates:
+        the 50,257-way logits and their gradient are 0.4 GB per 16 blocks. The buffer is reused from
+        step to step, so the (U, d) gradients exist once: the returned tensor is valid until the next
+        call (the engine and the sorters copy what they keep).
         """
+        if not self.outer_products_apply(flat):
+            return super().unit_grads(flat, batch, n_local, k)  # vmap, unchunked
         units = len(batch)
-        d = flat.numel()
-        buffer = self._grad_buffer
-        if buffer is None or buffer.shape != (units, d) or buffer.device != flat.device or buffer.dtype != flat.dtype:
-            self._grad_buffer = None  # free the old one first
-            buffer = self._grad_buffer = torch.empty(units, d, dtype=flat.dtype, device=flat.device)
+        buffer = self._unit_grad_buffer(units)
         losses = torch.empty(units, dtype=flat.dtype, device=flat.device)
         for start in range(0, units, GRAD_CHUNK):
             stop = min(start + GRAD_CHUNK, units)
-            grads, chunk_losses = unit_gradients(self.loss, flat, batch[start:stop])
-            buffer[start:stop].copy_(grads)
-            losses[start:stop].copy_(chunk_losses.detach())
-            del grads
-        return buffer.view(n_local, k, d), losses.view(n_local, k)
+            _, losses[start:stop] = self.model.outer_unit_gradients(self.unit_losses, batch[start:stop],
+                                                                    out=buffer[start:stop])
+        return buffer.view(n_local, k, -1), losses.view(n_local, k)
 
     def batch_grad(self, flat, batch):
         """Mean gradient (d,) over the local blocks, accumulated GRAD_CHUNK blocks at a time
         (one pass over 64 blocks peaks at 7.5 GiB on the CPU, mostly the 50,257-way logits)."""
-        total_grad, total_loss = torch.zeros_like(flat), torch.zeros((), dtype=flat.dtype, device=flat.device)
+        if flat is not self.model.flat:
+            return super().batch_grad(flat, batch)  # other parameters: torch.func, unchunked
+        total_loss = torch.zeros((), dtype=flat.dtype, device=flat.device)
         for start in range(0, len(batch), GRAD_CHUNK):
             chunk = batch[start:start + GRAD_CHUNK]
-            grad, loss, _ = batch_gradient(self.loss, flat, chunk)
-            total_grad.add_(grad, alpha=len(chunk) / len(batch))
-            total_loss += loss * (len(chunk) / len(batch))
-        return total_grad, total_loss, None
+            weight = len(chunk) / len(batch)
+            grad, loss, _ = self.model.batch_gradient(self.loss, chunk, scale=weight, accumulate=start > 0)
+            total_loss += loss * weight
+        return grad, total_loss, None
 
     def evaluate(self, flat, comm):
         splits = {"train": self.worker_blocks.flatten(0, 1), **self.eval_blocks}
@@ -131,7 +137,8 @@ class GPT2Wiki103(Task):
         return metrics
 
 
-def main():
+def make_parser():
+    """The command line: the common flags with this benchmark's defaults, and its own flags."""
     parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
     parser.add_argument("--train-file", default=None, metavar="PATH",
                         help="training text in WikiText format, instead of <data-dir>/wikitext-103/wiki.train.* "
@@ -141,7 +148,11 @@ def main():
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="folder for the tokenized-block cache; when unset: $CDGRAB_CACHE, else a cache/ "
                              "folder beside each data file, else ~/.cache/cdgrab")
-    run_entry_point(BENCHMARK, parser, GPT2Wiki103)
+    return parser
+
+
+def main():
+    run_entry_point(BENCHMARK, make_parser(), GPT2Wiki103)
 
 
 if __name__ == "__main__":

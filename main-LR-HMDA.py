@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=4 main-LR-HMDA.py --sorter D-RR    # 4 workers, 4 processes
 
 The ordering unit is one example: each worker takes B / node_cnt examples per step, per-example
-gradients come from torch.func, and the update uses their mean over all workers.
+gradients come from one backward plus per-example outer products (engine/functional.py), and the update uses their mean over all workers.
 """
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,10 @@ class LogisticHMDA(Task):
         logits = self.model(flat, x).squeeze(-1)
         return F.binary_cross_entropy_with_logits(logits, y), None
 
+    def unit_losses(self, flat, batch):
+        x, y = batch
+        return F.binary_cross_entropy_with_logits(self.model(flat, x).squeeze(-1), y, reduction="none")  # (U,)
+
     def evaluate(self, flat, comm):
         train = (self.worker_x.flatten(0, 1), self.worker_y.flatten())
         metrics = {}
@@ -75,12 +79,17 @@ class LogisticHMDA(Task):
         return metrics
 
 
-def main():
+def make_parser():
+    """The command line: the common flags with this benchmark's defaults, and its own flags."""
     parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
     parser.add_argument("--hmda-file", default=None,
                         help="use this HMDA file instead of searching <data-dir>/hmda/ (authors' .pt pair, "
                              "CFPB LAR 2017 csv/zip, or the HMDA 2018 sample csv/zip)")
-    run_entry_point(BENCHMARK, parser, LogisticHMDA)
+    return parser
+
+
+def main():
+    run_entry_point(BENCHMARK, make_parser(), LogisticHMDA)
 
 
 if __name__ == "__main__":

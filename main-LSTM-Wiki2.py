@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 from data.wikitext2 import batchify, load_wikitext2, n_chunks
 from engine.cli import common_parser
 from engine.errors import UserFacingError
-from engine.functional import FlatModel, batch_gradient
+from engine.functional import FlatModel
 from engine.task import Task, shard, sum_over_processes
 from engine.train import run_entry_point
 from models.lstm import LSTMModel
@@ -153,17 +153,19 @@ class LSTMWiki2(Task):
         return loss, (back(h), back(c))
 
     def unit_grads(self, flat, batch, n_local, k):
-        """One backward per unit (a plain loop: torch.vmap has no batching rule for the CPU LSTM
-        kernel and falls back to a slower loop with a warning). Returns (n_local, k, d), (n_local, k)."""
-        grads, losses, states = [], [], []
-        for u in range(n_local * k):
-            g, loss, aux = batch_gradient(self.loss, flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
-            grads.append(g)
-            losses.append(loss)
+        """One plain backward per unit into one reused (U, d) buffer (torch.vmap has no batching rule
+        for the CPU LSTM kernel and falls back to a slower loop). Returns (n_local, k, d), (n_local, k);
+        the gradients are valid until the next call."""
+        units = n_local * k
+        buffer = self._unit_grad_buffer(units)
+        losses, states = torch.empty(units, dtype=flat.dtype, device=flat.device), []
+        for u in range(units):
+            g, losses[u], aux = self.batch_grad(flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
+            buffer[u].copy_(g)
             states.append(aux)
         if self.carry_hidden:
             self._pending_hidden = tuple(torch.cat([s[i] for s in states]) for i in range(2))
-        return torch.stack(grads).reshape(n_local, k, -1), torch.stack(losses).reshape(n_local, k)
+        return buffer.view(n_local, k, -1), losses.view(n_local, k)
 
     def start_epoch(self, epoch):
         if self.carry_hidden:
@@ -205,7 +207,8 @@ class LSTMWiki2(Task):
         return metrics
 
 
-def main():
+def make_parser():
+    """The command line: the common flags with this benchmark's defaults, and its own flags."""
     parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
     for action in parser._actions:  # say what a unit is for this benchmark
         if action.dest == "max_train_examples":
@@ -226,7 +229,11 @@ def main():
                         help="ordering unit: one bptt chunk of the worker's B/n columns (the paper), or one "
                              "column of one chunk (B/n units per worker per step, zero initial state each; "
                              "about 2x slower per step with gradient sorters; not with --carry-hidden)")
-    run_entry_point(BENCHMARK, parser, LSTMWiki2)
+    return parser
+
+
+def main():
+    run_entry_point(BENCHMARK, make_parser(), LSTMWiki2)
 
 
 if __name__ == "__main__":

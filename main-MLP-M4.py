@@ -8,7 +8,8 @@ Every series is z-scored with its own training mean and std and cut into windows
 one training window. Worker split: the train window ids are shuffled with a generator seeded by --seed,
 the first n*m kept and reshaped to (n, m), m = N // n rounded down to a multiple of 2 and of B/n. Each
 step every worker takes B/n windows (the original silently used one window whatever B was); the update
-is the mean gradient over all B windows; per-window gradients come from torch.func.vmap.
+is the mean gradient over all B windows; per-window gradients come from one backward plus per-window outer
+products (engine/functional.py).
 
 Loss: MSE between the 6 autoregressively rolled-out predictions and the targets (standardised scale).
 Metrics after every epoch: train_loss / valid_loss = MSE over all used train / all valid windows (every
@@ -87,6 +88,10 @@ class MLPM4(Task):
         x, y = batch  # (U, in_len), (U, 6)
         return F.mse_loss(self.model(flat, x, y.shape[-1]), y), None
 
+    def unit_losses(self, flat, batch):
+        x, y = batch
+        return (self.model(flat, x, y.shape[-1]) - y).square().mean(dim=1)  # (U,)
+
     def _squared_error_sum(self, flat, x, y, comm):
         """Sum of squared errors of a rollout of len y over all rows; fixed chunks split over processes."""
         total = 0.0
@@ -112,7 +117,8 @@ class MLPM4(Task):
         }
 
 
-def main():
+def make_parser():
+    """The command line: the common flags with this benchmark's defaults, and its own flags."""
     parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
     for action in parser._actions:  # say what a unit is for this benchmark
         if action.dest == "max_train_examples":
@@ -128,7 +134,11 @@ def main():
                         help="Linear layers including input and output (the original's --nlayers)")
     parser.epilog = ("test_smape = mean over series s and horizon steps h of 200 * |p - t| / (|p| + |t|) (percent), "
                      "p and t de-standardised with the series' training mean and std; 0 where p = t = 0.")
-    run_entry_point(BENCHMARK, parser, MLPM4)
+    return parser
+
+
+def main():
+    run_entry_point(BENCHMARK, make_parser(), MLPM4)
 
 
 if __name__ == "__main__":

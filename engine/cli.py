@@ -60,6 +60,15 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                    help="also save every epoch's (n, m) orders to <out>/orders.pt")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="tqdm progress bar on rank 0 (auto: only on a terminal)")
+    p.add_argument("--unit-grads", choices=("auto", "vmap"), default="auto",
+                   help="per-unit gradients for the balancing sorters: auto = one backward plus per-unit outer "
+                        "products where the model allows it (Linear/Conv1D/Embedding/LayerNorm: LR, MLP, GPT-2), "
+                        "else the benchmark's own path; vmap = torch.func.vmap over grad (the general path; "
+                        "equal to float32 rounding)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="run the balancing sorters' step t in a background thread while step t + 1 computes "
+                        "(the same orders either way; costs a second per-unit gradient buffer). auto: on "
+                        "when d >= 65,536, where the balancing costs more than the hand-off")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
     return p

@@ -96,7 +96,8 @@ class GradientExchange:
     `exchange(local_unit_grads, local_mean_grad)` returns `(update, all_unit_grads)`:
       local_unit_grads: (n_local, k, d) per-unit gradients of this process's workers, or None
       local_mean_grad:  (d,) mean gradient over this process's units (used when no unit grads)
-      update:           (d,) the global-batch gradient (mean over all workers' units)
+      update:           (d,) the global-batch gradient (mean over all workers' units); may be
+                        local_mean_grad itself, so it is valid as long as that is
       all_unit_grads:   (n, k, d) every worker's unit gradients, or None
 
     Sorters that balance need every worker's unit gradients in every process (CD-GraB runs its
@@ -118,6 +119,8 @@ class GradientExchange:
             return every.mean(dim=(0, 1)), every
         self.comm_bytes += n * local_mean_grad.numel() * local_mean_grad.element_size()
         n_local = len(self.comm.local_workers)
+        if n_local == n:  # every worker is in this process: the local mean is the global one
+            return local_mean_grad, None
         # weight by n_local so that the sum over processes is n * (global mean)
         total = self.comm.all_reduce_sum((local_mean_grad * n_local).unsqueeze(0))
         return total / n, None

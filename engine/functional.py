@@ -1,30 +1,59 @@
-"""The model as a pure function of ONE flat parameter vector, and its gradients via torch.func.
+"""The model as a function of ONE flat parameter vector, and its gradients.
 
 Keeping all parameters in a single (d,) tensor makes every gradient a (d,) or (k, d) tensor
 (what sorters and collectives consume) with no flatten/concatenate step, and makes the
 optimizer state one (d,) tensor per buffer. Tied weights appear once (named_parameters
-de-duplicates them, and functional_call re-ties them).
+de-duplicates them).
+
+The module's own parameters are views into that vector (`FlatModel.flat`), and their `.grad`
+views into one (d,) gradient buffer, so the plain path is the textbook one: call the module,
+`backward()`, read the buffer. Three gradient routines build on it:
+
+- `FlatModel.batch_gradient`: mean gradient of a batch, one ordinary backward;
+- `FlatModel.outer_unit_gradients`: per-unit gradients from ONE batched backward to the outputs of
+  the Linear / Conv1D / Embedding / LayerNorm layers, then per-unit outer products (for models
+  made only of those layers: LR, MLP, GPT-2);
+- `unit_gradients`: per-unit gradients by torch.func.vmap over grad, the general path.
 """
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
 
 class FlatModel:
-    """Wraps an nn.Module: `flat` (d,) holds its parameters; `params(flat)` gives name -> view.
+    """Wraps an nn.Module whose parameters become views of `flat` (d,), gradients views of `grad` (d,).
 
-    The module's own parameter tensors are left alone; the module is only a function here.
+    `model(flat, *args)` runs the module at parameters `flat`: directly when `flat` is `self.flat`
+    (the fast path: no re-parametrisation), through torch.func.functional_call otherwise (e.g. under
+    vmap, where `flat` is a batched tracer).
     """
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        named = list(module.named_parameters())
+        self._bind(torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone())
+
+    def _bind(self, flat: torch.Tensor) -> None:
+        """Make the module's parameters views of `flat` and their gradients views of a zeroed buffer."""
+        named = list(self.module.named_parameters())
         self.names = [name for name, _ in named]
         self.shapes = [p.shape for _, p in named]
         self.numels = [p.numel() for _, p in named]
-        self.flat = torch.cat([p.detach().reshape(-1) for _, p in named]).clone()
-        self.buffers = dict(module.named_buffers())
-        self.d = self.flat.numel()
+        self.flat, self.grad, self.d = flat, torch.zeros_like(flat), flat.numel()
+        self.offsets = {}  # id(parameter) -> offset in flat
+        offset = 0
+        for (_, p), numel in zip(named, self.numels):
+            p.data = flat[offset:offset + numel].view(p.shape)
+            p.grad = self.grad[offset:offset + numel].view(p.shape)  # backward accumulates in place
+            self.offsets[id(p)] = offset
+            offset += numel
+        self.buffers = dict(self.module.named_buffers())
+        self.layers = [(module, OUTER_PRODUCT_RULES[type(module).__name__])
+                       for module in self.module.modules() if type(module).__name__ in OUTER_PRODUCT_RULES
+                       and any(True for _ in module.parameters(recurse=False))]
+        covered = {id(p) for module, _ in self.layers for p in module.parameters(recurse=False)}
+        # every parameter must belong to a layer with an outer-product rule, else only vmap is exact
+        self.supports_outer = covered == set(self.offsets)
 
     def params(self, flat: torch.Tensor) -> dict:
         """name -> view of `flat` with the parameter's shape."""
@@ -32,17 +61,118 @@ class FlatModel:
         return {name: piece.view(shape) for name, piece, shape in zip(self.names, pieces, self.shapes)}
 
     def __call__(self, flat: torch.Tensor, *args, **kwargs):
+        if flat is self.flat:
+            return self.module(*args, **kwargs)
         return functional_call(self.module, (self.params(flat), self.buffers), args, kwargs)
 
     def to(self, device):
-        self.module.to(device)
-        self.flat = self.flat.to(device)
-        self.buffers = dict(self.module.named_buffers())
+        if self.flat.device != torch.device(device):
+            flat = self.flat.to(device)
+            self.module.to(device)
+            self._bind(flat)
         return self
+
+    def batch_gradient(self, loss_fn, batch, scale: float = 1.0, accumulate: bool = False):
+        """Gradient of scale * loss_fn(self.flat, batch)[0] by one backward into `self.grad`.
+
+        Returns (self.grad (d,), loss scalar (detached, unscaled), aux). The returned tensor is the
+        model's buffer: valid until the next call. `accumulate` adds to it instead of zeroing first.
+        """
+        if not accumulate:
+            self.grad.zero_()
+        loss, aux = loss_fn(self.flat, batch)
+        (loss * scale if scale != 1.0 else loss).backward()
+        return self.grad, loss.detach(), aux
+
+    def outer_unit_gradients(self, unit_loss_fn, batch, out: torch.Tensor | None = None):
+        """Per-unit gradients without vmap: one forward that records every layer's input and output,
+        ONE backward of the summed unit losses to those outputs, then per-unit outer products.
+
+        unit_loss_fn(flat, batch) -> (U,) losses, unit i's loss exactly as for a batch of that unit
+        alone (units must not interact in the forward pass). Every layer input must have the units on
+        dim 0 (e.g. GPT-2 needs position_ids of shape (U, T), not a broadcast (1, T)).
+        out: optional (U, d) buffer to write into. Returns (grads (U, d), losses (U,) detached).
+        """
+        if not self.supports_outer:
+            raise ValueError("outer_unit_gradients needs a model made only of Linear, Conv1D, Embedding "
+                             "and LayerNorm layers; use unit_gradients (vmap)")
+        records = []
+
+        def record(module, inputs, output):
+            records.append((module, inputs[0], output))
+
+        handles = [module.register_forward_hook(record) for module, _ in self.layers]
+        try:
+            losses = unit_loss_fn(self.flat, batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        U = losses.shape[0]
+        output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
+        grads = out if out is not None else torch.empty(U, self.d, dtype=self.flat.dtype, device=self.flat.device)
+        grads.zero_()
+        calls = {}  # module -> ([inputs (U, T_i, in)], [output grads (U, T_i, out)]), over its calls
+        for (module, inputs, _), output_grad in zip(records, output_grads):
+            if inputs.shape[0] != U or output_grad.shape[0] != U:
+                raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for {U} "
+                                 "units: per-unit gradients need the units on dim 0 of every layer input")
+            ins, outs = calls.setdefault(module, ([], []))
+            ins.append(_units_tokens_features(inputs.detach(), module))
+            outs.append(output_grad.reshape(U, -1, output_grad.shape[-1]))
+        rules = dict(self.layers)
+        for module, (ins, outs) in calls.items():  # a layer used several times (the MLP's rollout): one rule call
+            inputs, output_grad = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=1) for xs in (ins, outs))
+            rules[module](module, inputs, output_grad, lambda p: self._slot(grads, p))
+        return grads, losses.detach()
+
+    def _slot(self, grads: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """(U, *p.shape) view of p's columns of the (U, d) gradient matrix."""
+        offset = self.offsets[id(p)]
+        return grads[:, offset:offset + p.numel()].view(grads.shape[0], *p.shape)
+
+
+def _units_tokens_features(inputs: torch.Tensor, module) -> torch.Tensor:
+    """A layer input as (U, T, features), or (U, T) token ids for an Embedding."""
+    if type(module).__name__ == "Embedding":
+        return inputs.reshape(inputs.shape[0], -1)
+    return inputs.reshape(inputs.shape[0], -1, inputs.shape[-1])
+
+
+# Per-layer rules for outer_unit_gradients: rule(module, a (U, T, in), g (U, T, out), slot) adds every
+# unit's gradient of the module's parameters into slot(param), a (U, *param.shape) view.
+def _linear_rule(module, a, g, slot):
+    slot(module.weight).baddbmm_(g.transpose(1, 2), a)      # sum_t g_t a_t^T: (U, out, in)
+    if module.bias is not None:
+        slot(module.bias).add_(g.sum(1))
+
+
+def _conv1d_rule(module, a, g, slot):
+    """transformers' Conv1D: y = a @ W + b with W (in, out)."""
+    slot(module.weight).baddbmm_(a.transpose(1, 2), g)      # (U, in, out)
+    slot(module.bias).add_(g.sum(1))
+
+
+def _embedding_rule(module, ids, g, slot):
+    """ids (U, T): scatter each unit's output gradients into the rows it looked up."""
+    units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+    slot(module.weight).index_put_((units, ids), g, accumulate=True)
+
+
+def _layer_norm_rule(module, a, g, slot):
+    if len(module.normalized_shape) != 1:
+        raise ValueError("outer_unit_gradients supports LayerNorm over the last dimension only")
+    if module.weight is not None:
+        slot(module.weight).add_((g * F.layer_norm(a, module.normalized_shape, eps=module.eps)).sum(1))
+    if module.bias is not None:
+        slot(module.bias).add_(g.sum(1))
+
+
+OUTER_PRODUCT_RULES = {"Linear": _linear_rule, "Conv1D": _conv1d_rule, "Embedding": _embedding_rule,
+                       "LayerNorm": _layer_norm_rule}
 
 
 def unit_gradients(loss_fn, flat: torch.Tensor, units):
-    """Per-unit gradients in one vmapped pass.
+    """Per-unit gradients in one vmapped pass (the general path: any model torch.func supports).
 
     loss_fn(flat, batch) -> (scalar mean loss over the batch, aux); units: a pytree of tensors
     whose dim 0 indexes U units. Each unit is passed as a batch of one.
@@ -57,7 +187,7 @@ def unit_gradients(loss_fn, flat: torch.Tensor, units):
 
 
 def batch_gradient(loss_fn, flat: torch.Tensor, batch):
-    """Gradient of the mean loss over a batch. Returns (grad (d,), loss scalar, aux)."""
+    """Gradient of the mean loss over a batch by torch.func. Returns (grad (d,), loss scalar, aux)."""
     def with_aux(flat):
         loss, aux = loss_fn(flat, batch)
         return loss, (loss.detach(), () if aux is None else aux)  # torch.func aux must be tensors

@@ -1,20 +1,21 @@
-"""torchopt functional optimizers over the flat parameter vector, with ONE state for the whole run.
+"""SGD (with momentum) and AdamW on the flat parameter vector, with ONE state for the whole run.
 
 The original code rebuilt parts of the optimizer state every epoch (spec bug 3: Adam's
 bias-correction count restarted at 1 each epoch); here the state lives as long as the run and
-is saved in checkpoints.
+is saved in checkpoints. The updates are torch.optim's SGD and AdamW (single-tensor) rules written
+out on one (d,) tensor: a couple of in-place ops per step instead of a per-parameter framework
+loop, and a learning rate and step count kept on the host, so a step never waits for the device.
 """
+import math
+
 import torch
-import torchopt
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class StepDecay:
     """Per-epoch step decay: lr * gamma ** (completed_epochs // every_epochs).
 
-    torchopt calls it with its step count; the epoch is derived from the count, so the schedule
-    needs no state of its own and a resumed run gets the same learning rates.
-    every_epochs=None keeps the learning rate constant.
+    every_epochs=None keeps the learning rate constant. The learning rate of a step is a function
+    of the 0-based global step count alone, so a resumed run gets the same learning rates.
     """
 
     def __init__(self, lr: float, steps_per_epoch: int, every_epochs: int | None = None, gamma: float = 1.0):
@@ -27,40 +28,65 @@ class StepDecay:
             return self.lr
         return self.lr * self.gamma ** ((epoch - 1) // self.every_epochs)
 
-    def __call__(self, count) -> float:
-        return self.at_epoch(int(count) // self.steps_per_epoch + 1)
+    def __call__(self, step: int) -> float:
+        """Learning rate of 0-based global step `step` (a host int: no device read)."""
+        return self.at_epoch(int(step) // self.steps_per_epoch + 1)
 
 
 class Optimizer:
-    """SGD (with momentum) or AdamW on a flat (d,) parameter tensor, updated in place."""
+    """SGD (momentum, weight decay; torch.optim.SGD's rule) or AdamW (torch.optim.AdamW's rule, betas
+    0.9/0.999, eps 1e-8) on a flat (d,) parameter tensor, updated in place.
+
+    `step(gradient)` uses the learning rate `schedule(count)` of its own host-side step count.
+    """
 
     def __init__(self, name: str, flat: torch.Tensor, schedule: StepDecay, momentum: float = 0.0,
-                 weight_decay: float = 0.0):
-        if name == "sgd":
-            self.transform = torchopt.sgd(lr=schedule, momentum=momentum, weight_decay=weight_decay)
-        elif name == "adamw":
-            self.transform = torchopt.adamw(lr=schedule, weight_decay=weight_decay)
-        else:
+                 weight_decay: float = 0.0, betas: tuple = (0.9, 0.999), eps: float = 1e-8):
+        if name not in ("sgd", "adamw"):
             raise ValueError(f"unknown optimizer {name!r}")
-        self.params = (flat,)
-        self.state = self.transform.init(self.params)
-        # torchopt's momentum keeps a hidden `first_call` flag in a closure, outside the state, so a
-        # rebuilt optimizer would treat its first step after a resume as the run's first. Spend
-        # that flag now on a throwaway update: with a zero trace both branches give the same result.
-        self.transform.update((torch.zeros_like(flat),), self.state, params=self.params, inplace=False)
+        self.name, self.flat, self.schedule = name, flat, schedule
+        self.momentum, self.weight_decay, self.betas, self.eps = momentum, weight_decay, betas, eps
+        self.count = 0  # steps taken over the whole run
+        if name == "sgd":
+            self.buffers = {"momentum": torch.zeros_like(flat)} if momentum else {}
+        else:
+            self.buffers = {"exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
 
     def step(self, gradient: torch.Tensor) -> None:
-        """gradient: (d,) the global-batch gradient; overwritten (torchopt updates it in place)."""
-        updates, self.state = self.transform.update((gradient,), self.state, params=self.params, inplace=True)
-        torchopt.apply_updates(self.params, updates, inplace=True)
+        """gradient: (d,) the global-batch gradient (not modified)."""
+        lr = self.schedule(self.count)
+        self.count += 1
+        if self.name == "sgd":
+            self._sgd(gradient, lr)
+        else:
+            self._adamw(gradient, lr)
 
-    def state_dict(self) -> list:
-        leaves, _ = tree_flatten(self.state)
-        return [leaf.clone() if torch.is_tensor(leaf) else leaf for leaf in leaves]
+    def _sgd(self, g, lr):
+        if self.weight_decay:
+            g = g.add(self.flat, alpha=self.weight_decay)
+        if self.momentum:
+            # torch initialises the buffer with the first gradient; 0.9 * 0 + g is the same number
+            g = self.buffers["momentum"].mul_(self.momentum).add_(g)
+        self.flat.add_(g, alpha=-lr)
 
-    def load_state_dict(self, leaves: list) -> None:
-        current, spec = tree_flatten(self.state)
-        if len(leaves) != len(current):
+    def _adamw(self, g, lr):
+        beta1, beta2 = self.betas
+        exp_avg, exp_avg_sq = self.buffers["exp_avg"], self.buffers["exp_avg_sq"]
+        self.flat.mul_(1 - lr * self.weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** self.count
+        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.count)
+        denominator = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        self.flat.addcdiv_(exp_avg, denominator, value=-lr / bias_correction1)
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "count": self.count, **{k: v.clone() for k, v in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("name") != self.name or set(state) - {"name", "count"} != set(
+                self.buffers):
             raise ValueError("optimizer state in the checkpoint does not match this optimizer")
-        self.state = tree_unflatten([saved.to(now.device) if torch.is_tensor(saved) else saved
-                                     for saved, now in zip(leaves, current)], spec)
+        self.count = int(state["count"])
+        for key, buffer in self.buffers.items():
+            buffer.copy_(state[key])

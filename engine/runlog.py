@@ -71,7 +71,7 @@ def git_commit() -> str | None:
 
 def library_versions() -> dict:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("torchopt", "numpy", "pandas", "transformers", "tokenizers"):
+    for name in ("numpy", "numba", "pandas", "transformers", "tokenizers"):
         module = sys.modules.get(name)
         if module is not None:
             versions[name] = getattr(module, "__version__", "?")

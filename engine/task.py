@@ -35,15 +35,52 @@ class Task:
         """Mean loss over a batch of units (dim 0) at parameters flat (d,). Returns (loss, aux)."""
         raise NotImplementedError
 
+    def unit_losses(self, flat: torch.Tensor, batch) -> torch.Tensor:
+        """Optional: (U,) loss of each unit of the batch, each exactly its loss as a batch of one, in ONE
+        forward pass. Tasks that define it (and whose model has only Linear/Conv1D/Embedding/LayerNorm
+        parameters) get per-unit gradients from one backward plus outer products instead of vmap."""
+        raise NotImplementedError
+
     def unit_grads(self, flat: torch.Tensor, batch, n_local: int, k: int):
-        """Per-unit gradients (n_local, k, d) and losses (n_local, k); vmap over units by default."""
-        grads, losses = unit_gradients(self.loss, flat, batch)
-        return grads.reshape(n_local, k, -1), losses.reshape(n_local, k)
+        """Per-unit gradients (n_local, k, d) and losses (n_local, k): outer products where the task and
+        model allow it (see unit_losses), else vmap over units. The returned gradients may live in a
+        buffer that the next call overwrites (the engine and the sorters copy what they keep)."""
+        if self.outer_products_apply(flat):
+            grads, losses = self.model.outer_unit_gradients(self.unit_losses, batch, out=self._unit_grad_buffer(
+                n_local * k))
+        else:
+            grads, losses = unit_gradients(self.loss, flat, batch)
+        return grads.view(n_local, k, -1), losses.view(n_local, k)
+
+    unit_grad_path = "auto"  # --unit-grads: "vmap" forces the general path (tasks with their own unit_grads ignore it)
+    double_buffer = False  # set by the engine when the sorter reads step t's gradients during step t + 1
+
+    def outer_products_apply(self, flat: torch.Tensor) -> bool:
+        """True when per-unit gradients at `flat` may come from outer products: the model's own
+        parameters (not e.g. a vmap tracer), a model made of supported layers, a task with
+        unit_losses, and not --unit-grads vmap."""
+        return (flat is self.model.flat and self.unit_grad_path != "vmap" and self.model.supports_outer
+                and type(self).unit_losses is not Task.unit_losses)
+
+    def _unit_grad_buffer(self, units: int) -> torch.Tensor:
+        """A (units, d) buffer reused from step to step, so per-unit gradients are not reallocated;
+        with `double_buffer`, two buffers used in turn."""
+        flat = self.model.flat
+        buffers = self.__dict__.setdefault("_grad_buffers", [])
+        if buffers and (buffers[0].shape != (units, flat.numel()) or buffers[0].device != flat.device):
+            buffers.clear()  # free the old ones first
+        if len(buffers) < (2 if self.double_buffer else 1):
+            buffers.append(torch.empty(units, flat.numel(), dtype=flat.dtype, device=flat.device))
+        buffers.append(buffers.pop(0))  # rotate: the one returned now is the least recently used
+        return buffers[-1]
 
     def batch_grad(self, flat: torch.Tensor, batch):
         """Gradient (d,) of the mean loss over all local units, the loss, and the loss's aux output
-        (used when the sorter needs no per-unit gradients)."""
-        return batch_gradient(self.loss, flat, batch)
+        (used when the sorter needs no per-unit gradients). One plain backward; the gradient is the
+        model's buffer, valid until the next gradient call."""
+        if flat is self.model.flat:
+            return self.model.batch_gradient(self.loss, batch)
+        return batch_gradient(self.loss, flat, batch)  # other parameters: torch.func
 
     def evaluate(self, flat: torch.Tensor, comm) -> dict:
         """Metrics after an epoch: train_loss, test_loss and every name in metric_columns.

@@ -13,7 +13,6 @@ import os
 import random
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,29 +24,60 @@ from engine.cli import check_args
 from engine.comm import GradientExchange, make_communicator
 from engine.errors import UserFacingError
 from engine.optim import Optimizer, StepDecay
+from engine.overlap import BackgroundSorter
 from sorters import build_sorter
 
 # args that may differ between a checkpoint and the run that resumes it
+LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of the training loss
 RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "record_orders",
-                     "progress", "dist_timeout"}
+                     "progress", "dist_timeout", "overlap"}
+OVERLAP_MIN_D = 65_536  # --overlap auto: below this the thread hand-off costs about what the sorter does
 
 
-class Timers:
-    """Wall-clock seconds per region; synchronises CUDA at region edges so GPU work is counted."""
+class RegionTimer:
+    """Seconds per region of the step loop, at the cost of one clock read per region boundary.
+
+    `lap(region)` charges the time since the previous lap (or `start`) to `region`. On CUDA the
+    boundaries are recorded as events and read once, at the epoch's end (`seconds()`), so the
+    timing adds no host synchronisation to a step; on the CPU they are perf_counter readings.
+    """
+
+    REGIONS = ("sorter", "comm", "compute")
 
     def __init__(self, device):
-        self.seconds = {"sorter": 0.0, "comm": 0.0, "compute": 0.0}
         self.cuda = device.type == "cuda"
+        self.totals = dict.fromkeys(self.REGIONS, 0.0)
+        self.events = []  # CUDA: (region, end event) in order
+        self.start()
 
-    @contextmanager
-    def __call__(self, region):
+    def _now(self):
         if self.cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        yield
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self):
+        self.last = self._now()
         if self.cuda:
-            torch.cuda.synchronize()
-        self.seconds[region] += time.perf_counter() - start
+            self.events.append((None, self.last))
+
+    def lap(self, region: str):
+        now = self._now()
+        if self.cuda:
+            self.events.append((region, now))
+        else:
+            self.totals[region] += now - self.last
+        self.last = now
+
+    def seconds(self) -> dict:
+        if self.cuda and len(self.events) > 1:
+            self.events[-1][1].synchronize()
+            for (_, begin), (region, end) in zip(self.events, self.events[1:]):
+                if region is not None:
+                    self.totals[region] += begin.elapsed_time(end) / 1000
+            self.events = self.events[-1:]
+        return dict(self.totals)
 
 
 def resolve_device(choice: str, comm_rank_local: int = 0) -> torch.device:
@@ -104,8 +134,12 @@ def train(task, args, comm, device) -> list[dict]:
     checkpoint_path = out / "checkpoint.pt"
 
     flat = task.model.flat
+    task.unit_grad_path = args.unit_grads
     sorter = build_sorter(args.sorter, n, m, d, seed=args.seed, device=device)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads)
+    if sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and d >= OVERLAP_MIN_D)):
+        sorter = BackgroundSorter(sorter, device)  # balances step t during step t + 1; same orders
+        task.double_buffer = True  # so step t's gradients survive step t + 1's
     schedule = StepDecay(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma)
     optimizer = Optimizer(task.optimizer, flat, schedule, args.momentum, args.weight_decay)
     arg_dict = dict(vars(args))
@@ -138,59 +172,65 @@ def train(task, args, comm, device) -> list[dict]:
     fault_kind, fault_step = _fault_injection(comm.rank)
     show_progress = writer and {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
     for epoch in range(first_epoch, args.epochs + 1):
-        timers = Timers(device)
         bytes_before = exchange.comm_bytes
         epoch_start = time.perf_counter()
         task.start_epoch(epoch)
-        with timers("sorter"):
-            orders = sorter.sort()
+        timer = RegionTimer(device)
+        orders = sorter.sort()
         local_orders = orders[local_workers].cpu()  # (n_local, m)
-        loss_total = 0.0
+        timer.lap("sorter")
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # local losses since the last check
+        checked_step, epoch_loss = 0, 0.0
         bar = tqdm(total=steps_per_epoch, desc=f"{task.name} {sorter.name} epoch {epoch}/{args.epochs}",
                    disable=not show_progress, leave=False, mininterval=0.5, file=sys.stderr)
         for step in range(steps_per_epoch):
             global_step = step + (epoch - 1) * steps_per_epoch
             if fault_kind == "exit" and global_step == fault_step:
                 os._exit(3)
-            positions = torch.arange(step * k, (step + 1) * k)
-            with timers("compute"):
-                batch = task.units(local_workers, local_orders[:, step * k:(step + 1) * k])
-                if sorter.uses_grads:
-                    unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
-                    local_mean_grad, local_loss, aux = None, unit_losses.mean(), None
-                else:
-                    unit_grads = None
-                    local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)
-            with timers("comm"):
-                update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
-                step_loss = comm.all_reduce_sum((local_loss.detach() * n_local).reshape(1, 1)).item() / n
-            if fault_kind == "nan" and global_step == fault_step:
-                step_loss = float("nan")
-            if not math.isfinite(step_loss):
-                saved = (f"epochs 1-{epoch - 1} are saved in {checkpoint_path} and metrics.csv" if rows
-                         else "no epoch had finished, so nothing was saved")
-                raise UserFacingError(f"{task.name}: the training loss became {step_loss} at epoch {epoch}, "
-                                      f"step {step + 1}; lower --lr and start a new run ({saved})")
-            with timers("sorter"):
-                sorter.step(every_unit_grad, positions)
+            batch = task.units(local_workers, local_orders[:, step * k:(step + 1) * k])
+            if sorter.uses_grads:
+                unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
+                local_mean_grad, local_loss, aux = None, unit_losses.mean(), None
+            else:
+                unit_grads = None
+                local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)
+            timer.lap("compute")
+            update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
+            timer.lap("comm")
+            sorter.step(every_unit_grad, range(step * k, (step + 1) * k))
             del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
-            with timers("compute"):
-                if task.clip_grad_norm:
-                    update = clip_to_norm(update, task.clip_grad_norm)
-                optimizer.step(update)
-                task.end_step(aux)
-            loss_total += step_loss
-            bar.update()
-            if step % 50 == 0:
-                bar.set_postfix(loss=f"{loss_total / (step + 1):.4f}", refresh=False)
+            timer.lap("sorter")
+            if task.clip_grad_norm:
+                update = clip_to_norm(update, task.clip_grad_norm)
+            optimizer.step(update)
+            task.end_step(aux)
+            loss_sum += local_loss.detach()
+            if fault_kind == "nan" and global_step == fault_step:
+                loss_sum += float("nan")
+            if (step + 1) % LOSS_CHECK_EVERY == 0 or step + 1 == steps_per_epoch:
+                # the only host read of the loss: all processes check the same steps, so they stop together
+                window_loss = comm.all_reduce_sum((loss_sum * n_local).reshape(1, 1)).item() / n
+                if not math.isfinite(window_loss):
+                    saved = (f"epochs 1-{epoch - 1} are saved in {checkpoint_path} and metrics.csv" if rows
+                             else "no epoch had finished, so nothing was saved")
+                    raise UserFacingError(f"{task.name}: the training loss became {window_loss} at epoch {epoch}, "
+                                          f"between steps {checked_step + 1} and {step + 1}; lower --lr and start "
+                                          f"a new run ({saved})")
+                epoch_loss += window_loss
+                loss_sum.zero_()
+                bar.update(step + 1 - checked_step)
+                bar.set_postfix(loss=f"{epoch_loss / (step + 1):.4f}", refresh=False)
+                checked_step = step + 1
+            timer.lap("compute")
         bar.close()
+        seconds = timer.seconds()
         epoch_seconds = time.perf_counter() - epoch_start
 
         with torch.no_grad():
             metrics = task.evaluate(flat, comm)
         row = {"epoch": epoch, **{key: float(metrics[key]) for key in ("train_loss", "test_loss", *task.metric_columns)},
-               "epoch_seconds": epoch_seconds, "sorter_seconds": timers.seconds["sorter"],
-               "comm_seconds": timers.seconds["comm"], "compute_seconds": timers.seconds["compute"],
+               "epoch_seconds": epoch_seconds, "sorter_seconds": seconds["sorter"],
+               "comm_seconds": seconds["comm"], "compute_seconds": seconds["compute"],
                "comm_bytes": exchange.comm_bytes - bytes_before}
         rows.append(row)
         if args.record_orders:
@@ -207,6 +247,8 @@ def train(task, args, comm, device) -> list[dict]:
             shown = " | ".join(f"{key} {row[key]:.4f}" for key in ("train_loss", "test_loss", *task.metric_columns))
             print(f"{task.name} {sorter.name} epoch {epoch}/{args.epochs} | {shown} | {epoch_seconds:.1f} s",
                   file=sys.stderr, flush=True)
+    if isinstance(sorter, BackgroundSorter):
+        sorter.close()
     return rows
 
 
