@@ -55,7 +55,7 @@ last_value() {
 
 # run_finished DIR EPOCHS: true when DIR's config.json asks for EPOCHS epochs and metrics.csv has them all
 run_finished() {
-  python3 - "$1" "$2" <<'PY'
+  "$PYTHON" - "$1" "$2" <<'PY'
 import json, sys
 from pathlib import Path
 run, want = Path(sys.argv[1]), int(sys.argv[2])
@@ -82,7 +82,7 @@ sweep() {
   node_cnt=$(last_value --node_cnt "$node_cnt" "${all[@]}")
   B=$(last_value --B "$B" "${all[@]}")
   epochs=$(last_value --epochs "$epochs" "${all[@]}")
-  lr=$(python3 -c 'import sys; print(f"{float(sys.argv[1]):g}")' "$(last_value --lr "$lr" "${all[@]}")")  # as the entry scripts name it: 5e-3 -> 0.005, 5.0 -> 5
+  lr=$(LC_ALL=C printf '%g' "$(last_value --lr "$lr" "${all[@]}")")  # as the entry scripts name it (f"{lr:g}"): 5e-3 -> 0.005, 5.0 -> 5
 
   local launcher=("$PYTHON")
   if ((NPROC > 1)); then

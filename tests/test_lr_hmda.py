@@ -2,16 +2,17 @@
 import json
 import re
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header, needs_data,
-                           read_metrics, run_script)
+from tests.helpers import (REPO, assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header,
+                           needs_data, read_metrics, run_script)
 
-pytestmark = [needs_data, pytest.mark.slow]
+pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
 SCRIPT = "main-LR-HMDA.py"
 QUICK = ["--max-train-examples", "1600", "--max-eval-examples", "2000", "--record-orders"]
 RESULT_COLUMNS = ("train_loss", "test_loss", "train_acc", "test_acc")
@@ -107,7 +108,7 @@ def test_node_count_must_be_a_multiple_of_the_process_count(tmp_path):
 
 
 def test_help_explains_every_flag():
-    result = subprocess.run(["python", SCRIPT, "--help"], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=REPO, capture_output=True, text=True, check=True)
     flags = re.findall(r"^  (--[\w-]+)", result.stdout, flags=re.M)
     assert {"--sorter", "--seed", "--lr", "--momentum", "--weight_decay", "--B", "--node_cnt", "--epochs",
             "--data-dir", "--out", "--device", "--backend", "--max-train-examples", "--resume",

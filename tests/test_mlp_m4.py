@@ -13,7 +13,7 @@ from sorters import SORTER_NAMES
 from tests.helpers import (DATA_DIR, REPO, check_run_files, check_torchrun_agrees, check_trained_two_epochs,
                            metrics_header, needs_data, run_every_sorter)
 
-pytestmark = needs_data
+pytestmark = needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")
 SCRIPT = "main-MLP-M4.py"
 # 2 workers x 2 windows per step, 64 windows per worker (32 steps per epoch); lr 5e-4 keeps epoch 2
 # in the fast initial descent for every sorter and seed tried

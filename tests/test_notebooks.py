@@ -8,6 +8,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from ipykernel.kernelspec import write_kernel_spec
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
 from analysis import aggregate, final_table, load_runs
@@ -154,12 +157,26 @@ def test_notebooks_stored_without_outputs():
                 assert cell.outputs == [] and cell.execution_count is None, path.name
 
 
+@pytest.fixture(scope="module")
+def kernel_specs(tmp_path_factory):
+    """A kernel spec manager whose python3 kernel is this interpreter (sys.executable), whatever
+    python3 kernel spec or `python` the machine has elsewhere."""
+    folder = tmp_path_factory.mktemp("kernels")
+    write_kernel_spec(folder / "python3")  # argv: [sys.executable, "-m", "ipykernel_launcher", ...]
+    return KernelSpecManager(kernel_dirs=[str(folder)])
+
+
+def test_notebook_kernel_is_this_interpreter(kernel_specs):
+    assert kernel_specs.get_kernel_spec("python3").argv[0] == sys.executable
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, results, monkeypatch):
+def test_notebook_runs(path, results, monkeypatch, kernel_specs):
     monkeypatch.setenv("CDGRAB_RESULTS", str(results))
     monkeypatch.setenv("CDGRAB_HERDING", str(results / "herding"))
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3",
+    kernel = KernelManager(kernel_name="python3", kernel_spec_manager=kernel_specs)
+    NotebookClient(nb, km=kernel, timeout=120,
                    resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()  # raises on a cell error
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

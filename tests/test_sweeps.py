@@ -17,13 +17,17 @@ PAPER = {  # benchmark: (lr as passed, node_cnt, B, run-dir lr)
     "GPT2-Wiki103": ("5e-4", "64", "64", "0.0005"),
 }
 
-# Records argv (one JSON line per call) in $FAKE_LOG. For an entry script (main-*.py, possibly behind
-# torchrun) it writes config.json and appends the missing metrics rows to --out, like a run that
-# resumes; FAKE_STOP_AFTER=k stops after epoch k and exits 1 (a crash). Anything else: exit 0.
+# The sweeps' own helper snippets (`$PYTHON - ARGS <<'PY'`, `$PYTHON -c ...`) run on the real
+# interpreter, unrecorded. Anything else is recorded (one JSON line of argv per call in $FAKE_LOG).
+# For an entry script (main-*.py, possibly behind torchrun) it writes config.json and appends the
+# missing metrics rows to --out, like a run that resumes; FAKE_STOP_AFTER=k stops after epoch k and
+# exits 1 (a crash). Anything else: exit 0.
 FAKE = r'''#!{python}
 import json, os, sys
 from pathlib import Path
 argv = sys.argv[1:]
+if argv[:1] in (["-"], ["-c"]):
+    os.execv(sys.executable, [sys.executable, *argv])
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(argv) + "\n")
 scripts = [a for a in argv if Path(a).name.startswith("main-") and a.endswith(".py")]
