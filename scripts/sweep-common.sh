@@ -1,7 +1,10 @@
 # Shared logic of scripts/sweep-<BENCHMARK>.sh; sourced, not run. One run per (sorter, seed):
 #
 #   <launcher> main-<BENCHMARK>.py --sorter S --seed N --lr LR --node_cnt N --B B --epochs E \
-#       [benchmark flags] [your extra args] --out $RESULTS/<BENCHMARK>/<S>-node<N>-B<B>-lr<LR>-seed<N> --resume
+#       [benchmark flags] [your extra args] --out $RESULTS/<BENCHMARK>/<S>-node<N>-B<B>-lr<LR>[-TAG]-seed<N> --resume
+#
+# TAG ($sweep_tag, set by a benchmark's script) names a variant the other run-name parts do not show
+# (the LSTM's hidden-state handling), so the variants never share a run directory.
 #
 # A finished run (config.json asks for the requested epochs and metrics.csv has that many rows)
 # is skipped; any other run is (re)started with --resume, which continues from <out>/checkpoint.pt
@@ -17,8 +20,9 @@ TORCHRUN=${TORCHRUN:-torchrun}
 DATA=${DATA:-${CDGRAB_DATA:-datasets}}
 EPOCHS=${EPOCHS:-}
 DRY_RUN=${DRY_RUN:-0}
+sweep_tag=""
 
-sweep_usage() {  # sweep_usage BENCHMARK "paper settings"
+sweep_usage() {  # sweep_usage BENCHMARK "paper settings" ["benchmark variables" ["run tag"]]
   cat <<EOF
 usage: scripts/sweep-$1.sh [extra args for main-$1.py ...]
 
@@ -26,13 +30,14 @@ Runs main-$1.py for every sorter x seed with the paper's settings ($2),
 skipping finished runs and resuming unfinished ones (--resume). Extra arguments go to every run
 after the defaults, so they override them (e.g. --max-train-examples 512 for a quick run).
 
-environment:
+environment:${3:+
+$3}
   SORTERS   sorters to run                          (default "CD-GraB D-RR")
   SEEDS     seeds to run                            (default "0 1 2 3 4")
   EPOCHS    override the paper's epoch count        (default: the paper's)
   NPROC     processes per run; 1 runs \$PYTHON directly, >1 runs
             \$TORCHRUN --standalone --nproc_per_node=\$NPROC (node_cnt must be a multiple)  (default 1)
-  RESULTS   results root; runs go to \$RESULTS/$1/<sorter>-node<n>-B<B>-lr<lr>-seed<seed>  (default results)
+  RESULTS   results root; runs go to \$RESULTS/$1/<sorter>-node<n>-B<B>-lr<lr>${4:+-$4}-seed<seed>  (default results)
   PYTHON    python interpreter                      (default python)
   TORCHRUN  torchrun command                        (default torchrun)
   DATA      data folder, passed as --data-dir       (default \$CDGRAB_DATA, else datasets)
@@ -97,7 +102,7 @@ sweep() {
   local sorter seed name out log started=0 skipped=0
   for sorter in $SORTERS; do
     for seed in $SEEDS; do
-      name="$sorter-node$node_cnt-B$B-lr$lr-seed$seed"
+      name="$sorter-node$node_cnt-B$B-lr$lr${sweep_tag:+-$sweep_tag}-seed$seed"
       out="$RESULTS/$bench/$name"
       if run_finished "$out" "$epochs"; then
         echo "[sweep-$bench] skip $name: finished ($epochs epochs)"
