@@ -18,10 +18,13 @@ __all__ = ["BENCHMARKS", "EXPECTED_SORTERS", "HEADLINE", "Problem", "aggregate",
 
 
 def format_table(table) -> str:
-    """final_table as text: one line per benchmark x sorter (x setting), 'mean ± std' and the seed count."""
+    """final_table as text: one line per benchmark x sorter (x setting), 'mean ± std' and the seed count;
+    the setting column only when some benchmark has runs that differ in their settings."""
     if table.empty:
         return "(no finished runs)"
     shown = table.assign(
         lr=table["lr"].map("{:g}".format),
         final=[f"{m:.4g} ± {s:.2g}" if s == s else f"{m:.4g}" for m, s in zip(table["mean"], table["std"])])
-    return shown[["benchmark", "sorter", "node_cnt", "B", "lr", "metric", "epoch", "final", "seeds"]].to_string(index=False)
+    setting = ["setting"] if (table["setting"] != "").any() else []
+    return shown[["benchmark", "sorter", "node_cnt", "B", "lr", *setting, "metric", "epoch", "final",
+                  "seeds"]].to_string(index=False)

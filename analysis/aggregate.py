@@ -49,7 +49,8 @@ def _stats(grouped, band: str) -> pd.DataFrame:
 
 
 def aggregate(df: pd.DataFrame, metrics=None, band: str = "std", by=GROUP) -> pd.DataFrame:
-    """Statistics over seeds per (by..., epoch, metric); by defaults to (benchmark, sorter, node_cnt, B, lr).
+    """Statistics over seeds per (by..., epoch, metric); by defaults to (benchmark, sorter, node_cnt, B,
+    lr, setting): one curve per sorter and run setting.
 
     Returns a long DataFrame with columns *by, epoch, metric, mean, std, min, max, count, lo, hi,
     seconds; `seconds` is the mean over seeds of cum_seconds at that epoch (the x of the
@@ -75,7 +76,7 @@ def final_values(df: pd.DataFrame, metric: str) -> pd.DataFrame:
 def final_table(df: pd.DataFrame) -> pd.DataFrame:
     """The headline metric at each run's last epoch, mean/std over seeds, per benchmark x sorter x setting.
 
-    Columns: benchmark, sorter, node_cnt, B, lr, metric, epoch (max final epoch), mean, std, seeds.
+    Columns: benchmark, sorter, node_cnt, B, lr, setting, metric, epoch (max final epoch), mean, std, seeds.
     """
     columns = GROUP + ["metric", "epoch", "mean", "std", "seeds"]
     parts = []

@@ -5,6 +5,11 @@ A run directory holds
     metrics.csv  one row per finished epoch: epoch,train_loss,test_loss,<benchmark columns>,
                  epoch_seconds,sorter_seconds,comm_seconds,compute_seconds,comm_bytes
 and is finished when metrics.csv has args.epochs rows.
+
+A run's identity is its benchmark and every argument that may change its results: all of
+config.json's args except RESUMABLE_ARGS. Runs of one benchmark and sorter whose settings differ
+(--carry-hidden, --clip, --node_cnt, --max-train-examples, ...) are different curves, labelled by the
+`setting` column: the arguments that differ between the benchmark's runs, sorter and seed aside.
 """
 import json
 import warnings
@@ -13,8 +18,16 @@ from typing import NamedTuple
 
 import pandas as pd
 
-RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "run_dir"]
-SETTING = ["node_cnt", "B", "lr"]  # runs of one benchmark and sorter that differ here are different curves
+RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir"]
+SETTING = ["node_cnt", "B", "lr", "setting"]  # runs of one benchmark and sorter that differ here are different curves
+# engine.train.RESUMABLE_CHANGES (a test keeps them equal; importing the engine here would pull in
+# torch for every notebook): args that may differ on resume, so they never change a run's results
+RESUMABLE_ARGS = frozenset({"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir",
+                            "record_orders", "progress", "dist_timeout", "overlap"})
+NOT_SETTINGS = RESUMABLE_ARGS | {"sorter", "seed"}  # what a setting label leaves out
+# how a differing argument is shown in a setting label; others as name=value
+SHORT_NAMES = {"node_cnt": "n"}
+VALUE_LABELS = {"carry_hidden": {True: "carried hidden state", False: "zero hidden state"}}
 HERDING_COLUMNS = ["n_workers", "m", "d", "trial", "method", "round", "bound"]
 
 
@@ -34,7 +47,7 @@ def _read_run(run_dir: Path, include_incomplete: bool):
         args = config["args"]
         info = {"benchmark": config["benchmark"], "sorter": args["sorter"], "seed": int(args["seed"]),
                 "node_cnt": int(args["node_cnt"]), "B": int(args["B"]), "lr": float(args["lr"]),
-                "run_dir": str(run_dir)}
+                "setting": "", "run_dir": str(run_dir)}
         epochs = int(args["epochs"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable config.json ({type(e).__name__}: {e})") from None
@@ -58,41 +71,69 @@ def _read_run(run_dir: Path, include_incomplete: bool):
     metrics["cum_seconds"] = metrics["epoch_seconds"].cumsum()
     for key, value in reversed(list(info.items())):
         metrics.insert(0, key, value)
-    return metrics, problem
+    return metrics, {k: v for k, v in args.items() if k not in RESUMABLE_ARGS}, problem
+
+
+def run_key(benchmark: str, settings: dict) -> str:
+    """One string per distinct experiment: the benchmark and its result-changing args (seed included)."""
+    return json.dumps([benchmark, settings], sort_keys=True, default=str)
+
+
+def setting_labels(settings: list[dict]) -> list[str]:
+    """For runs of one benchmark (their result-changing args), a label each naming the args, sorter and
+    seed aside, whose values differ between the runs: "" when none do, else e.g. "n=4, B=16" or
+    "zero hidden state". An arg missing from a run's config counts as None."""
+    keys = sorted({k for s in settings for k in s} - NOT_SETTINGS)
+    differing = [k for k in keys if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
+    return [", ".join(_show(k, s.get(k)) for k in differing) for s in settings]
+
+
+def _show(key, value) -> str:
+    if value in VALUE_LABELS.get(key, {}):
+        return VALUE_LABELS[key][value]
+    if isinstance(value, float):
+        value = f"{value:g}"
+    return f"{SHORT_NAMES.get(key, key)}={value}"
 
 
 def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool = False, warn: bool = True):
     """Every run under results_dir (searched recursively) as one tidy DataFrame, one row per (run, epoch).
 
-    Columns: benchmark, sorter, seed, node_cnt, B, lr, run_dir, epoch, <every metrics.csv column>,
-    cum_seconds (running sum of epoch_seconds within the run). Columns a benchmark lacks are NaN.
+    Columns: benchmark, sorter, seed, node_cnt, B, lr, setting, run_dir, epoch, <every metrics.csv
+    column>, cum_seconds (running sum of epoch_seconds within the run). Columns a benchmark lacks are
+    NaN. `setting` labels what sets the run apart from the benchmark's other runs (setting_labels).
 
     Runs that cannot be read, or are unfinished (fewer rows than args.epochs; kept when
-    include_incomplete), or repeat an already loaded (benchmark, sorter, node_cnt, B, lr, seed),
-    are skipped and reported: as warnings (warn) and as a list of Problem when with_problems,
-    in which case the return value is (DataFrame, problems). Never raises for a bad run.
+    include_incomplete), or repeat an already loaded run (same benchmark and args, resumable ones
+    aside: run_key), are skipped and reported: as warnings (warn) and as a list of Problem when
+    with_problems, in which case the return value is (DataFrame, problems). Never raises for a bad run.
     """
     results_dir = Path(results_dir)
-    frames, problems, seen = [], [], {}
+    frames, settings, problems, seen = [], [], [], {}
     run_dirs = sorted({p.parent for p in results_dir.rglob("config.json")} |
                       {p.parent for p in results_dir.rglob("metrics.csv")}) if results_dir.is_dir() else []
     if not results_dir.is_dir():
         problems.append(Problem(str(results_dir), "results directory does not exist"))
     for run_dir in run_dirs:
         try:
-            frame, problem = _read_run(run_dir, include_incomplete)
+            frame, run_settings, problem = _read_run(run_dir, include_incomplete)
         except ValueError as e:
             problems.append(Problem(str(run_dir), str(e)))
             continue
-        key = tuple(frame.loc[0, ["benchmark", "sorter", *SETTING, "seed"]])
+        key = run_key(frame.loc[0, "benchmark"], run_settings)
         if key in seen:
-            problems.append(Problem(str(run_dir), f"duplicate of {seen[key]} (same benchmark, sorter, "
-                                                  "node_cnt, B, lr, seed); skipped"))
+            problems.append(Problem(str(run_dir), f"duplicate of {seen[key]} (same benchmark, seed and "
+                                                  "settings); skipped"))
             continue
         seen[key] = str(run_dir)
         if problem:
             problems.append(Problem(str(run_dir), problem + " (included)"))
         frames.append(frame)
+        settings.append(run_settings)
+    for benchmark in {frame.loc[0, "benchmark"] for frame in frames}:
+        mine = [i for i, frame in enumerate(frames) if frame.loc[0, "benchmark"] == benchmark]
+        for i, label in zip(mine, setting_labels([settings[i] for i in mine])):
+            frames[i]["setting"] = label
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RUN_COLUMNS + ["epoch", "cum_seconds"])
     # metrics columns in first-seen order, cum_seconds last
     ordered = RUN_COLUMNS + [c for c in df.columns if c not in RUN_COLUMNS and c != "cum_seconds"] + ["cum_seconds"]

@@ -34,12 +34,12 @@ def _label(metric, benchmark=None):
 
 
 def _curve_labels(groups):
-    """{group tuple: label}: the sorter name, plus the setting when a benchmark has several."""
-    settings = {g[2:] for g in groups}
+    """{GROUP tuple: label}: the sorter name, plus the run setting that sets it apart from the
+    benchmark's other runs (load_runs' `setting` column, e.g. "zero hidden state") when there is one."""
     labels = {}
     for g in groups:
-        _, sorter, node_cnt, B, lr = g
-        labels[g] = sorter if len(settings) == 1 else f"{sorter} (n={node_cnt}, B={B}, lr={lr:g})"
+        setting = dict(zip(GROUP, g))["setting"]
+        labels[g] = f"{g[1]} ({setting})" if setting else g[1]
     return labels
 
 

@@ -27,11 +27,12 @@ from engine.optim import Optimizer, StepDecay
 from engine.overlap import BackgroundSorter
 from sorters import build_sorter
 
-# args that may differ between a checkpoint and the run that resumes it
 LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of the training loss
-RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "record_orders",
-                     "progress", "dist_timeout", "overlap"}
 OVERLAP_MIN_D = 65_536  # --overlap auto: below this the thread hand-off costs about what the sorter does
+# args that may differ between a checkpoint and the run that resumes it (where the data and the
+# token cache live, how the run is launched and logged: nothing that changes its results)
+RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir", "record_orders",
+                     "progress", "dist_timeout", "overlap"}
 
 
 class RegionTimer:
@@ -151,7 +152,13 @@ def train(task, args, comm, device) -> list[dict]:
                                   "or choose another --out")
         rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device)
         if writer:
-            print(f"resuming {out} after epoch {first_epoch - 1}", file=sys.stderr)
+            # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
+            # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
+            write_logs(out, rows, recorded_orders, task.metric_columns)
+            print(f"{out} is finished: {first_epoch - 1} epochs done (--epochs {args.epochs}); nothing to resume"
+                  if first_epoch > args.epochs else f"resuming {out} after epoch {first_epoch - 1}", file=sys.stderr)
+        if first_epoch > args.epochs and (out / "config.json").exists():
+            return rows  # keep config.json: it describes the run that made these epochs
 
     if writer:
         runlog.write_config(out / "config.json", {
@@ -269,6 +276,13 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
     np.random.set_state(state["rng"]["numpy"])
     random.setstate(state["rng"]["python"])
     return state["rows"], state.get("orders", []), state["epoch"] + 1
+
+
+def write_logs(out: Path, rows: list[dict], recorded_orders: list, metric_columns) -> None:
+    """metrics.csv from a checkpoint's metrics rows, and orders.pt when it holds recorded orders (rank 0)."""
+    if recorded_orders:
+        runlog.atomic_torch_save(recorded_orders, out / "orders.pt")
+    runlog.write_metrics(out / "metrics.csv", rows, metric_columns)
 
 
 def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:

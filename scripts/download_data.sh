@@ -7,7 +7,7 @@
 #   hmda/hmda_2017_ny_all-records_labels.zip          CFPB LAR 2017, New York (source (b) of data/hmda.py)
 #   hmda/raw/hmda_train_preprocessed.zip              HMDA 2018 sample (source (c))
 #   wikitext-2/{train,valid,test}.txt                 pytorch/examples word-level copy
-#   wikitext-103/wiki.{train,valid,test}.tokens       WikiText-103 v1 (about 180 MB zipped)
+#   wikitext-103/wiki.{train,valid,test}.raw          WikiText-103 raw v1, the paper's variant (about 190 MB zipped)
 #   m4/{Weekly,Hourly}-{train,test}.csv               M4 competition
 #   gpt2-tokenizer/{vocab.json,merges.txt}            OpenAI GPT-2 BPE encodings
 set -euo pipefail
@@ -39,9 +39,11 @@ for split in train valid test; do
   fetch $GH/pytorch/examples/main/word_language_model/data/wikitext-2/$split.txt wikitext-2/$split.txt
 done
 
-if [ ! -s wikitext-103/wiki.train.tokens ]; then
-  fetch https://wikitext.smerity.com/wikitext-103-v1.zip wikitext-103/wikitext-103-v1.zip
-  unzip -o -j wikitext-103/wikitext-103-v1.zip -d wikitext-103 && rm wikitext-103/wikitext-103-v1.zip
+# the raw variant (no <unk>, original casing and punctuation), as the paper's Hugging Face run_clm
+# setting (wikitext-103-raw-v1); data/wikitext103.py prefers wiki.<split>.raw over .tokens
+if [ ! -s wikitext-103/wiki.train.raw ]; then
+  fetch https://wikitext.smerity.com/wikitext-103-raw-v1.zip wikitext-103/wikitext-103-raw-v1.zip
+  unzip -o -j wikitext-103/wikitext-103-raw-v1.zip -d wikitext-103 && rm wikitext-103/wikitext-103-raw-v1.zip
 fi
 
 for freq in Weekly Hourly; do

@@ -18,7 +18,7 @@ columns n_workers,m,d,trial,method,round,bound,seconds (seconds: this method's c
 when the round's bound was recorded). Files are written atomically; existing ones are skipped
 unless --force, so an interrupted run continues where it stopped.
 
-    python scripts/herding_simulation.py                       # paper scale (1e6 vectors)
+    python scripts/herding_simulation.py                       # paper scale (1e6 vectors, 5 trials)
     python scripts/herding_simulation.py --scale 0.001 --trials 1 --out /tmp/herding   # seconds
 """
 import argparse
@@ -118,8 +118,9 @@ def main(argv=None):
     p.add_argument("--workers", type=int, nargs="+", default=[5, 10, 20, 50, 100],
                    help="worker counts n; each worker gets m = vectors // n (default 5 10 20 50 100)")
     p.add_argument("--rounds", type=int, default=15, help="reorder rounds after the initial order (default 15)")
-    p.add_argument("--trials", type=int, default=3,
-                   help="trials 0..T-1, each with numpy RandomState(trial) vectors and sorter seed trial (default 3)")
+    p.add_argument("--trials", type=int, default=5,
+                   help="trials 0..T-1, each with numpy RandomState(trial) vectors and sorter seed trial "
+                        "(default 5, as the paper)")
     p.add_argument("--methods", default=" ".join(PAPER_METHODS),
                    help="space/comma separated sorter names (sorters.SORTER_NAMES) and/or ALL, the "
                         f"centralised pair balance over all vectors (default \"{' '.join(PAPER_METHODS)}\")")

@@ -10,8 +10,8 @@
 # Environment: those of the sweeps (SORTERS SEEDS EPOCHS NPROC RESULTS PYTHON TORCHRUN DATA DRY_RUN;
 # see scripts/sweep-LR-HMDA.sh --help), plus
 #   BENCHMARKS    which sweeps to run           (default "LR-HMDA LSTM-Wiki2 MLP-M4 GPT2-Wiki103")
-#   HERDING_ARGS  extra args for scripts/herding_simulation.py (default none: paper scale, 3 trials,
-#                 ~45 CPU-minutes; "--jobs 2" halves the wall time on an idle 2-core machine)
+#   HERDING_ARGS  extra args for scripts/herding_simulation.py (default none: paper scale, 5 trials,
+#                 ~30 CPU-minutes; "--jobs 2" halves the wall time on an idle 2-core machine)
 #   FIGURES       output folder of the figures  (default figures)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

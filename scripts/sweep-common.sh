@@ -1,7 +1,10 @@
 # Shared logic of scripts/sweep-<BENCHMARK>.sh; sourced, not run. One run per (sorter, seed):
 #
 #   <launcher> main-<BENCHMARK>.py --sorter S --seed N --lr LR --node_cnt N --B B --epochs E \
-#       [benchmark flags] [your extra args] --out $RESULTS/<BENCHMARK>/<S>-node<N>-B<B>-lr<LR>-seed<N> --resume
+#       [benchmark flags] [your extra args] --out $RESULTS/<BENCHMARK>/<S>-node<N>-B<B>-lr<LR>[-TAG]-seed<N> --resume
+#
+# TAG ($sweep_tag, set by a benchmark's script) names a variant the other run-name parts do not show
+# (the LSTM's hidden-state handling), so the variants never share a run directory.
 #
 # A finished run (config.json asks for the requested epochs and metrics.csv has that many rows)
 # is skipped; any other run is (re)started with --resume, which continues from <out>/checkpoint.pt
@@ -17,8 +20,9 @@ TORCHRUN=${TORCHRUN:-torchrun}
 DATA=${DATA:-${CDGRAB_DATA:-datasets}}
 EPOCHS=${EPOCHS:-}
 DRY_RUN=${DRY_RUN:-0}
+sweep_tag=""
 
-sweep_usage() {  # sweep_usage BENCHMARK "paper settings"
+sweep_usage() {  # sweep_usage BENCHMARK "paper settings" ["benchmark variables" ["run tag"]]
   cat <<EOF
 usage: scripts/sweep-$1.sh [extra args for main-$1.py ...]
 
@@ -26,13 +30,14 @@ Runs main-$1.py for every sorter x seed with the paper's settings ($2),
 skipping finished runs and resuming unfinished ones (--resume). Extra arguments go to every run
 after the defaults, so they override them (e.g. --max-train-examples 512 for a quick run).
 
-environment:
+environment:${3:+
+$3}
   SORTERS   sorters to run                          (default "CD-GraB D-RR")
   SEEDS     seeds to run                            (default "0 1 2 3 4")
   EPOCHS    override the paper's epoch count        (default: the paper's)
   NPROC     processes per run; 1 runs \$PYTHON directly, >1 runs
             \$TORCHRUN --standalone --nproc_per_node=\$NPROC (node_cnt must be a multiple)  (default 1)
-  RESULTS   results root; runs go to \$RESULTS/$1/<sorter>-node<n>-B<B>-lr<lr>-seed<seed>  (default results)
+  RESULTS   results root; runs go to \$RESULTS/$1/<sorter>-node<n>-B<B>-lr<lr>${4:+-$4}-seed<seed>  (default results)
   PYTHON    python interpreter                      (default python)
   TORCHRUN  torchrun command                        (default torchrun)
   DATA      data folder, passed as --data-dir       (default \$CDGRAB_DATA, else datasets)
@@ -55,7 +60,7 @@ last_value() {
 
 # run_finished DIR EPOCHS: true when DIR's config.json asks for EPOCHS epochs and metrics.csv has them all
 run_finished() {
-  python3 - "$1" "$2" <<'PY'
+  "$PYTHON" - "$1" "$2" <<'PY'
 import json, sys
 from pathlib import Path
 run, want = Path(sys.argv[1]), int(sys.argv[2])
@@ -82,7 +87,7 @@ sweep() {
   node_cnt=$(last_value --node_cnt "$node_cnt" "${all[@]}")
   B=$(last_value --B "$B" "${all[@]}")
   epochs=$(last_value --epochs "$epochs" "${all[@]}")
-  lr=$(python3 -c 'import sys; print(f"{float(sys.argv[1]):g}")' "$(last_value --lr "$lr" "${all[@]}")")  # as the entry scripts name it: 5e-3 -> 0.005, 5.0 -> 5
+  lr=$(LC_ALL=C printf '%g' "$(last_value --lr "$lr" "${all[@]}")")  # as the entry scripts name it (f"{lr:g}"): 5e-3 -> 0.005, 5.0 -> 5
 
   local launcher=("$PYTHON")
   if ((NPROC > 1)); then
@@ -97,7 +102,7 @@ sweep() {
   local sorter seed name out log started=0 skipped=0
   for sorter in $SORTERS; do
     for seed in $SEEDS; do
-      name="$sorter-node$node_cnt-B$B-lr$lr-seed$seed"
+      name="$sorter-node$node_cnt-B$B-lr$lr${sweep_tag:+-$sweep_tag}-seed$seed"
       out="$RESULTS/$bench/$name"
       if run_finished "$out" "$epochs"; then
         echo "[sweep-$bench] skip $name: finished ($epochs epochs)"

@@ -8,14 +8,38 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = (REPO / ".." / "shared" / "data").resolve()
-needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"real data sets not found at {DATA_DIR}")
+# $CDGRAB_DATA (relative to the working directory, as the entry scripts read it), else ../shared/data
+# beside the checkout
+DATA_DIR = Path(os.environ.get("CDGRAB_DATA") or REPO / ".." / "shared" / "data").resolve()
+
+
+def needs_data(*paths: str):
+    """Marker for a test that reads these files or folders under DATA_DIR (e.g. "m4/Weekly-train.csv",
+    "wikitext-2"; "a|b" when either will do). tests/conftest.py checks them before the test and its
+    fixtures run: when any is missing the test is skipped, or fails when $CI is set (require_data)."""
+    if not paths:
+        raise TypeError("needs_data: name the data files or folders the test reads")
+    return pytest.mark.needs_data(*paths)
+
+
+def require_data(*paths: str) -> None:
+    """Skip the running test (fail it under a non-empty $CI, so CI cannot pass by skipping) unless
+    every path (or one of its "|" alternatives) exists under DATA_DIR."""
+    missing = [path for path in paths if not any((DATA_DIR / alt).exists() for alt in path.split("|"))]
+    if not missing:
+        return
+    message = (f"real data not found: {', '.join(missing)} missing under {DATA_DIR}; fetch it with "
+               f"scripts/download_data.sh {DATA_DIR}, or point CDGRAB_DATA at the data folder")
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI is set: missing data is a failure, not a skip)", pytrace=False)
+    pytest.skip(message)
 
 
 def run_script(script: str, *args, nproc: int | None = None, env: dict | None = None, timeout: float = 600):
-    """Run `python <script> args` (or torchrun with nproc processes) from the repo root.
+    """Run `<this interpreter> <script> args` (or torchrun with nproc processes, as
+    `<this interpreter> -m torch.distributed.run`) from the repo root.
 
-    Returns the CompletedProcess (text mode). CDGRAB_DATA points at the shared data; the progress
+    Returns the CompletedProcess (text mode). CDGRAB_DATA points at DATA_DIR; the progress
     bar is off unless the caller passes --progress itself.
     """
     full_env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1",

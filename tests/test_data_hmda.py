@@ -12,6 +12,7 @@ from data.hmda import (LAR_CATEGORICAL, LAR_NEVER_USED, LAR_NUMERIC, SAMPLE_COLU
 from engine.errors import UserFacingError
 
 from tests.helpers import DATA_DIR as REAL_DATA  # noqa: E402
+from tests.helpers import require_data  # noqa: E402
 
 # The 78 columns of the public CFPB hmda_2017_<state>_all-records_labels.csv, in file order.
 LAR_2017_HEADER = (
@@ -180,8 +181,7 @@ def test_lar_zip_deterministic_and_ny_preferred(lar, tmp_path):
 
 @pytest.fixture(scope="module")
 def real():
-    if not (REAL_DATA / "hmda" / "raw" / "hmda_train_preprocessed.zip").is_file():
-        pytest.skip(f"real HMDA 2018 sample not at {REAL_DATA}/hmda/raw")
+    require_data("hmda/raw/hmda_train_preprocessed.zip")
     return load_hmda(REAL_DATA)
 
 

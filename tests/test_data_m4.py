@@ -9,8 +9,9 @@ from data.m4 import destandardise, load_m4, read_series, smape
 from engine.errors import UserFacingError
 
 from tests.helpers import DATA_DIR  # noqa: E402
-needs_data = pytest.mark.skipif(not (DATA_DIR / "m4" / "Weekly-train.csv").is_file(),
-                                reason=f"M4 csv files not found under {DATA_DIR}")
+from tests.helpers import needs_data as needs  # noqa: E402
+
+needs_data = needs("m4/Weekly-train.csv", "m4/Weekly-test.csv")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_split_seed_changes_split_only(weekly):
     assert torch.equal(other.test_x, weekly.test_x)
 
 
-@needs_data
+@needs("m4/Hourly-train.csv", "m4/Hourly-test.csv")
 def test_hourly_horizon():
     d = load_m4(DATA_DIR, freq="Hourly")
     assert d.test_y.shape == (414, 48) and d.horizon == 48

@@ -10,11 +10,13 @@ import data.wikitext103 as wt
 from data.wikitext103 import cache_folder, gpt2_tokenizer, load_blocks
 from engine.errors import UserFacingError
 
-from tests.helpers import DATA_DIR  # noqa: E402
-needs_data = pytest.mark.skipif(
-    not ((DATA_DIR / "gpt2-tokenizer" / "merges.txt").is_file()
-         and (DATA_DIR / "wikitext-103" / "wiki.valid.tokens").is_file()),
-    reason=f"GPT-2 tokenizer or WikiText-103 valid/test not found under {DATA_DIR}")
+from tests.helpers import DATA_DIR, require_data  # noqa: E402
+from tests.helpers import needs_data as needs  # noqa: E402
+
+TOKENIZER = ("gpt2-tokenizer/vocab.json", "gpt2-tokenizer/merges.txt")
+needs_tokenizer = needs(*TOKENIZER)  # tests on toy WikiText files
+# the counts below are those of the .tokens variant on our machines
+needs_data = needs(*TOKENIZER, "wikitext-103/wiki.valid.tokens", "wikitext-103/wiki.test.tokens")
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +43,7 @@ def _toy_data_dir(root: Path, text: str, name="wiki.valid.tokens") -> Path:
     return root
 
 
-@needs_data
+@needs_tokenizer
 def test_tokenizer_is_gpt2(tok):
     assert tok.encode("Hello world").ids == [15496, 995]
     assert tok.get_vocab_size() == 50_257
@@ -82,9 +84,8 @@ def test_train_stand_in_and_missing_train(cache):
     assert "\n" not in msg and "pass --train-file" in msg and "wikitext-2/train.txt" in msg
     with pytest.raises(UserFacingError, match="pass --train-file"):
         load_blocks(DATA_DIR, "train", train_file=DATA_DIR / "nope.txt", cache_dir=cache)
+    require_data("wikitext-2/train.txt")
     stand_in = DATA_DIR / "wikitext-2" / "train.txt"
-    if not stand_in.is_file():
-        pytest.skip("WikiText-2 train.txt not found")
     blocks = load_blocks(DATA_DIR, "train", train_file=stand_in, cache_dir=cache)
     assert blocks.shape == (18_925, 128)  # 2,422,480 GPT-2 tokens
 
@@ -106,7 +107,7 @@ def test_cache_round_trip(cache, monkeypatch):
     assert torch.equal(load_blocks(DATA_DIR, "valid"), first)
 
 
-@needs_data
+@needs_tokenizer
 def test_corrupt_cache_is_rebuilt(tmp_path):
     data = _toy_data_dir(tmp_path / "d", "a b c d e f g h\n" * 8)
     first = load_blocks(data, "valid", block_size=4, cache_dir=tmp_path / "c")
@@ -115,7 +116,7 @@ def test_corrupt_cache_is_rebuilt(tmp_path):
     assert torch.equal(load_blocks(data, "valid", block_size=4, cache_dir=tmp_path / "c"), first)
 
 
-@needs_data
+@needs_tokenizer
 def test_raw_file_preferred_over_tokens(tmp_path):
     data = _toy_data_dir(tmp_path, " one two three four five six seven eight\n" * 4, name="wiki.test.tokens")
     (data / "wikitext-103" / "wiki.test.raw").write_text(" Hello world\n" * 8)
@@ -124,7 +125,7 @@ def test_raw_file_preferred_over_tokens(tmp_path):
     assert blocks.shape == (8, 3)
 
 
-@needs_data
+@needs_tokenizer
 def test_cache_beside_data_when_writable_else_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     text = " = Title = \n \n Some words here .\n" * 20

@@ -7,8 +7,9 @@ from data.wikitext2 import batchify, get_chunk, load_wikitext2, n_chunks
 from engine.errors import UserFacingError
 
 from tests.helpers import DATA_DIR  # noqa: E402
-needs_data = pytest.mark.skipif(not (DATA_DIR / "wikitext-2" / "train.txt").is_file(),
-                                reason=f"WikiText-2 not found under {DATA_DIR}")
+from tests.helpers import needs_data as needs  # noqa: E402
+
+needs_data = needs("wikitext-2/train.txt", "wikitext-2/valid.txt", "wikitext-2/test.txt")
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import random
+
+import numpy as np
+
 from engine import runlog
 from engine.comm import GradientExchange, LocalCommunicator
+from engine.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 from engine.optim import Optimizer, StepDecay
-from engine.train import clip_to_norm
+from engine.train import RESUMABLE_CHANGES, clip_to_norm, restore
+from sorters import build_sorter
 
 
 def small_model():
@@ -142,6 +148,23 @@ def test_sgd_momentum_matches_torch_sgd_and_state_round_trips():
     torch.testing.assert_close(copy.flat, flat, rtol=0, atol=0)
     with pytest.raises(ValueError, match="does not match"):
         Optimizer("adamw", flat.clone(), StepDecay(0.1, 2)).load_state_dict(ours.state_dict())
+
+
+def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
+    """Where the data and the token cache live may change on resume; the learning rate may not."""
+    assert {"cache_dir", "data_dir", "epochs", "device"} <= RESUMABLE_CHANGES and "lr" not in RESUMABLE_CHANGES
+    flat = torch.arange(3.0)
+    optimizer, sorter = Optimizer("sgd", flat, StepDecay(0.1, 2), momentum=0.9), build_sorter("D-RR", 2, 4, 3)
+    args = {"lr": 0.1, "cache_dir": "/old/cache", "data_dir": "/old/data", "epochs": 2}
+    rows = [{"epoch": 1, "train_loss": 1.0}]
+    runlog.atomic_torch_save({"epoch": 1, "args": args, "flat": flat.clone(), "optimizer": optimizer.state_dict(),
+                              "sorter": sorter.state_dict(), "rows": rows, "orders": [],
+                              "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                      "python": random.getstate()}}, tmp_path / "checkpoint.pt")
+    moved = {**args, "cache_dir": "/new/cache", "data_dir": "/new/data", "epochs": 3}
+    assert restore(tmp_path / "checkpoint.pt", moved, flat, optimizer, sorter, "cpu") == (rows, [], 2)
+    with pytest.raises(UserFacingError, match=r"--lr 0.1 \(now 0.2\)"):
+        restore(tmp_path / "checkpoint.pt", {**moved, "lr": 0.2}, flat, optimizer, sorter, "cpu")
 
 
 def test_step_decay_per_epoch():

@@ -12,15 +12,15 @@ import pytest
 
 from sorters import SORTER_NAMES
 from tests.helpers import (DATA_DIR, assert_runs_agree, check_ok, check_run_files, error_lines,
-                           metrics_header, read_metrics, run_script)
+                           metrics_header, needs_data, read_metrics, run_script)
 
 SCRIPT = "main-GPT2-Wiki103.py"
 TRAIN_FILE = DATA_DIR / "wikitext-2" / "train.txt"
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not ((DATA_DIR / "gpt2-tokenizer" / "merges.txt").is_file() and TRAIN_FILE.is_file()
-                            and (DATA_DIR / "wikitext-103" / "wiki.valid.tokens").is_file()),
-                       reason=f"GPT-2 tokenizer, WikiText-2 train or WikiText-103 valid/test not found under {DATA_DIR}"),
+    needs_data("gpt2-tokenizer/vocab.json", "gpt2-tokenizer/merges.txt", "wikitext-2/train.txt",
+               "wikitext-103/wiki.valid.raw|wikitext-103/wiki.valid.tokens",
+               "wikitext-103/wiki.test.raw|wikitext-103/wiki.test.tokens"),
 ]
 QUICK = ["--max-seq-length", "32", "--max-train-examples", "8", "--max-eval-examples", "4",
          "--node_cnt", "2", "--B", "2", "--epochs", "2", "--lr", "3e-3", "--record-orders"]

@@ -2,16 +2,17 @@
 import json
 import re
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header, needs_data,
-                           read_metrics, run_script)
+from tests.helpers import (REPO, assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header,
+                           needs_data, read_metrics, run_script)
 
-pytestmark = [needs_data, pytest.mark.slow]
+pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
 SCRIPT = "main-LR-HMDA.py"
 QUICK = ["--max-train-examples", "1600", "--max-eval-examples", "2000", "--record-orders"]
 RESULT_COLUMNS = ("train_loss", "test_loss", "train_acc", "test_acc")
@@ -74,6 +75,32 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path):
     assert changed.returncode == 2 and "--lr" in error_lines(changed)[0]
 
 
+def test_resume_rewrites_logs_a_kill_left_behind_the_checkpoint(tmp_path):
+    """Killed after saving the last epoch's checkpoint.pt but before metrics.csv / orders.pt: --resume
+    has no epoch left to run, yet must bring both in line with the checkpoint, say the run is
+    finished and exit 0, leaving config.json alone."""
+    out = tmp_path / "run"
+    check_ok(run_script(SCRIPT, "--epochs", "2", "--out", out, *QUICK))
+    files = {name: (out / name).read_bytes() for name in ("metrics.csv", "orders.pt", "config.json")}
+    metrics_lines = files["metrics.csv"].decode().splitlines(keepends=True)
+    for damage in ("behind", "gone"):
+        if damage == "behind":  # the state after epoch 1: one row, one order
+            (out / "metrics.csv").write_text("".join(metrics_lines[:2]))
+            torch.save(torch.load(out / "orders.pt")[:1], out / "orders.pt")
+        else:
+            (out / "metrics.csv").unlink()
+            (out / "orders.pt").unlink()
+        result = run_script(SCRIPT, "--epochs", "2", "--out", out, "--resume", *QUICK)
+        check_ok(result)
+        assert f"{out} is finished: 2 epochs done" in result.stderr and "epoch 1/2" not in result.stderr
+        assert {name: (out / name).read_bytes() for name in files} == files, damage
+    # asking for fewer epochs than were run is finished too; asking for more trains on
+    check_ok(run_script(SCRIPT, "--epochs", "1", "--out", out, "--resume", *QUICK))
+    assert (out / "metrics.csv").read_bytes() == files["metrics.csv"]
+    check_ok(run_script(SCRIPT, "--epochs", "3", "--out", out, "--resume", *QUICK))
+    check_run_files(out, epochs=3, m=400)
+
+
 def test_a_dead_rank_stops_the_others_quickly(tmp_path):
     start = time.monotonic()
     result = run_script(SCRIPT, "--epochs", "2", "--out", tmp_path / "run", *QUICK, nproc=2,
@@ -118,7 +145,7 @@ def test_node_count_must_be_a_multiple_of_the_process_count(tmp_path):
 
 
 def test_help_explains_every_flag():
-    result = subprocess.run(["python", SCRIPT, "--help"], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=REPO, capture_output=True, text=True, check=True)
     flags = re.findall(r"^  (--[\w-]+)", result.stdout, flags=re.M)
     assert {"--sorter", "--seed", "--lr", "--momentum", "--weight_decay", "--B", "--node_cnt", "--epochs",
             "--data-dir", "--out", "--device", "--backend", "--max-train-examples", "--resume",

@@ -14,7 +14,7 @@ from sorters import SORTER_NAMES
 from tests.helpers import (DATA_DIR, REPO, check_run_files, check_torchrun_agrees, check_trained_two_epochs,
                            metrics_header, needs_data, run_every_sorter)
 
-pytestmark = needs_data
+pytestmark = needs_data("wikitext-2/train.txt", "wikitext-2/valid.txt", "wikitext-2/test.txt")
 SCRIPT = "main-LSTM-Wiki2.py"
 # 2 workers x 2 columns, 10-token chunks, 12 chunks (= steps per epoch); lr 2 falls fast from ln(33278)
 QUICK = ["--B", "4", "--node_cnt", "2", "--bptt", "10", "--lr", "2", "--max-train-examples", "12",

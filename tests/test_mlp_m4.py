@@ -13,7 +13,7 @@ from sorters import SORTER_NAMES
 from tests.helpers import (DATA_DIR, REPO, check_run_files, check_torchrun_agrees, check_trained_two_epochs,
                            metrics_header, needs_data, run_every_sorter)
 
-pytestmark = needs_data
+pytestmark = needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")
 SCRIPT = "main-MLP-M4.py"
 # 2 workers x 2 windows per step, 64 windows per worker (32 steps per epoch); lr 5e-4 keeps epoch 2
 # in the fast initial descent for every sorter and seed tried
@@ -74,6 +74,11 @@ def test_worker_split_units_and_metrics():
     assert torch.equal(used, data.train_x[ids]) and torch.equal(task.worker_y.reshape(-1, 6), data.train_y[ids])
     other = module.MLPM4(task_args(seed=1), torch.device("cpu"))
     assert not torch.equal(other.worker_x, task.worker_x)
+    # the sweep's settings on all 107,384 windows: the paper's figure (4 workers, B 16; m = 26,846 rounded
+    # down to a multiple of B/n = 4) and the original README (32 workers, B 32; spec 3.3)
+    for node_cnt, B, m in ((4, 16, 26_844), (32, 32, 3_354)):
+        full = module.MLPM4(task_args(node_cnt=node_cnt, B=B, max_train_examples=None), torch.device("cpu"))
+        assert (full.n_workers, full.n_units, full.units_per_step) == (node_cnt, m, B // node_cnt)
 
     # units: worker-major, k windows each
     x, y = task.units([0, 1], torch.tensor([[4, 0, 7], [1, 2, 3]]))

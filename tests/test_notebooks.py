@@ -8,9 +8,18 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from ipykernel.kernelspec import write_kernel_spec
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
-from analysis import aggregate, final_table, load_runs
+import matplotlib
+
+matplotlib.use("Agg")  # files only, before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
+
+from analysis import aggregate, final_table, format_table, load_runs, plots  # noqa: E402
+from analysis.load import RESUMABLE_ARGS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -25,15 +34,16 @@ SETTINGS = {"LR-HMDA": (4, 16, 0.005), "LSTM-Wiki2": (4, 16, 5.0), "MLP-M4": (32
             "GPT2-Wiki103": (64, 64, 0.0005)}
 
 
-def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None):
+def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None, args=None, folder=""):
     """A run dir exactly as the entry scripts write it; `rows` finished epochs (default all), metric
-    values from `values(column, epoch)` (default a smooth synthetic curve). Returns the dir."""
+    values from `values(column, epoch)` (default a smooth synthetic curve), `args` added to or
+    overriding the default ones, `folder` between the benchmark and the run name. Returns the dir."""
     node_cnt, B, lr = SETTINGS[benchmark]
-    run_dir = Path(root) / benchmark / f"{sorter}-node{node_cnt}-B{B}-lr{lr}-seed{seed}"
+    run_dir = Path(root) / benchmark / folder / f"{sorter}-node{node_cnt}-B{B}-lr{lr}-seed{seed}"
     run_dir.mkdir(parents=True)
     args = {"sorter": sorter, "seed": seed, "lr": lr, "momentum": 0.9, "weight_decay": 0.0, "B": B,
             "node_cnt": node_cnt, "epochs": epochs, "data_dir": "datasets", "out": str(run_dir),
-            "device": "cpu", "backend": None, "max_train_examples": None, "resume": False}
+            "device": "cpu", "backend": None, "max_train_examples": None, "resume": False, **(args or {})}
     config = {"benchmark": benchmark, "args": args,
               "sizes": {"n_workers": node_cnt, "world_size": 1, "units_per_worker": 100, "units_per_step": B // node_cnt,
                         "steps_per_epoch": 100, "d": 27, "global_batch": B},
@@ -83,7 +93,9 @@ def results(tmp_path_factory):
 
 def test_load_runs_columns_and_problems(results):
     df, problems = load_runs(results, with_problems=True, warn=False)
-    assert list(df.columns[:8]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "run_dir", "epoch"]
+    assert list(df.columns[:9]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir",
+                                    "epoch"]
+    assert (df["setting"] == "").all()  # every benchmark's runs share their settings
     assert df.columns[-1] == "cum_seconds"
     assert len(df) == 4 * 2 * 2 * 3 and df["run_dir"].nunique() == 16
     assert {"test_acc", "test_ppl", "test_smape", "comm_bytes"} <= set(df.columns)
@@ -114,6 +126,46 @@ def test_aggregate_hand_example(tmp_path):
     assert (minmax.loc[1, "lo"], minmax.loc[1, "hi"]) == (1.0, 3.0)
     final = final_table(df).iloc[0]
     assert (final["metric"], final["mean"], final["std"], final["seeds"]) == ("test_acc", 2.0, 0.0, 2)
+
+
+def test_runs_differing_in_any_setting_are_separate_curves(tmp_path):
+    """LSTM runs that differ only in --carry-hidden, or in --max-train-examples, are not duplicates: each
+    is its own curve and table row, labelled by what differs. Changing only resumable args (where the
+    data lives, the device) makes a duplicate, skipped."""
+    for seed in (0, 1):
+        for carry in (True, False):
+            write_run(tmp_path, "LSTM-Wiki2", "CD-GraB", seed, args={"carry_hidden": carry, "clip": None},
+                      folder=f"carry-{carry}")
+    write_run(tmp_path, "LSTM-Wiki2", "D-RR", 0, args={"carry_hidden": True, "clip": None})
+    write_run(tmp_path, "LSTM-Wiki2", "D-RR", 0, args={"carry_hidden": True, "clip": None, "data_dir": "/elsewhere",
+                                                       "device": "cuda"}, folder="moved")
+    write_run(tmp_path, "MLP-M4", "D-RR", 0, args={"max_train_examples": 128})
+    write_run(tmp_path, "MLP-M4", "D-RR", 0, folder="full")
+    df, problems = load_runs(tmp_path, with_problems=True, warn=False)
+    assert [p.path for p in problems] == [str(tmp_path / "LSTM-Wiki2" / "moved" / "D-RR-node4-B16-lr5.0-seed0")]
+    assert "duplicate of" in problems[0].reason
+    runs = df.drop_duplicates("run_dir").set_index("run_dir")
+    assert runs["benchmark"].value_counts().to_dict() == {"LSTM-Wiki2": 5, "MLP-M4": 2}
+    lstm = runs[runs["benchmark"] == "LSTM-Wiki2"]
+    assert sorted(lstm.groupby(["sorter", "setting"]).size().items()) == [
+        (("CD-GraB", "carried hidden state"), 2), (("CD-GraB", "zero hidden state"), 2),
+        (("D-RR", "carried hidden state"), 1)]
+    assert sorted(runs.loc[runs["benchmark"] == "MLP-M4", "setting"]) == ["max_train_examples=128",
+                                                                           "max_train_examples=None"]
+    table = final_table(df)
+    assert len(table) == 5 and set(table.loc[table["benchmark"] == "LSTM-Wiki2", "seeds"]) == {1, 2}
+    assert "zero hidden state" in format_table(table)
+    fig = plots.plot_benchmark(df, "LSTM-Wiki2")
+    assert sorted(fig.axes[0].get_legend_handles_labels()[1]) == [
+        "CD-GraB (carried hidden state) (2 seeds)", "CD-GraB (zero hidden state) (2 seeds)",
+        "D-RR (carried hidden state) (1 seed)"]
+    plt.close(fig)
+
+
+def test_analysis_knows_which_args_may_change_on_resume():
+    from engine.train import RESUMABLE_CHANGES
+
+    assert RESUMABLE_ARGS == RESUMABLE_CHANGES
 
 
 def test_cli(results, tmp_path):
@@ -154,12 +206,26 @@ def test_notebooks_stored_without_outputs():
                 assert cell.outputs == [] and cell.execution_count is None, path.name
 
 
+@pytest.fixture(scope="module")
+def kernel_specs(tmp_path_factory):
+    """A kernel spec manager whose python3 kernel is this interpreter (sys.executable), whatever
+    python3 kernel spec or `python` the machine has elsewhere."""
+    folder = tmp_path_factory.mktemp("kernels")
+    write_kernel_spec(folder / "python3")  # argv: [sys.executable, "-m", "ipykernel_launcher", ...]
+    return KernelSpecManager(kernel_dirs=[str(folder)])
+
+
+def test_notebook_kernel_is_this_interpreter(kernel_specs):
+    assert kernel_specs.get_kernel_spec("python3").argv[0] == sys.executable
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, results, monkeypatch):
+def test_notebook_runs(path, results, monkeypatch, kernel_specs):
     monkeypatch.setenv("CDGRAB_RESULTS", str(results))
     monkeypatch.setenv("CDGRAB_HERDING", str(results / "herding"))
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3",
+    kernel = KernelManager(kernel_name="python3", kernel_spec_manager=kernel_specs)
+    NotebookClient(nb, km=kernel, timeout=120,
                    resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()  # raises on a cell error
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

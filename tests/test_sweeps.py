@@ -13,17 +13,22 @@ SCRIPTS = REPO / "scripts"
 PAPER = {  # benchmark: (lr as passed, node_cnt, B, run-dir lr)
     "LR-HMDA": ("5e-3", "4", "16", "0.005"),
     "LSTM-Wiki2": ("5.0", "4", "16", "5"),
-    "MLP-M4": ("1e-3", "32", "32", "0.001"),
+    "MLP-M4": ("1e-3", "4", "16", "0.001"),  # the paper's figure (spec 5.3), not the original README
     "GPT2-Wiki103": ("5e-4", "64", "64", "0.0005"),
 }
+TAGS = {"LSTM-Wiki2": "-carry-hidden"}  # run-name part before -seed<N> that names a variant
 
-# Records argv (one JSON line per call) in $FAKE_LOG. For an entry script (main-*.py, possibly behind
-# torchrun) it writes config.json and appends the missing metrics rows to --out, like a run that
-# resumes; FAKE_STOP_AFTER=k stops after epoch k and exits 1 (a crash). Anything else: exit 0.
+# The sweeps' own helper snippets (`$PYTHON - ARGS <<'PY'`, `$PYTHON -c ...`) run on the real
+# interpreter, unrecorded. Anything else is recorded (one JSON line of argv per call in $FAKE_LOG).
+# For an entry script (main-*.py, possibly behind torchrun) it writes config.json and appends the
+# missing metrics rows to --out, like a run that resumes; FAKE_STOP_AFTER=k stops after epoch k and
+# exits 1 (a crash). Anything else: exit 0.
 FAKE = r'''#!{python}
 import json, os, sys
 from pathlib import Path
 argv = sys.argv[1:]
+if argv[:1] in (["-"], ["-c"]):
+    os.execv(sys.executable, [sys.executable, *argv])
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(argv) + "\n")
 scripts = [a for a in argv if Path(a).name.startswith("main-") and a.endswith(".py")]
@@ -93,7 +98,7 @@ def test_fresh_sweep_uses_paper_settings_and_layout(bench, env):
         assert (value(argv, "--lr"), value(argv, "--node_cnt"), value(argv, "--B")) == (lr, node_cnt, B)
         assert value(argv, "--epochs") == "2" and value(argv, "--max-train-examples") == "64"
         assert argv[-1] == "--resume"
-        name = f"{value(argv, '--sorter')}-node{node_cnt}-B{B}-lr{lr_name}-seed{value(argv, '--seed')}"
+        name = f"{value(argv, '--sorter')}-node{node_cnt}-B{B}-lr{lr_name}{TAGS.get(bench, '')}-seed{value(argv, '--seed')}"
         assert value(argv, "--out") == f"{env['RESULTS']}/{bench}/{name}"
     assert {(value(a, "--sorter"), value(a, "--seed")) for a in recorded} == {
         ("CD-GraB", "0"), ("CD-GraB", "1"), ("D-RR", "0"), ("D-RR", "1")}
@@ -101,6 +106,29 @@ def test_fresh_sweep_uses_paper_settings_and_layout(bench, env):
         assert all(value(a, "--train-file") == f"{env['DATA']}/wikitext-2/train.txt" for a in recorded)
     else:
         assert not any("--train-file" in a for a in recorded)
+    # the LSTM carries its hidden state, as the original code behind the paper's curves
+    assert all(("--carry-hidden" in a) == (bench == "LSTM-Wiki2") for a in recorded)
+
+
+def test_lstm_zero_state_variant_is_one_variable_away(env):
+    sweep("LSTM-Wiki2", env, LSTM_STATE="zero", SORTERS="D-RR", SEEDS="0")
+    (argv,) = calls(env)
+    assert "--carry-hidden" not in argv
+    assert value(argv, "--out") == f"{env['RESULTS']}/LSTM-Wiki2/D-RR-node4-B16-lr5-zero-hidden-seed0"
+    sweep("LSTM-Wiki2", env, SORTERS="D-RR", SEEDS="0")  # the default variant is another run, not a resume
+    (argv,) = calls(env)
+    assert "--carry-hidden" in argv and value(argv, "--out").endswith("D-RR-node4-B16-lr5-carry-hidden-seed0")
+    proc = sweep("LSTM-Wiki2", env, check=False, LSTM_STATE="zeros")
+    assert proc.returncode == 2 and "LSTM_STATE" in proc.stderr and calls(env) == []
+
+
+def test_m4_readme_setting_on_request(env):
+    sweep("MLP-M4", env, M4_SETTING="readme", SORTERS="CD-GraB", SEEDS="0")
+    (argv,) = calls(env)
+    assert (value(argv, "--node_cnt"), value(argv, "--B"), value(argv, "--lr")) == ("32", "32", "1e-3")
+    assert value(argv, "--out") == f"{env['RESULTS']}/MLP-M4/CD-GraB-node32-B32-lr0.001-seed0"
+    proc = sweep("MLP-M4", env, check=False, M4_SETTING="notebook")
+    assert proc.returncode == 2 and "M4_SETTING" in proc.stderr and calls(env) == []
 
 
 def test_finished_runs_are_skipped_and_unfinished_resumed(env):
@@ -134,7 +162,7 @@ def test_torchrun_and_overrides(env):
     (argv,) = calls(env)
     assert argv[:3] == ["torchrun", "--standalone", "--nproc_per_node=4"]
     assert value(argv, "--lr") == "2e-3"
-    assert value(argv, "--out").endswith("MLP-M4/CD-GraB-node32-B32-lr0.002-seed3")
+    assert value(argv, "--out").endswith("MLP-M4/CD-GraB-node4-B16-lr0.002-seed3")
     proc = sweep("LR-HMDA", env, check=False, NPROC="3")  # 4 workers cannot split over 3 processes
     assert proc.returncode != 0 and "multiple" in proc.stderr and calls(env) == []
 
@@ -153,6 +181,8 @@ def test_gpt2_uses_wikitext103_train_split_when_present(env):
 def test_help(script):
     proc = subprocess.run(["bash", str(SCRIPTS / script), "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and "SEEDS" in proc.stdout and "RESULTS" in proc.stdout
+    variable = {"sweep-LSTM-Wiki2.sh": "LSTM_STATE", "sweep-MLP-M4.sh": "M4_SETTING"}.get(script)
+    assert variable is None or variable in proc.stdout
 
 
 def test_reproduce_all_chains_everything(env, tmp_path):
@@ -169,6 +199,13 @@ def test_reproduce_all_chains_everything(env, tmp_path):
     assert herding == [[str(SCRIPTS / "herding_simulation.py"), "--out", f"{env['RESULTS']}/herding",
                         "--scale", "0.001", "--trials", "1"]]
     assert ["-m", "analysis", env["RESULTS"], "--out", str(tmp_path / "fig")] in recorded
+
+
+def test_herding_simulation_runs_the_papers_five_trials(tmp_path):
+    subprocess.run([sys.executable, str(SCRIPTS / "herding_simulation.py"), "--scale", "0.0001", "--workers", "5",
+                    "--rounds", "1", "--methods", "D-RR", "--out", str(tmp_path)], check=True, capture_output=True,
+                   timeout=60)
+    assert sorted(p.name for p in tmp_path.glob("*.csv")) == [f"n5-m20-trial{t}-D-RR.csv" for t in range(5)]
 
 
 def test_herding_simulation_smallest_scale(tmp_path):
