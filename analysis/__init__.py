@@ -5,14 +5,15 @@
     agg = aggregate(df, ["train_loss"])           # mean/std/min/max/count over seeds per epoch
     plots.draw_all(df, load_herding("results/herding"), "figures")
 
-Command line: python -m analysis RESULTS_DIR --out figures/   (see --help)
+Command line: python -m analysis [RESULTS_DIR] --out figures/   (see --help; without RESULTS_DIR: results/ if
+it holds runs, else the shipped reproduction/)
 """
 from analysis import plots
 from analysis.aggregate import (BENCHMARKS, EXPECTED_SORTERS, HEADLINE, aggregate, aggregate_herding,
                                 final_table, headline_metrics, missing_sorters, time_breakdown)
-from analysis.load import Problem, load_herding, load_runs
+from analysis.load import Problem, default_results_dir, load_herding, load_runs
 
-__all__ = ["BENCHMARKS", "EXPECTED_SORTERS", "HEADLINE", "Problem", "aggregate", "aggregate_herding",
+__all__ = ["BENCHMARKS", "EXPECTED_SORTERS", "HEADLINE", "Problem", "aggregate", "aggregate_herding", "default_results_dir",
            "final_table", "format_table", "headline_metrics", "load_herding", "load_runs", "missing_sorters",
            "plots", "time_breakdown"]
 

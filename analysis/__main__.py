@@ -1,4 +1,6 @@
-"""python -m analysis RESULTS_DIR --out figures/ : draw every figure the results allow, print the table.
+"""python -m analysis [RESULTS_DIR] --out figures/ : draw every figure the results allow, print the table.
+
+Without RESULTS_DIR: results/ when it holds runs, else the full-scale runs shipped in reproduction/.
 
 Walks RESULTS_DIR for run directories (config.json + metrics.csv), reports unreadable, unfinished
 and duplicate runs and expected sorters without runs (never fails on them), saves PNG + PDF
@@ -13,14 +15,17 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; must precede the pyplot import in analysis.plots
 
-from analysis import EXPECTED_SORTERS, final_table, format_table, load_herding, load_runs, missing_sorters  # noqa: E402
+from analysis import (EXPECTED_SORTERS, default_results_dir, final_table, format_table, load_herding,  # noqa: E402
+                      load_runs, missing_sorters)
 from analysis.plots import draw_all  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results_dir", help="folder searched recursively for run dirs, e.g. results/")
+    p.add_argument("results_dir", nargs="?", default=None,
+                   help="folder searched recursively for run dirs (default: results/ when it holds runs, "
+                        "else the shipped reproduction/)")
     p.add_argument("--out", default="figures", help="folder for the PNG/PDF figures and final-metrics.csv "
                                                     "(default figures/)")
     p.add_argument("--band", choices=["std", "minmax"], default="std",
@@ -33,6 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--expect-sorters", nargs="+", default=list(EXPECTED_SORTERS), metavar="SORTER",
                    help=f"sorters every benchmark should have; missing ones are reported (default {' '.join(EXPECTED_SORTERS)})")
     args = p.parse_args(argv)
+    if args.results_dir is None:
+        args.results_dir = str(default_results_dir())
 
     df, problems = load_runs(args.results_dir, include_incomplete=args.include_incomplete,
                              with_problems=True, warn=False)

@@ -174,3 +174,16 @@ def load_herding(herding_dir, with_problems: bool = False, warn: bool = True):
         for problem in problems:
             warnings.warn(f"skipped herding file: {problem}", stacklevel=2)
     return (df, problems) if with_problems else df
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_RESULTS = REPO_ROOT / "reproduction"  # the full-scale runs shipped with the suite (config + metrics only)
+
+
+def default_results_dir() -> Path:
+    """The user's own results/ (repo root) when it holds at least one run, else the shipped
+    reproduction/ runs, so figures and notebooks show the reproduction out of the box."""
+    own = REPO_ROOT / "results"
+    if own.is_dir() and any(own.rglob("config.json")):
+        return own
+    return SHIPPED_RESULTS
