@@ -47,7 +47,11 @@ class DistributedCommunicator:
 
     def __init__(self, n_workers: int, device, backend: str, timeout_seconds: float):
         self.device = torch.device(device)  # where collective buffers live (NCCL needs CUDA)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # NCCL is told this process's GPU, so its communicator (and barrier) never guesses GPU 0
+        options = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds), **options)
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         if n_workers % self.world_size:
             raise UserFacingError(f"--node_cnt {n_workers} is not a multiple of the {self.world_size} "
@@ -83,7 +87,8 @@ def launched_by_torchrun() -> bool:
 
 
 def make_communicator(n_workers: int, device: torch.device, backend: str | None, timeout_seconds: float):
-    """LocalCommunicator for a plain `python` start, DistributedCommunicator under torchrun."""
+    """LocalCommunicator for a plain `python` start, DistributedCommunicator under torchrun.
+    backend: as engine.device.choose_device resolved it (None: NCCL on CUDA, else gloo)."""
     if not launched_by_torchrun():
         return LocalCommunicator(n_workers, device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")

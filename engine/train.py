@@ -23,6 +23,7 @@ from tqdm import tqdm
 from engine import runlog
 from engine.cli import check_args
 from engine.comm import GradientExchange, make_communicator
+from engine.device import setup_device
 from engine.errors import UserFacingError
 from engine.optim import Optimizer, StepDecay
 from sorters import build_sorter
@@ -37,25 +38,17 @@ class Timers:
 
     def __init__(self, device):
         self.seconds = {"sorter": 0.0, "comm": 0.0, "compute": 0.0}
-        self.cuda = device.type == "cuda"
+        self.cuda = device if device.type == "cuda" else None  # this process's GPU, not the default one
 
     @contextmanager
     def __call__(self, region):
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.cuda)
         start = time.perf_counter()
         yield
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.cuda)
         self.seconds[region] += time.perf_counter() - start
-
-
-def resolve_device(choice: str, comm_rank_local: int = 0) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserFacingError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    return torch.device("cuda", comm_rank_local % torch.cuda.device_count())
 
 
 def run_entry_point(benchmark: str, parser, build_task) -> None:
@@ -67,8 +60,8 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     comm = None
     try:
         check_args(args, benchmark)
-        device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-        comm = make_communicator(args.node_cnt, device, args.backend, args.dist_timeout)
+        device, backend = setup_device(args.device, args.backend)
+        comm = make_communicator(args.node_cnt, device, backend, args.dist_timeout)
         torch.manual_seed(args.seed)
         task = build_task(args, device)
         train(task, args, comm, device)
