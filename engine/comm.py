@@ -12,6 +12,7 @@ in both modes and runs can be compared.
 """
 import datetime
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,23 @@ def make_communicator(n_workers: int, device: torch.device, backend: str | None,
         return LocalCommunicator(n_workers, device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     return DistributedCommunicator(n_workers, device, backend, timeout_seconds)
+
+
+@contextmanager
+def node_leader_first():
+    """Run the body in local rank 0 first, then in the node's other processes, e.g. to build a
+    cache once that the others then read. Outside torchrun it just runs the body.
+
+    Every process of the job must enter it (it holds two barriers). If the leader fails inside,
+    it leaves with its error and torchrun stops the waiting peers.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if distributed and not leader:
+        dist.barrier()  # wait for the leader's body
+    yield
+    if distributed and leader:
+        dist.barrier()  # release the others
 
 
 class GradientExchange:

@@ -9,7 +9,7 @@ import torch
 from engine import comm as comm_module
 from engine import device as device_module
 from engine import train as train_module
-from engine.comm import DistributedCommunicator
+from engine.comm import DistributedCommunicator, node_leader_first
 from engine.device import choose_device, setup_device
 from engine.errors import UserFacingError
 from engine.train import Timers
@@ -99,6 +99,13 @@ def test_timers_synchronise_the_process_gpu(monkeypatch):
     with Timers(CPU)("compute"):
         pass
     assert len(synchronised) == 2
+
+
+def test_leader_first_is_a_plain_block_outside_torchrun():
+    ran = []
+    with node_leader_first():
+        ran.append(1)
+    assert ran == [1]
 
 
 # ---------------------------------------------------------------- refused end to end, one line, exit 2
