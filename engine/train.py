@@ -192,7 +192,7 @@ def train(task, args, comm, device) -> list[dict]:
             runlog.atomic_torch_save({
                 "epoch": epoch, "args": arg_dict, "flat": flat.detach().cpu(), "optimizer": optimizer.state_dict(),
                 "sorter": sorter.state_dict(), "rows": rows, "orders": recorded_orders,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                "rng": rng_states(device),
             }, checkpoint_path)  # read back by restore()
             if args.record_orders:
                 runlog.atomic_torch_save(recorded_orders, out / "orders.pt")
@@ -206,7 +206,9 @@ def train(task, args, comm, device) -> list[dict]:
 def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
     """Load a checkpoint into the run's objects; refuse one made with different settings.
     Returns (metrics rows so far, recorded orders, first epoch to run)."""
-    state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+    # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
+    # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
+    state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
     changed = sorted(key for key in (set(state["args"]) | set(arg_dict)) - RESUMABLE_CHANGES
                      if state["args"].get(key) != arg_dict.get(key))
     if changed:
@@ -216,10 +218,25 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
     flat.copy_(state["flat"])
     optimizer.load_state_dict(state["optimizer"])
     sorter.load_state_dict(state["sorter"])
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
+    set_rng_states(state["rng"], device)
     return state["rows"], state.get("orders", []), state["epoch"] + 1
+
+
+def rng_states(device) -> dict:
+    """The random number generators' states, for the checkpoint; with CUDA also the device's generator."""
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device) -> None:
+    """Restore rng_states(); the CUDA generator only when this run and the checkpoint's both used CUDA."""
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -1,18 +1,27 @@
-"""Device choice and the NCCL refusals, on the CPU.
+"""Device choice, the NCCL refusals, and checkpoints that resume on another device, all on the CPU.
 
 The GPU itself is exercised in tests/test_cuda.py (skipped without CUDA); here torch.cuda and
 torch.distributed are replaced by recorders where a rule needs them.
 """
+import argparse
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 from engine import comm as comm_module
 from engine import device as device_module
 from engine import train as train_module
-from engine.comm import DistributedCommunicator, node_leader_first
+from engine.cli import check_args, common_parser
+from engine.comm import DistributedCommunicator, LocalCommunicator, node_leader_first
 from engine.device import choose_device, setup_device
 from engine.errors import UserFacingError
-from engine.train import Timers
+from engine.functional import FlatModel
+from engine.optim import Optimizer, StepDecay
+from engine.task import Task
+from engine.train import Timers, restore, train
+from sorters import build_sorter
 from tests.helpers import error_lines, needs_data, run_script
 
 CPU, GPU = torch.device("cpu"), lambda index: torch.device("cuda", index)
@@ -128,3 +137,106 @@ def test_nccl_without_gpus_is_refused_before_anything_starts(tmp_path, flags, np
     assert message in lines[0] and "Traceback" not in lines[0]
     assert "NCCL error" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- checkpoints across devices
+class ToyRegression(Task):
+    """2 workers x 4 examples of a 3-feature linear regression; one example per worker per step."""
+
+    name = "toy"
+
+    def __init__(self, device):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(2, 4, 3, generator=generator).to(device)  # (n, m, features)
+        self.y = torch.randn(2, 4, generator=generator).to(device)     # (n, m)
+        self.n_workers, self.n_units, self.units_per_step, self.global_batch = 2, 4, 1, 2
+        self.model = FlatModel(torch.nn.Linear(3, 1)).to(device)
+        self.data_info = {}
+
+    def units(self, workers, unit_ids):
+        rows = torch.as_tensor(workers)[:, None]
+        return self.x[rows, unit_ids].flatten(0, 1), self.y[rows, unit_ids].flatten(0, 1)
+
+    def loss(self, flat, batch):
+        x, y = batch
+        return F.mse_loss(self.model(flat, x).squeeze(-1), y), None
+
+    def evaluate(self, flat, comm):
+        loss, _ = self.loss(flat, (self.x.flatten(0, 1), self.y.flatten(0, 1)))
+        return {"train_loss": loss, "test_loss": loss}
+
+
+def toy_args(out, sorter="CD-GraB") -> argparse.Namespace:
+    parser = common_parser("toy", "toy", dict(sorter=sorter, lr=0.1, B=2, node_cnt=2, epochs=1))
+    args = parser.parse_args(["--out", str(out), "--progress", "off", "--device", "cpu"])
+    check_args(args, "toy")
+    return args
+
+
+def run_objects(args, device):
+    """The objects restore() fills, built as train() builds them, on `device`."""
+    task = ToyRegression(device)
+    flat = task.model.flat
+    sorter = build_sorter(args.sorter, task.n_workers, task.n_units, task.model.d, seed=args.seed, device=device)
+    # the optimizer takes a throwaway step when built, which "meta" cannot run: build on the CPU, then move
+    optimizer = Optimizer(task.optimizer, torch.zeros(task.model.d), StepDecay(args.lr, 4), args.momentum, args.weight_decay)
+    optimizer.params = (flat,)
+    optimizer.state = tree_map(lambda leaf: leaf.to(device) if torch.is_tensor(leaf) else leaf, optimizer.state)
+    return flat, optimizer, sorter
+
+
+def test_checkpoint_restores_onto_another_device(tmp_path, monkeypatch):
+    """A checkpoint written on the CPU is read onto the CPU and moved, piece by piece, to the device of
+    the resuming run; the RNG states stay CPU tensors. The "meta" device stands in for a GPU here: with
+    the old torch.load(map_location=device) the CPU RNG state became a meta tensor and
+    torch.set_rng_state failed, as it did with a CUDA one (TypeError)."""
+    args = toy_args(tmp_path / "run")
+    torch.manual_seed(0)
+    train(ToyRegression(CPU), args, LocalCommunicator(2), CPU)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+
+    locations = []
+    real_load = torch.load
+    monkeypatch.setattr(train_module.torch, "load", lambda *a, **k: locations.append(k.get("map_location"))
+                        or real_load(*a, **k))
+    torch.manual_seed(123)  # something else, to see the restore
+    meta = torch.device("meta")
+    flat, optimizer, sorter = run_objects(args, meta)
+    rows, _, first_epoch = restore(tmp_path / "run" / "checkpoint.pt", dict(vars(args)), flat, optimizer, sorter, meta)
+    assert locations == ["cpu"]
+    assert first_epoch == 2 and rows == saved["rows"]
+    assert flat.device == meta
+    assert all(leaf.device == meta for leaf in optimizer.state_dict() if torch.is_tensor(leaf))
+    assert all(value.device == meta for value in vars(sorter).values() if torch.is_tensor(value))
+    assert torch.equal(torch.get_rng_state(), saved["rng"]["torch"])
+
+
+def test_checkpoint_with_a_cuda_rng_state_resumes_on_the_cpu(tmp_path):
+    """A checkpoint from a CUDA run also holds the GPU generator's state; a CPU run ignores it and
+    continues exactly as from the CPU checkpoint."""
+    args = toy_args(tmp_path / "run")
+    torch.manual_seed(0)
+    train(ToyRegression(CPU), args, LocalCommunicator(2), CPU)
+    path = tmp_path / "run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=False)
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # what a GPU run adds
+    torch.save(state, path)
+    flat, optimizer, sorter = run_objects(args, CPU)
+    restore(path, dict(vars(args)), flat, optimizer, sorter, CPU)
+    torch.testing.assert_close(flat, state["flat"], rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"])
+
+
+def test_rng_states_hold_the_gpu_generator_only_on_cuda(monkeypatch):
+    assert "cuda" not in train_module.rng_states(CPU)
+    monkeypatch.setattr(train_module.torch.cuda, "get_rng_state", lambda device: torch.full((4,), device.index,
+                                                                                           dtype=torch.uint8))
+    restored = []
+    monkeypatch.setattr(train_module.torch.cuda, "set_rng_state", lambda state, device: restored.append(
+        (state, device)))
+    states = train_module.rng_states(GPU(1))
+    assert states["cuda"].tolist() == [1, 1, 1, 1]
+    train_module.set_rng_states(states, GPU(1))
+    assert len(restored) == 1 and restored[0][1] == GPU(1) and restored[0][0] is states["cuda"]
+    train_module.set_rng_states(states, CPU)  # resuming on the CPU: the GPU state is not used
+    assert len(restored) == 1
