@@ -133,7 +133,8 @@ def test_nccl_without_gpus_is_refused_before_anything_starts(tmp_path, flags, np
                         timeout=120)
     assert result.returncode != 0
     lines = error_lines(result)
-    assert len(lines) == (nproc or 1) and len(set(lines)) == 1, result.stderr  # one line per process
+    # one line per process that got to print it (torchrun stops the others when the first exits)
+    assert 1 <= len(lines) <= (nproc or 1) and len(set(lines)) == 1, result.stderr
     assert message in lines[0] and "Traceback" not in lines[0]
     assert "NCCL error" not in result.stderr
     assert not (tmp_path / "run").exists()
