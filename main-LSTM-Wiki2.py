@@ -29,6 +29,7 @@ B/n (one block per worker, split across processes); since the columns are indepe
 numbers do not depend on the blocking, and one-process and torchrun runs give the same values.
 """
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ from engine.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient
 from engine.task import Task, shard, sum_over_processes
 from engine.train import run_entry_point
-from models.lstm import LSTMModel
+from models.lstm import LSTMModel, without_cudnn
 
 BENCHMARK = "LSTM-Wiki2"
 # the original README command: --sorter CD-GraB --lr 5.0 --B 16 --node_cnt 4 --epochs 50
@@ -156,14 +157,24 @@ class LSTMWiki2(Task):
         """One backward per unit (a plain loop: torch.vmap has no batching rule for the CPU LSTM
         kernel and falls back to a slower loop with a warning). Returns (n_local, k, d), (n_local, k)."""
         grads, losses, states = [], [], []
-        for u in range(n_local * k):
-            g, loss, aux = batch_gradient(self.loss, flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
-            grads.append(g)
-            losses.append(loss)
-            states.append(aux)
+        with self._gradient_kernels():
+            for u in range(n_local * k):
+                g, loss, aux = batch_gradient(self.loss, flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
+                grads.append(g)
+                losses.append(loss)
+                states.append(aux)
         if self.carry_hidden:
             self._pending_hidden = tuple(torch.cat([s[i] for s in states]) for i in range(2))
         return torch.stack(grads).reshape(n_local, k, -1), torch.stack(losses).reshape(n_local, k)
+
+    def batch_grad(self, flat, batch):
+        with self._gradient_kernels():
+            return super().batch_grad(flat, batch)
+
+    def _gradient_kernels(self):
+        """Gradients go through torch.func, which cuDNN's LSTM cannot run under (models.lstm.without_cudnn):
+        on CUDA they use PyTorch's own LSTM kernels; nothing changes on the CPU."""
+        return without_cudnn() if self.device.type == "cuda" else nullcontext()
 
     def start_epoch(self, epoch):
         if self.carry_hidden:

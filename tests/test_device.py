@@ -241,3 +241,14 @@ def test_rng_states_hold_the_gpu_generator_only_on_cuda(monkeypatch):
     assert len(restored) == 1 and restored[0][1] == GPU(1) and restored[0][0] is states["cuda"]
     train_module.set_rng_states(states, CPU)  # resuming on the CPU: the GPU state is not used
     assert len(restored) == 1
+
+
+def test_without_cudnn_restores_the_flag_even_after_an_error():
+    from models.lstm import without_cudnn
+
+    before = torch.backends.cudnn.enabled
+    with pytest.raises(ValueError):
+        with without_cudnn():
+            assert torch.backends.cudnn.enabled is False
+            raise ValueError
+    assert torch.backends.cudnn.enabled == before
