@@ -20,6 +20,10 @@ import torch.distributed as dist
 from engine.errors import UserFacingError
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; GPU images may be older
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class LocalCommunicator:
     """All n workers live in this process; collectives are plain tensor reductions."""
 
@@ -68,7 +72,7 @@ class DistributedCommunicator:
 
     def all_gather(self, local):
         out = torch.empty((self.n_workers,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        dist.all_gather_single(out, local.contiguous())
+        _all_gather_single(out, local.contiguous())
         return out
 
     def barrier(self):
