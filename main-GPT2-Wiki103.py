@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from data.wikitext103 import load_blocks, split_file  # noqa: E402
 from engine.cli import common_parser  # noqa: E402
+from engine.comm import node_leader_first  # noqa: E402
 from engine.errors import UserFacingError  # noqa: E402
 from engine.functional import FlatModel  # noqa: E402
 from engine.task import Task, shard, sum_over_processes  # noqa: E402
@@ -37,7 +38,12 @@ class GPT2Wiki103(Task):
         block = args.max_seq_length
         if block < 2:
             raise UserFacingError(f"--max-seq-length must be >= 2 (one input and one target token), got {block}")
-        train = load_blocks(args.data_dir, "train", block, train_file=args.train_file, cache_dir=args.cache_dir)
+        for split in ("train", "valid", "test"):  # a missing file fails in every process alike, before any waiting
+            split_file(args.data_dir, split, args.train_file)
+        with node_leader_first():  # under torchrun one process per node tokenizes; the others then read its cache
+            splits = {split: load_blocks(args.data_dir, split, block, train_file=args.train_file,
+                                         cache_dir=args.cache_dir) for split in ("train", "valid", "test")}
+        train = splits["train"]
         available = len(train)
         if args.max_train_examples:
             train = train[:args.max_train_examples]
@@ -54,8 +60,7 @@ class GPT2Wiki103(Task):
         self.worker_blocks = train[:used].reshape(n, self.n_units, block).to(device)  # (n, m, T)
         self.eval_blocks = {}
         for split in ("valid", "test"):  # the real WikiText-103 splits (the original reported valid as "test")
-            blocks = load_blocks(args.data_dir, split, block, cache_dir=args.cache_dir)
-            self.eval_blocks[split] = blocks[:args.max_eval_examples].to(device)
+            self.eval_blocks[split] = splits[split][:args.max_eval_examples].to(device)
         from models.gpt2 import build_gpt2, lm_loss  # imports transformers (seconds): only once the data is there
         self.lm_loss = lm_loss
         self.model = FlatModel(build_gpt2(n_positions=block)).to(device)

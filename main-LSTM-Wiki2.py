@@ -29,6 +29,7 @@ B/n (one block per worker, split across processes); since the columns are indepe
 numbers do not depend on the blocking, and one-process and torchrun runs give the same values.
 """
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.task import Task, shard, sum_over_processes
 from engine.train import run_entry_point
-from models.lstm import LSTMModel
+from models.lstm import LSTMModel, without_cudnn
 
 BENCHMARK = "LSTM-Wiki2"
 # the original README command: --sorter CD-GraB --lr 5.0 --B 16 --node_cnt 4 --epochs 50
@@ -159,13 +160,24 @@ class LSTMWiki2(Task):
         units = n_local * k
         buffer = self._unit_grad_buffer(units)
         losses, states = torch.empty(units, dtype=flat.dtype, device=flat.device), []
-        for u in range(units):
-            g, losses[u], aux = self.batch_grad(flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
-            buffer[u].copy_(g)
-            states.append(aux)
+        with self._gradient_kernels(flat):
+            for u in range(units):
+                g, losses[u], aux = self.batch_grad(flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
+                buffer[u].copy_(g)
+                states.append(aux)
         if self.carry_hidden:
             self._pending_hidden = tuple(torch.cat([s[i] for s in states]) for i in range(2))
         return buffer.view(n_local, k, -1), losses.view(n_local, k)
+
+    def batch_grad(self, flat, batch):
+        with self._gradient_kernels(flat):
+            return super().batch_grad(flat, batch)
+
+    def _gradient_kernels(self, flat):
+        """Gradients at the model's own parameters are plain backward passes (cuDNN is fine); at other
+        parameters they go through torch.func, which cuDNN's LSTM cannot run under
+        (models.lstm.without_cudnn): those use PyTorch's own LSTM kernels on CUDA."""
+        return without_cudnn() if self.device.type == "cuda" and flat is not self.model.flat else nullcontext()
 
     def start_epoch(self, epoch):
         if self.carry_hidden:

@@ -20,6 +20,7 @@ in the first usable of: `cache_dir`, `$CDGRAB_CACHE`, `<folder of the data file>
 """
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -133,7 +134,9 @@ def _save_atomic(tensor: torch.Tensor, path: Path) -> None:
 def load_blocks(data_dir, split: str, block_size: int = 128, train_file=None, cache_dir=None) -> torch.Tensor:
     """GPT-2 token blocks of one WikiText-103 split: LongTensor (N_blocks, block_size).
 
-    The first call tokenizes the file and caches the result; later calls load the cache.
+    The first call tokenizes the file (saying so on stderr) and caches the result; later calls load the
+    cache. Under torchrun, call it inside engine.comm.node_leader_first() so one process per node
+    tokenizes while the others wait, then read its cache.
     """
     if block_size < 1:
         raise UserFacingError(f"block size must be positive, got {block_size}")
@@ -148,6 +151,7 @@ def load_blocks(data_dir, split: str, block_size: int = 128, train_file=None, ca
         except Exception:  # unreadable cache entry: rebuild it below
             pass
 
+    print(f"tokenizing {path} into {block_size}-token blocks (cached in {folder})", file=sys.stderr, flush=True)
     blocks = to_blocks(tokenize_file(path, gpt2_tokenizer(data_dir)), block_size)
     try:
         folder.mkdir(parents=True, exist_ok=True)

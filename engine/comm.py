@@ -12,11 +12,16 @@ in both modes and runs can be compared.
 """
 import datetime
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from engine.errors import UserFacingError
+
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; GPU images may be older
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class LocalCommunicator:
@@ -47,7 +52,11 @@ class DistributedCommunicator:
 
     def __init__(self, n_workers: int, device, backend: str, timeout_seconds: float):
         self.device = torch.device(device)  # where collective buffers live (NCCL needs CUDA)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # NCCL is told this process's GPU, so its communicator (and barrier) never guesses GPU 0
+        options = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds), **options)
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         if n_workers % self.world_size:
             raise UserFacingError(f"--node_cnt {n_workers} is not a multiple of the {self.world_size} "
@@ -63,7 +72,7 @@ class DistributedCommunicator:
 
     def all_gather(self, local):
         out = torch.empty((self.n_workers,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        dist.all_gather_single(out, local.contiguous())
+        _all_gather_single(out, local.contiguous())
         return out
 
     def barrier(self):
@@ -83,11 +92,29 @@ def launched_by_torchrun() -> bool:
 
 
 def make_communicator(n_workers: int, device: torch.device, backend: str | None, timeout_seconds: float):
-    """LocalCommunicator for a plain `python` start, DistributedCommunicator under torchrun."""
+    """LocalCommunicator for a plain `python` start, DistributedCommunicator under torchrun.
+    backend: as engine.device.choose_device resolved it (None: NCCL on CUDA, else gloo)."""
     if not launched_by_torchrun():
         return LocalCommunicator(n_workers, device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     return DistributedCommunicator(n_workers, device, backend, timeout_seconds)
+
+
+@contextmanager
+def node_leader_first():
+    """Run the body in local rank 0 first, then in the node's other processes, e.g. to build a
+    cache once that the others then read. Outside torchrun it just runs the body.
+
+    Every process of the job must enter it (it holds two barriers). If the leader fails inside,
+    it leaves with its error and torchrun stops the waiting peers.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if distributed and not leader:
+        dist.barrier()  # wait for the leader's body
+    yield
+    if distributed and leader:
+        dist.barrier()  # release the others
 
 
 class GradientExchange:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from engine import runlog
 from engine.cli import check_args
 from engine.comm import GradientExchange, make_communicator
+from engine.device import setup_device
 from engine.errors import UserFacingError
 from engine.optim import Optimizer, StepDecay
 from engine.overlap import BackgroundSorter
@@ -81,14 +82,6 @@ class RegionTimer:
         return dict(self.totals)
 
 
-def resolve_device(choice: str, comm_rank_local: int = 0) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserFacingError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    return torch.device("cuda", comm_rank_local % torch.cuda.device_count())
-
-
 def run_entry_point(benchmark: str, parser, build_task) -> None:
     """Parse, check, set up workers, build the task, train; turn failures into one-line errors.
 
@@ -98,8 +91,8 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     comm = None
     try:
         check_args(args, benchmark)
-        device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-        comm = make_communicator(args.node_cnt, device, args.backend, args.dist_timeout)
+        device, backend = setup_device(args.device, args.backend)
+        comm = make_communicator(args.node_cnt, device, backend, args.dist_timeout)
         torch.manual_seed(args.seed)
         task = build_task(args, device)
         train(task, args, comm, device)
@@ -246,7 +239,7 @@ def train(task, args, comm, device) -> list[dict]:
             runlog.atomic_torch_save({
                 "epoch": epoch, "args": arg_dict, "flat": flat.detach().cpu(), "optimizer": optimizer.state_dict(),
                 "sorter": sorter.state_dict(), "rows": rows, "orders": recorded_orders,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                "rng": rng_states(device),
             }, checkpoint_path)  # read back by restore()
             if args.record_orders:
                 runlog.atomic_torch_save(recorded_orders, out / "orders.pt")
@@ -262,7 +255,9 @@ def train(task, args, comm, device) -> list[dict]:
 def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
     """Load a checkpoint into the run's objects; refuse one made with different settings.
     Returns (metrics rows so far, recorded orders, first epoch to run)."""
-    state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+    # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
+    # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
+    state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
     changed = sorted(key for key in (set(state["args"]) | set(arg_dict)) - RESUMABLE_CHANGES
                      if state["args"].get(key) != arg_dict.get(key))
     if changed:
@@ -272,9 +267,7 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
     flat.copy_(state["flat"])
     optimizer.load_state_dict(state["optimizer"])
     sorter.load_state_dict(state["sorter"])
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
+    set_rng_states(state["rng"], device)
     return state["rows"], state.get("orders", []), state["epoch"] + 1
 
 
@@ -283,6 +276,23 @@ def write_logs(out: Path, rows: list[dict], recorded_orders: list, metric_column
     if recorded_orders:
         runlog.atomic_torch_save(recorded_orders, out / "orders.pt")
     runlog.write_metrics(out / "metrics.csv", rows, metric_columns)
+
+
+def rng_states(device) -> dict:
+    """The random number generators' states, for the checkpoint; with CUDA also the device's generator."""
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device) -> None:
+    """Restore rng_states(); the CUDA generator only when this run and the checkpoint's both used CUDA."""
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -4,6 +4,8 @@ Embedding(V, ninp) -> nn.LSTM(ninp, nhid, nlayers) -> Linear(nhid, V, bias=False
 embedding's weight -> log_softmax. With V = 33,278 and 32/32/2: d = 1,064,896 + 2 * 8,448 = 1,081,792
 (the tied matrix counted once).
 """
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -33,3 +35,20 @@ class LSTMModel(nn.Module):
         """Zero (h, c), each (nlayers, b, nhid), on the model's device and dtype."""
         w = self.encoder.weight
         return (w.new_zeros(self.nlayers, b, self.nhid), w.new_zeros(self.nlayers, b, self.nhid))
+
+
+@contextmanager
+def without_cudnn():
+    """Inside the block, CUDA LSTMs run PyTorch's own kernels instead of cuDNN's.
+
+    cuDNN's LSTM reads its weights through raw data pointers, which the wrapper tensors of torch.func
+    (grad, vmap) do not have: on CUDA, torch 2.11 fails with "Cannot access data pointer of Tensor
+    that doesn't have storage". Gradients through torch.func therefore run here; plain forward passes
+    (evaluation) keep cuDNN. Only the `enabled` flag changes; the others stay as they were.
+    """
+    enabled = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = enabled

@@ -162,9 +162,9 @@ def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
                               "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                                       "python": random.getstate()}}, tmp_path / "checkpoint.pt")
     moved = {**args, "cache_dir": "/new/cache", "data_dir": "/new/data", "epochs": 3}
-    assert restore(tmp_path / "checkpoint.pt", moved, flat, optimizer, sorter, "cpu") == (rows, [], 2)
+    assert restore(tmp_path / "checkpoint.pt", moved, flat, optimizer, sorter, torch.device("cpu")) == (rows, [], 2)
     with pytest.raises(UserFacingError, match=r"--lr 0.1 \(now 0.2\)"):
-        restore(tmp_path / "checkpoint.pt", {**moved, "lr": 0.2}, flat, optimizer, sorter, "cpu")
+        restore(tmp_path / "checkpoint.pt", {**moved, "lr": 0.2}, flat, optimizer, sorter, torch.device("cpu"))
 
 
 def test_step_decay_per_epoch():

@@ -85,3 +85,19 @@ def test_missing_train_file_is_one_line_and_exit_2(tmp_path, cache_dir):
     lines = error_lines(result)
     assert len(lines) == 1 and "absent.txt" in lines[0] and "--train-file" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_torchrun_tokenizes_each_file_once(tmp_path):
+    """Under torchrun local rank 0 builds the token cache while the other process waits, then both read it
+    (before, every process tokenized every file)."""
+    cache = tmp_path / "fresh-cache"
+    result = run_script(SCRIPT, "--sorter", "D-RR", "--out", tmp_path / "run", "--train-file", TRAIN_FILE,
+                        "--cache-dir", cache, "--max-seq-length", "32", "--max-train-examples", "8",
+                        "--max-eval-examples", "4", "--node_cnt", "2", "--B", "2", "--epochs", "1", nproc=2)
+    check_ok(result)
+    tokenized = [line for line in result.stderr.splitlines() if line.startswith("tokenizing ")]
+    assert len(tokenized) == 3, result.stderr
+    files = {str(TRAIN_FILE), *(str(DATA_DIR / "wikitext-103" / f"wiki.{split}.tokens") for split in ("valid", "test"))}
+    assert {line.split()[1] for line in tokenized} == files
+    assert len(list(cache.glob("*.pt"))) == 3
+    assert [r["epoch"] for r in read_metrics(tmp_path / "run")] == [1]
