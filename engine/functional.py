@@ -110,7 +110,6 @@ class FlatModel:
         U = losses.shape[0]
         output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
         grads = out if out is not None else torch.empty(U, self.d, dtype=self.flat.dtype, device=self.flat.device)
-        grads.zero_()
         calls = {}  # module -> ([inputs (U, T_i, in)], [output grads (U, T_i, out)]), over its calls
         for (module, inputs, _), output_grad in zip(records, output_grads):
             if inputs.shape[0] != U or output_grad.shape[0] != U:
@@ -119,16 +118,48 @@ class FlatModel:
             ins, outs = calls.setdefault(module, ([], []))
             ins.append(_units_tokens_features(inputs.detach(), module))
             outs.append(output_grad.reshape(U, -1, output_grad.shape[-1]))
-        rules = dict(self.layers)
+        rules, slots = dict(self.layers), _Slots(self, grads)
         for module, (ins, outs) in calls.items():  # a layer used several times (the MLP's rollout): one rule call
             inputs, output_grad = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=1) for xs in (ins, outs))
-            rules[module](module, inputs, output_grad, lambda p: self._slot(grads, p))
+            rules[module](module, inputs, output_grad, slots)
+        slots.zero_untouched()  # parameters the forward did not use have zero gradient
         return grads, losses.detach()
 
-    def _slot(self, grads: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """(U, *p.shape) view of p's columns of the (U, d) gradient matrix."""
-        offset = self.offsets[id(p)]
-        return grads[:, offset:offset + p.numel()].view(grads.shape[0], *p.shape)
+
+
+class _Slots:
+    """The (U, *p.shape) views of each parameter's columns of a (U, d) gradient matrix, written without
+    zeroing the matrix first: a parameter's first contribution is copied in, later ones (a tied
+    weight, a layer used twice) are added. Writing into the strided views directly (baddbmm_ in
+    place) costs several times a contiguous product plus one copy."""
+
+    def __init__(self, model: FlatModel, grads: torch.Tensor):
+        self.model, self.grads, self.written = model, grads, set()
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        offset = self.model.offsets[id(p)]
+        return self.grads[:, offset:offset + p.numel()].view(self.grads.shape[0], *p.shape)
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Add value (U, *p.shape) to p's gradients."""
+        if id(p) in self.written:
+            self.view(p).add_(value)
+        else:
+            self.view(p).copy_(value)
+            self.written.add(id(p))
+
+    def zeroed(self, p: torch.Tensor) -> torch.Tensor:
+        """p's view, zeroed if nothing was written to it yet (for in-place scatter-adds)."""
+        view = self.view(p)
+        if id(p) not in self.written:
+            view.zero_()
+            self.written.add(id(p))
+        return view
+
+    def zero_untouched(self) -> None:
+        for module, _ in self.model.layers:
+            for p in module.parameters(recurse=False):
+                self.zeroed(p)
 
 
 def _units_tokens_features(inputs: torch.Tensor, module) -> torch.Tensor:
@@ -138,33 +169,33 @@ def _units_tokens_features(inputs: torch.Tensor, module) -> torch.Tensor:
     return inputs.reshape(inputs.shape[0], -1, inputs.shape[-1])
 
 
-# Per-layer rules for outer_unit_gradients: rule(module, a (U, T, in), g (U, T, out), slot) adds every
-# unit's gradient of the module's parameters into slot(param), a (U, *param.shape) view.
-def _linear_rule(module, a, g, slot):
-    slot(module.weight).baddbmm_(g.transpose(1, 2), a)      # sum_t g_t a_t^T: (U, out, in)
+# Per-layer rules for outer_unit_gradients: rule(module, a (U, T, in), g (U, T, out), slots) adds every
+# unit's gradient of the module's parameters through slots (a _Slots).
+def _linear_rule(module, a, g, slots):
+    slots.add(module.weight, torch.bmm(g.transpose(1, 2), a))  # sum_t g_t a_t^T: (U, out, in)
     if module.bias is not None:
-        slot(module.bias).add_(g.sum(1))
+        slots.add(module.bias, g.sum(1))
 
 
-def _conv1d_rule(module, a, g, slot):
+def _conv1d_rule(module, a, g, slots):
     """transformers' Conv1D: y = a @ W + b with W (in, out)."""
-    slot(module.weight).baddbmm_(a.transpose(1, 2), g)      # (U, in, out)
-    slot(module.bias).add_(g.sum(1))
+    slots.add(module.weight, torch.bmm(a.transpose(1, 2), g))  # (U, in, out)
+    slots.add(module.bias, g.sum(1))
 
 
-def _embedding_rule(module, ids, g, slot):
+def _embedding_rule(module, ids, g, slots):
     """ids (U, T): scatter each unit's output gradients into the rows it looked up."""
     units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-    slot(module.weight).index_put_((units, ids), g, accumulate=True)
+    slots.zeroed(module.weight).index_put_((units, ids), g, accumulate=True)
 
 
-def _layer_norm_rule(module, a, g, slot):
+def _layer_norm_rule(module, a, g, slots):
     if len(module.normalized_shape) != 1:
         raise ValueError("outer_unit_gradients supports LayerNorm over the last dimension only")
     if module.weight is not None:
-        slot(module.weight).add_((g * F.layer_norm(a, module.normalized_shape, eps=module.eps)).sum(1))
+        slots.add(module.weight, (g * F.layer_norm(a, module.normalized_shape, eps=module.eps)).sum(1))
     if module.bias is not None:
-        slot(module.bias).add_(g.sum(1))
+        slots.add(module.bias, g.sum(1))
 
 
 OUTER_PRODUCT_RULES = {"Linear": _linear_rule, "Conv1D": _conv1d_rule, "Embedding": _embedding_rule,

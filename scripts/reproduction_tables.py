@@ -1,0 +1,94 @@
+"""The paper-vs-ours tables of REPRODUCTION.md, computed from run directories (never typed by hand).
+
+    python scripts/reproduction_tables.py [RESULTS_DIR]     # default: the shipped reproduction/
+
+Prints Markdown: per benchmark, the paper's numbers (read off its figures, issue #8) next to ours as
+mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR gap, our training
+seconds per epoch, and the herding bound after the last round. Runs with fewer epochs than the
+paper's epoch are reported at their last epoch and marked.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
+
+# benchmark: (epochs averaged, [(metric, paper CD-GraB, paper D-RR, scale to our units)])
+PAPER = {
+    "LR-HMDA": ((49, 50), [("train_loss", 0.33546, 0.33724, 1.0), ("test_acc", 0.82371, 0.82279, 1.0)]),
+    "LSTM-Wiki2": ((50,), [("train_loss", 5.311, 5.361, 1.0), ("test_ppl", 223.6, 231.9, 1.0)]),
+    "MLP-M4": ((30,), [("train_loss", 0.0905, 0.0920, 1.0), ("test_smape", 8.51, 8.86, 1.0)]),
+    "GPT2-Wiki103": ((30,), [("train_loss", 4.098, 4.105, 1.0)]),
+}
+PAPER_HERDING = {"CD-GraB": "2.3-2.7 for every n", "I-B": "4.2, 5.8, 8.5, 12.5, 17.7",
+                 "I-PB": "6, 8.5, 12, 18, 24"}
+
+
+def mean_std(values) -> str:
+    values = list(values)
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else float("nan")
+    digits = 5 if abs(mean) < 10 else 2
+    return f"{mean:.{digits}f} ± {std:.{digits}f} (n={len(values)})" if std == std else f"{mean:.{digits}f} (n=1)"
+
+
+def benchmark_table(df, benchmark: str) -> list[str]:
+    epochs, metrics = PAPER[benchmark]
+    runs = df[df["benchmark"] == benchmark]
+    if runs.empty:
+        return [f"No {benchmark} runs.", ""]
+    lines = [f"| {benchmark} | epoch | paper CD-GraB | paper D-RR | " +
+             " | ".join(f"ours {s}" for s in sorted(runs["sorter"].unique())) + " |",
+             "|---|---|---|---|" + "---|" * runs["sorter"].nunique()]
+    for metric, paper_cd, paper_drr, _ in metrics:
+        if metric not in runs or runs[metric].isna().all():
+            continue
+        cells, short = [], set()  # short: last epochs of runs that stop before the paper's epoch
+        for sorter in sorted(runs["sorter"].unique()):
+            per_seed = []
+            for _, run in runs[runs["sorter"] == sorter].groupby("run_dir"):
+                at = run[run["epoch"].isin(epochs)]
+                if at.empty:  # a partial run: its last epoch
+                    at = run[run["epoch"] == run["epoch"].max()]
+                    short.add(int(at["epoch"].iloc[0]))
+                per_seed.append(at[metric].mean())
+            cells.append(mean_std(per_seed))
+        wanted = "-".join(str(e) for e in epochs)
+        epoch_cell = wanted if not short else f"{', '.join(map(str, sorted(short)))} (partial; paper: {wanted})"
+        lines.append(f"| {metric} | {epoch_cell} | {paper_cd} | {paper_drr} | " + " | ".join(cells) + " |")
+    seconds = runs.groupby("sorter")["epoch_seconds"].mean()
+    lines.append(f"| training s/epoch (mean over epochs) | | | | " +
+                 " | ".join(f"{seconds[s]:.1f}" for s in sorted(runs["sorter"].unique())) + " |")
+    return lines + [""]
+
+
+def herding_table(hdf) -> list[str]:
+    if hdf.empty:
+        return ["No herding simulation CSVs.", ""]
+    last = hdf[hdf["round"] == hdf["round"].max()]
+    counts = sorted(last["n_workers"].unique())
+    lines = [f"| method (round {int(last['round'].max())}) | paper | " + " | ".join(f"n={n}" for n in counts) + " |",
+             "|---|---|" + "---|" * len(counts)]
+    for method in sorted(last["method"].unique()):
+        cells = []
+        for n in counts:
+            bounds = last[(last["method"] == method) & (last["n_workers"] == n)]["bound"]
+            cells.append(f"{bounds.mean():.2f} ± {bounds.std():.2f}" if len(bounds) > 1 else f"{bounds.mean():.2f}")
+        trials = last[last["method"] == method]["trial"].nunique()
+        lines.append(f"| {method} ({trials} trials) | {PAPER_HERDING.get(method, '-')} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def main():
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else default_results_dir()
+    df = load_runs(root, include_incomplete=True, warn=False)
+    for benchmark in PAPER:
+        print("\n".join(benchmark_table(df, benchmark)))
+    print("\n".join(herding_table(load_herding(root / "herding", warn=False))))
+
+
+if __name__ == "__main__":
+    main()
