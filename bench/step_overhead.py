@@ -225,7 +225,8 @@ def bench_unit_grads(data_dir: str, with_gpt2: bool) -> dict:
 
         def gpt2_unit_losses(f, b):
             logits = gpt2(f, input_ids=b, position_ids=positions[:len(b)], use_cache=False).logits
-            return F.cross_entropy(logits[:, :-1].transpose(1, 2), b[:, 1:], reduction="none").mean(1)
+            per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), b[:, 1:].flatten(), reduction="none")
+            return per_token.view(len(b), -1).mean(1)
 
         cases["GPT-2 (16 blocks of 128, d=6846080)"] = (
             gpt2, ids, lambda f, b: lm_loss(gpt2(f, input_ids=b, use_cache=False).logits, b), gpt2_unit_losses, 2)
