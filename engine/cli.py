@@ -68,7 +68,8 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="run the balancing sorters' step t in a background thread while step t + 1 computes "
                         "(the same orders either way; costs a second per-unit gradient buffer). auto: on "
-                        "when d >= 65,536, where the balancing costs more than the hand-off")
+                        "when d >= 65,536 (the balancing costs more than the hand-off) and that buffer is at "
+                        "most 256 MB (on for the LSTM, off for GPT-2: 1.75 GB)")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
     return p

@@ -29,7 +29,10 @@ from engine.overlap import BackgroundSorter
 from sorters import build_sorter
 
 LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of the training loss
-OVERLAP_MIN_D = 65_536  # --overlap auto: below this the thread hand-off costs about what the sorter does
+# --overlap auto: below OVERLAP_MIN_D the thread hand-off costs about what the sorter does; above
+# OVERLAP_MAX_BUFFER the second per-unit gradient buffer costs more memory than it saves time (GPT-2:
+# 1.75 GB for 8% of a step)
+OVERLAP_MIN_D, OVERLAP_MAX_BUFFER = 65_536, 256 * 2**20
 # args that may differ between a checkpoint and the run that resumes it (where the data and the
 # token cache live, how the run is launched and logged: nothing that changes its results)
 RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir", "record_orders",
@@ -131,7 +134,9 @@ def train(task, args, comm, device) -> list[dict]:
     task.unit_grad_path = args.unit_grads
     sorter = build_sorter(args.sorter, n, m, d, seed=args.seed, device=device)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads)
-    if sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and d >= OVERLAP_MIN_D)):
+    second_buffer_bytes = n_local * k * d * flat.element_size()
+    if sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and d >= OVERLAP_MIN_D
+                                                       and second_buffer_bytes <= OVERLAP_MAX_BUFFER)):
         sorter = BackgroundSorter(sorter, device)  # balances step t during step t + 1; same orders
         task.double_buffer = True  # so step t's gradients survive step t + 1's
     schedule = StepDecay(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma)
