@@ -229,7 +229,7 @@ def bench_unit_grads(data_dir: str, with_gpt2: bool) -> dict:
             return per_token.view(len(b), -1).mean(1)
 
         cases["GPT-2 (16 blocks of 128, d=6846080)"] = (
-            gpt2, ids, lambda f, b: lm_loss(gpt2(f, input_ids=b, use_cache=False).logits, b), gpt2_unit_losses, 2)
+            gpt2, ids, lambda f, b: lm_loss(gpt2(f, input_ids=b, use_cache=False).logits, b), gpt2_unit_losses, 1)
     results = {}
     for label, (model, batch, mean_loss, unit_losses, reps) in cases.items():
         buffer = torch.empty(len(batch[0]) if isinstance(batch, tuple) else len(batch), model.d)
