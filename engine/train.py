@@ -270,8 +270,12 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
                               + ", ".join(f"--{key} {state['args'].get(key)} (now {arg_dict.get(key)})"
                                           for key in changed))
     flat.copy_(state["flat"])
-    optimizer.load_state_dict(state["optimizer"])
-    sorter.load_state_dict(state["sorter"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        sorter.load_state_dict(state["sorter"])
+    except ValueError as error:  # e.g. a checkpoint from the torchopt-based versions of the suite
+        raise UserFacingError(f"cannot resume {checkpoint_path.parent}: {error}; the checkpoint was written by "
+                              "another version of the suite, so start a new run (or choose another --out)")
     set_rng_states(state["rng"], device)
     return state["rows"], state.get("orders", []), state["epoch"] + 1
 

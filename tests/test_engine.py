@@ -163,6 +163,11 @@ def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
                                       "python": random.getstate()}}, tmp_path / "checkpoint.pt")
     moved = {**args, "cache_dir": "/new/cache", "data_dir": "/new/data", "epochs": 3}
     assert restore(tmp_path / "checkpoint.pt", moved, flat, optimizer, sorter, torch.device("cpu")) == (rows, [], 2)
+    old_format = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    old_format["optimizer"] = [torch.zeros(3), torch.tensor(4)]  # torchopt's leaves, as older versions saved
+    runlog.atomic_torch_save(old_format, tmp_path / "old.pt")
+    with pytest.raises(UserFacingError, match="another version of the suite"):
+        restore(tmp_path / "old.pt", moved, flat, optimizer, sorter, torch.device("cpu"))
     with pytest.raises(UserFacingError, match=r"--lr 0.1 \(now 0.2\)"):
         restore(tmp_path / "checkpoint.pt", {**moved, "lr": 0.2}, flat, optimizer, sorter, torch.device("cpu"))
 
