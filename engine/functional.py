@@ -51,6 +51,7 @@ class FlatModel:
         self.layers = [(module, OUTER_PRODUCT_RULES[type(module).__name__])
                        for module in self.module.modules() if type(module).__name__ in OUTER_PRODUCT_RULES
                        and any(True for _ in module.parameters(recurse=False))]
+        self.rules = dict(self.layers)
         covered = {id(p) for module, _ in self.layers for p in module.parameters(recurse=False)}
         # every parameter must belong to a layer with an outer-product rule, else only vmap is exact
         self.supports_outer = covered == set(self.offsets)
@@ -110,19 +111,21 @@ class FlatModel:
         U = losses.shape[0]
         output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
         grads = out if out is not None else torch.empty(U, self.d, dtype=self.flat.dtype, device=self.flat.device)
-        calls = {}  # module -> ([inputs (U, T_i, in)], [output grads (U, T_i, out)]), over its calls
-        for (module, inputs, _), output_grad in zip(records, output_grads):
-            if inputs.shape[0] != U or output_grad.shape[0] != U:
-                raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for {U} "
-                                 "units: per-unit gradients need the units on dim 0 of every layer input")
-            ins, outs = calls.setdefault(module, ([], []))
-            ins.append(_units_tokens_features(inputs.detach(), module))
-            outs.append(output_grad.reshape(U, -1, output_grad.shape[-1]))
-        rules, slots = dict(self.layers), _Slots(self, grads)
-        for module, (ins, outs) in calls.items():  # a layer used several times (the MLP's rollout): one rule call
-            inputs, output_grad = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=1) for xs in (ins, outs))
-            rules[module](module, inputs, output_grad, slots)
-        slots.zero_untouched()  # parameters the forward did not use have zero gradient
+        with torch.no_grad():  # the products below need no autograd bookkeeping
+            calls = {}  # module -> ([inputs (U, T_i, in)], [output grads (U, T_i, out)]), over its calls
+            for (module, inputs, _), output_grad in zip(records, output_grads):
+                if inputs.shape[0] != U or output_grad.shape[0] != U:
+                    raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for "
+                                     f"{U} units: per-unit gradients need the units on dim 0 of every layer input")
+                ins, outs = calls.setdefault(module, ([], []))
+                ins.append(_units_tokens_features(inputs, module))
+                outs.append(output_grad.reshape(U, -1, output_grad.shape[-1]))
+            slots = _Slots(self, grads)
+            for module, (ins, outs) in calls.items():  # a layer used several times (the MLP's rollout): one call
+                inputs, output_grad = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=1) for xs in (ins, outs))
+                self.rules[module](module, inputs, output_grad, slots)
+            if len(slots.written) < len(self.offsets):
+                slots.zero_untouched()  # parameters the forward did not use have zero gradient
         return grads, losses.detach()
 
 
