@@ -26,7 +26,7 @@ BENCHMARK = "GPT2-Wiki103"
 # the original README command: --sorter {CD-GraB|D-RR} --seed 0 (B 64 = node_cnt 64, AdamW 5e-4, wd 0, 50 epochs)
 DEFAULTS = dict(sorter="CD-GraB", seed=0, lr=5e-4, weight_decay=0.0, B=64, node_cnt=64, epochs=50)
 EVAL_BATCH = 32   # blocks per evaluation forward pass (32 x 128 x 50,257 logits = 0.8 GB in fp32)
-GRAD_CHUNK = 16   # blocks per vmapped per-example-gradient pass; bounds the intermediates (see unit_grads)
+GRAD_CHUNK = 16   # blocks per gradient pass (per-block or batched); bounds the intermediates (see unit_grads)
 
 
 class GPT2Wiki103(Task):
