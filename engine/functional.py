@@ -48,11 +48,11 @@ class FlatModel:
             self.offsets[id(p)] = offset
             offset += numel
         self.buffers = dict(self.module.named_buffers())
-        self.layers = [(module, OUTER_PRODUCT_RULES[type(module).__name__])
-                       for module in self.module.modules() if type(module).__name__ in OUTER_PRODUCT_RULES
-                       and any(True for _ in module.parameters(recurse=False))]
-        self.rules = dict(self.layers)
-        covered = {id(p) for module, _ in self.layers for p in module.parameters(recurse=False)}
+        # module -> its outer-product rule, for every layer that has parameters and a rule
+        self.rules = {module: OUTER_PRODUCT_RULES[type(module).__name__] for module in self.module.modules()
+                      if type(module).__name__ in OUTER_PRODUCT_RULES
+                      and any(True for _ in module.parameters(recurse=False))}
+        covered = {id(p) for module in self.rules for p in module.parameters(recurse=False)}
         # every parameter must belong to a layer with an outer-product rule, else only vmap is exact
         self.supports_outer = covered == set(self.offsets)
 
@@ -102,7 +102,7 @@ class FlatModel:
         def record(module, inputs, output):
             records.append((module, inputs[0], output))
 
-        handles = [module.register_forward_hook(record) for module, _ in self.layers]
+        handles = [module.register_forward_hook(record) for module in self.rules]
         try:
             losses = unit_loss_fn(self.flat, batch)
         finally:
@@ -160,7 +160,7 @@ class _Slots:
         return view
 
     def zero_untouched(self) -> None:
-        for module, _ in self.model.layers:
+        for module in self.model.rules:
             for p in module.parameters(recurse=False):
                 self.zeroed(p)
 

@@ -18,6 +18,8 @@ class Task:
     lr_decay_every: int | None = None  # epochs between learning-rate decays (None: constant)
     lr_decay_gamma = 1.0
     clip_grad_norm: float | None = None  # clip the global-batch gradient to this L2 norm (None: off)
+    unit_grad_path = "auto"           # --unit-grads: "vmap" forces the general path (own unit_grads ignore it)
+    double_buffer = False             # set by the engine when the sorter reads step t's grads during step t + 1
 
     model: FlatModel
     n_workers: int
@@ -51,9 +53,6 @@ class Task:
         else:
             grads, losses = unit_gradients(self.loss, flat, batch)
         return grads.view(n_local, k, -1), losses.view(n_local, k)
-
-    unit_grad_path = "auto"  # --unit-grads: "vmap" forces the general path (tasks with their own unit_grads ignore it)
-    double_buffer = False  # set by the engine when the sorter reads step t's gradients during step t + 1
 
     def outer_products_apply(self, flat: torch.Tensor) -> bool:
         """True when per-unit gradients at `flat` may come from outer products: the model's own
