@@ -57,7 +57,13 @@ def _smallest_density(n: int, d: int) -> str:
 
 
 class Reducer:
-    """The interface; subclasses implement `reduce`, and state beyond the epoch accumulators."""
+    """The interface; subclasses implement `reduce`, and state beyond the epoch accumulators.
+
+    name: one of REDUCER_NAMES. comm_bytes: cumulative bytes sent, summed over the n workers
+    (dense: n * d * element size per call; topk: n * (k indices + |union| values); exdyna:
+    n * (1 count + max_k padded indices + K values); indices int32 when d < 2**31, values at the
+    accumulator's element size, 4 for float32 gradients).
+    """
 
     name = "base"
 
