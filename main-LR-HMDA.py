@@ -25,6 +25,7 @@ EVAL_CHUNK = 8192
 class LogisticHMDA(Task):
     name = BENCHMARK
     metric_columns = ("train_acc", "test_acc")
+    vmap_over_workers = True
 
     def __init__(self, args, device):
         data = load_hmda(args.data_dir, args.hmda_file)

@@ -42,6 +42,7 @@ EVAL_CHUNK = 4096  # windows per evaluation forward; a fixed grid, split across 
 class MLPM4(Task):
     name = BENCHMARK
     metric_columns = ("valid_loss", "test_smape")
+    vmap_over_workers = True
     lr_decay_every = 10
     lr_decay_gamma = 0.25
 

@@ -24,6 +24,11 @@ SETTING = ["node_cnt", "B", "lr", "setting"]  # runs of one benchmark and sorter
 # torch for every notebook): args that may differ on resume, so they never change a run's results
 RESUMABLE_ARGS = frozenset({"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir",
                             "record_orders", "progress", "dist_timeout", "overlap"})
+# engine.cli.ADDED_ARG_DEFAULTS (a test keeps them equal): flags added after runs were shipped; a config.json
+# without them ran with these values, so it is the same experiment as a new run with the defaults
+ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
+                      "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
+                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0}
 NOT_SETTINGS = RESUMABLE_ARGS | {"sorter", "seed"}  # what a setting label leaves out
 # how a differing argument is shown in a setting label; others as name=value
 SHORT_NAMES = {"node_cnt": "n"}
@@ -44,7 +49,7 @@ def _read_run(run_dir: Path, include_incomplete: bool):
     """(DataFrame of this run's epochs, problem or None); raises ValueError when unusable."""
     try:
         config = json.loads((run_dir / "config.json").read_text())
-        args = config["args"]
+        args = {**ADDED_ARG_DEFAULTS, **config["args"]}
         info = {"benchmark": config["benchmark"], "sorter": args["sorter"], "seed": int(args["seed"]),
                 "node_cnt": int(args["node_cnt"]), "B": int(args["B"]), "lr": float(args["lr"]),
                 "setting": "", "run_dir": str(run_dir)}

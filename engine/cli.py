@@ -4,7 +4,15 @@ import math
 
 from data.common import default_data_dir
 from engine.errors import UserFacingError
+from engine.local_sgd import SYNC_RULES, check_sync_args
+from engine.optim import LRSchedule
+from engine.reducers import REDUCER_NAMES
 from sorters import SORTER_NAMES
+
+# flags added after runs were shipped: a config.json or checkpoint without them ran with these values
+ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
+                      "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
+                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -72,6 +80,40 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                         "most 256 MB (on for the LSTM, off for GPT-2: 1.75 GB)")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
+
+    schedule = p.add_argument_group("learning-rate schedule")
+    schedule.add_argument("--lr-schedule", choices=LRSchedule.KINDS, default="step",
+                          help="step: the benchmark's paper schedule (constant, or the step decay its script "
+                               "names); cosine / linear: from --lr down to --min-lr at the last epoch")
+    schedule.add_argument("--warmup-epochs", type=float, default=0.0, metavar="E",
+                          help="linear warm-up from --min-lr to --lr over the first E epochs (fractions allowed)")
+    schedule.add_argument("--min-lr", type=float, default=0.0, help="floor of the cosine/linear decay and warm-up start")
+
+    sync = p.add_argument_group("communication: local SGD (--sync) and sparsified reduction (--reducer)")
+    sync.add_argument("--sync", choices=SYNC_RULES, default="every-step",
+                      help="every-step: average gradients every step (data-parallel, the paper). constant: each "
+                           "worker steps on its own parameters and optimizer state, parameters averaged every --H "
+                           "steps. qsr: H = max(H_base, floor((alpha/lr)^power)) (Gu et al. 2024), recomputed at "
+                           "each round's first step. linear: the same with power 1. post-local: data-parallel "
+                           "until --switch-epoch, then constant --H. Every epoch ends with an averaging step")
+    sync.add_argument("--H", type=int, default=4, help="steps between averagings for --sync constant / post-local")
+    sync.add_argument("--alpha", type=float, default=None, help="growth coefficient of --sync qsr / linear")
+    sync.add_argument("--H-base", type=int, default=4, help="floor of H after warm-up for --sync qsr / linear")
+    sync.add_argument("--H-init", type=int, default=None,
+                      help="H during the learning-rate warm-up and when alpha = 0 (default: --H-base)")
+    sync.add_argument("--power", type=float, default=2.0, help="exponent of --sync qsr (linear uses 1)")
+    sync.add_argument("--switch-epoch", type=int, default=None, metavar="E",
+                      help="--sync post-local: data-parallel during epochs 1..E-1, local steps from epoch E")
+    sync.add_argument("--average-opt-state", action="store_true",
+                      help="with local steps, also average the optimizer state (momentum / AdamW moments) at "
+                           "each averaging (default: it stays per worker)")
+    sync.add_argument("--reducer", choices=REDUCER_NAMES, default="dense",
+                      help="how the averaged quantity (the gradient each step, or with local steps the change of "
+                           "the parameters since the last averaging) is exchanged: dense all-reduce; topk: each "
+                           "worker's top density*d entries with error feedback, averaged on the union of indices; "
+                           "exdyna: ExDyna (Yoon & Oh 2024) exclusive partitions with an adaptive threshold")
+    sync.add_argument("--density", type=float, default=None,
+                      help="fraction of the d coordinates selected per exchange for --reducer topk / exdyna")
     return p
 
 
@@ -90,5 +132,27 @@ def check_args(args, benchmark: str) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    check_communication_args(args)
     if args.out is None:
         args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}-seed{args.seed}"
+
+
+def check_communication_args(args) -> None:
+    """One-line errors for the learning-rate schedule, --sync and --reducer flags."""
+    if args.warmup_epochs < 0 or args.warmup_epochs >= args.epochs:
+        raise UserFacingError(f"--warmup-epochs must be in [0, --epochs {args.epochs}), got {args.warmup_epochs:g}")
+    if not (math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr):
+        raise UserFacingError(f"--min-lr must be between 0 and --lr {args.lr:g}, got {args.min_lr:g}")
+    check_sync_args(args)
+    if args.switch_epoch is not None and args.switch_epoch > args.epochs:
+        raise UserFacingError(f"--switch-epoch {args.switch_epoch} is after the last epoch (--epochs {args.epochs})")
+    if args.reducer == "dense":
+        if args.density is not None:
+            raise UserFacingError("--density only applies to --reducer topk or exdyna")
+        return
+    if args.density is None or not (0 < args.density <= 1):
+        raise UserFacingError(f"--reducer {args.reducer} needs --density in (0, 1], got {args.density}")
+    if args.sync == "post-local":
+        raise UserFacingError(f"--sync post-local with --reducer {args.reducer} is not supported: the error-feedback "
+                              "residual would mix gradients (before the switch) with parameter changes (after it); "
+                              "use --sync constant or qsr, or --reducer dense")

@@ -120,29 +120,44 @@ def node_leader_first():
 class GradientExchange:
     """The one place that decides what workers send each other per step.
 
-    `exchange(local_unit_grads, local_mean_grad)` returns `(update, all_unit_grads)`:
-      local_unit_grads: (n_local, k, d) per-unit gradients of this process's workers, or None
-      local_mean_grad:  (d,) mean gradient over this process's units (used when no unit grads)
-      update:           (d,) the global-batch gradient (mean over all workers' units); may be
-                        local_mean_grad itself, so it is valid as long as that is
-      all_unit_grads:   (n, k, d) every worker's unit gradients, or None
+    `exchange(local_unit_grads, local_mean_grad, local_worker_grads=None)` returns `(update, all_unit_grads)`:
+      local_unit_grads:   (n_local, k, d) per-unit gradients of this process's workers, or None
+      local_mean_grad:    (d,) mean gradient over this process's units (used when no unit grads)
+      local_worker_grads: (n_local, d) each worker's own mean gradient: given when the reducer
+                          sparsifies (error feedback keeps a residual per worker)
+      update:             (d,) the global-batch gradient (mean over all workers' units), or with a
+                          sparsifying reducer the mean of what the workers sent; may be
+                          local_mean_grad itself, so it is valid as long as that is
+      all_unit_grads:     (n, k, d) every worker's unit gradients, or None
 
     Sorters that balance need every worker's unit gradients in every process (CD-GraB runs its
-    identical balancing redundantly on each rank, spec 1.5), so they all-gather and average the
-    gathered tensor; the others all-reduce one d-vector, as D-RR does in the paper. Later
-    strategies (sparsified reduction, periodic averaging) subclass this.
+    identical balancing redundantly on each rank, spec 1.5), so they all-gather them dense, also when
+    a reducer sparsifies the update; without a sparsifying reducer the update is then the mean of the
+    gathered tensor. The others all-reduce one d-vector, as D-RR does in the paper, or hand each
+    worker's gradient to the reducer (engine/reducers.py). Local SGD (engine/local_sgd.py) uses
+    `gather_unit_grads` alone between its averaging steps.
     """
 
-    def __init__(self, comm, gather_unit_grads: bool):
+    def __init__(self, comm, gather_unit_grads: bool, reducer=None):
         self.comm = comm
-        self.gather_unit_grads = gather_unit_grads
-        self.comm_bytes = 0
+        self.gather_unit_grads_too = gather_unit_grads
+        self.reducer = reducer
+        self.comm_bytes = 0  # the unit-gradient gathers and dense all-reduces; the reducer counts its own
 
-    def exchange(self, local_unit_grads, local_mean_grad):
+    def gather_unit_grads(self, local_unit_grads):
+        """(n_local, k, d) -> (n, k, d) every worker's unit gradients, or None when the sorter needs none."""
+        if not self.gather_unit_grads_too:
+            return None
+        every = self.comm.all_gather(local_unit_grads)
+        self.comm_bytes += every.numel() * every.element_size()
+        return every
+
+    def exchange(self, local_unit_grads, local_mean_grad, local_worker_grads=None):
         n = self.comm.n_workers
-        if self.gather_unit_grads:
-            every = self.comm.all_gather(local_unit_grads)
-            self.comm_bytes += every.numel() * every.element_size()
+        every = self.gather_unit_grads(local_unit_grads)
+        if local_worker_grads is not None:
+            return self.reducer.reduce(local_worker_grads), every
+        if every is not None:
             return every.mean(dim=(0, 1)), every
         self.comm_bytes += n * local_mean_grad.numel() * local_mean_grad.element_size()
         n_local = len(self.comm.local_workers)

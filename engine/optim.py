@@ -11,26 +11,53 @@ import math
 import torch
 
 
-class StepDecay:
-    """Per-epoch step decay: lr * gamma ** (completed_epochs // every_epochs).
+class LRSchedule:
+    """Learning rate of each 0-based global step, from a host-side step count (no device read).
 
-    every_epochs=None keeps the learning rate constant. The learning rate of a step is a function
-    of the 0-based global step count alone, so a resumed run gets the same learning rates.
+    kind "step": the benchmark's paper schedule, lr * gamma ** (completed_epochs // every_epochs)
+    (every_epochs None: constant). "cosine": from lr down to min_lr along half a cosine over the
+    steps after warm-up. "linear": from lr down to min_lr linearly. Every kind first warms up
+    linearly from min_lr over `warmup_epochs` (may be fractional): warm-up step s uses
+    min_lr + (lr - min_lr) * (s + 1) / warmup_steps, so the last warm-up step uses lr. cosine and
+    linear reach min_lr at the run's last step (total_epochs), so they depend on --epochs.
+    A resumed run gets the same learning rates: they depend on the step count alone.
     """
 
-    def __init__(self, lr: float, steps_per_epoch: int, every_epochs: int | None = None, gamma: float = 1.0):
+    KINDS = ("step", "cosine", "linear")
+
+    def __init__(self, lr: float, steps_per_epoch: int, every_epochs: int | None = None, gamma: float = 1.0,
+                 kind: str = "step", total_epochs: int | None = None, warmup_epochs: float = 0.0,
+                 min_lr: float = 0.0):
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown learning-rate schedule {kind!r}; choose one of {', '.join(self.KINDS)}")
+        if kind != "step" and not total_epochs:
+            raise ValueError(f"the {kind} schedule needs total_epochs")
         self.lr, self.steps_per_epoch = lr, steps_per_epoch
         self.every_epochs, self.gamma = every_epochs, gamma
+        self.kind, self.min_lr = kind, min_lr
+        self.warmup_steps = round(warmup_epochs * steps_per_epoch)
+        self.total_steps = (total_epochs or 0) * steps_per_epoch
 
     def at_epoch(self, epoch: int) -> float:
-        """Learning rate used during 1-based `epoch`."""
+        """The step schedule's learning rate during 1-based `epoch` (warm-up aside)."""
         if not self.every_epochs:
             return self.lr
         return self.lr * self.gamma ** ((epoch - 1) // self.every_epochs)
 
     def __call__(self, step: int) -> float:
-        """Learning rate of 0-based global step `step` (a host int: no device read)."""
-        return self.at_epoch(int(step) // self.steps_per_epoch + 1)
+        """Learning rate of 0-based global step `step` (a host int)."""
+        step = int(step)
+        if step < self.warmup_steps:
+            return self.min_lr + (self.lr - self.min_lr) * (step + 1) / self.warmup_steps
+        if self.kind == "step":
+            return self.at_epoch(step // self.steps_per_epoch + 1)
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        if self.kind == "cosine":
+            return self.min_lr + (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress)) / 2
+        return self.min_lr + (self.lr - self.min_lr) * (1 - progress)
+
+
+StepDecay = LRSchedule  # the paper's per-epoch step decay is LRSchedule's default kind
 
 
 class Optimizer:
@@ -40,7 +67,7 @@ class Optimizer:
     `step(gradient)` uses the learning rate `schedule(count)` of its own host-side step count.
     """
 
-    def __init__(self, name: str, flat: torch.Tensor, schedule: StepDecay, momentum: float = 0.0,
+    def __init__(self, name: str, flat: torch.Tensor, schedule: LRSchedule, momentum: float = 0.0,
                  weight_decay: float = 0.0, betas: tuple = (0.9, 0.999), eps: float = 1e-8):
         if name not in ("sgd", "adamw"):
             raise ValueError(f"unknown optimizer {name!r}")

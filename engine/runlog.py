@@ -4,6 +4,7 @@ A crash never leaves a partial file: each write goes to a temporary file that th
 the old one. Only rank 0 writes.
 """
 import csv
+import math
 import io
 import json
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 
 TIMING_COLUMNS = ("epoch_seconds", "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes")
+# how the workers communicated (engine.train.communication_stats)
+COMMUNICATION_COLUMNS = ("syncs", "mean_H", "density", "threshold", "load_imbalance")
 REPO_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -41,7 +44,7 @@ def atomic_torch_save(obj, path: Path) -> None:
 
 
 def metrics_header(metric_columns) -> list[str]:
-    return ["epoch", "train_loss", "test_loss", *metric_columns, *TIMING_COLUMNS]
+    return ["epoch", "train_loss", "test_loss", *metric_columns, *TIMING_COLUMNS, *COMMUNICATION_COLUMNS]
 
 
 def write_metrics(path: Path, rows: list[dict], metric_columns) -> None:
@@ -52,7 +55,7 @@ def write_metrics(path: Path, rows: list[dict], metric_columns) -> None:
     writer = csv.DictWriter(text, fieldnames=header, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({key: _format(row[key]) for key in header})
+        writer.writerow({key: _format(row.get(key, math.nan)) for key in header})  # nan: an older run's row
     atomic_write_bytes(path, text.getvalue().encode())
 
 

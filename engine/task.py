@@ -1,5 +1,7 @@
 """What a benchmark hands the training engine: its units, its loss, its evaluation."""
 import torch
+from torch.func import vmap
+from torch.utils._pytree import tree_map
 
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 
@@ -20,6 +22,9 @@ class Task:
     clip_grad_norm: float | None = None  # clip the global-batch gradient to this L2 norm (None: off)
     unit_grad_path = "auto"           # --unit-grads: "vmap" forces the general path (own unit_grads ignore it)
     double_buffer = False             # set by the engine when the sorter reads step t's grads during step t + 1
+    # worker_gradients: True = one torch.func.vmap over the workers' (parameters, units); False = a loop
+    # over the workers, each a batch of one worker (what LSTM and GPT-2 need: see their docstrings)
+    vmap_over_workers = False
 
     model: FlatModel
     n_workers: int
@@ -80,6 +85,54 @@ class Task:
         if flat is self.model.flat:
             return self.model.batch_gradient(self.loss, batch)
         return batch_gradient(self.loss, flat, batch)  # other parameters: torch.func
+
+    def worker_gradients(self, params: torch.Tensor, workers: list[int], unit_ids: torch.Tensor, per_unit: bool):
+        """Each local worker's gradient at its own parameters, for local SGD and sparsified reduction.
+
+        params: (d,) shared by all workers, or (n_local, d) row j worker j's; unit_ids: (n_local, k).
+        Returns (grads (n_local, d) each worker's mean gradient over its k units, unit_grads
+        (n_local, k, d) or None unless per_unit, losses (n_local,)). Calls end_step itself.
+        Shared parameters where outer products apply: one backward plus per-unit outer products (the
+        returned unit gradients may then live in the reused buffer of unit_grads). Else with
+        vmap_over_workers one vmapped pass; otherwise one call per worker with `model.flat` holding
+        that worker's parameters (so `model.flat` is scratch when params is 2-D).
+        """
+        n_local, k = unit_ids.shape
+        flat = self.model.flat
+        if params is flat and self.outer_products_apply(flat):  # shared parameters: the per-unit fast path
+            unit_grads, unit_losses = self.unit_grads(flat, self.units(workers, unit_ids), n_local, k)
+            self.end_step(None)
+            return unit_grads.mean(1), unit_grads if per_unit else None, unit_losses.mean(1)
+        if self.vmap_over_workers:
+            batch = tree_map(lambda t: t.reshape(n_local, k, *t.shape[1:]), self.units(workers, unit_ids))
+            in_dims = (0 if params.dim() == 2 else None, 0)
+            if per_unit:
+                unit_grads, unit_losses = vmap(lambda p, b: unit_gradients(self.loss, p, b), in_dims=in_dims)(
+                    params, batch)
+                grads, losses = unit_grads.mean(1), unit_losses.mean(1)
+            else:
+                unit_grads = None
+                grads, losses = vmap(lambda p, b: batch_gradient(self.loss, p, b)[:2], in_dims=in_dims)(params, batch)
+            self.end_step(None)
+            return grads, unit_grads, losses
+        grads = torch.empty(n_local, flat.numel(), dtype=flat.dtype, device=flat.device)
+        unit_grads = torch.empty(n_local, k, flat.numel(), dtype=flat.dtype, device=flat.device) if per_unit else None
+        losses = torch.empty(n_local, dtype=flat.dtype, device=flat.device)
+        for j, worker in enumerate(workers):
+            batch = self.units([worker], unit_ids[j:j + 1])
+            if params.dim() == 2:
+                with torch.no_grad():
+                    flat.copy_(params[j])
+            if per_unit:
+                worker_units, worker_losses = self.unit_grads(flat, batch, 1, k)
+                unit_grads[j] = worker_units[0]
+                torch.mean(worker_units[0], dim=0, out=grads[j])
+                losses[j], aux = worker_losses.mean(), None
+            else:
+                grad, losses[j], aux = self.batch_grad(flat, batch)
+                grads[j] = grad
+            self.end_step(aux)
+        return grads, unit_grads, losses
 
     def evaluate(self, flat: torch.Tensor, comm) -> dict:
         """Metrics after an epoch: train_loss, test_loss and every name in metric_columns.

@@ -7,6 +7,12 @@ Per step t:  every local worker j takes its units orders[j, t:t+k]
              sorter.step(all workers' unit gradients, positions t..t+k-1)
              optimizer step with the global-batch gradient
 After epoch: evaluate, append a metrics row, save checkpoint.pt and metrics.csv.
+
+With --sync other than every-step (engine/local_sgd.py) every worker keeps its own parameters and
+optimizer state and steps on its own gradient, and the workers average every H steps; with a
+sparsifying --reducer (engine/reducers.py) what is averaged (the gradient, or the parameters' change
+since the last averaging) is compressed with error feedback. Both need each worker's own gradient,
+so their steps go through Task.worker_gradients.
 """
 import math
 import os
@@ -20,12 +26,14 @@ import torch
 from tqdm import tqdm
 
 from engine import runlog
-from engine.cli import check_args
+from engine.cli import ADDED_ARG_DEFAULTS, check_args
 from engine.comm import GradientExchange, make_communicator
 from engine.device import setup_device
 from engine.errors import UserFacingError
-from engine.optim import Optimizer, StepDecay
+from engine.local_sgd import LocalWorkers, SyncSchedule
+from engine.optim import LRSchedule, Optimizer
 from engine.overlap import BackgroundSorter
+from engine.reducers import make_reducer
 from sorters import build_sorter
 
 LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of the training loss
@@ -133,14 +141,27 @@ def train(task, args, comm, device) -> list[dict]:
     flat = task.model.flat
     task.unit_grad_path = args.unit_grads
     sorter = build_sorter(args.sorter, n, m, d, seed=args.seed, device=device)
-    exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads)
+    reducer = make_reducer(args.reducer, comm, d, device, args.density)
+    exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer)
     second_buffer_bytes = n_local * k * d * flat.element_size()
     if sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and d >= OVERLAP_MIN_D
                                                        and second_buffer_bytes <= OVERLAP_MAX_BUFFER)):
         sorter = BackgroundSorter(sorter, device)  # balances step t during step t + 1; same orders
         task.double_buffer = True  # so step t's gradients survive step t + 1's
-    schedule = StepDecay(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma)
-    optimizer = Optimizer(task.optimizer, flat, schedule, args.momentum, args.weight_decay)
+    lr_schedule = LRSchedule(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma, kind=args.lr_schedule,
+                             total_epochs=args.epochs, warmup_epochs=args.warmup_epochs, min_lr=args.min_lr)
+    if args.sync == "every-step":
+        local = None
+        optimizer = Optimizer(task.optimizer, flat, lr_schedule, args.momentum, args.weight_decay)
+    else:
+        sync = SyncSchedule(args.sync, H=args.H, h_base=args.H_base, h_init=args.H_init, alpha=args.alpha or 0.0,
+                            power=args.power, switch_step=((args.switch_epoch or 1) - 1) * steps_per_epoch,
+                            warmup_steps=lr_schedule.warmup_steps, total_steps=args.epochs * steps_per_epoch)
+        local = LocalWorkers(flat, comm, task.optimizer, lr_schedule, sync, reducer, args.momentum,
+                             args.weight_decay, args.average_opt_state)
+        optimizer = local  # what checkpoints save and restore
+    # each worker's own gradient is needed by local steps and by error feedback
+    per_worker_grads = local is not None or args.reducer != "dense"
     arg_dict = dict(vars(args))
     rows, recorded_orders, first_epoch = [], [], 1
 
@@ -148,7 +169,8 @@ def train(task, args, comm, device) -> list[dict]:
         if not args.resume:
             raise UserFacingError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it, "
                                   "or choose another --out")
-        rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device)
+        rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, reducer,
+                                                     device)
         if writer:
             # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
             # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
@@ -168,7 +190,11 @@ def train(task, args, comm, device) -> list[dict]:
             "data": task.data_info,
             "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads},
             "optimizer": {"name": task.optimizer, "lr_decay_every": task.lr_decay_every,
-                          "lr_decay_gamma": task.lr_decay_gamma},
+                          "lr_decay_gamma": task.lr_decay_gamma, "lr_schedule": args.lr_schedule,
+                          "warmup_steps": lr_schedule.warmup_steps},
+            "communication": {"sync": args.sync, "reducer": args.reducer, "per_worker_grads": per_worker_grads,
+                              "worker_gradients": ("vmap" if task.vmap_over_workers else "loop")
+                              if per_worker_grads else None},
             "device": str(device),
             "versions": runlog.library_versions(),
             "git_commit": runlog.git_commit(),
@@ -177,7 +203,7 @@ def train(task, args, comm, device) -> list[dict]:
     fault_kind, fault_step = _fault_injection(comm.rank)
     show_progress = writer and {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
     for epoch in range(first_epoch, args.epochs + 1):
-        bytes_before = exchange.comm_bytes
+        bytes_before = exchange.comm_bytes + reducer.comm_bytes + (local.comm_bytes if local else 0)
         epoch_start = time.perf_counter()
         task.start_epoch(epoch)
         timer = RegionTimer(device)
@@ -192,23 +218,13 @@ def train(task, args, comm, device) -> list[dict]:
             global_step = step + (epoch - 1) * steps_per_epoch
             if fault_kind == "exit" and global_step == fault_step:
                 os._exit(3)
-            batch = task.units(local_workers, local_orders[:, step * k:(step + 1) * k])
-            if sorter.uses_grads:
-                unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
-                local_mean_grad, local_loss, aux = None, unit_losses.mean(), None
+            unit_ids = local_orders[:, step * k:(step + 1) * k]
+            positions = range(step * k, (step + 1) * k)
+            if per_worker_grads:
+                local_loss = worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions,
+                                                   global_step, steps_per_epoch - step, timer)
             else:
-                unit_grads = None
-                local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)
-            timer.lap("compute")
-            update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
-            timer.lap("comm")
-            sorter.step(every_unit_grad, range(step * k, (step + 1) * k))
-            del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
-            timer.lap("sorter")
-            if task.clip_grad_norm:
-                update = clip_to_norm(update, task.clip_grad_norm)
-            optimizer.step(update)
-            task.end_step(aux)
+                local_loss = data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer)
             loss_sum += local_loss.detach()
             if fault_kind == "nan" and global_step == fault_step:
                 loss_sum += float("nan")
@@ -228,6 +244,9 @@ def train(task, args, comm, device) -> list[dict]:
                 checked_step = step + 1
             timer.lap("compute")
         bar.close()
+        if local is not None:
+            local.end_epoch()  # evaluation and the checkpoint see the averaged parameters
+            timer.lap("comm")
         seconds = timer.seconds()
         epoch_seconds = time.perf_counter() - epoch_start
 
@@ -236,13 +255,15 @@ def train(task, args, comm, device) -> list[dict]:
         row = {"epoch": epoch, **{key: float(metrics[key]) for key in ("train_loss", "test_loss", *task.metric_columns)},
                "epoch_seconds": epoch_seconds, "sorter_seconds": seconds["sorter"],
                "comm_seconds": seconds["comm"], "compute_seconds": seconds["compute"],
-               "comm_bytes": exchange.comm_bytes - bytes_before}
+               "comm_bytes": exchange.comm_bytes + reducer.comm_bytes + (local.comm_bytes if local else 0) - bytes_before,
+               **communication_stats(local, reducer, steps_per_epoch)}
         rows.append(row)
+        strategy_state = optimizer.state_dict(), reducer.state_dict()  # collectives with local steps / reducers
         if args.record_orders:
             recorded_orders.append(orders.to(torch.int32).cpu())
         if writer:
             runlog.atomic_torch_save({
-                "epoch": epoch, "args": arg_dict, "flat": flat.detach().cpu(), "optimizer": optimizer.state_dict(),
+                "epoch": epoch, "args": arg_dict, "flat": flat.detach().cpu(), "optimizer": strategy_state[0], "reducer": strategy_state[1],
                 "sorter": sorter.state_dict(), "rows": rows, "orders": recorded_orders,
                 "rng": rng_states(device),
             }, checkpoint_path)  # read back by restore()
@@ -257,27 +278,95 @@ def train(task, args, comm, device) -> list[dict]:
     return rows
 
 
-def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device):
+def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer):
+    """One step of the paper's data-parallel training on the shared parameters; returns the local loss."""
+    flat, (n_local, k) = task.model.flat, unit_ids.shape
+    batch = task.units(exchange.comm.local_workers, unit_ids)
+    if sorter.uses_grads:
+        unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
+        local_mean_grad, local_loss, aux = None, unit_losses.mean(), None
+    else:
+        unit_grads = None
+        local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)
+    timer.lap("compute")
+    update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
+    timer.lap("comm")
+    sorter.step(every_unit_grad, positions)
+    del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
+    timer.lap("sorter")
+    if task.clip_grad_norm:
+        update = clip_to_norm(update, task.clip_grad_norm)
+    optimizer.step(update)
+    task.end_step(aux)
+    return local_loss
+
+
+def worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions, global_step,
+                          steps_left_in_epoch, timer):
+    """One step that needs each worker's own gradient: local SGD (`local`: LocalWorkers), or a
+    sparsified reduction on the shared parameters (local None). Returns the local loss."""
+    params = local.params if local is not None else task.model.flat
+    worker_grads, unit_grads, losses = task.worker_gradients(params, exchange.comm.local_workers, unit_ids,
+                                                             per_unit=sorter.uses_grads)
+    timer.lap("compute")
+    if local is None or local.data_parallel(global_step):
+        update, every_unit_grad = exchange.exchange(unit_grads, None, worker_grads)
+    else:  # local steps: only the balancing sorters' unit gradients travel, every step
+        update, every_unit_grad = None, exchange.gather_unit_grads(unit_grads)
+    timer.lap("comm")
+    sorter.step(every_unit_grad, positions)
+    del unit_grads, every_unit_grad
+    timer.lap("sorter")
+    gradients = worker_grads if update is None else update
+    if task.clip_grad_norm:  # per worker with local steps, as the reference clips the local gradient
+        gradients = clip_to_norm(gradients, task.clip_grad_norm)
+    if local is None:
+        optimizer.step(gradients)
+        return losses.mean()
+    if local.step(gradients, global_step, steps_left_in_epoch):
+        timer.lap("compute")
+        local.average()
+        timer.lap("comm")
+    return losses.mean()
+
+
+def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, reducer, device):
     """Load a checkpoint into the run's objects; refuse one made with different settings.
-    Returns (metrics rows so far, recorded orders, first epoch to run)."""
+    optimizer: the Optimizer, or LocalWorkers with local steps. Returns (metrics rows so far,
+    recorded orders, first epoch to run)."""
     # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
     # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-    changed = sorted(key for key in (set(state["args"]) | set(arg_dict)) - RESUMABLE_CHANGES
-                     if state["args"].get(key) != arg_dict.get(key))
+    saved_args = {**ADDED_ARG_DEFAULTS, **state["args"]}  # a checkpoint from before a flag existed
+    changed = sorted(key for key in (set(saved_args) | set(arg_dict)) - RESUMABLE_CHANGES
+                     if saved_args.get(key) != arg_dict.get(key))
+    if arg_dict.get("lr_schedule", "step") != "step" and saved_args.get("epochs") != arg_dict.get("epochs"):
+        changed.append("epochs")  # a cosine / linear schedule is stretched over the run's epochs
     if changed:
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
-                              + ", ".join(f"--{key} {state['args'].get(key)} (now {arg_dict.get(key)})"
+                              + ", ".join(f"--{key} {saved_args.get(key)} (now {arg_dict.get(key)})"
                                           for key in changed))
     flat.copy_(state["flat"])
     try:
         optimizer.load_state_dict(state["optimizer"])
+        reducer.load_state_dict(state.get("reducer") or {"name": "dense"})
         sorter.load_state_dict(state["sorter"])
     except ValueError as error:  # e.g. a checkpoint from the torchopt-based versions of the suite
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: {error}; the checkpoint was written by "
                               "another version of the suite, so start a new run (or choose another --out)")
     set_rng_states(state["rng"], device)
     return state["rows"], state.get("orders", []), state["epoch"] + 1
+
+
+def communication_stats(local, reducer, steps_per_epoch: int) -> dict:
+    """The epoch's metrics.csv communication columns: syncs (averaging steps; every step when
+    data-parallel), mean_H (steps per averaging), density (mean fraction of coordinates sent per
+    exchange), threshold (ExDyna's lambda at the epoch's end), load_imbalance (ExDyna's padding)."""
+    stats = local.epoch_stats() if local is not None else {"syncs": steps_per_epoch, "mean_H": 1.0}
+    reduced = reducer.epoch_stats()
+    if reducer.name == "dense":
+        reduced = {"density": 1.0, "threshold": math.nan, "load_imbalance": 0.0}
+    return {**stats, **{key: reduced[key] for key in ("density", "threshold", "load_imbalance")}}
 
 
 def write_logs(out: Path, rows: list[dict], recorded_orders: list, metric_columns) -> None:
@@ -305,8 +394,10 @@ def set_rng_states(states: dict, device) -> None:
 
 
 def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """(d,) gradient scaled down to L2 norm max_norm when larger (torch's clip_grad_norm_ rule)."""
-    return gradient * (max_norm / (gradient.norm() + 1e-6)).clamp(max=1.0)
+    """(d,) gradient, or (n_local, d) one per worker, each scaled down to L2 norm max_norm when larger
+    (torch's clip_grad_norm_ rule)."""
+    norm = gradient.norm(dim=-1, keepdim=True)
+    return gradient * (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def _fault_injection(rank: int) -> tuple[str | None, int]:

@@ -25,7 +25,8 @@ pytestmark = [
 QUICK = ["--max-seq-length", "32", "--max-train-examples", "8", "--max-eval-examples", "4",
          "--node_cnt", "2", "--B", "2", "--epochs", "2", "--lr", "3e-3", "--record-orders"]
 HEADER = ["epoch", "train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl", "test_ppl", "epoch_seconds",
-          "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+          "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes",
+          "syncs", "mean_H", "density", "threshold", "load_imbalance"]
 RESULT_COLUMNS = ("train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl", "test_ppl")
 
 

@@ -23,7 +23,8 @@ def test_every_sorter_trains_and_writes_the_run_directory(tmp_path, sorter):
     out = tmp_path / sorter
     check_ok(run_script(SCRIPT, "--sorter", sorter, "--epochs", "2", "--out", out, *QUICK))
     assert metrics_header(out) == ["epoch", "train_loss", "test_loss", "train_acc", "test_acc", "epoch_seconds",
-                                   "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+                                   "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes",
+          "syncs", "mean_H", "density", "threshold", "load_imbalance"]
     rows = read_metrics(out)
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[1]["train_loss"] < rows[0]["train_loss"]

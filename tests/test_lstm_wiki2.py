@@ -34,7 +34,8 @@ def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
     out = runs[sorter]
     assert metrics_header(out) == ["epoch", "train_loss", "test_loss", "valid_loss", "train_ppl", "valid_ppl",
                                    "test_ppl", "epoch_seconds", "sorter_seconds", "comm_seconds",
-                                   "compute_seconds", "comm_bytes"]
+                                   "compute_seconds", "comm_bytes",
+          "syncs", "mean_H", "density", "threshold", "load_imbalance"]
     rows, config = check_trained_two_epochs(out, RESULT_COLUMNS)
     for r in rows:
         for split in ("train", "valid", "test"):

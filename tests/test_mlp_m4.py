@@ -33,7 +33,8 @@ def runs(tmp_path_factory):
 def test_every_sorter_trains_and_writes_the_run_directory(runs, sorter):
     out = runs[sorter]
     assert metrics_header(out) == ["epoch", "train_loss", "test_loss", "valid_loss", "test_smape", "epoch_seconds",
-                                   "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+                                   "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes",
+          "syncs", "mean_H", "density", "threshold", "load_imbalance"]
     rows, config = check_trained_two_epochs(out, RESULT_COLUMNS)
     for r in rows:
         assert 0 < r["test_smape"] < 200

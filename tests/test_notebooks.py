@@ -163,9 +163,12 @@ def test_runs_differing_in_any_setting_are_separate_curves(tmp_path):
 
 
 def test_analysis_knows_which_args_may_change_on_resume():
+    from analysis.load import ADDED_ARG_DEFAULTS
+    from engine.cli import ADDED_ARG_DEFAULTS as ENGINE_ADDED
     from engine.train import RESUMABLE_CHANGES
 
     assert RESUMABLE_ARGS == RESUMABLE_CHANGES
+    assert ADDED_ARG_DEFAULTS == ENGINE_ADDED
 
 
 def test_cli(results, tmp_path):

@@ -1,0 +1,87 @@
+"""--sync (local SGD, QSR) and --reducer (top-k, ExDyna) end to end on the real data: one process equals
+torchrun, resume equals an uninterrupted run, the communication columns add up, bad input fails in one line."""
+import json
+
+import pytest
+
+from tests.helpers import assert_runs_agree, check_ok, error_lines, needs_data, read_metrics, run_script
+
+pytestmark = pytest.mark.slow
+HMDA, M4 = "hmda/raw/hmda_train_preprocessed.zip", "m4/Weekly-train.csv"
+BENCHMARKS = {
+    "LR-HMDA": ("main-LR-HMDA.py", ["--max-train-examples", "1600", "--max-eval-examples", "2000"],
+                ("train_loss", "test_loss", "train_acc", "test_acc"), HMDA),
+    "MLP-M4": ("main-MLP-M4.py", ["--max-train-examples", "1600", "--max-eval-examples", "200", "--node_cnt", "4",
+                                  "--B", "16"], ("train_loss", "test_loss", "valid_loss", "test_smape"), M4),
+}
+QSR = ["--sync", "qsr", "--alpha", "0.012", "--H-base", "2", "--lr-schedule", "cosine", "--warmup-epochs", "0.2"]
+EXDYNA = ["--reducer", "exdyna", "--density", "0.5"]
+
+
+def run(benchmark, out, *extra, nproc=None, env=None):
+    script, quick, _, _ = BENCHMARKS[benchmark]
+    return run_script(script, "--epochs", "2", "--record-orders", "--out", out, *quick, *extra, nproc=nproc, env=env)
+
+
+@pytest.mark.parametrize("bench_name", [pytest.param(b, marks=needs_data(BENCHMARKS[b][3])) for b in BENCHMARKS])
+@pytest.mark.parametrize("strategy", ["qsr", "exdyna"])
+@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
+def test_one_process_equals_torchrun(tmp_path, bench_name, strategy, sorter):
+    flags = {"qsr": QSR, "exdyna": EXDYNA}[strategy]
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    check_ok(run(bench_name, single, "--sorter", sorter, *flags))
+    check_ok(run(bench_name, multi, "--sorter", sorter, *flags, nproc=2))
+    assert_runs_agree(single, multi, BENCHMARKS[bench_name][2])
+    for a, b in zip(read_metrics(single), read_metrics(multi)):
+        assert (a["syncs"], a["mean_H"], a["density"]) == (b["syncs"], b["mean_H"], b["density"])
+
+
+@needs_data(HMDA)
+def test_qsr_rounds_grow_and_cover_every_step(tmp_path):
+    out = tmp_path / "qsr"
+    check_ok(run("LR-HMDA", out, "--sorter", "D-RR", *QSR))
+    rows = read_metrics(out)
+    steps = json.loads((out / "config.json").read_text())["sizes"]["steps_per_epoch"]
+    for row in rows:
+        assert row["syncs"] * row["mean_H"] == pytest.approx(steps)  # the rounds tile the epoch
+        assert row["comm_bytes"] == row["syncs"] * 4 * 26 * 4  # one d-vector per worker per averaging
+    assert rows[1]["mean_H"] > rows[0]["mean_H"] > 1  # H grows as the cosine learning rate decays
+
+
+@needs_data(HMDA)
+def test_resume_reproduces_the_h_sequence_and_reducer_state(tmp_path):
+    flags = ["--sorter", "CD-GraB", *QSR, "--reducer", "exdyna", "--density", "0.5"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    check_ok(run("LR-HMDA", straight, *flags))
+    assert run("LR-HMDA", crashed, *flags, env={"CDGRAB_FAULT": "exit:0:150"}).returncode != 0  # dies in epoch 2
+    check_ok(run("LR-HMDA", crashed, *flags, "--resume"))
+    assert_runs_agree(straight, crashed, BENCHMARKS["LR-HMDA"][2], exact=True)
+    for a, b in zip(read_metrics(straight), read_metrics(crashed)):
+        assert [a[c] for c in ("syncs", "mean_H", "density", "threshold")] == \
+               [b[c] for c in ("syncs", "mean_H", "density", "threshold")]
+    changed = run("LR-HMDA", crashed, *flags, "--H-base", "3", "--resume")
+    assert changed.returncode == 2 and "--H_base" in error_lines(changed)[0]
+    longer = run("LR-HMDA", crashed, *flags, "--resume", "--epochs", "3")
+    assert longer.returncode == 2 and "--epochs" in error_lines(longer)[0]  # the cosine would be stretched
+
+
+@needs_data(HMDA)
+@pytest.mark.parametrize("args, message", [
+    (["--sync", "constant", "--H", "0"], "--H must be >= 1"),
+    (["--sync", "qsr", "--alpha", "-1"], "--alpha >= 0"),
+    (["--sync", "qsr"], "--alpha >= 0"),
+    (["--sync", "post-local", "--H", "2"], "--switch-epoch"),
+    (["--reducer", "exdyna", "--density", "0"], "(0, 1]"),
+    (["--reducer", "topk", "--density", "1.5"], "(0, 1]"),
+    (["--reducer", "topk"], "--density"),
+    (["--reducer", "exdyna", "--density", "0.05"], "fewer than one per worker"),
+    (["--sync", "post-local", "--switch-epoch", "2", "--reducer", "exdyna", "--density", "0.5"], "not supported"),
+    (["--lr-schedule", "cosine", "--warmup-epochs", "5"], "--warmup-epochs"),
+    (["--density", "0.5"], "--density only applies"),
+])
+def test_bad_communication_settings_get_one_line(tmp_path, args, message):
+    result = run("LR-HMDA", tmp_path / "bad", *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = error_lines(result)
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "bad" / "metrics.csv").exists()
