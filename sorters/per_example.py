@@ -1,4 +1,4 @@
-"""Per-example gradients of an ordinary nn.Module, flattened to (batch, d), for the balancing sorters.
+r"""Per-example gradients of an ordinary nn.Module, flattened to (batch, d), for the balancing sorters.
 
     grads_of = PerExampleGrads(model, loss_fn)                   # every trainable parameter
     grads_of = PerExampleGrads(model, loss_fn, params=r"^head\.")  # a cheaper subset: names matching
