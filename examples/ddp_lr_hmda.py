@@ -10,6 +10,7 @@ rounding): in one process, each batch is every replica's batch side by side, rep
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -68,25 +69,27 @@ if rank == 0:
 history = {"orders": [], "train_loss": [], "test_loss": []}
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
-    loss_sum = torch.zeros(())
+    loss_sum, start = torch.zeros(()), time.perf_counter()
     for x, y in loader:
         loss = loss_fn(ddp_model(x), y)
         optimizer.zero_grad()
         loss.backward()  # DDP averages the gradient over the processes
-        sampler.step(grads_of(x, y))  # this batch's per-example gradients, before the update
+        # this batch's per-example gradients, before the update (D-RR, D-SO, Fold need none)
+        sampler.step(grads_of(x, y) if sampler.uses_grads else None)
         optimizer.step()
         loss_sum += loss.detach()
     if distributed:  # every process's mean loss -> the mean over all replicas
         dist.all_reduce(loss_sum)
         loss_sum /= dist.get_world_size()
-    train_loss = loss_sum.item() / len(loader)
+    train_loss, seconds = loss_sum.item() / len(loader), time.perf_counter() - start
     with torch.no_grad():
         test_loss = loss_fn(model(data.test_x), data.test_y).item()
     history["orders"].append(sampler.all_indices())  # (replicas, m): every replica's order this epoch
     history["train_loss"].append(train_loss)
     history["test_loss"].append(test_loss)
     if rank == 0:
-        print(f"epoch {epoch + 1}/{args.epochs} | train loss {train_loss:.6f} | test loss {test_loss:.6f}", flush=True)
+        print(f"epoch {epoch + 1}/{args.epochs} | train loss {train_loss:.6f} | test loss {test_loss:.6f} | "
+              f"{seconds:.1f} s", flush=True)
 
 if rank == 0 and args.save_orders:
     torch.save(history, args.save_orders)

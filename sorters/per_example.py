@@ -9,18 +9,19 @@ One torch.func pass: `vmap(grad(loss of one example))` over the batch, with the 
 computed besides the ordinary backward pass that trains the model; it never touches `.grad`.
 
 Cost. Memory: the (B, d) result, B * d floats per step (plus vmap's per-example intermediates, which
-`chunk_size` bounds), where d counts only the selected parameters. Time, measured on this 2-core CPU
-with one thread (medians; `loss.backward()` of the same batch for reference):
-  logistic regression, d = 26, B = 16:            0.34 ms   (backward 0.10 ms)
-  MLP 784-512-512-10, d = 669,706, B = 64:          22 ms   (backward 3.3 ms)
-  the same MLP, last layer only (d = 5,130):       5.5 ms
-Balancing with CD-GraB costs about d float operations per example on top. When d is too large,
+`chunk_size` bounds), where d counts only the selected parameters. Time: `bench/per_example_grads.py`,
+this 2-core CPU, one thread, medians (measured while other jobs kept both cores busy, so +-30 %):
+  logistic regression as LR-HMDA, d = 26, B = 16:   1.1-1.4 ms   (loss.backward() of the batch: 0.19 ms)
+  MLP 784-512-512-10, d = 669,706, B = 64:          390-450 ms   (backward: 8-9 ms); 280 ms with `out`
+  the same MLP, last layer only (params, d = 5,130):  8 ms
+At small d the cost is torch.func's per-call overhead, at large d writing B * d floats (several copies).
+Balancing with CD-GraB then reads each example's d floats a few times (sorters/balance.py). When d is too large,
 pass `params` to balance on a subset (e.g. the last layers): the order is then chosen from those
 coordinates of the gradients only.
 
 The model must treat examples independently: no BatchNorm in training mode (it mixes the batch;
 use GroupNorm / LayerNorm or eval-mode BatchNorm), and no dropout in training mode (vmap refuses
-random operations; call `model.eval()` around the call, or accept gradients without dropout).
+random operations): call it with the model in eval mode, i.e. order by the gradients without dropout.
 """
 import re
 from collections.abc import Sequence
@@ -64,7 +65,7 @@ class PerExampleGrads:
         examples; targets: (B, ...). Returns (B, d) gradients, detached, in the parameters' dtype.
 
         out: optional (B, d) buffer to write into and return. Reusing one saves, at large B * d, the
-        page faults of a fresh allocation every step (at d = 669,706, B = 64: about 100 of 260 ms)."""
+        page faults of a fresh allocation every step (at d = 669,706, B = 64: about 110 of 390 ms)."""
         selected = set(self.names)
         named = dict(self.model.named_parameters())
         differentiated = {name: named[name].detach() for name in self.names}

@@ -112,6 +112,11 @@ class CDGraBSampler(Sampler[int]):
     # ------------------------------------------------------------------ what a DataLoader sees
 
     @property
+    def uses_grads(self) -> bool:
+        """Whether step() needs gradients (CD-GraB, I-B, I-PB); the others take step(None)."""
+        return self.sorter.uses_grads
+
+    @property
     def loader_batch_size(self) -> int:
         """The DataLoader batch size that makes one batch one step: batch_size per replica hosted here."""
         return len(self.replicas_here) * self.batch_size
@@ -172,15 +177,15 @@ class CDGraBSampler(Sampler[int]):
                              "iterate over the sampler again to start the next epoch")
         b = min(self.batch_size, self.m - self.position)
         R = len(self.replicas_here)
-        if grads is not None or self.sorter.uses_grads:
+        if grads is not None or self.uses_grads:
             grads = self._check_shape(grads, R, b)
-        if self.sorter.uses_grads:
+        if self.uses_grads:
             grads = grads.detach().reshape(R, b, self.d)
             if self.gathers:
                 every = torch.empty((self.num_replicas * b, self.d), dtype=grads.dtype, device=grads.device)
                 _all_gather_single(every, grads[0].contiguous())
                 grads = every.view(self.num_replicas, b, self.d)
-        self.sorter.step(grads if self.sorter.uses_grads else None, range(self.position, self.position + b))
+        self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
         self.position += b
 
     def _check_shape(self, grads, R: int, b: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ def run_sampler_epoch(sampler, table):
     one step per loader batch. Returns the (num_replicas, m) dataset indices of the epoch."""
     indices = torch.tensor(list(sampler))
     for batch in indices.split(sampler.loader_batch_size):
-        sampler.step(table[batch] if sampler.sorter.uses_grads else None)
+        sampler.step(table[batch] if sampler.uses_grads else None)
     return sampler.all_indices()
 
 
@@ -231,6 +231,8 @@ def test_per_example_grads_equal_a_loop_of_backward_passes_and_subsets_their_sli
                               "head.bias"]
     assert grads_of.d == expected.shape[1] == 5 * 8 + 8 + 8 * 8 + 8 + 10 * 3 + 3
     torch.testing.assert_close(grads_of((x, extra), y), expected, rtol=1e-5, atol=1e-6)
+    chunked = PerExampleGrads(model, F.cross_entropy, chunk_size=4)
+    torch.testing.assert_close(chunked((x, extra), y), expected, rtol=1e-5, atol=1e-6)
     buffer = torch.empty(6, grads_of.d)
     assert grads_of((x, extra), y, out=buffer) is buffer
     torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-6)
