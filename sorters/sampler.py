@@ -137,7 +137,7 @@ class CDGraBSampler(Sampler[int]):
     def epoch(self) -> int:
         """Index (from 0) of the epoch the next iteration yields."""
         if self.started and self.position < self.m:
-            return self.sorter.epoch - 1  # the current epoch is not finished: it comes again
+            return self.sorter.epoch - 1  # unfinished: with no step() yet it comes again, part-way iter refuses
         return self.sorter.epoch
 
     def __iter__(self):
