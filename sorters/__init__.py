@@ -14,6 +14,9 @@
 | I-PB    | pair balance per worker                                      | own only       |
 | Fold    | ablation: fixed fold (evens, then odds reversed) per epoch,  | no             |
 |         | the order the original's buggy CD-GraB made (spec bug 1)     |                |
+
+For ordinary PyTorch / DDP loops: `CDGraBSampler` (sampler.py), a torch.utils.data.Sampler driving
+any of these sorters, and `PerExampleGrads` (per_example.py), per-example gradients by torch.func.
 """
 from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalance
 from sorters.base import Sorter
@@ -34,4 +37,9 @@ def build_sorter(name: str, n_workers: int, m: int, d: int, seed: int = 0, devic
     return SORTERS[name](n_workers, m, d, seed=seed, device=device)
 
 
-__all__ = ["SORTER_NAMES", "SORTERS", "Sorter", "build_sorter", "parallel_herding_bound"]
+# imported after build_sorter, which the sampler uses
+from sorters.per_example import PerExampleGrads, per_example_grads  # noqa: E402
+from sorters.sampler import CDGraBSampler  # noqa: E402
+
+__all__ = ["SORTER_NAMES", "SORTERS", "Sorter", "build_sorter", "parallel_herding_bound", "CDGraBSampler",
+           "PerExampleGrads", "per_example_grads"]

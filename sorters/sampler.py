@@ -1,0 +1,223 @@
+"""CDGraBSampler: any of our sorters as a torch.utils.data.Sampler for ordinary (DDP) training loops.
+
+    grads_of = PerExampleGrads(model, loss_fn)                       # sorters/per_example.py
+    sampler = CDGraBSampler(train_set, batch_size=16, d=grads_of.d)  # num_replicas, rank from torch.distributed
+    loader = DataLoader(train_set, batch_size=sampler.loader_batch_size, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)                                     # optional; checks the count
+        for x, y in loader:
+            loss = loss_fn(ddp_model(x), y); optimizer.zero_grad(); loss.backward()
+            sampler.step(grads_of(x, y))                             # (batch_size, d): this batch's examples
+            optimizer.step()
+
+Data split (as the engine's LR-HMDA): replica r owns the contiguous block of m dataset indices
+r*m .. (r+1)*m - 1, and each epoch yields them in the order its sorter chose. Every process runs the
+same seeded sorter on the same (all-gathered) gradients, so every process holds all replicas' orders.
+
+Where the replicas live:
+- torch.distributed initialised (e.g. torchrun): one replica per process, num_replicas = world size,
+  rank = this process's rank. Balancing sorters (CD-GraB, I-B, I-PB) all-gather the per-example
+  gradients inside step(): (world size * batch_size * d) floats per step. D-RR, D-SO and Fold ignore
+  gradients and communicate nothing: step(None) just counts the batch.
+- no process group (a plain `python` start): this process hosts ALL num_replicas replicas, like the
+  engine's one-process mode. Each step's batch is every replica's batch_size examples, replica 0's
+  first: a DataLoader with batch_size=loader_batch_size (num_replicas * batch_size) yields exactly
+  one step, and step() takes the gradients of that whole batch.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from sorters import SORTER_NAMES, SORTERS, build_sorter
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CDGraBSampler(Sampler[int]):
+    """Yields this process's example indices in the order chosen by `sorter` (default CD-GraB).
+
+    dataset:      a sized dataset (only its length is used) or the length itself, N.
+    batch_size:   examples per replica per optimizer step (k). step() positions advance by it.
+    d:            length of one example's gradient as given to step() (PerExampleGrads(...).d); needed by
+                  the balancing sorters, ignored by the others.
+    sorter:       one of SORTER_NAMES.
+    num_replicas, rank: as DistributedSampler; default from torch.distributed. Without a process group,
+                  rank=None (the default) hosts all num_replicas replicas in this process; an explicit
+                  rank yields that replica only and is allowed only for sorters that ignore gradients.
+    seed:         seeds the sorter; must be the same in every process.
+    drop_last:    False: N must split evenly, m = N / num_replicas (else a ValueError); the last batch of
+                  an epoch holds m % batch_size examples when that is not 0. True: m = the largest
+                  multiple of batch_size with num_replicas * m <= N; the last N - num_replicas * m
+                  examples are never used, and every batch is full. (DistributedSampler instead pads or
+                  drops only to a multiple of num_replicas.) Any m works for every sorter: with m odd
+                  the pair sorters' unpaired last example takes the middle slot of the next order.
+    device:       where the sorter keeps its state and balances ("cpu": compiled loop, fastest at small d).
+
+    Epochs: call step() once for every batch, with every sorter (the sampler counts positions with it).
+    An iteration over the sampler (a DataLoader epoch) after a complete epoch starts the next epoch, whose
+    order depends on every earlier epoch's gradients, so epochs are never skipped or replayed. An
+    iteration in which step() was never called does not count: the next one yields the same epoch again
+    (peeking at a batch with next(iter(loader)) changes nothing). Ending an epoch part-way is an error.
+    """
+
+    def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
+                 num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
+                 drop_last: bool = False, device="cpu"):
+        if sorter not in SORTER_NAMES:
+            raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
+        n_examples = dataset if isinstance(dataset, int) else len(dataset)
+        distributed = dist.is_available() and dist.is_initialized()
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if distributed else 1
+        if rank is None and distributed:
+            rank = dist.get_rank()
+        if num_replicas < 1 or batch_size < 1:
+            raise ValueError(f"need num_replicas >= 1 and batch_size >= 1, got {num_replicas} and {batch_size}")
+        if rank is not None and not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in 0..{num_replicas - 1}")
+
+        if drop_last:
+            m = n_examples // (num_replicas * batch_size) * batch_size
+        else:
+            m = n_examples // num_replicas
+            if num_replicas * m != n_examples:
+                raise ValueError(f"a dataset of {n_examples} examples does not split over {num_replicas} replicas "
+                                 f"({n_examples % num_replicas} left over); pass drop_last=True or trim the dataset")
+        if m == 0:
+            raise ValueError(f"{n_examples} examples are too few for {num_replicas} replicas x batch_size {batch_size}")
+
+        if SORTERS[sorter].uses_grads:
+            if d is None or d < 1:
+                raise ValueError(f"{sorter} balances gradients: pass d, the length of one example's gradient "
+                                 "(e.g. PerExampleGrads(model, loss_fn).d)")
+            if rank is not None and not distributed:
+                raise ValueError(f"{sorter} needs every replica's gradients: initialise torch.distributed (the "
+                                 "sampler all-gathers them), or leave rank=None to host all replicas here")
+            if distributed and (num_replicas, rank) != (dist.get_world_size(), dist.get_rank()):
+                raise ValueError(f"{sorter} all-gathers gradients over the process group, so num_replicas and rank "
+                                 f"must be its world size {dist.get_world_size()} and rank {dist.get_rank()}, "
+                                 f"got {num_replicas} and {rank}")
+        self.sorter = build_sorter(sorter, num_replicas, m, d or 1, seed=seed, device=device)
+        self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
+        self.batch_size, self.m, self.d = batch_size, m, d
+        self.gathers = self.sorter.uses_grads and distributed  # step() all-gathers over the process group
+        # the replicas whose examples this process yields (and whose gradients step() receives)
+        self.replicas_here = list(range(num_replicas)) if rank is None else [rank]
+        self.position = 0          # examples per replica passed to step() in the current epoch
+        self.started = False       # whether the current epoch's orders were drawn (by __iter__)
+
+    # ------------------------------------------------------------------ what a DataLoader sees
+
+    @property
+    def uses_grads(self) -> bool:
+        """Whether step() needs gradients (CD-GraB, I-B, I-PB); the others take step(None)."""
+        return self.sorter.uses_grads
+
+    @property
+    def loader_batch_size(self) -> int:
+        """The DataLoader batch size that makes one batch one step: batch_size per replica hosted here."""
+        return len(self.replicas_here) * self.batch_size
+
+    def __len__(self) -> int:
+        return len(self.replicas_here) * self.m
+
+    def set_epoch(self, epoch: int) -> None:
+        """Optional, for DistributedSampler loops; changes nothing, but checks: `epoch` (counting from 0)
+        must be the epoch the next iteration yields, which catches a resume without load_state_dict and
+        an epoch without step() calls."""
+        if epoch != self.epoch:
+            raise ValueError(f"set_epoch({epoch}): this sampler's next epoch is {self.epoch} (counting from 0; "
+                             "an epoch counts once step() has seen it); its orders depend on every earlier epoch, "
+                             "so to resume, load the state_dict saved after the previous epoch")
+
+    @property
+    def epoch(self) -> int:
+        """Index (from 0) of the epoch the next iteration yields."""
+        if self.started and self.position < self.m:
+            return self.sorter.epoch - 1  # unfinished: with no step() yet it comes again, part-way iter refuses
+        return self.sorter.epoch
+
+    def __iter__(self):
+        """Start the next epoch; the indices of the replicas hosted here, step by step: for each step,
+        replica after replica, its next batch_size (or fewer, at the epoch's end) examples."""
+        if 0 < self.position < self.m:
+            raise ValueError(f"the previous epoch ended after step() saw {self.position} of {self.m} examples per "
+                             "replica; call step() for every batch (a DataLoader with drop_last=True skips the "
+                             "last, short batch: pass drop_last=True to the sampler instead)")
+        if not self.started or self.position == self.m:  # else no step() yet: the same epoch again
+            self.sorter.sort()
+            self.position, self.started = 0, True
+        indices = self.all_indices()[self.replicas_here]  # (R, m)
+        steps = [indices[:, t:t + self.batch_size].reshape(-1) for t in range(0, self.m, self.batch_size)]
+        return iter(torch.cat(steps).tolist())
+
+    def all_indices(self) -> torch.Tensor:
+        """(num_replicas, m) LongTensor: row r holds replica r's dataset indices in the current epoch's
+        order (every process knows every replica's order)."""
+        first_index = torch.arange(self.num_replicas)[:, None] * self.m
+        return self.sorter.orders.cpu() + first_index
+
+    # ------------------------------------------------------------------ gradients
+
+    def step(self, grads: torch.Tensor | None) -> None:
+        """Hand the sorter the per-example gradients of the batch just used.
+
+        grads: (R * b, d) or (R, b, d), R = the replicas hosted here (1 under torch.distributed), b =
+        batch_size (fewer for the epoch's last batch when m % batch_size != 0), rows in the order the
+        sampler yielded the examples. None is accepted for sorters that ignore gradients. Balancing
+        sorters under torch.distributed all-gather them: every process must call step() together.
+        """
+        if not self.started:
+            raise ValueError("step() before the epoch started: iterate over the sampler (the DataLoader) first")
+        if self.position == self.m:
+            raise ValueError(f"step() called after the epoch's last batch ({self.m} examples per replica seen); "
+                             "iterate over the sampler again to start the next epoch")
+        b = min(self.batch_size, self.m - self.position)
+        R = len(self.replicas_here)
+        if grads is not None or self.uses_grads:
+            grads = self._check_shape(grads, R, b)
+        if self.uses_grads:
+            grads = grads.detach().reshape(R, b, self.d)
+            if self.gathers:
+                every = torch.empty((self.num_replicas * b, self.d), dtype=grads.dtype, device=grads.device)
+                _all_gather_single(every, grads[0].contiguous())
+                grads = every.view(self.num_replicas, b, self.d)
+        self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
+        self.position += b
+
+    def _check_shape(self, grads, R: int, b: int) -> torch.Tensor:
+        d = self.d if self.d is not None else "d"
+        expected = [(R * b, d)] + ([(R, b, d)] if R > 1 else [])
+        shape = None if grads is None else tuple(grads.shape)
+        if shape is not None and len(shape) in (2, 3) and self.d is None:
+            expected = [e[:-1] + shape[-1:] for e in expected]  # any d for sorters that ignore gradients
+        if shape not in expected:
+            at = f" at step {self.position // self.batch_size} of {math.ceil(self.m / self.batch_size)}"
+            raise ValueError(f"{self.sorter.name} sampler: grads must have shape "
+                             f"{' or '.join(map(str, expected))}{at}, got {shape}")
+        return grads
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue with the same orders: the sorter's state and the position.
+        Save it between epochs (after the epoch's last step()); plain tensors and numbers only, so
+        torch.load(weights_only=True) reads it."""
+        return {"sorter": self.sorter.state_dict(), "position": self.position, "started": self.started,
+                "config": self._config()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != self._config():
+            differ = {key: (value, self._config()[key]) for key, value in state["config"].items()
+                      if self._config()[key] != value}
+            raise ValueError(f"sampler state is for other settings: " + ", ".join(
+                f"{key} {saved} (this sampler: {now})" for key, (saved, now) in differ.items()))
+        self.sorter.load_state_dict(state["sorter"])
+        self.position, self.started = state["position"], state["started"]
+
+    def _config(self) -> dict:
+        return {"sorter": self.sorter.name, "num_replicas": self.num_replicas, "m": self.m,
+                "batch_size": self.batch_size, "d": self.d, "seed": self.seed}

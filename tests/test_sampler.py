@@ -1,0 +1,302 @@
+"""CDGraBSampler and PerExampleGrads: the sorters in an ordinary (DDP) training loop."""
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from sorters import SORTER_NAMES, CDGraBSampler, PerExampleGrads, build_sorter, per_example_grads
+from tests.helpers import REPO, DATA_DIR, needs_data
+
+EXAMPLE = "examples/ddp_lr_hmda.py"
+
+
+def example_grads(n_examples, d, seed=0):
+    """A fixed (N, d) table: the 'gradient' of dataset example i is row i."""
+    return torch.randn(n_examples, d, generator=torch.Generator().manual_seed(seed))
+
+
+def run_sampler_epoch(sampler, table):
+    """One epoch of a sampler hosting every replica, fed the table's rows of the examples it yields,
+    one step per loader batch. Returns the (num_replicas, m) dataset indices of the epoch."""
+    indices = torch.tensor(list(sampler))
+    for batch in indices.split(sampler.loader_batch_size):
+        sampler.step(table[batch] if sampler.uses_grads else None)
+    return sampler.all_indices()
+
+
+def run_engine_epoch(sorter, table, k):
+    """One epoch of a bare sorter stepped the way engine/train.py steps it: worker j takes its units
+    orders[j, t:t+k] (dataset indices j*m + unit) and the sorter gets all workers' (n, k, d) gradients."""
+    orders = sorter.sort()
+    n, m = orders.shape
+    first_index = torch.arange(n)[:, None] * m
+    for t in range(0, m, k):
+        positions = range(t, min(t + k, m))
+        grads = table[orders[:, t:t + k] + first_index] if sorter.uses_grads else None
+        sorter.step(grads, positions)
+    return orders + first_index
+
+
+def one_line_error(call, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        call(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message and message
+    return message
+
+
+# ------------------------------------------------------------------------------------------- orders
+
+
+@pytest.mark.parametrize("sorter", SORTER_NAMES)
+@pytest.mark.parametrize("n_examples,replicas,k,drop_last", [(24, 2, 3, False), (30, 3, 4, False), (29, 2, 4, True)])
+def test_each_replica_gets_a_permutation_of_its_own_block_every_epoch(sorter, n_examples, replicas, k, drop_last):
+    """Also: a step is replica 0's k examples, then replica 1's, ... (the last step shorter when m % k)."""
+    table = example_grads(n_examples, 5)
+    sampler = CDGraBSampler(n_examples, batch_size=k, d=5, sorter=sorter, num_replicas=replicas, seed=3,
+                            drop_last=drop_last)
+    m = sampler.m
+    assert m == (n_examples // (replicas * k) * k if drop_last else n_examples // replicas)
+    assert len(sampler) == replicas * m and sampler.loader_batch_size == replicas * k
+    for _ in range(3):
+        yielded = torch.tensor(list(sampler))
+        assert len(yielded) == len(sampler)
+        per_replica = torch.cat([chunk.view(replicas, -1) for chunk in yielded.split(replicas * k)], dim=1)
+        for r in range(replicas):
+            assert torch.equal(per_replica[r].sort().values, torch.arange(r * m, (r + 1) * m))
+        assert torch.equal(per_replica, sampler.all_indices())
+        for batch in yielded.split(replicas * k):
+            sampler.step(table[batch])
+
+
+@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR", "I-B", "I-PB", "Fold"])
+@pytest.mark.parametrize("m,k", [(12, 2), (11, 3)])
+def test_orders_equal_the_engine_sorter_fed_the_same_gradients(sorter, m, k):
+    n, d = 3, 7
+    table = example_grads(n * m, d, seed=1)
+    sampler = CDGraBSampler(n * m, batch_size=k, d=d, sorter=sorter, num_replicas=n, seed=5)
+    engine_sorter = build_sorter(sorter, n, m, d, seed=5)
+    changed = False
+    for epoch in range(4):
+        expected = run_engine_epoch(engine_sorter, table, k)
+        assert torch.equal(run_sampler_epoch(sampler, table), expected), epoch
+        changed |= epoch > 0 and not torch.equal(expected, previous)
+        previous = expected
+    assert changed  # the comparison saw orders that move
+
+
+def test_gradients_as_replicas_x_batch_give_the_same_orders_as_flat_rows():
+    n, m, k, d = 2, 10, 2, 4
+    table = example_grads(n * m, d)
+    flat, stacked = (CDGraBSampler(n * m, batch_size=k, d=d, num_replicas=n) for _ in range(2))
+    for _ in range(3):
+        run_sampler_epoch(flat, table)
+        for batch in torch.tensor(list(stacked)).split(n * k):
+            stacked.step(table[batch].view(n, k, d))
+        assert torch.equal(flat.all_indices(), stacked.all_indices())
+
+
+@pytest.mark.parametrize("sorter", ["D-RR", "D-SO", "Fold"])
+def test_a_single_rank_without_process_group_yields_its_row(sorter):
+    """For the sorters that ignore gradients a rank needs no communication (like DistributedSampler)."""
+    n, m, k = 4, 6, 2
+    engine_sorter = build_sorter(sorter, n, m, 1, seed=2)
+    ranks = [CDGraBSampler(n * m, batch_size=k, sorter=sorter, num_replicas=n, rank=r, seed=2) for r in range(n)]
+    for _ in range(3):
+        expected = run_engine_epoch(engine_sorter, None, k)
+        for r, sampler in enumerate(ranks):
+            assert torch.equal(torch.tensor(list(sampler)), expected[r])
+            for _ in range(m // k):
+                sampler.step(None)
+
+
+def test_an_iteration_without_step_does_not_count():
+    """Peeking at a batch (next(iter(loader))) leaves the orders alone; set_epoch checks the count."""
+    n, m, k, d = 2, 8, 2, 3
+    table = example_grads(n * m, d)
+    dataset = TensorDataset(torch.arange(n * m))
+    plain, peeked = (CDGraBSampler(dataset, batch_size=k, d=d, num_replicas=n) for _ in range(2))
+    for epoch in range(3):
+        loader = DataLoader(dataset, batch_size=peeked.loader_batch_size, sampler=peeked)
+        next(iter(loader))
+        peeked.set_epoch(epoch)
+        for (indices,) in loader:
+            peeked.step(table[indices])
+        assert torch.equal(run_sampler_epoch(plain, table), peeked.all_indices())
+    one_line_error(peeked.set_epoch, 5)
+
+
+# ------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("sorter", ["CD-GraB", "I-B", "D-RR"])
+def test_state_dict_resumes_the_same_orders(sorter):
+    n, m, k, d, epochs, interrupted_after = 2, 10, 3, 4, 5, 2
+    table = example_grads(n * m, d, seed=4)
+    make = lambda: CDGraBSampler(n * m, batch_size=k, d=d, sorter=sorter, num_replicas=n, seed=9)  # noqa: E731
+    straight = make()
+    expected = [run_sampler_epoch(straight, table) for _ in range(epochs)]
+
+    first = make()
+    for _ in range(interrupted_after):
+        run_sampler_epoch(first, table)
+    buffer = io.BytesIO()
+    torch.save({"sampler": first.state_dict()}, buffer)  # as a user's checkpoint would
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)["sampler"]
+
+    resumed = make()
+    one_line_error(resumed.set_epoch, interrupted_after)  # a fresh sampler is at epoch 0, not 2
+    resumed.load_state_dict(state)
+    for epoch in range(interrupted_after, epochs):
+        resumed.set_epoch(epoch)
+        assert torch.equal(run_sampler_epoch(resumed, table), expected[epoch]), epoch
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_gets_one_line_errors():
+    message = one_line_error(CDGraBSampler, 25, batch_size=2, d=3, num_replicas=4)
+    assert "25 examples does not split over 4 replicas" in message and "drop_last=True" in message
+    message = one_line_error(CDGraBSampler, 24, batch_size=2, d=3, sorter="GraB", num_replicas=4)
+    assert "'GraB'" in message and all(name in message for name in SORTER_NAMES)
+    assert "pass d" in one_line_error(CDGraBSampler, 24, batch_size=2, num_replicas=4)
+    assert "torch.distributed" in one_line_error(CDGraBSampler, 24, batch_size=2, d=3, num_replicas=4, rank=1)
+    assert "too few" in one_line_error(CDGraBSampler, 7, batch_size=2, d=3, num_replicas=4, drop_last=True)
+
+    sampler = CDGraBSampler(24, batch_size=2, d=3, num_replicas=4)
+    assert "before the epoch started" in one_line_error(sampler.step, torch.zeros(8, 3))
+    iter(sampler)
+    message = one_line_error(sampler.step, torch.zeros(2, 3))  # one replica's rows instead of all four
+    assert "(8, 3) or (4, 2, 3)" in message and "got (2, 3)" in message
+    assert "got (8, 5)" in one_line_error(sampler.step, torch.zeros(8, 5))
+    assert "got None" in one_line_error(sampler.step, None)
+    sampler.step(torch.zeros(8, 3))
+    assert "ended after step() saw 2 of 6" in one_line_error(iter, sampler)  # an epoch left part-way
+
+    other = CDGraBSampler(24, batch_size=3, d=3, num_replicas=4)
+    assert "batch_size 2 (this sampler: 3)" in one_line_error(other.load_state_dict, sampler.state_dict())
+
+    short = CDGraBSampler(10, batch_size=4, d=3, num_replicas=2)  # m = 5: batches of 4, then 1
+    iter(short)
+    short.step(torch.zeros(8, 3))
+    assert "(2, 3) or (2, 1, 3)" in one_line_error(short.step, torch.zeros(8, 3))
+    short.step(torch.zeros(2, 3))
+    assert "after the epoch's last batch" in one_line_error(short.step, torch.zeros(2, 3))
+
+
+# ------------------------------------------------------------------------------------------- per-example gradients
+
+
+class TwoInputNet(torch.nn.Module):
+    """A small net with two inputs, a buffer and a frozen parameter, to exercise the helper."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+        self.head = torch.nn.Linear(8 + 2, 3)
+        self.frozen = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x, extra):
+        hidden = torch.tanh(self.body(x) * self.scale + self.frozen)
+        return self.head(torch.cat([hidden, extra], dim=1))
+
+
+def loop_of_backward_passes(model, loss_fn, x, extra, y):
+    """(B, d): one ordinary backward per example, every trainable parameter in named_parameters order."""
+    rows = []
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for i in range(len(y)):
+        model.zero_grad()
+        loss_fn(model(x[i:i + 1], extra[i:i + 1]), y[i:i + 1]).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in trainable]))
+    return torch.stack(rows)
+
+
+def test_per_example_grads_equal_a_loop_of_backward_passes_and_subsets_their_slices():
+    torch.manual_seed(0)
+    model = TwoInputNet()
+    x, extra, y = torch.randn(6, 5), torch.randn(6, 2), torch.randint(0, 3, (6,))
+    expected = loop_of_backward_passes(model, F.cross_entropy, x, extra, y)
+
+    grads_of = PerExampleGrads(model, F.cross_entropy)
+    assert grads_of.names == ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias", "head.weight",
+                              "head.bias"]
+    assert grads_of.d == expected.shape[1] == 5 * 8 + 8 + 8 * 8 + 8 + 10 * 3 + 3
+    torch.testing.assert_close(grads_of((x, extra), y), expected, rtol=1e-5, atol=1e-6)
+    chunked = PerExampleGrads(model, F.cross_entropy, chunk_size=4)
+    torch.testing.assert_close(chunked((x, extra), y), expected, rtol=1e-5, atol=1e-6)
+    buffer = torch.empty(6, grads_of.d)
+    assert grads_of((x, extra), y, out=buffer) is buffer
+    torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-6)
+
+    head = PerExampleGrads(model, F.cross_entropy, params=r"^head\.")
+    head_columns = slice(grads_of.d - 33, grads_of.d)
+    assert head.names == ["head.weight", "head.bias"] and head.d == 33
+    torch.testing.assert_close(head((x, extra), y), expected[:, head_columns], rtol=1e-5, atol=1e-6)
+    biases = per_example_grads(model, F.cross_entropy, (x, extra), y, params=["body.0.bias", "head.bias"])
+    bias_columns = torch.cat([torch.arange(40, 48), torch.arange(grads_of.d - 3, grads_of.d)])
+    torch.testing.assert_close(biases, expected[:, bias_columns], rtol=1e-5, atol=1e-6)
+    assert "no trainable parameter name matches 'tail'" in one_line_error(PerExampleGrads, model, F.cross_entropy,
+                                                                          params="tail")
+
+
+def test_per_example_grads_follow_the_optimizer():
+    """Parameters are read at each call, so the gradients after an update are the new ones."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 1)
+    x, y = torch.randn(5, 4), torch.randn(5, 1)
+    grads_of = PerExampleGrads(model, F.mse_loss)
+    before = grads_of(x, y)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    after = grads_of(x, y)
+    torch.testing.assert_close(after, loop_of_linear(model, x, y))
+    assert not torch.allclose(before, after)
+
+
+def loop_of_linear(model, x, y):
+    rows = []
+    for i in range(len(x)):
+        model.zero_grad()
+        F.mse_loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        rows.append(torch.cat([model.weight.grad.reshape(-1), model.bias.grad]))
+    return torch.stack(rows)
+
+
+# ------------------------------------------------------------------------------------------- the example, end to end
+
+
+def run_example(*args, nproc=None):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc else [sys.executable]
+    result = subprocess.run([*launcher, EXAMPLE, "--data-dir", str(DATA_DIR), *map(str, args)], cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+@needs_data("hmda/raw/hmda_train_preprocessed.zip")
+def test_example_one_process_equals_torchrun(tmp_path):
+    """The DDP example with 2 logical replicas in one process and with 2 gloo processes: the same orders,
+    exactly, and the same losses to rounding (DDP averages per-process means; one process, one mean)."""
+    common = ["--epochs", "2", "--max-train-examples", "400", "--sorter", "CD-GraB"]
+    single = run_example(*common, "--replicas", "2", "--save-orders", tmp_path / "single.pt")
+    run_example(*common, "--save-orders", tmp_path / "torchrun.pt", nproc=2)
+    a, b = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "torchrun.pt")
+    assert len(a["orders"]) == len(b["orders"]) == 2
+    assert all(torch.equal(x, y) for x, y in zip(a["orders"], b["orders"]))
+    assert a["orders"][0].shape == (2, 200) and not torch.equal(a["orders"][0], a["orders"][1])
+    for column in ("train_loss", "test_loss"):
+        assert b[column] == pytest.approx(a[column], rel=1e-5)
+    assert a["train_loss"][1] < a["train_loss"][0]
+    assert "epoch 2/2 | train loss" in single.stdout
