@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import pandas as pd
 
-RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir"]
-SETTING = ["node_cnt", "B", "lr", "setting"]  # runs of one benchmark and sorter that differ here are different curves
+RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "study", "run_dir"]
+SETTING = ["node_cnt", "B", "lr", "setting", "study"]  # runs of one benchmark and sorter that differ here are different curves
 # engine.train.RESUMABLE_CHANGES (a test keeps them equal; importing the engine here would pull in
 # torch for every notebook): args that may differ on resume, so they never change a run's results
 RESUMABLE_ARGS = frozenset({"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir",
@@ -52,7 +52,7 @@ def _read_run(run_dir: Path, include_incomplete: bool):
         args = {**ADDED_ARG_DEFAULTS, **config["args"]}
         info = {"benchmark": config["benchmark"], "sorter": args["sorter"], "seed": int(args["seed"]),
                 "node_cnt": int(args["node_cnt"]), "B": int(args["B"]), "lr": float(args["lr"]),
-                "setting": "", "run_dir": str(run_dir)}
+                "setting": "", "study": "", "run_dir": str(run_dir)}
         epochs = int(args["epochs"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable config.json ({type(e).__name__}: {e})") from None
@@ -104,9 +104,11 @@ def _show(key, value) -> str:
 def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool = False, warn: bool = True):
     """Every run under results_dir (searched recursively) as one tidy DataFrame, one row per (run, epoch).
 
-    Columns: benchmark, sorter, seed, node_cnt, B, lr, setting, run_dir, epoch, <every metrics.csv
+    Columns: benchmark, sorter, seed, node_cnt, B, lr, setting, study, run_dir, epoch, <every metrics.csv
     column>, cum_seconds (running sum of epoch_seconds within the run). Columns a benchmark lacks are
-    NaN. `setting` labels what sets the run apart from the benchmark's other runs (setting_labels).
+    NaN. `study` names the folder a study's sweep writes into (e.g. "communication" for
+    <results>/communication/MLP-M4/<run>), "" for the benchmark runs; `setting` labels what sets the run
+    apart from the other runs of its study and benchmark (setting_labels).
 
     Runs that cannot be read, or are unfinished (fewer rows than args.epochs; kept when
     include_incomplete), or repeat an already loaded run (same benchmark and args, resumable ones
@@ -131,12 +133,13 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
                                                   "settings); skipped"))
             continue
         seen[key] = str(run_dir)
+        frame["study"] = study_of(run_dir, results_dir, frame.loc[0, "benchmark"])
         if problem:
             problems.append(Problem(str(run_dir), problem + " (included)"))
         frames.append(frame)
         settings.append(run_settings)
-    for benchmark in {frame.loc[0, "benchmark"] for frame in frames}:
-        mine = [i for i, frame in enumerate(frames) if frame.loc[0, "benchmark"] == benchmark]
+    for group in {(frame.loc[0, "study"], frame.loc[0, "benchmark"]) for frame in frames}:
+        mine = [i for i, frame in enumerate(frames) if (frame.loc[0, "study"], frame.loc[0, "benchmark"]) == group]
         for i, label in zip(mine, setting_labels([settings[i] for i in mine])):
             frames[i]["setting"] = label
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RUN_COLUMNS + ["epoch", "cum_seconds"])
@@ -147,6 +150,27 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
         for problem in problems:
             warnings.warn(f"skipped run: {problem}", stacklevel=2)
     return (df, problems) if with_problems else df
+
+
+def run_args(df, names) -> pd.DataFrame:
+    """One row per run of a load_runs frame: run_dir and the config.json args `names` (with the values
+    of ADDED_ARG_DEFAULTS for flags the run predates; None for others it lacks)."""
+    rows = []
+    for run_dir in df["run_dir"].unique() if len(df) else []:
+        args = {**ADDED_ARG_DEFAULTS, **json.loads((Path(run_dir) / "config.json").read_text())["args"]}
+        rows.append({"run_dir": run_dir, **{name: args.get(name) for name in names}})
+    return pd.DataFrame(rows, columns=["run_dir", *names])
+
+
+def study_of(run_dir: Path, results_dir: Path, benchmark: str) -> str:
+    """The folders between results_dir and the run's <benchmark> folder ("" when none, or when the
+    path has no such folder): which study a run belongs to, e.g. "communication" for
+    <results>/communication/MLP-M4/<run>."""
+    try:
+        parts = Path(run_dir).resolve().relative_to(Path(results_dir).resolve()).parts
+    except ValueError:
+        return ""
+    return "/".join(parts[:parts.index(benchmark)]) if benchmark in parts[:-1] else ""
 
 
 def load_herding(herding_dir, with_problems: bool = False, warn: bool = True):

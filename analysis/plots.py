@@ -5,6 +5,7 @@ Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and
     <out>/<benchmark>-vs-seconds.{png,pdf}      the same vs cumulative wall-clock seconds (mean over seeds)
     <out>/<benchmark>-time-breakdown.{png,pdf}  mean sorter/comm/compute/other seconds per epoch, stacked
     <out>/herding-bound.{png,pdf}               parallel herding bound per round (log y), one panel per n
+    <out>/communication-<benchmark>.{png,pdf}   the communication study (analysis/studies.py)
 
 The caller picks the backend: `python -m analysis` uses Agg, notebooks their inline backend.
 """
@@ -14,6 +15,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import GROUP, TIME_PARTS, aggregate, aggregate_herding, headline_metrics, time_breakdown
+from analysis.studies import study_figures
 
 LABELS = {
     "train_loss": "train loss", "test_loss": "test loss", "valid_loss": "validation loss",
@@ -164,8 +166,10 @@ def draw_all(df, hdf, out_dir, band="std") -> list:
     """Save every figure the data allows into out_dir (closing each); return the written paths."""
     written = []
     figs = {}
-    for benchmark in sorted(df["benchmark"].unique()) if len(df) else []:
-        figs.update(benchmark_figures(df, benchmark, band))
+    paper = df[df["study"] == ""] if len(df) else df  # the studies draw their own figures
+    for benchmark in sorted(paper["benchmark"].unique()) if len(paper) else []:
+        figs.update(benchmark_figures(paper, benchmark, band))
+    figs.update(study_figures(df))
     if hdf is not None and len(hdf):
         figs["herding-bound"] = plot_herding(hdf, band)
     for name, fig in figs.items():

@@ -88,9 +88,9 @@ def check_run_files(run_dir, epochs: int, m: int) -> list:
     return orders
 
 
-def assert_runs_agree(single, multi, columns, rel=1e-5, exact=False):
+def assert_runs_agree(single, multi, columns, rel=1e-5, exact=False, bytes_equal=True):
     """Two runs of one experiment (e.g. one process vs torchrun) have the same orders, exactly, the
-    same metric `columns` (to `rel`, or exactly) and the same communication volume."""
+    same metric `columns` (to `rel`, or exactly) and (bytes_equal) the same communication volume."""
     import torch
 
     orders_a, orders_b = torch.load(Path(single) / "orders.pt"), torch.load(Path(multi) / "orders.pt")
@@ -101,7 +101,7 @@ def assert_runs_agree(single, multi, columns, rel=1e-5, exact=False):
         for column in columns:
             expected = ra[column] if exact else pytest.approx(ra[column], rel=rel, abs=1e-7)
             assert rb[column] == expected, (column, ra, rb)
-        assert ra["comm_bytes"] == rb["comm_bytes"]
+        assert ra["comm_bytes"] == rb["comm_bytes"] or not bytes_equal
 
 
 def run_every_sorter(script: str, root: Path, *args) -> dict:

@@ -85,3 +85,22 @@ def test_bad_communication_settings_get_one_line(tmp_path, args, message):
     lines = error_lines(result)
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "bad" / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize("bench_name, script, quick", [
+    pytest.param("LR-HMDA", "main-LR-HMDA.py", BENCHMARKS["LR-HMDA"][1], marks=needs_data(HMDA)),
+    pytest.param("LSTM-Wiki2", "main-LSTM-Wiki2.py", ["--max-train-examples", "24", "--max-eval-examples", "4",
+                                                      "--carry-hidden", "--lr", "1.0"],
+                 marks=needs_data("wikitext-2/train.txt")),
+])
+def test_averaging_every_step_equals_gradient_averaging(tmp_path, bench_name, script, quick):
+    """With plain SGD an average of the workers' parameters after each local step is the step with the
+    averaged gradient: the per-worker gradient paths (vmap over workers for LR, a loop with the carried
+    hidden state for the LSTM) must reproduce the data-parallel run."""
+    runs = {name: tmp_path / name for name in ("data-parallel", "local")}
+    flags = {"data-parallel": [], "local": ["--sync", "constant", "--H", "1"]}
+    for name, out in runs.items():
+        check_ok(run_script(script, "--sorter", "CD-GraB", "--epochs", "2", "--momentum", "0", "--record-orders",
+                            "--out", out, *quick, *flags[name]))
+    columns = ("train_loss", "test_loss")
+    assert_runs_agree(runs["data-parallel"], runs["local"], columns, rel=1e-4, bytes_equal=False)

@@ -30,16 +30,19 @@ BENCH_COLUMNS = {  # metrics.csv columns between test_loss and the timing column
     "GPT2-Wiki103": ["valid_loss", "train_ppl", "valid_ppl", "test_ppl"],
 }
 TIME_COLUMNS = ["epoch_seconds", "sorter_seconds", "comm_seconds", "compute_seconds", "comm_bytes"]
+COMMUNICATION_COLUMNS = ["syncs", "mean_H", "density", "threshold", "load_imbalance"]
 SETTINGS = {"LR-HMDA": (4, 16, 0.005), "LSTM-Wiki2": (4, 16, 5.0), "MLP-M4": (32, 32, 0.001),
             "GPT2-Wiki103": (64, 64, 0.0005)}
 
 
-def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None, args=None, folder=""):
+def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None, args=None, folder="", study="",
+              tag=""):
     """A run dir exactly as the entry scripts write it; `rows` finished epochs (default all), metric
     values from `values(column, epoch)` (default a smooth synthetic curve), `args` added to or
-    overriding the default ones, `folder` between the benchmark and the run name. Returns the dir."""
+    overriding the default ones, `folder` between the benchmark and the run name, `study` between the
+    results root and the benchmark (a study sweep's folder), `tag` in the run name. Returns the dir."""
     node_cnt, B, lr = SETTINGS[benchmark]
-    run_dir = Path(root) / benchmark / folder / f"{sorter}-node{node_cnt}-B{B}-lr{lr}-seed{seed}"
+    run_dir = Path(root) / study / benchmark / folder / f"{sorter}-node{node_cnt}-B{B}-lr{lr}{tag}-seed{seed}"
     run_dir.mkdir(parents=True)
     args = {"sorter": sorter, "seed": seed, "lr": lr, "momentum": 0.9, "weight_decay": 0.0, "B": B,
             "node_cnt": node_cnt, "epochs": epochs, "data_dir": "datasets", "out": str(run_dir),
@@ -50,6 +53,8 @@ def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None, a
               "data": {"source": "synthetic", "files": []}, "versions": {"torch": "2.13.0"}, "git_commit": "0" * 40}
     (run_dir / "config.json").write_text(json.dumps(config, indent=1))
     columns = ["epoch", "train_loss", "test_loss"] + BENCH_COLUMNS[benchmark] + TIME_COLUMNS
+    if study:
+        columns += COMMUNICATION_COLUMNS
     shift = 0.1 * seed + (0.0 if sorter == "CD-GraB" else 0.2)
     values = values or (lambda c, e: 1.0 + 1.0 / e + shift if not c.endswith("seconds") and c != "comm_bytes"
                         else {"epoch_seconds": 2.0, "sorter_seconds": 0.2, "comm_seconds": 0.5,
@@ -83,6 +88,11 @@ def results(tmp_path_factory):
             for seed in [0, 1]:
                 write_run(root, benchmark, sorter, seed)
     write_herding(root / "herding")
+    for sorter in ["CD-GraB", "D-RR"]:  # the communication study: its own folder, its own figure
+        for sync in ["every-step", "qsr"]:
+            for reducer in ["dense", "exdyna"]:
+                write_run(root, "MLP-M4", sorter, 0, study="communication", tag=f"-{sync}-{reducer}",
+                          args={"sync": sync, "reducer": reducer, "lr_schedule": "cosine"})
     write_run(root, "LR-HMDA", "I-B", 0, rows=2)                       # unfinished: 2 of 3 epochs
     broken = write_run(root, "MLP-M4", "I-PB", 0)
     (broken / "config.json").write_text("{not json")                    # unreadable config
@@ -93,11 +103,14 @@ def results(tmp_path_factory):
 
 def test_load_runs_columns_and_problems(results):
     df, problems = load_runs(results, with_problems=True, warn=False)
-    assert list(df.columns[:9]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir",
-                                    "epoch"]
-    assert (df["setting"] == "").all()  # every benchmark's runs share their settings
+    assert list(df.columns[:10]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "study",
+                                     "run_dir", "epoch"]
+    paper, study = df[df["study"] == ""], df[df["study"] == "communication"]
+    assert (paper["setting"] == "").all()  # every benchmark's runs share their settings
+    # a study's runs are labelled among themselves, so the benchmark's own runs stay unlabelled
+    assert set(study["setting"]) == {f"reducer={r}, sync={s}" for r in ("dense", "exdyna") for s in ("every-step", "qsr")}
     assert df.columns[-1] == "cum_seconds"
-    assert len(df) == 4 * 2 * 2 * 3 and df["run_dir"].nunique() == 16
+    assert len(paper) == 4 * 2 * 2 * 3 and paper["run_dir"].nunique() == 16 and study["run_dir"].nunique() == 8
     assert {"test_acc", "test_ppl", "test_smape", "comm_bytes"} <= set(df.columns)
     run = df[df["run_dir"] == df["run_dir"].iloc[0]]
     assert run["cum_seconds"].tolist() == pytest.approx(run["epoch_seconds"].cumsum().tolist())
@@ -105,7 +118,7 @@ def test_load_runs_columns_and_problems(results):
     assert len(problems) == 3 and "incomplete: 2/3" in reasons and "config.json" in reasons
     with pytest.warns(UserWarning, match="skipped run"):
         load_runs(results)
-    assert load_runs(results, include_incomplete=True, warn=False)["run_dir"].nunique() == 17
+    assert load_runs(results, include_incomplete=True, warn=False)["run_dir"].nunique() == 16 + 8 + 1
 
 
 def test_aggregate_hand_example(tmp_path):
@@ -184,7 +197,8 @@ def test_cli(results, tmp_path):
             for ext in ("png", "pdf"):
                 assert (out / f"{benchmark}-{kind}.{ext}").stat().st_size > 0
     assert (out / "herding-bound.png").exists() and (out / "herding-bound.pdf").exists()
-    assert (out / "final-metrics.csv").read_text().count("\n") == 1 + 4 * 2
+    assert (out / "final-metrics.csv").read_text().count("\n") == 1 + 4 * 2 + 8  # + the communication study
+    assert (out / "communication-MLP-M4.png").stat().st_size > 0
     help_text = subprocess.run([sys.executable, "-m", "analysis", "--help"], cwd=REPO,
                                capture_output=True, text=True).stdout
     assert all(flag in help_text for flag in ("--out", "--band", "--herding-dir"))
@@ -233,6 +247,6 @@ def test_notebook_runs(path, results, monkeypatch, kernel_specs):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == (1 if path.stem == "herding-bound" else 3), path.name
+    assert len(images) == {"herding-bound": 1, "communication": 2}.get(path.stem, 3), path.name
     text = "".join(o.get("text", "") for o in outputs)
     assert "nothing to plot" not in text
