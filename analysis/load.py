@@ -23,7 +23,7 @@ SETTING = ["node_cnt", "B", "lr", "setting", "study"]  # runs of one benchmark a
 # engine.train.RESUMABLE_CHANGES (a test keeps them equal; importing the engine here would pull in
 # torch for every notebook): args that may differ on resume, so they never change a run's results
 RESUMABLE_ARGS = frozenset({"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir",
-                            "record_orders", "progress", "dist_timeout", "overlap"})
+                            "record_orders", "progress", "dist_timeout", "overlap", "unit_grad_gather"})
 # engine.cli.ADDED_ARG_DEFAULTS (a test keeps them equal): flags added after runs were shipped; a config.json
 # without them ran with these values, so it is the same experiment as a new run with the defaults
 ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,

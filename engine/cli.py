@@ -107,6 +107,10 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     sync.add_argument("--average-opt-state", action="store_true",
                       help="with local steps, also average the optimizer state (momentum / AdamW moments) at "
                            "each averaging (default: it stays per worker)")
+    sync.add_argument("--unit-grad-gather", choices=("round", "step"), default="round",
+                      help="with local steps, when the balancing sorters' unit gradients are all-gathered: once "
+                           "per round (at the latest every 64 MB) or every step; the same bytes and orders, fewer "
+                           "collectives per round (bench/gather_batching.py)")
     sync.add_argument("--reducer", choices=REDUCER_NAMES, default="dense",
                       help="how the averaged quantity (the gradient each step, or with local steps the change of "
                            "the parameters since the last averaging) is exchanged: dense all-reduce; topk: each "

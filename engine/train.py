@@ -44,7 +44,7 @@ OVERLAP_MIN_D, OVERLAP_MAX_BUFFER = 65_536, 256 * 2**20
 # args that may differ between a checkpoint and the run that resumes it (where the data and the
 # token cache live, how the run is launched and logged: nothing that changes its results)
 RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir", "record_orders",
-                     "progress", "dist_timeout", "overlap"}
+                     "progress", "dist_timeout", "overlap", "unit_grad_gather"}
 
 
 class RegionTimer:
@@ -222,7 +222,8 @@ def train(task, args, comm, device) -> list[dict]:
             positions = range(step * k, (step + 1) * k)
             if per_worker_grads:
                 local_loss = worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions,
-                                                   global_step, steps_per_epoch - step, timer)
+                                                   global_step, steps_per_epoch - step, timer,
+                                                   args.unit_grad_gather == "round")
             else:
                 local_loss = data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer)
             loss_sum += local_loss.detach()
@@ -244,6 +245,7 @@ def train(task, args, comm, device) -> list[dict]:
                 checked_step = step + 1
             timer.lap("compute")
         bar.close()
+        flush_deferred(exchange, sorter, timer)  # (rounds end with the epoch: normally nothing is left)
         if local is not None:
             local.end_epoch()  # evaluation and the checkpoint see the averaged parameters
             timer.lap("comm")
@@ -302,32 +304,54 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
 
 
 def worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions, global_step,
-                          steps_left_in_epoch, timer):
+                          steps_left_in_epoch, timer, gather_per_round: bool = True):
     """One step that needs each worker's own gradient: local SGD (`local`: LocalWorkers), or a
-    sparsified reduction on the shared parameters (local None). Returns the local loss."""
+    sparsified reduction on the shared parameters (local None). Returns the local loss.
+
+    With local steps the balancing sorters' unit gradients are all-gathered once per round
+    (gather_per_round; at the latest every GradientExchange.DEFER_LIMIT_BYTES) or every step: the
+    same bytes and the same orders, fewer collectives (bench/gather_batching.py)."""
     params = local.params if local is not None else task.model.flat
     worker_grads, unit_grads, losses = task.worker_gradients(params, exchange.comm.local_workers, unit_ids,
                                                              per_unit=sorter.uses_grads)
     timer.lap("compute")
     if local is None or local.data_parallel(global_step):
         update, every_unit_grad = exchange.exchange(unit_grads, None, worker_grads)
-    else:  # local steps: only the balancing sorters' unit gradients travel, every step
-        update, every_unit_grad = None, exchange.gather_unit_grads(unit_grads)
-    timer.lap("comm")
-    sorter.step(every_unit_grad, positions)
-    del unit_grads, every_unit_grad
-    timer.lap("sorter")
-    gradients = worker_grads if update is None else update
+        timer.lap("comm")
+        sorter.step(every_unit_grad, positions)
+        del unit_grads, every_unit_grad
+        timer.lap("sorter")
+        gradients = update
+    else:
+        update, gradients = None, worker_grads
     if task.clip_grad_norm:  # per worker with local steps, as the reference clips the local gradient
         gradients = clip_to_norm(gradients, task.clip_grad_norm)
     if local is None:
         optimizer.step(gradients)
         return losses.mean()
-    if local.step(gradients, global_step, steps_left_in_epoch):
-        timer.lap("compute")
+    round_over = local.step(gradients, global_step, steps_left_in_epoch)
+    timer.lap("compute")
+    if round_over:
         local.average()
         timer.lap("comm")
+    if update is not None:  # a data-parallel step (post-local): the sorter has had its gradients
+        return losses.mean()
+    if not sorter.uses_grads:
+        sorter.step(None, positions)
+    elif not gather_per_round:
+        sorter.step(exchange.gather_unit_grads(unit_grads), positions)
+    elif exchange.defer_unit_grads(unit_grads, positions) or round_over:
+        flush_deferred(exchange, sorter, timer)
+    timer.lap("sorter")
     return losses.mean()
+
+
+def flush_deferred(exchange, sorter, timer) -> None:
+    """Gather the deferred unit gradients in one collective and hand them to the sorter in step order."""
+    gathered = exchange.flush_unit_grads()
+    timer.lap("comm")
+    for every_unit_grad, positions in gathered:
+        sorter.step(every_unit_grad, positions)
 
 
 def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, reducer, device):

@@ -104,3 +104,22 @@ def test_averaging_every_step_equals_gradient_averaging(tmp_path, bench_name, sc
                             "--out", out, *quick, *flags[name]))
     columns = ("train_loss", "test_loss")
     assert_runs_agree(runs["data-parallel"], runs["local"], columns, rel=1e-4, bytes_equal=False)
+
+
+@needs_data(HMDA)
+def test_unit_gradients_gathered_per_round_or_per_step_give_the_same_run(tmp_path):
+    """CD-GraB under local steps: one all-gather per round moves the same bytes and gives the same orders
+    and losses as one per step (torchrun, so the gathers are real collectives)."""
+    runs = {gather: tmp_path / gather for gather in ("round", "step")}
+    for gather, out in runs.items():
+        check_ok(run("LR-HMDA", out, "--sorter", "CD-GraB", *QSR, "--unit-grad-gather", gather, nproc=2))
+    assert_runs_agree(runs["round"], runs["step"], BENCHMARKS["LR-HMDA"][2], exact=True)
+
+
+@needs_data(HMDA)
+def test_post_local_is_data_parallel_until_the_switch(tmp_path):
+    out = tmp_path / "post-local"
+    check_ok(run("LR-HMDA", out, "--sorter", "D-RR", "--sync", "post-local", "--switch-epoch", "2", "--H", "5"))
+    first, second = read_metrics(out)
+    assert (first["syncs"], first["mean_H"]) == (100, 1.0)  # 100 steps per epoch, a gradient average each
+    assert (second["syncs"], second["mean_H"]) == (20, 5.0)
