@@ -57,9 +57,6 @@ class LRSchedule:
         return self.min_lr + (self.lr - self.min_lr) * (1 - progress)
 
 
-StepDecay = LRSchedule  # the paper's per-epoch step decay is LRSchedule's default kind
-
-
 class Optimizer:
     """SGD (momentum, weight decay; torch.optim.SGD's rule) or AdamW (torch.optim.AdamW's rule, betas
     0.9/0.999, eps 1e-8) on a flat (d,) parameter tensor, updated in place.

@@ -169,8 +169,8 @@ def train(task, args, comm, device) -> list[dict]:
         if not args.resume:
             raise UserFacingError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it, "
                                   "or choose another --out")
-        rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, reducer,
-                                                     device)
+        rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device,
+                                                     reducer)
         if writer:
             # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
             # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
@@ -354,14 +354,16 @@ def flush_deferred(exchange, sorter, timer) -> None:
         sorter.step(every_unit_grad, positions)
 
 
-def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, reducer, device):
+def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=None):
     """Load a checkpoint into the run's objects; refuse one made with different settings.
-    optimizer: the Optimizer, or LocalWorkers with local steps. Returns (metrics rows so far,
+    optimizer: the Optimizer, or LocalWorkers with local steps; reducer: engine.reducers' (None: a
+    checkpoint without reducer state). Returns (metrics rows so far,
     recorded orders, first epoch to run)."""
     # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
     # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
     saved_args = {**ADDED_ARG_DEFAULTS, **state["args"]}  # a checkpoint from before a flag existed
+    arg_dict = {**ADDED_ARG_DEFAULTS, **arg_dict}
     changed = sorted(key for key in (set(saved_args) | set(arg_dict)) - RESUMABLE_CHANGES
                      if saved_args.get(key) != arg_dict.get(key))
     if arg_dict.get("lr_schedule", "step") != "step" and saved_args.get("epochs") != arg_dict.get("epochs"):
@@ -373,7 +375,8 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, reducer, device)
     flat.copy_(state["flat"])
     try:
         optimizer.load_state_dict(state["optimizer"])
-        reducer.load_state_dict(state.get("reducer") or {"name": "dense"})
+        if reducer is not None and "reducer" in state:  # older checkpoints: dense, nothing to restore
+            reducer.load_state_dict(state["reducer"])
         sorter.load_state_dict(state["sorter"])
     except ValueError as error:  # e.g. a checkpoint from the torchopt-based versions of the suite
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: {error}; the checkpoint was written by "

@@ -17,7 +17,7 @@ from engine.comm import DistributedCommunicator, LocalCommunicator, node_leader_
 from engine.device import choose_device, setup_device
 from engine.errors import UserFacingError
 from engine.functional import FlatModel
-from engine.optim import Optimizer, StepDecay
+from engine.optim import Optimizer, LRSchedule
 from engine.task import Task
 from engine.train import RegionTimer, restore, train
 from sorters import build_sorter
@@ -199,7 +199,7 @@ def run_objects(args, device):
     task = ToyRegression(device)
     flat = task.model.flat
     sorter = build_sorter(args.sorter, task.n_workers, task.n_units, task.model.d, seed=args.seed, device=device)
-    optimizer = Optimizer(task.optimizer, flat, StepDecay(args.lr, 4), args.momentum, args.weight_decay)
+    optimizer = Optimizer(task.optimizer, flat, LRSchedule(args.lr, 4), args.momentum, args.weight_decay)
     return flat, optimizer, sorter
 
 
@@ -222,7 +222,7 @@ def test_checkpoint_restores_onto_another_device(tmp_path, monkeypatch):
     flat, optimizer, sorter = run_objects(args, meta)
     rows, _, first_epoch = restore(tmp_path / "run" / "checkpoint.pt", dict(vars(args)), flat, optimizer, sorter, meta)
     assert locations == ["cpu"]
-    assert first_epoch == 2 and rows == saved["rows"]
+    assert first_epoch == 2 and repr(rows) == repr(saved["rows"])  # repr: nan (ExDyna's threshold column) == nan
     assert flat.device == meta
     assert all(leaf.device == meta for leaf in optimizer.state_dict().values() if torch.is_tensor(leaf))
     assert all(value.device == meta for value in vars(sorter).values() if torch.is_tensor(value))

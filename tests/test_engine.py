@@ -11,7 +11,7 @@ from engine import runlog
 from engine.comm import GradientExchange, LocalCommunicator
 from engine.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
-from engine.optim import Optimizer, StepDecay
+from engine.optim import Optimizer, LRSchedule
 from engine.train import RESUMABLE_CHANGES, clip_to_norm, restore
 from sorters import build_sorter
 
@@ -115,7 +115,7 @@ def test_adam_state_persists_across_epochs_and_matches_torch_adamw():
     """Spec bug 3: the original restarted Adam's bias-correction count every epoch."""
     flat = torch.zeros(3)
     reference = torch.zeros(3, requires_grad=True)
-    optimizer = Optimizer("adamw", flat, StepDecay(1e-2, steps_per_epoch=5), weight_decay=0.1)
+    optimizer = Optimizer("adamw", flat, LRSchedule(1e-2, steps_per_epoch=5), weight_decay=0.1)
     theirs = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.1)
     for step in range(3 * 5):  # three "epochs"
         g = torch.tensor([1.0, -2.0, 0.5]) * (step + 1)
@@ -129,7 +129,7 @@ def test_adam_state_persists_across_epochs_and_matches_torch_adamw():
 def test_sgd_momentum_matches_torch_sgd_and_state_round_trips():
     flat = torch.zeros(4)
     reference = torch.zeros(4, requires_grad=True)
-    ours = Optimizer("sgd", flat, StepDecay(0.1, steps_per_epoch=2, every_epochs=1, gamma=0.5), momentum=0.9,
+    ours = Optimizer("sgd", flat, LRSchedule(0.1, steps_per_epoch=2, every_epochs=1, gamma=0.5), momentum=0.9,
                      weight_decay=0.01)
     theirs = torch.optim.SGD([reference], lr=0.1, momentum=0.9, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(theirs, step_size=2, gamma=0.5)
@@ -141,20 +141,20 @@ def test_sgd_momentum_matches_torch_sgd_and_state_round_trips():
         theirs.step()
         scheduler.step()
     torch.testing.assert_close(flat, reference.detach(), rtol=0, atol=0)
-    copy = Optimizer("sgd", flat.clone(), StepDecay(0.1, 2, 1, 0.5), momentum=0.9, weight_decay=0.01)
+    copy = Optimizer("sgd", flat.clone(), LRSchedule(0.1, 2, 1, 0.5), momentum=0.9, weight_decay=0.01)
     copy.load_state_dict(ours.state_dict())
     ours.step(torch.ones(4))
     copy.step(torch.ones(4))
     torch.testing.assert_close(copy.flat, flat, rtol=0, atol=0)
     with pytest.raises(ValueError, match="does not match"):
-        Optimizer("adamw", flat.clone(), StepDecay(0.1, 2)).load_state_dict(ours.state_dict())
+        Optimizer("adamw", flat.clone(), LRSchedule(0.1, 2)).load_state_dict(ours.state_dict())
 
 
 def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
     """Where the data and the token cache live may change on resume; the learning rate may not."""
     assert {"cache_dir", "data_dir", "epochs", "device"} <= RESUMABLE_CHANGES and "lr" not in RESUMABLE_CHANGES
     flat = torch.arange(3.0)
-    optimizer, sorter = Optimizer("sgd", flat, StepDecay(0.1, 2), momentum=0.9), build_sorter("D-RR", 2, 4, 3)
+    optimizer, sorter = Optimizer("sgd", flat, LRSchedule(0.1, 2), momentum=0.9), build_sorter("D-RR", 2, 4, 3)
     args = {"lr": 0.1, "cache_dir": "/old/cache", "data_dir": "/old/data", "epochs": 2}
     rows = [{"epoch": 1, "train_loss": 1.0}]
     runlog.atomic_torch_save({"epoch": 1, "args": args, "flat": flat.clone(), "optimizer": optimizer.state_dict(),
@@ -173,10 +173,10 @@ def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
 
 
 def test_step_decay_per_epoch():
-    schedule = StepDecay(5.0, steps_per_epoch=3, every_epochs=10, gamma=0.1)
+    schedule = LRSchedule(5.0, steps_per_epoch=3, every_epochs=10, gamma=0.1)
     assert [schedule.at_epoch(e) for e in (1, 10, 11, 21)] == pytest.approx([5.0, 5.0, 0.5, 0.05])
     assert schedule(29) == pytest.approx(5.0) and schedule(30) == pytest.approx(0.5)
-    assert StepDecay(1e-3, 7)(10_000) == 1e-3
+    assert LRSchedule(1e-3, 7)(10_000) == 1e-3
 
 
 def test_exchange_gives_the_global_mean_both_ways():
