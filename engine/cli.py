@@ -70,6 +70,10 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                         "(the same orders either way; costs a second per-unit gradient buffer). auto: on "
                         "when d >= 65,536 (the balancing costs more than the hand-off) and that buffer is at "
                         "most 256 MB (on for the LSTM, off for GPT-2: 1.75 GB)")
+    p.add_argument("--log-herding", action="store_true",
+                   help="add a herding_bound column to metrics.csv: per epoch, the parallel herding bound of the "
+                        "epoch's per-unit gradients in the order used (engine/herding_log.py; keeps n*m*d floats, "
+                        "at most 512 MB; D-RR and the other non-balancing sorters compute per-unit gradients for it)")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
     return p

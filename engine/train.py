@@ -24,6 +24,7 @@ from engine.cli import check_args
 from engine.comm import GradientExchange, make_communicator
 from engine.device import setup_device
 from engine.errors import UserFacingError
+from engine.herding_log import HerdingLog
 from engine.optim import Optimizer, StepDecay
 from engine.overlap import BackgroundSorter
 from sorters import build_sorter
@@ -143,6 +144,7 @@ def train(task, args, comm, device) -> list[dict]:
     optimizer = Optimizer(task.optimizer, flat, schedule, args.momentum, args.weight_decay)
     arg_dict = dict(vars(args))
     rows, recorded_orders, first_epoch = [], [], 1
+    herding_log = HerdingLog(n, m, d, comm, task.model, device) if getattr(args, "log_herding", False) else None
 
     if checkpoint_path.exists():
         if not args.resume:
@@ -202,6 +204,9 @@ def train(task, args, comm, device) -> list[dict]:
             timer.lap("compute")
             update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
             timer.lap("comm")
+            if herding_log:  # --log-herding: keep this step's per-unit gradients (computed here for D-RR & co.)
+                herding_log.record(step, every_unit_grad, lambda: task.unit_grads(flat, batch, n_local, k)[0])
+                timer.lap("compute")
             sorter.step(every_unit_grad, range(step * k, (step + 1) * k))
             del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
             timer.lap("sorter")
@@ -237,6 +242,8 @@ def train(task, args, comm, device) -> list[dict]:
                "epoch_seconds": epoch_seconds, "sorter_seconds": seconds["sorter"],
                "comm_seconds": seconds["comm"], "compute_seconds": seconds["compute"],
                "comm_bytes": exchange.comm_bytes - bytes_before}
+        if herding_log:
+            row["herding_bound"] = herding_log.bound()
         rows.append(row)
         if args.record_orders:
             recorded_orders.append(orders.to(torch.int32).cpu())
