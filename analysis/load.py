@@ -149,7 +149,8 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
         frames.append(frame)
         settings.append(run_settings)
     for benchmark, study in {(frame.loc[0, "benchmark"], frame.loc[0, "study"]) for frame in frames}:
-        mine = [i for i, frame in enumerate(frames) if (frame.loc[0, "benchmark"], frame.loc[0, "study"]) == (benchmark, study)]
+        mine = [i for i, frame in enumerate(frames)
+                if (frame.loc[0, "benchmark"], frame.loc[0, "study"]) == (benchmark, study)]
         for i, label in zip(mine, setting_labels([settings[i] for i in mine])):
             frames[i]["setting"] = f"{study}: {label}" if study and label else study or label
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RUN_COLUMNS + ["epoch", "cum_seconds"])

@@ -33,9 +33,12 @@ def test_every_worker_owns_m_distinct_units_and_workers_are_disjoint(partition):
 
 def test_contiguous_is_the_original_split_and_random_follows_the_seed():
     labels = synthetic_labels()
-    assert torch.equal(split_by_labels(labels, N_WORKERS, "contiguous", 0), torch.arange(N_WORKERS * M).view(N_WORKERS, M))
-    assert torch.equal(split_by_labels(labels, N_WORKERS, "random", 1), split_by_labels(labels, N_WORKERS, "random", 1))
-    assert not torch.equal(split_by_labels(labels, N_WORKERS, "random", 1), split_by_labels(labels, N_WORKERS, "random", 2))
+    def split(partition, seed):
+        return split_by_labels(labels, N_WORKERS, partition, seed)
+
+    assert torch.equal(split("contiguous", 0), torch.arange(N_WORKERS * M).view(N_WORKERS, M))
+    assert torch.equal(split("random", 1), split("random", 1))
+    assert not torch.equal(split("random", 1), split("random", 2))
 
 
 def test_label_sorted_makes_all_workers_but_one_single_class():

@@ -35,7 +35,8 @@ def test_shipped_studies_are_complete():
     df = load_runs(SHIPPED, warn=False)
     het = df[df["study"] == "heterogeneity"].drop_duplicates("run_dir")
     assert het.groupby(["partition", "sorter"])["seed"].nunique().to_dict() == {
-        (p, s): 3 for p in ["random", "dirichlet:1", "dirichlet:0.1", "label-sorted"] for s in ["CD-GraB", "D-RR", "I-B", "I-PB"]}
+        (p, s): 3 for p in ["random", "dirichlet:1", "dirichlet:0.1", "label-sorted"]
+        for s in ["CD-GraB", "D-RR", "I-B", "I-PB"]}
     scaling = df[df["study"] == "scaling"]
     assert scaling.drop_duplicates("run_dir").groupby(["benchmark", "node_cnt", "sorter"])["seed"].nunique().to_dict() == {
         (b, n, s): 3 for b in ["LR-HMDA", "MLP-M4"] for n in [4, 16, 64] for s in ["CD-GraB", "D-RR"]}
