@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from data.hmda import load_hmda
+from data.partition import partition_type, split_by_labels
 from engine.cli import common_parser
 from engine.errors import UserFacingError
 from engine.functional import FlatModel
@@ -41,14 +42,18 @@ class LogisticHMDA(Task):
         self.n_units = used // args.node_cnt
         self.units_per_step = args.B // args.node_cnt
         self.global_batch = args.B
-        # contiguous split in data order, as the original: worker r owns rows r*m .. (r+1)*m - 1
-        self.worker_x = train_x[:used].reshape(self.n_workers, self.n_units, -1).to(device)  # (n, m, F)
-        self.worker_y = train_y[:used].reshape(self.n_workers, self.n_units).to(device)      # (n, m)
+        # the first `used` rows, split by --partition (data/partition.py); the default, contiguous, is the
+        # original's: worker r owns rows r*m .. (r+1)*m - 1
+        rows = split_by_labels(train_y[:used], self.n_workers, args.partition, args.seed)  # (n, m)
+        self.worker_x = train_x[rows].to(device)  # (n, m, F)
+        self.worker_y = train_y[rows].to(device)  # (n, m)
         self.test_x, self.test_y = data.test_x[:args.max_eval_examples].to(device), data.test_y[:args.max_eval_examples].to(device)
         self.model = FlatModel(torch.nn.Linear(data.num_features, 1)).to(device)
         self.data_info = {"source": data.source, "files": data.files, "features": data.num_features,
                           "train_examples_used": used, "train_examples_available": len(data.train_x),
-                          "test_examples": len(self.test_x), "train_positive_rate": float(train_y[:used].mean())}
+                          "test_examples": len(self.test_x), "train_positive_rate": float(train_y[:used].mean()),
+                          "partition": args.partition,
+                          "worker_positive_rates": [round(float(r), 6) for r in train_y[rows].mean(dim=1)]}
 
     def units(self, workers, unit_ids):
         rows = torch.as_tensor(workers)[:, None]
@@ -86,6 +91,13 @@ def make_parser():
     parser.add_argument("--hmda-file", default=None,
                         help="use this HMDA file instead of searching <data-dir>/hmda/ (authors' .pt pair, "
                              "CFPB LAR 2017 csv/zip, or the HMDA 2018 sample csv/zip)")
+    parser.add_argument("--partition", type=partition_type(), default="contiguous",
+                        metavar="{contiguous,random,label-sorted,dirichlet:ALPHA}",
+                        help="how the first n*m training rows are split over the workers: contiguous (default; "
+                             "the original: worker r owns rows r*m..(r+1)*m-1), random (shuffled by --seed), "
+                             "label-sorted (sorted by label: maximal label skew), dirichlet:ALPHA (each worker's "
+                             "label mix drawn from Dirichlet(ALPHA), seeded by --seed; small ALPHA = strong skew). "
+                             "Exact procedures: data/partition.py")
     return parser
 
 

@@ -5,8 +5,10 @@
 
 Every series is z-scored with its own training mean and std and cut into windows (20 inputs, the next
 6 values as target, stride 3), split 90/10 into train/valid windows (data/m4.py). The ordering unit is
-one training window. Worker split: the train window ids are shuffled with a generator seeded by --seed,
-the first n*m kept and reshaped to (n, m), m = N // n rounded down to a multiple of 2 and of B/n. Each
+one training window. Worker split (--partition random, the default): the train window ids are shuffled
+with a generator seeded by --seed, the first n*m kept and reshaped to (n, m), m = N // n rounded down to
+a multiple of 2 and of B/n; --partition contiguous gives every series to one worker only (whole series
+in file order, a worker's last series cut to make m; m shrinks until that fits: data/partition.py). Each
 step every worker takes B/n windows (the original silently used one window whatever B was); the update
 is the mean gradient over all B windows; per-window gradients come from one backward plus per-window outer
 products (engine/functional.py).
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from data.m4 import destandardise, load_m4, smape
+from data.partition import partition_type, whole_groups
 from engine.cli import common_parser
 from engine.errors import UserFacingError
 from engine.functional import FlatModel
@@ -62,7 +65,18 @@ class MLPM4(Task):
         if m == 0:
             raise UserFacingError(f"{len(train_x)} training windows are too few for --node_cnt {n} --B {args.B}: "
                                   f"need at least {n * multiple}")
-        ids = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(args.seed))[: n * m]
+        series = data.train_series[:len(train_x)]
+        if args.partition == "contiguous":  # whole series per worker: m may shrink
+            ids = whole_groups(series, n, multiple, m)
+            m = ids.shape[1]
+            if m == 0:
+                raise UserFacingError(f"--partition contiguous: {len(train_x)} training windows cannot give "
+                                      f"{n} workers {multiple} windows each from whole series; use more windows "
+                                      f"or fewer workers")
+        else:  # random: windows shuffled over all workers
+            ids = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(args.seed))[: n * m]
+        ids = ids.reshape(n, m)
+        series_sets = [torch.unique(series[row]) for row in ids]  # the distinct series of each worker
         self.n_workers, self.n_units, self.units_per_step, self.global_batch = n, m, k, args.B
         self.worker_x = train_x[ids].reshape(n, m, -1).to(device)  # (n, m, in_len)
         self.worker_y = train_y[ids].reshape(n, m, -1).to(device)  # (n, m, 6)
@@ -78,6 +92,9 @@ class MLPM4(Task):
             "in_len": args.in_len, "out_len": OUT_LEN, "stride": STRIDE, "test_horizon": data.horizon,
             "train_windows_available": len(data.train_x), "train_windows_used": n * m,
             "valid_windows": len(self.valid_x), "test_series": len(self.test_x),
+            "partition": args.partition,
+            "worker_series_counts": [len(worker_series) for worker_series in series_sets],
+            "series_on_several_workers": int(torch.cat(series_sets).bincount().gt(1).sum()),
         }
 
     def units(self, workers, unit_ids):
@@ -133,6 +150,12 @@ def make_parser():
     parser.add_argument("--hidden", type=int, default=64, help="hidden width (the original's --nhid)")
     parser.add_argument("--layers", type=int, default=3,
                         help="Linear layers including input and output (the original's --nlayers)")
+    parser.add_argument("--partition", default="random", metavar="{random,contiguous}",
+                        type=partition_type(("random", "contiguous"), why=" (M4 windows have no class label, "
+                                            "so label-sorted and dirichlet do not apply)"),
+                        help="how training windows are split over the workers: random (default: shuffled over "
+                             "all workers by --seed, every worker sees almost every series) or contiguous (whole "
+                             "series per worker, so workers see different series)")
     parser.epilog = ("test_smape = mean over series s and horizon steps h of 200 * |p - t| / (|p| + |t|) (percent), "
                      "p and t de-standardised with the series' training mean and std; 0 where p = t = 0.")
     return parser

@@ -26,6 +26,6 @@ def format_table(table) -> str:
     shown = table.assign(
         lr=table["lr"].map("{:g}".format),
         final=[f"{m:.4g} ± {s:.2g}" if s == s else f"{m:.4g}" for m, s in zip(table["mean"], table["std"])])
-    setting = [c for c in ("study", "setting") if (table[c] != "").any()]
+    setting = ["setting"] if (table["setting"] != "").any() else []
     return shown[["benchmark", "sorter", "node_cnt", "B", "lr", *setting, "metric", "epoch", "final",
                   "seeds"]].to_string(index=False)

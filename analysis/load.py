@@ -10,6 +10,12 @@ A run's identity is its benchmark and every argument that may change its results
 config.json's args except RESUMABLE_ARGS. Runs of one benchmark and sorter whose settings differ
 (--carry-hidden, --clip, --node_cnt, --max-train-examples, ...) are different curves, labelled by the
 `setting` column: the arguments that differ between the benchmark's runs, sorter and seed aside.
+
+Runs of a study (scripts/sweep-heterogeneity.sh, scripts/sweep-scaling.sh) live under a folder named
+after it, <root>/<study>/<benchmark>/<run>: the `study` column holds the path between the results
+folder and the benchmark folder ("" for the benchmarks' own runs), settings are compared within one
+study, and a study's setting labels start with its name ("heterogeneity: partition=random").
+An argument that older runs lack counts as its default (ARG_DEFAULTS), so they match newer runs.
 """
 import json
 import warnings
@@ -18,22 +24,24 @@ from typing import NamedTuple
 
 import pandas as pd
 
-RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "study", "run_dir"]
-SETTING = ["node_cnt", "B", "lr", "setting", "study"]  # runs of one benchmark and sorter that differ here are different curves
+RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir", "partition", "study"]
+SETTING = ["node_cnt", "B", "lr", "setting"]  # runs of one benchmark and sorter that differ here are different curves
 # engine.train.RESUMABLE_CHANGES (a test keeps them equal; importing the engine here would pull in
 # torch for every notebook): args that may differ on resume, so they never change a run's results
 RESUMABLE_ARGS = frozenset({"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir",
                             "record_orders", "progress", "dist_timeout", "overlap", "unit_grad_gather"})
-# engine.cli.ADDED_ARG_DEFAULTS (a test keeps them equal): flags added after runs were shipped; a config.json
-# without them ran with these values, so it is the same experiment as a new run with the defaults
-ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
-                      "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
-                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0}
 NOT_SETTINGS = RESUMABLE_ARGS | {"sorter", "seed"}  # what a setting label leaves out
 # how a differing argument is shown in a setting label; others as name=value
 SHORT_NAMES = {"node_cnt": "n"}
 VALUE_LABELS = {"carry_hidden": {True: "carried hidden state", False: "zero hidden state"}}
 HERDING_COLUMNS = ["n_workers", "m", "d", "trial", "method", "round", "bound"]
+# engine.cli.ADDED_ARG_DEFAULTS and BENCHMARK_ARG_DEFAULTS (a test keeps them equal): defaults of arguments
+# added after runs were shipped, so a config.json without them is the same experiment as a new run with them
+ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
+                      "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
+                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False}
+BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
+ARG_DEFAULTS = {None: ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS}  # {benchmark or None (every one): {arg: default}}
 
 
 class Problem(NamedTuple):
@@ -45,14 +53,23 @@ class Problem(NamedTuple):
         return f"{self.path}: {self.reason}"
 
 
-def _read_run(run_dir: Path, include_incomplete: bool):
+def _study(run_dir: Path, results_dir: Path, benchmark: str) -> str:
+    """The folders between results_dir and the benchmark's folder ("" when none or no benchmark folder)."""
+    parts = run_dir.relative_to(results_dir).parts[:-1]
+    return "/".join(parts[:parts.index(benchmark)]) if benchmark in parts else ""
+
+
+def _read_run(run_dir: Path, results_dir: Path, include_incomplete: bool):
     """(DataFrame of this run's epochs, problem or None); raises ValueError when unusable."""
     try:
         config = json.loads((run_dir / "config.json").read_text())
-        args = {**ADDED_ARG_DEFAULTS, **config["args"]}
-        info = {"benchmark": config["benchmark"], "sorter": args["sorter"], "seed": int(args["seed"]),
+        args = config["args"]
+        benchmark = config["benchmark"]
+        args = {**ARG_DEFAULTS[None], **ARG_DEFAULTS.get(benchmark, {}), **args}
+        info = {"benchmark": benchmark, "sorter": args["sorter"], "seed": int(args["seed"]),
                 "node_cnt": int(args["node_cnt"]), "B": int(args["B"]), "lr": float(args["lr"]),
-                "setting": "", "study": "", "run_dir": str(run_dir)}
+                "setting": "", "run_dir": str(run_dir), "partition": args.get("partition") or "",
+                "study": _study(run_dir, results_dir, benchmark)}
         epochs = int(args["epochs"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable config.json ({type(e).__name__}: {e})") from None
@@ -104,11 +121,10 @@ def _show(key, value) -> str:
 def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool = False, warn: bool = True):
     """Every run under results_dir (searched recursively) as one tidy DataFrame, one row per (run, epoch).
 
-    Columns: benchmark, sorter, seed, node_cnt, B, lr, setting, study, run_dir, epoch, <every metrics.csv
-    column>, cum_seconds (running sum of epoch_seconds within the run). Columns a benchmark lacks are
-    NaN. `study` names the folder a study's sweep writes into (e.g. "communication" for
-    <results>/communication/MLP-M4/<run>), "" for the benchmark runs; `setting` labels what sets the run
-    apart from the other runs of its study and benchmark (setting_labels).
+    Columns: benchmark, sorter, seed, node_cnt, B, lr, setting, run_dir, partition ("" where the
+    benchmark has none), study, epoch, <every metrics.csv column>, cum_seconds (running sum of
+    epoch_seconds within the run). Columns a benchmark lacks are NaN. `setting` labels what sets the
+    run apart from the other runs of its benchmark and study (setting_labels).
 
     Runs that cannot be read, or are unfinished (fewer rows than args.epochs; kept when
     include_incomplete), or repeat an already loaded run (same benchmark and args, resumable ones
@@ -123,25 +139,25 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
         problems.append(Problem(str(results_dir), "results directory does not exist"))
     for run_dir in run_dirs:
         try:
-            frame, run_settings, problem = _read_run(run_dir, include_incomplete)
+            frame, run_settings, problem = _read_run(run_dir, results_dir, include_incomplete)
         except ValueError as e:
             problems.append(Problem(str(run_dir), str(e)))
             continue
-        key = run_key(frame.loc[0, "benchmark"], run_settings)
+        key = run_key(frame.loc[0, "benchmark"], run_settings)  # a study's run repeating another is a duplicate too
         if key in seen:
             problems.append(Problem(str(run_dir), f"duplicate of {seen[key]} (same benchmark, seed and "
                                                   "settings); skipped"))
             continue
         seen[key] = str(run_dir)
-        frame["study"] = study_of(run_dir, results_dir, frame.loc[0, "benchmark"])
         if problem:
             problems.append(Problem(str(run_dir), problem + " (included)"))
         frames.append(frame)
         settings.append(run_settings)
-    for group in {(frame.loc[0, "study"], frame.loc[0, "benchmark"]) for frame in frames}:
-        mine = [i for i, frame in enumerate(frames) if (frame.loc[0, "study"], frame.loc[0, "benchmark"]) == group]
+    for benchmark, study in {(frame.loc[0, "benchmark"], frame.loc[0, "study"]) for frame in frames}:
+        mine = [i for i, frame in enumerate(frames)
+                if (frame.loc[0, "benchmark"], frame.loc[0, "study"]) == (benchmark, study)]
         for i, label in zip(mine, setting_labels([settings[i] for i in mine])):
-            frames[i]["setting"] = label
+            frames[i]["setting"] = f"{study}: {label}" if study and label else study or label
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RUN_COLUMNS + ["epoch", "cum_seconds"])
     # metrics columns in first-seen order, cum_seconds last
     ordered = RUN_COLUMNS + [c for c in df.columns if c not in RUN_COLUMNS and c != "cum_seconds"] + ["cum_seconds"]
@@ -153,24 +169,14 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
 
 
 def run_args(df, names) -> pd.DataFrame:
-    """One row per run of a load_runs frame: run_dir and the config.json args `names` (with the values
-    of ADDED_ARG_DEFAULTS for flags the run predates; None for others it lacks)."""
+    """One row per run of a load_runs frame: run_dir and the config.json args `names` (with the
+    ARG_DEFAULTS of flags the run predates; None for others it lacks)."""
     rows = []
     for run_dir in df["run_dir"].unique() if len(df) else []:
-        args = {**ADDED_ARG_DEFAULTS, **json.loads((Path(run_dir) / "config.json").read_text())["args"]}
+        config = json.loads((Path(run_dir) / "config.json").read_text())
+        args = {**ARG_DEFAULTS[None], **ARG_DEFAULTS.get(config["benchmark"], {}), **config["args"]}
         rows.append({"run_dir": run_dir, **{name: args.get(name) for name in names}})
     return pd.DataFrame(rows, columns=["run_dir", *names])
-
-
-def study_of(run_dir: Path, results_dir: Path, benchmark: str) -> str:
-    """The folders between results_dir and the run's <benchmark> folder ("" when none, or when the
-    path has no such folder): which study a run belongs to, e.g. "communication" for
-    <results>/communication/MLP-M4/<run>."""
-    try:
-        parts = Path(run_dir).resolve().relative_to(Path(results_dir).resolve()).parts
-    except ValueError:
-        return ""
-    return "/".join(parts[:parts.index(benchmark)]) if benchmark in parts[:-1] else ""
 
 
 def load_herding(herding_dir, with_problems: bool = False, warn: bool = True):

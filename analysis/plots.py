@@ -6,6 +6,11 @@ Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and
     <out>/<benchmark>-time-breakdown.{png,pdf}  mean sorter/comm/compute/other seconds per epoch, stacked
     <out>/herding-bound.{png,pdf}               parallel herding bound per round (log y), one panel per n
     <out>/communication-<benchmark>.{png,pdf}   the communication study (analysis/studies.py)
+    <out>/heterogeneity.{png,pdf}               final train loss and metric vs --partition (runs that differ in it)
+    <out>/scaling.{png,pdf}                     final train loss and metric vs workers n, herding_bound per epoch
+
+The benchmarks' own figures use the runs outside study folders (load_runs' `study` == ""); the
+heterogeneity and scaling figures find their runs by what varies within one benchmark and study.
 
 The caller picks the backend: `python -m analysis` uses Agg, notebooks their inline backend.
 """
@@ -14,14 +19,15 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from analysis.aggregate import GROUP, TIME_PARTS, aggregate, aggregate_herding, headline_metrics, time_breakdown
+from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding, final_values, headline_metrics,
+                                time_breakdown)
 from analysis.studies import study_figures
 
 LABELS = {
     "train_loss": "train loss", "test_loss": "test loss", "valid_loss": "validation loss",
     "train_acc": "train accuracy", "test_acc": "test accuracy",
     "train_ppl": "train perplexity", "valid_ppl": "validation perplexity", "test_ppl": "test perplexity",
-    "test_smape": "test sMAPE",
+    "test_smape": "test sMAPE", "herding_bound": "herding bound of the epoch's gradients",
 }
 BENCHMARK_LABELS = {"MLP-M4": {"train_loss": "train MSE (standardised)"}}
 SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
@@ -144,6 +150,101 @@ def plot_herding(hdf, band="std"):
     return fig
 
 
+def partition_order(partition: str) -> tuple:
+    """Sort key from least to most label skew: random, contiguous, dirichlet:ALPHA by falling ALPHA,
+    label-sorted; anything else after them."""
+    name, _, alpha = partition.partition(":")
+    if name == "dirichlet":
+        return (1, -float(alpha))
+    return {"random": (0, 0), "contiguous": (0, 1), "label-sorted": (2, 0)}.get(name, (3, 0))
+
+
+def _study_groups(df, column):
+    """[(benchmark, study, runs)] for every benchmark and study whose runs take >= 2 values of `column`."""
+    if df.empty or column not in df.columns:
+        return []
+    return [(benchmark, study, runs) for (benchmark, study), runs in df.groupby(["benchmark", "study"], sort=True)
+            if runs[column].nunique() >= 2]
+
+
+def _final_points(ax, runs, metric, column, order):
+    """Mean ± std over seeds of each run's last `metric` value vs `column` (x positions from `order`,
+    a list of its values), one line per sorter, sorters a little apart so the error bars do not overlap."""
+    last = final_values(runs, metric)
+    sorters = sorted(last["sorter"].unique())
+    for i, sorter in enumerate(sorters):
+        stats = last[last["sorter"] == sorter].groupby(column)["value"].agg(["mean", "std", "count"])
+        stats = stats.reindex([v for v in order if v in stats.index])
+        xs = [order.index(v) + 0.06 * (i - (len(sorters) - 1) / 2) for v in stats.index]
+        seeds = int(stats["count"].max())
+        ax.errorbar(xs, stats["mean"], yerr=stats["std"].fillna(0), marker="o", capsize=3, color=_color(sorter, i),
+                    label=f"{sorter} ({seeds} seed{'s' * (seeds > 1)})")
+    ax.set_ylabel(f"final {_label(metric, runs['benchmark'].iloc[0])}")
+    ax.grid(alpha=0.3)
+
+
+def plot_heterogeneity(df):
+    """One row per benchmark and study whose runs differ in --partition: final train loss and final
+    headline metric (mean ± std over seeds) against the partition, from least to most label skew."""
+    groups = _study_groups(df, "partition")
+    if not groups:
+        return None
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.6 * len(groups)), squeeze=False)
+    for row, (benchmark, study, runs) in zip(axes, groups):
+        order = sorted(runs["partition"].unique(), key=partition_order)
+        for ax, metric in zip(row, ["train_loss"] + headline_metrics(runs, benchmark)[:1]):
+            _final_points(ax, runs, metric, "partition", order)
+            ax.set_xticks(range(len(order)), order)
+            ax.set_xlabel("--partition (label skew across workers grows to the right)")
+        row[0].set_title(f"{benchmark}{f' ({study})' if study else ''}, epoch {int(runs['epoch'].max())}", fontsize=9)
+        row[0].legend(fontsize=8)
+    fig.suptitle("Heterogeneous workers: final values vs partition (mean ± 1 std over seeds)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling(df):
+    """One row per benchmark and study whose runs differ in the worker count n: final train loss and
+    final headline metric vs n (log x), and, where logged, herding_bound per epoch (log y; colour: sorter,
+    line style: n)."""
+    groups = _study_groups(df, "node_cnt")
+    if not groups:
+        return None
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.6 * len(groups)), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for row, (benchmark, study, runs) in zip(axes, groups):
+        order = sorted(runs["node_cnt"].unique())
+        for ax, metric in zip(row, ["train_loss"] + headline_metrics(runs, benchmark)[:1]):
+            _final_points(ax, runs, metric, "node_cnt", order)
+            batches = runs.drop_duplicates("node_cnt").set_index("node_cnt")["B"]
+            ax.set_xticks(range(len(order)), [f"n={n}\nB={batches[n]}" for n in order])
+            ax.set_xlabel("workers n (global batch B)")
+        row[0].set_title(f"{benchmark}{f' ({study})' if study else ''}, epoch {int(runs['epoch'].max())}", fontsize=9)
+        row[0].legend(fontsize=8)
+        ax = row[2]
+        if "herding_bound" in runs.columns and runs["herding_bound"].notna().any():
+            agg = aggregate(runs, ["herding_bound"], by=["sorter", "node_cnt"])
+            for i, sorter in enumerate(sorted(agg["sorter"].unique())):
+                for j, n in enumerate(order):
+                    line = agg[(agg["sorter"] == sorter) & (agg["node_cnt"] == n)].sort_values("epoch")
+                    if len(line):
+                        ax.plot(line["epoch"], line["mean"], ls=styles[j % len(styles)], marker=".",
+                                color=_color(sorter, i), label=f"{sorter}, n={n}")
+            ax.set_yscale("log")
+            ax.set_xlabel("epoch")
+            ax.set_ylabel("herding bound (mean over seeds)")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7, ncol=2)
+        else:
+            ax.text(0.5, 0.5, "no herding_bound column\n(run with --log-herding)", ha="center", va="center",
+                    transform=ax.transAxes)
+            ax.set_axis_off()
+    fig.suptitle("Worker scaling, same batch per worker: final values vs n (mean ± 1 std over seeds)")
+    fig.tight_layout()
+    return fig
+
+
 def save_figure(fig, out_dir, name) -> list:
     """Write fig as <out_dir>/<name>.png and .pdf; return the two paths."""
     out_dir = Path(out_dir)
@@ -166,12 +267,14 @@ def draw_all(df, hdf, out_dir, band="std") -> list:
     """Save every figure the data allows into out_dir (closing each); return the written paths."""
     written = []
     figs = {}
-    paper = df[df["study"] == ""] if len(df) else df  # the studies draw their own figures
-    for benchmark in sorted(paper["benchmark"].unique()) if len(paper) else []:
-        figs.update(benchmark_figures(paper, benchmark, band))
-    figs.update(study_figures(df))
+    own = df[df["study"] == ""] if len(df) else df  # the benchmarks' own runs; studies get their own figures
+    for benchmark in sorted(own["benchmark"].unique()) if len(own) else []:
+        figs.update(benchmark_figures(own, benchmark, band))
     if hdf is not None and len(hdf):
         figs["herding-bound"] = plot_herding(hdf, band)
+    figs["heterogeneity"] = plot_heterogeneity(df)
+    figs["scaling"] = plot_scaling(df)
+    figs.update(study_figures(df))
     for name, fig in figs.items():
         if fig is not None:
             written += save_figure(fig, out_dir, name)

@@ -30,7 +30,8 @@ class M4Data:
     """Float32 tensors. x: (N, in_len) inputs, y: (N, out_len) targets, all on the standardised scale.
 
     test_x (S, in_len), test_y (S, horizon); test_mean / test_std (S,) are each series' training
-    statistics, needed to go back to the original scale for sMAPE (see `destandardise`).
+    statistics, needed to go back to the original scale for sMAPE (see `destandardise`);
+    train_series (N,) the series (file row 0..S-1) each training window was cut from.
     """
     train_x: torch.Tensor
     train_y: torch.Tensor
@@ -41,6 +42,7 @@ class M4Data:
     test_mean: torch.Tensor
     test_std: torch.Tensor
     horizon: int
+    train_series: torch.Tensor | None = None  # (N,) int64: index (file row) of the series of each train window
 
 
 def read_series(path: Path) -> tuple[list[str], list[np.ndarray]]:
@@ -80,8 +82,8 @@ def load_m4(data_dir, freq: str = "Weekly", in_len: int = 20, out_len: int = 6, 
     if any(len(t) != horizon for t in test_series):
         raise UserFacingError(f"{test_path}: series have different test lengths; re-download it")
 
-    xs, ys, test_x, test_y, means, stds = [], [], [], [], [], []
-    for sid, x, t in zip(train_ids, train_series, test_series):
+    xs, ys, series_of, test_x, test_y, means, stds = [], [], [], [], [], [], []
+    for row, (sid, x, t) in enumerate(zip(train_ids, train_series, test_series)):
         if len(x) < in_len:
             raise UserFacingError(f"M4 series {sid} has {len(x)} training values, fewer than in_len={in_len}")
         mean, std = x.mean(), x.std()  # population std (ddof 0), as numpy's default
@@ -90,6 +92,7 @@ def load_m4(data_dir, freq: str = "Weekly", in_len: int = 20, out_len: int = 6, 
         wx, wy = make_windows(z, in_len, out_len, stride)
         xs.append(wx)
         ys.append(wy)
+        series_of.append(np.full(len(wx), row, dtype=np.int64))
         test_x.append(z[-in_len:])
         test_y.append((t - mean) / std)
         means.append(mean)
@@ -103,7 +106,8 @@ def load_m4(data_dir, freq: str = "Weekly", in_len: int = 20, out_len: int = 6, 
     f32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
     return M4Data(train_x=f32(all_x[tr]), train_y=f32(all_y[tr]), valid_x=f32(all_x[va]), valid_y=f32(all_y[va]),
                   test_x=f32(np.stack(test_x)), test_y=f32(np.stack(test_y)),
-                  test_mean=f32(means), test_std=f32(stds), horizon=horizon)
+                  test_mean=f32(means), test_std=f32(stds), horizon=horizon,
+                  train_series=torch.from_numpy(np.concatenate(series_of)[tr]))
 
 
 def destandardise(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

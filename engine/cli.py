@@ -12,7 +12,8 @@ from sorters import SORTER_NAMES
 # flags added after runs were shipped: a config.json or checkpoint without them ran with these values
 ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
                       "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
-                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0}
+                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False}
+BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -78,6 +79,10 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                         "(the same orders either way; costs a second per-unit gradient buffer). auto: on "
                         "when d >= 65,536 (the balancing costs more than the hand-off) and that buffer is at "
                         "most 256 MB (on for the LSTM, off for GPT-2: 1.75 GB)")
+    p.add_argument("--log-herding", action="store_true",
+                   help="add a herding_bound column to metrics.csv: per epoch, the parallel herding bound of the "
+                        "epoch's per-unit gradients in the order used (engine/herding_log.py; keeps n*m*d floats, "
+                        "at most 512 MB; D-RR and the other non-balancing sorters compute per-unit gradients for it)")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 
@@ -143,6 +148,9 @@ def check_args(args, benchmark: str) -> None:
 
 def check_communication_args(args) -> None:
     """One-line errors for the learning-rate schedule, --sync and --reducer flags."""
+    if args.log_herding and (args.sync != "every-step" or args.reducer != "dense"):
+        raise UserFacingError("--log-herding records the data-parallel path's per-unit gradients; it is not "
+                              "available with --sync or --reducer (drop one of them)")
     if args.warmup_epochs < 0 or args.warmup_epochs >= args.epochs:
         raise UserFacingError(f"--warmup-epochs must be in [0, --epochs {args.epochs}), got {args.warmup_epochs:g}")
     if not (math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr):

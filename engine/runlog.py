@@ -49,8 +49,10 @@ def metrics_header(metric_columns) -> list[str]:
 
 def write_metrics(path: Path, rows: list[dict], metric_columns) -> None:
     """metrics.csv: one row per finished epoch (floats with full precision, so resumed and
-    uninterrupted runs can be compared exactly)."""
+    uninterrupted runs can be compared exactly). Keys of the rows beyond the standard columns (the
+    optional herding_bound of --log-herding) follow them, in the first row's order."""
     header = metrics_header(metric_columns)
+    header += [key for key in (rows[0] if rows else {}) if key not in header]
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=header, lineterminator="\n")
     writer.writeheader()

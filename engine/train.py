@@ -26,10 +26,11 @@ import torch
 from tqdm import tqdm
 
 from engine import runlog
-from engine.cli import ADDED_ARG_DEFAULTS, check_args
+from engine.cli import ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS, check_args
 from engine.comm import GradientExchange, make_communicator
 from engine.device import setup_device
 from engine.errors import UserFacingError
+from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
 from engine.overlap import BackgroundSorter
@@ -164,13 +165,14 @@ def train(task, args, comm, device) -> list[dict]:
     per_worker_grads = local is not None or args.reducer != "dense"
     arg_dict = dict(vars(args))
     rows, recorded_orders, first_epoch = [], [], 1
+    herding_log = HerdingLog(n, m, d, comm, task.model, device) if args.log_herding else None
 
     if checkpoint_path.exists():
         if not args.resume:
             raise UserFacingError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it, "
                                   "or choose another --out")
         rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device,
-                                                     reducer)
+                                                     reducer, task.name)
         if writer:
             # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
             # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
@@ -225,7 +227,8 @@ def train(task, args, comm, device) -> list[dict]:
                                                    global_step, steps_per_epoch - step, timer,
                                                    args.unit_grad_gather == "round")
             else:
-                local_loss = data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer)
+                local_loss = data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer,
+                                                herding_log)
             loss_sum += local_loss.detach()
             if fault_kind == "nan" and global_step == fault_step:
                 loss_sum += float("nan")
@@ -259,6 +262,8 @@ def train(task, args, comm, device) -> list[dict]:
                "comm_seconds": seconds["comm"], "compute_seconds": seconds["compute"],
                "comm_bytes": exchange.comm_bytes + reducer.comm_bytes + (local.comm_bytes if local else 0) - bytes_before,
                **communication_stats(local, reducer, steps_per_epoch)}
+        if herding_log:
+            row["herding_bound"] = herding_log.bound()
         rows.append(row)
         strategy_state = optimizer.state_dict(), reducer.state_dict()  # collectives with local steps / reducers
         if args.record_orders:
@@ -280,8 +285,9 @@ def train(task, args, comm, device) -> list[dict]:
     return rows
 
 
-def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer):
-    """One step of the paper's data-parallel training on the shared parameters; returns the local loss."""
+def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer, herding_log=None):
+    """One step of the paper's data-parallel training on the shared parameters; returns the local loss.
+    herding_log (--log-herding): keeps this step's per-unit gradients (computed on the side for D-RR & co.)."""
     flat, (n_local, k) = task.model.flat, unit_ids.shape
     batch = task.units(exchange.comm.local_workers, unit_ids)
     if sorter.uses_grads:
@@ -293,6 +299,9 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     timer.lap("compute")
     update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
     timer.lap("comm")
+    if herding_log:
+        herding_log.record(positions.start // k, every_unit_grad, lambda: task.unit_grads(flat, batch, n_local, k)[0])
+        timer.lap("compute")
     sorter.step(every_unit_grad, positions)
     del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
     timer.lap("sorter")
@@ -354,16 +363,17 @@ def flush_deferred(exchange, sorter, timer) -> None:
         sorter.step(every_unit_grad, positions)
 
 
-def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=None):
+def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=None, benchmark=None):
     """Load a checkpoint into the run's objects; refuse one made with different settings.
     optimizer: the Optimizer, or LocalWorkers with local steps; reducer: engine.reducers' (None: a
-    checkpoint without reducer state). Returns (metrics rows so far,
+    checkpoint without reducer state); benchmark: fills in its defaults of flags a checkpoint predates. Returns (metrics rows so far,
     recorded orders, first epoch to run)."""
     # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
     # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-    saved_args = {**ADDED_ARG_DEFAULTS, **state["args"]}  # a checkpoint from before a flag existed
-    arg_dict = {**ADDED_ARG_DEFAULTS, **arg_dict}
+    added = {**ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS.get(benchmark, {})}
+    saved_args = {**added, **state["args"]}  # a checkpoint from before a flag existed
+    arg_dict = {**added, **arg_dict}
     changed = sorted(key for key in (set(saved_args) | set(arg_dict)) - RESUMABLE_CHANGES
                      if saved_args.get(key) != arg_dict.get(key))
     if arg_dict.get("lr_schedule", "step") != "step" and saved_args.get("epochs") != arg_dict.get("epochs"):

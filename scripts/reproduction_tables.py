@@ -4,7 +4,8 @@
 
 Prints Markdown: per benchmark, the paper's numbers (read off its figures, issue #8) next to ours as
 mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR gap, our training
-seconds per epoch, and the herding bound after the last round. Runs with fewer epochs than the
+seconds per epoch, and the herding bound after the last round; then the heterogeneity and
+worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds. Runs with fewer epochs than the
 paper's epoch are reported at their last epoch and marked.
 """
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
+from analysis.plots import partition_order  # noqa: E402
 
 # benchmark: (epochs averaged, [(metric, paper CD-GraB, paper D-RR, scale to our units)])
 PAPER = {
@@ -82,12 +84,60 @@ def herding_table(hdf) -> list[str]:
     return lines + [""]
 
 
+def last_values(runs, metric) -> dict:
+    """{(key columns..., sorter): [each run's value at its last epoch]} for runs that logged `metric`."""
+    runs = runs.dropna(subset=[metric]) if metric in runs else runs.iloc[:0]
+    last = runs.sort_values("epoch").groupby("run_dir").tail(1)
+    return last.groupby(["partition", "node_cnt", "B", "sorter"])[metric].apply(list).to_dict()
+
+
+def heterogeneity_table(df) -> list[str]:
+    """Final train loss and test accuracy per --partition (rows, least to most skew) and sorter (columns)."""
+    runs = df[(df["study"] == "heterogeneity") & (df["benchmark"] == "LR-HMDA")]
+    if runs.empty:
+        return []
+    sorters = sorted(runs["sorter"].unique())
+    order = sorted(runs["partition"].unique(), key=partition_order)
+    lines = [f"| LR-HMDA, epoch {int(runs['epoch'].max())} | metric | " + " | ".join(sorters) + " |",
+             "|---|---|" + "---|" * len(sorters)]
+    for metric in ("train_loss", "test_acc"):
+        values = last_values(runs, metric)
+        for partition in order:
+            cells = [mean_std(v for key, vs in values.items() if key[0] == partition and key[3] == sorter for v in vs)
+                     for sorter in sorters]
+            lines.append(f"| {partition} | {metric} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def scaling_table(df) -> list[str]:
+    """Per benchmark and worker count: final train loss, headline metric and last-epoch herding bound per sorter."""
+    lines = []
+    for benchmark, metric in (("LR-HMDA", "test_acc"), ("MLP-M4", "test_smape")):
+        runs = df[(df["study"] == "scaling") & (df["benchmark"] == benchmark)]
+        if runs.empty:
+            continue
+        sorters = sorted(runs["sorter"].unique())
+        lines += [f"| {benchmark}, epoch {int(runs['epoch'].max())} | metric | " + " | ".join(sorters) + " |",
+                  "|---|---|" + "---|" * len(sorters)]
+        for column in ("train_loss", metric, "herding_bound"):
+            values = last_values(runs, column)
+            for n, B in sorted(runs[["node_cnt", "B"]].drop_duplicates().itertuples(index=False)):
+                cells = [mean_std(v for key, vs in values.items() if key[1:] == (n, B, sorter) for v in vs)
+                         for sorter in sorters]
+                lines.append(f"| n={n}, B={B} | {column} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def main():
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else default_results_dir()
-    df = load_runs(root, include_incomplete=True, warn=False)
+    everything = load_runs(root, include_incomplete=True, warn=False)
+    df = everything[everything["study"] == ""]  # the benchmarks' own runs; the studies have their own tables
     for benchmark in PAPER:
         print("\n".join(benchmark_table(df, benchmark)))
     print("\n".join(herding_table(load_herding(root / "herding", warn=False))))
+    print("\n".join(heterogeneity_table(everything)))
+    print("\n".join(scaling_table(everything)))
 
 
 if __name__ == "__main__":

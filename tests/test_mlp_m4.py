@@ -55,7 +55,7 @@ def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, tmp_path
 
 def task_args(**changes):
     args = dict(data_dir=str(DATA_DIR), freq="Weekly", in_len=20, hidden=64, layers=3, B=6, node_cnt=2,
-                seed=0, max_train_examples=1000, max_eval_examples=None)
+                seed=0, max_train_examples=1000, max_eval_examples=None, partition="random")
     return argparse.Namespace(**{**args, **changes})
 
 

@@ -35,12 +35,13 @@ SETTINGS = {"LR-HMDA": (4, 16, 0.005), "LSTM-Wiki2": (4, 16, 5.0), "MLP-M4": (32
             "GPT2-Wiki103": (64, 64, 0.0005)}
 
 
-def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None, args=None, folder="", study="",
-              tag=""):
+def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None, args=None, folder="", extra=(),
+              study="", tag=""):
     """A run dir exactly as the entry scripts write it; `rows` finished epochs (default all), metric
     values from `values(column, epoch)` (default a smooth synthetic curve), `args` added to or
-    overriding the default ones, `folder` between the benchmark and the run name, `study` between the
-    results root and the benchmark (a study sweep's folder), `tag` in the run name. Returns the dir."""
+    overriding the default ones, `folder` between the benchmark and the run name, `extra` columns after
+    the standard ones (herding_bound, the communication columns), `study` between the results root and
+    the benchmark (a study sweep's folder), `tag` in the run name. Returns the dir."""
     node_cnt, B, lr = SETTINGS[benchmark]
     run_dir = Path(root) / study / benchmark / folder / f"{sorter}-node{node_cnt}-B{B}-lr{lr}{tag}-seed{seed}"
     run_dir.mkdir(parents=True)
@@ -52,9 +53,7 @@ def write_run(root, benchmark, sorter, seed, epochs=3, rows=None, values=None, a
                         "steps_per_epoch": 100, "d": 27, "global_batch": B},
               "data": {"source": "synthetic", "files": []}, "versions": {"torch": "2.13.0"}, "git_commit": "0" * 40}
     (run_dir / "config.json").write_text(json.dumps(config, indent=1))
-    columns = ["epoch", "train_loss", "test_loss"] + BENCH_COLUMNS[benchmark] + TIME_COLUMNS
-    if study:
-        columns += COMMUNICATION_COLUMNS
+    columns = ["epoch", "train_loss", "test_loss"] + BENCH_COLUMNS[benchmark] + TIME_COLUMNS + list(extra)
     shift = 0.1 * seed + (0.0 if sorter == "CD-GraB" else 0.2)
     values = values or (lambda c, e: 1.0 + 1.0 / e + shift if not c.endswith("seconds") and c != "comm_bytes"
                         else {"epoch_seconds": 2.0, "sorter_seconds": 0.2, "comm_seconds": 0.5,
@@ -92,7 +91,8 @@ def results(tmp_path_factory):
         for sync in ["every-step", "qsr"]:
             for reducer in ["dense", "exdyna"]:
                 write_run(root, "MLP-M4", sorter, 0, study="communication", tag=f"-{sync}-{reducer}",
-                          args={"sync": sync, "reducer": reducer, "lr_schedule": "cosine"})
+                          args={"sync": sync, "reducer": reducer, "lr_schedule": "cosine"},
+                          extra=COMMUNICATION_COLUMNS)
     write_run(root, "LR-HMDA", "I-B", 0, rows=2)                       # unfinished: 2 of 3 epochs
     broken = write_run(root, "MLP-M4", "I-PB", 0)
     (broken / "config.json").write_text("{not json")                    # unreadable config
@@ -101,14 +101,63 @@ def results(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def study_results(tmp_path_factory):
+    """The two studies' layouts (<root>/<study>/<benchmark>/<run>) next to a benchmark's own runs:
+    LR-HMDA partitions x 2 sorters x 2 seeds, and LR-HMDA / MLP-M4 at n = 4 and 16 with herding_bound."""
+    root = tmp_path_factory.mktemp("studies")
+    skew = {"random": 0.0, "dirichlet:1": 0.01, "label-sorted": 0.05}
+    for partition, worse in skew.items():
+        for sorter in ["CD-GraB", "D-RR"]:
+            for seed in [0, 1]:
+                write_run(root / "heterogeneity", "LR-HMDA", sorter, seed, folder=partition.replace(":", ""),
+                          args={"partition": partition, "max_train_examples": 20000},
+                          values=lambda c, e, w=worse, s=seed: 0.3 + w + 0.001 * s if c == "train_loss" else 1.0)
+    for benchmark in ["LR-HMDA", "MLP-M4"]:
+        for n in [4, 16]:
+            for sorter in ["CD-GraB", "D-RR"]:
+                for seed in [0, 1]:
+                    write_run(root / "scaling", benchmark, sorter, seed, folder=f"n{n}", extra=["herding_bound"],
+                              args={"node_cnt": n, "B": 4 * n, "log_herding": True},
+                              values=lambda c, e, n=n: 10.0 * n / e if c == "herding_bound" else 1.0 + 1 / e)
+    write_run(root, "LR-HMDA", "CD-GraB", 0)  # a benchmark's own run, from before --partition existed
+    return root
+
+
+def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_path):
+    df = load_runs(study_results, warn=False)
+    runs = df.drop_duplicates("run_dir")
+    assert runs.groupby("study")["run_dir"].nunique().to_dict() == {"": 1, "heterogeneity": 12, "scaling": 16}
+    own = runs[runs["study"] == ""].iloc[0]
+    assert (own["partition"], own["setting"]) == ("contiguous", "")  # the default of a run without the arg
+    het = runs[runs["study"] == "heterogeneity"]
+    assert set(het["setting"]) == {"heterogeneity: partition=random", "heterogeneity: partition=dirichlet:1",
+                                   "heterogeneity: partition=label-sorted"}
+    assert set(runs.loc[runs["study"] == "scaling", "setting"]) == {"scaling: B=16, n=4", "scaling: B=64, n=16"}
+    fig = plots.plot_heterogeneity(df)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["random", "dirichlet:1", "label-sorted"]
+    cd_loss = fig.axes[0].get_lines()[0].get_ydata()  # CD-GraB's mean final train loss per partition
+    assert list(cd_loss) == pytest.approx([0.3005, 0.3105, 0.3505])
+    plt.close(fig)
+    fig = plots.plot_scaling(df)
+    assert len(fig.axes) == 6 and fig.axes[2].get_yscale() == "log"  # 2 benchmarks x (loss, metric, herding)
+    assert {line.get_label() for line in fig.axes[2].get_lines()} == {"CD-GraB, n=4", "CD-GraB, n=16", "D-RR, n=4",
+                                                                     "D-RR, n=16"}
+    plt.close(fig)
+    names = {Path(p).stem for p in plots.draw_all(df, None, tmp_path)}
+    # the benchmarks' figures show their own runs only; each study has its own figure
+    assert names == {"LR-HMDA-vs-epoch", "LR-HMDA-vs-seconds", "LR-HMDA-time-breakdown", "heterogeneity", "scaling"}
+
+
 def test_load_runs_columns_and_problems(results):
     df, problems = load_runs(results, with_problems=True, warn=False)
-    assert list(df.columns[:10]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "study",
-                                     "run_dir", "epoch"]
+    assert list(df.columns[:11]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir",
+                                     "partition", "study", "epoch"]
     paper, study = df[df["study"] == ""], df[df["study"] == "communication"]
     assert (paper["setting"] == "").all()  # every benchmark's runs share their settings
     # a study's runs are labelled among themselves, so the benchmark's own runs stay unlabelled
-    assert set(study["setting"]) == {f"reducer={r}, sync={s}" for r in ("dense", "exdyna") for s in ("every-step", "qsr")}
+    assert set(study["setting"]) == {f"communication: reducer={r}, sync={s}" for r in ("dense", "exdyna")
+                                     for s in ("every-step", "qsr")}
     assert df.columns[-1] == "cum_seconds"
     assert len(paper) == 4 * 2 * 2 * 3 and paper["run_dir"].nunique() == 16 and study["run_dir"].nunique() == 8
     assert {"test_acc", "test_ppl", "test_smape", "comm_bytes"} <= set(df.columns)
@@ -176,12 +225,12 @@ def test_runs_differing_in_any_setting_are_separate_curves(tmp_path):
 
 
 def test_analysis_knows_which_args_may_change_on_resume():
-    from analysis.load import ADDED_ARG_DEFAULTS
-    from engine.cli import ADDED_ARG_DEFAULTS as ENGINE_ADDED
+    from analysis.load import ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS
+    from engine import cli
     from engine.train import RESUMABLE_CHANGES
 
     assert RESUMABLE_ARGS == RESUMABLE_CHANGES
-    assert ADDED_ARG_DEFAULTS == ENGINE_ADDED
+    assert (ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS) == (cli.ADDED_ARG_DEFAULTS, cli.BENCHMARK_ARG_DEFAULTS)
 
 
 def test_cli(results, tmp_path):
@@ -213,7 +262,8 @@ def test_cli_empty_results_is_not_fatal(tmp_path):
 
 def test_notebooks_stored_without_outputs():
     assert {p.name for p in NOTEBOOKS} >= {"LR-HMDA.ipynb", "LSTM-Wiki2.ipynb", "MLP-M4.ipynb",
-                                           "GPT2-Wiki103.ipynb", "herding-bound.ipynb"}
+                                           "GPT2-Wiki103.ipynb", "herding-bound.ipynb", "heterogeneity.ipynb",
+                                           "scaling.ipynb"}
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         first = nb.cells[0].source
@@ -237,8 +287,9 @@ def test_notebook_kernel_is_this_interpreter(kernel_specs):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, results, monkeypatch, kernel_specs):
-    monkeypatch.setenv("CDGRAB_RESULTS", str(results))
+def test_notebook_runs(path, results, study_results, monkeypatch, kernel_specs):
+    studies = path.stem in ("heterogeneity", "scaling")
+    monkeypatch.setenv("CDGRAB_RESULTS", str(study_results if studies else results))
     monkeypatch.setenv("CDGRAB_HERDING", str(results / "herding"))
     nb = nbformat.read(path, as_version=4)
     kernel = KernelManager(kernel_name="python3", kernel_spec_manager=kernel_specs)
@@ -247,6 +298,7 @@ def test_notebook_runs(path, results, monkeypatch, kernel_specs):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == {"herding-bound": 1, "communication": 2}.get(path.stem, 3), path.name
+    assert len(images) == {"herding-bound": 1, "heterogeneity": 1, "scaling": 1, "communication": 2}.get(
+        path.stem, 3), path.name
     text = "".join(o.get("text", "") for o in outputs)
     assert "nothing to plot" not in text

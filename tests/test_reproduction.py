@@ -18,14 +18,29 @@ def test_shipped_runs_are_complete_and_hold_only_config_and_metrics():
         assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.csv"], run  # never checkpoints
     df, problems = load_runs(SHIPPED, with_problems=True, warn=False)
     assert not problems, problems
-    runs = df.groupby(["benchmark", "sorter"])["run_dir"].nunique().to_dict()
+    own = df[df["study"] == ""]  # the benchmarks' own runs; the studies are checked below
+    runs = own.groupby(["benchmark", "sorter"])["run_dir"].nunique().to_dict()
     assert {key: runs.get(key) for key in [("LR-HMDA", "CD-GraB"), ("LR-HMDA", "D-RR"), ("MLP-M4", "CD-GraB"),
                                            ("MLP-M4", "D-RR"), ("MLP-M4", "Fold")]} == {
         ("LR-HMDA", "CD-GraB"): 5, ("LR-HMDA", "D-RR"): 5, ("MLP-M4", "CD-GraB"): 3, ("MLP-M4", "D-RR"): 3,
         ("MLP-M4", "Fold"): 3}
-    assert df[df["benchmark"].isin(["LR-HMDA", "MLP-M4"])].groupby("run_dir")["epoch"].max().eq(50).all()
+    assert own[own["benchmark"].isin(["LR-HMDA", "MLP-M4"])].groupby("run_dir")["epoch"].max().eq(50).all()
     herding = load_herding(SHIPPED / "herding", warn=False)
     assert herding.groupby("method")["trial"].nunique().to_dict() == {"CD-GraB": 5, "D-RR": 5, "I-B": 5, "I-PB": 5}
+
+
+def test_shipped_studies_are_complete():
+    """Issue #10: 4 partitions x 4 sorters x 3 seeds on LR-HMDA; 2 benchmarks x 3 worker counts x 2 sorters
+    x 3 seeds with the herding bound logged every epoch."""
+    df = load_runs(SHIPPED, warn=False)
+    het = df[df["study"] == "heterogeneity"].drop_duplicates("run_dir")
+    assert het.groupby(["partition", "sorter"])["seed"].nunique().to_dict() == {
+        (p, s): 3 for p in ["random", "dirichlet:1", "dirichlet:0.1", "label-sorted"]
+        for s in ["CD-GraB", "D-RR", "I-B", "I-PB"]}
+    scaling = df[df["study"] == "scaling"]
+    assert scaling.drop_duplicates("run_dir").groupby(["benchmark", "node_cnt", "sorter"])["seed"].nunique().to_dict() == {
+        (b, n, s): 3 for b in ["LR-HMDA", "MLP-M4"] for n in [4, 16, 64] for s in ["CD-GraB", "D-RR"]}
+    assert scaling["herding_bound"].notna().all() and (scaling["B"] == 4 * scaling["node_cnt"]).all()
 
 
 def test_analysis_defaults_to_the_shipped_runs_without_runs_of_ones_own(tmp_path, monkeypatch):
@@ -43,6 +58,6 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("LR-HMDA-vs-epoch", "MLP-M4-vs-epoch", "LSTM-Wiki2-vs-epoch", "GPT2-Wiki103-vs-epoch",
-                 "herding-bound"):
+                 "herding-bound", "heterogeneity", "scaling"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()

@@ -176,12 +176,40 @@ def test_gpt2_uses_wikitext103_train_split_when_present(env):
     assert "--train-file" not in argv and value(argv, "--data-dir") == env["DATA"]
 
 
+def test_heterogeneity_sweep_runs_every_partition_in_its_own_folder(env):
+    sweep("heterogeneity", env, SORTERS="CD-GraB I-B", SEEDS="0")
+    recorded = calls(env)
+    assert [(value(a, "--sorter"), value(a, "--partition")) for a in recorded] == [
+        (sorter, partition) for partition in ["random", "dirichlet:1.0", "dirichlet:0.1", "label-sorted"]
+        for sorter in ["CD-GraB", "I-B"]]
+    assert all(value(a, "--max-train-examples") == "20000" and value(a, "--node_cnt") == "4" for a in recorded)
+    tags = [value(a, "--out").rsplit("-lr0.005-", 1)[1] for a in recorded]
+    assert tags[::2] == ["random-seed0", "dirichlet1.0-seed0", "dirichlet0.1-seed0", "label-sorted-seed0"]
+    assert value(recorded[0], "--out") == f"{env['RESULTS']}/heterogeneity/LR-HMDA/CD-GraB-node4-B16-lr0.005-random-seed0"
+    proc = sweep("heterogeneity", env, SORTERS="CD-GraB I-B", SEEDS="0")  # finished: all skipped
+    assert calls(env) == [] and proc.stdout.count("] skip ") == 8
+
+
+def test_scaling_sweep_grows_the_batch_with_the_workers(env):
+    sweep("scaling", env, SORTERS="D-RR", SEEDS="1", WORKERS="4 64")
+    recorded = calls(env)
+    assert [(Path(a[0]).stem, value(a, "--node_cnt"), value(a, "--B")) for a in recorded] == [
+        ("main-LR-HMDA", "4", "16"), ("main-LR-HMDA", "64", "256"), ("main-MLP-M4", "4", "16"), ("main-MLP-M4", "64", "256")]
+    assert all("--log-herding" in a for a in recorded)
+    assert value(recorded[3], "--out") == f"{env['RESULTS']}/scaling/MLP-M4/D-RR-node64-B256-lr0.001-seed1"
+    assert [value(a, "--max-train-examples") for a in recorded] == ["20000", "20000", "8000", "8000"]
+    proc = sweep("scaling", env, check=False, BENCHMARKS="LSTM-Wiki2")
+    assert proc.returncode == 2 and "unknown benchmark" in proc.stderr
+
+
 @pytest.mark.parametrize("script", ["sweep-LR-HMDA.sh", "sweep-LSTM-Wiki2.sh", "sweep-MLP-M4.sh",
-                                    "sweep-GPT2-Wiki103.sh", "reproduce-all.sh"])
+                                    "sweep-GPT2-Wiki103.sh", "reproduce-all.sh", "sweep-heterogeneity.sh",
+                                    "sweep-scaling.sh"])
 def test_help(script):
     proc = subprocess.run(["bash", str(SCRIPTS / script), "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and "SEEDS" in proc.stdout and "RESULTS" in proc.stdout
-    variable = {"sweep-LSTM-Wiki2.sh": "LSTM_STATE", "sweep-MLP-M4.sh": "M4_SETTING"}.get(script)
+    variable = {"sweep-LSTM-Wiki2.sh": "LSTM_STATE", "sweep-MLP-M4.sh": "M4_SETTING",
+                "sweep-heterogeneity.sh": "PARTITIONS", "sweep-scaling.sh": "WORKERS"}.get(script)
     assert variable is None or variable in proc.stdout
 
 
