@@ -54,7 +54,8 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     p.add_argument("--data-dir", default=default_data_dir(),
                    help="folder holding the data sets (default: $CDGRAB_DATA, else ./datasets)")
     p.add_argument("--out", default=None,
-                   help=f"run directory (default: results/{benchmark}/<sorter>-node<n>-B<B>-lr<lr>-seed<seed>)")
+                   help=f"run directory (default: results/{benchmark}/<sorter>-node<n>-B<B>-lr<lr>[-<value>]-seed<seed>, "
+                        "with -<value> for each of --partition, --sync, --reducer, --lr-schedule not at its default)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when available, else CPU")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
@@ -126,8 +127,13 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     return p
 
 
-def check_args(args, benchmark: str) -> None:
-    """Refuse bad settings with one line that says what to do; fill in the default --out."""
+# settings that change what is being compared; a default --out names those that differ from their default
+NAMED_IN_OUT = ("partition", "sync", "reducer", "lr_schedule")
+
+
+def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
+    """Refuse bad settings with one line that says what to do; fill in the default --out (which names
+    the NAMED_IN_OUT settings that differ from `defaults`, the parser's defaults)."""
     if args.node_cnt < 1:
         raise UserFacingError(f"--node_cnt must be >= 1, got {args.node_cnt}")
     if args.B < 1 or args.B % args.node_cnt:
@@ -143,7 +149,10 @@ def check_args(args, benchmark: str) -> None:
             raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     check_communication_args(args)
     if args.out is None:
-        args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}-seed{args.seed}"
+        tags = "".join(f"-{getattr(args, key)}" for key in NAMED_IN_OUT
+                       if hasattr(args, key) and defaults and getattr(args, key) != defaults.get(key))
+        args.out = (f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags.replace(':', '')}"
+                    f"-seed{args.seed}")
 
 
 def check_communication_args(args) -> None:

@@ -102,7 +102,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     args = parser.parse_args()
     comm = None
     try:
-        check_args(args, benchmark)
+        check_args(args, benchmark, defaults=vars(parser.parse_args([])))
         device, backend = setup_device(args.device, args.backend)
         comm = make_communicator(args.node_cnt, device, backend, args.dist_timeout)
         torch.manual_seed(args.seed)

@@ -148,3 +148,17 @@ def test_state_round_trip_continues_identically():
     run_round(workers, 6, seed=5)
     run_round(copy, 6, seed=5)
     assert torch.equal(workers.params, copy.params) and math.isclose(workers.optimizer.count, copy.optimizer.count)
+
+
+def test_default_out_names_the_settings_that_differ_from_their_defaults():
+    from engine.cli import check_args, common_parser
+
+    parser = common_parser("toy", "toy", dict(sorter="CD-GraB", lr=0.1, B=4, node_cnt=2, epochs=3))
+    defaults = vars(parser.parse_args([]))
+    plain = parser.parse_args([])
+    check_args(plain, "toy", defaults)
+    assert plain.out == "results/toy/CD-GraB-node2-B4-lr0.1-seed0"
+    local = parser.parse_args(["--sync", "qsr", "--alpha", "0.1", "--reducer", "exdyna", "--density", "0.5",
+                               "--lr-schedule", "cosine"])
+    check_args(local, "toy", defaults)
+    assert local.out == "results/toy/CD-GraB-node2-B4-lr0.1-qsr-exdyna-cosine-seed0"
