@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters` and `data`
 from data.common import default_data_dir  # noqa: E402
 from data.hmda import load_hmda  # noqa: E402
+from engine.errors import UserFacingError  # noqa: E402
 from sorters import SORTER_NAMES, CDGraBSampler, PerExampleGrads  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,7 +45,10 @@ if distributed:
 rank = dist.get_rank() if distributed else 0
 torch.manual_seed(args.seed)  # the same initial model in every process
 
-data = load_hmda(args.data_dir)
+try:
+    data = load_hmda(args.data_dir)
+except UserFacingError as error:  # a missing or unreadable data set: say what to do in one line
+    sys.exit(f"error: {error}")
 train_set = TensorDataset(data.train_x[:args.max_train_examples], data.train_y[:args.max_train_examples])
 model = torch.nn.Linear(data.num_features, 1)
 ddp_model = DistributedDataParallel(model) if distributed else model
