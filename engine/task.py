@@ -73,9 +73,10 @@ class Task:
         buffers = self.__dict__.setdefault("_grad_buffers", [])
         if buffers and (buffers[0].shape != (units, flat.numel()) or buffers[0].device != flat.device):
             buffers.clear()  # free the old ones first
-        if len(buffers) < (2 if self.double_buffer else 1):
+        if len(buffers) < (2 if self.double_buffer else 1):  # a new buffer is the least recently used one
             buffers.append(torch.empty(units, flat.numel(), dtype=flat.dtype, device=flat.device))
-        buffers.append(buffers.pop(0))  # rotate: the one returned now is the least recently used
+        else:
+            buffers.append(buffers.pop(0))  # rotate: the one returned now is the least recently used
         return buffers[-1]
 
     def batch_grad(self, flat: torch.Tensor, batch):

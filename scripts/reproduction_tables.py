@@ -5,8 +5,9 @@
 Prints Markdown: per benchmark, the paper's numbers (read off its figures, issue #8) next to ours as
 mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR gap, our training
 seconds per epoch, and the herding bound after the last round; then the heterogeneity and
-worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds. Runs with fewer epochs than the
-paper's epoch are reported at their last epoch and marked.
+worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds, and
+the communication study (issue #9). Runs with fewer epochs than the paper's epoch are reported at their
+last epoch and marked.
 """
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
+from analysis.studies import communication_table  # noqa: E402
 
 # benchmark: (epochs averaged, [(metric, paper CD-GraB, paper D-RR, scale to our units)])
 PAPER = {
@@ -129,6 +131,27 @@ def scaling_table(df) -> list[str]:
     return lines
 
 
+def communication_markdown(df) -> list[str]:
+    """The communication study (issue #9): per sorter, synchronisation rule and reducer, the final train loss
+    and headline metric (mean over seeds), what the run sent, and seconds per epoch against every-step."""
+    table = communication_table(df)
+    if table.empty:
+        return []
+    lines = []
+    for benchmark, rows in table.groupby("benchmark", sort=False):
+        metric = rows["metric"].iloc[0]
+        lines += [f"| {benchmark}, epoch {int(rows['epochs'].max())} | sync | reducer | train loss | {metric} | "
+                  "GB sent | averagings | mean H | density | s / epoch | vs every-step |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in rows.itertuples():
+            lines.append(f"| {row.sorter} | {row.sync} | {row.reducer} | {row.train_loss:.5f} | {row.final:.3f} | "
+                         f"{row.gigabytes:.3f} | {row.syncs:,.0f} | {row.mean_H:.2f} | {row.density:.4f} | "
+                         f"{row.epoch_seconds:.1f} | {row.seconds_vs_every_step:.2f} |")
+        lines.append(f"(seeds per row: {', '.join(str(n) for n in sorted(set(rows['seeds'])))})")
+        lines.append("")
+    return lines
+
+
 def main():
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else default_results_dir()
     everything = load_runs(root, include_incomplete=True, warn=False)
@@ -138,6 +161,7 @@ def main():
     print("\n".join(herding_table(load_herding(root / "herding", warn=False))))
     print("\n".join(heterogeneity_table(everything)))
     print("\n".join(scaling_table(everything)))
+    print("\n".join(communication_markdown(everything)))
 
 
 if __name__ == "__main__":

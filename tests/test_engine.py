@@ -213,3 +213,20 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatc
         runlog.write_metrics(path, rows + rows, ())
     assert path.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]
+
+
+def test_double_buffered_unit_gradients_never_hand_out_the_buffer_in_use():
+    """With --overlap the sorter reads step t's buffer while step t + 1 computes: consecutive steps,
+    the first two included, must get different buffers (a shared one made --overlap on flaky)."""
+    from engine.functional import FlatModel
+    from engine.task import Task
+
+    task = Task()
+    task.model = FlatModel(torch.nn.Linear(3, 1))
+    task.double_buffer = True
+    handed = [task._unit_grad_buffer(4).data_ptr() for _ in range(5)]
+    assert all(a != b for a, b in zip(handed, handed[1:])) and len(set(handed)) == 2
+    task.double_buffer = False
+    single = Task()
+    single.model = task.model
+    assert len({single._unit_grad_buffer(4).data_ptr() for _ in range(3)}) == 1
