@@ -19,8 +19,8 @@ SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "
 def communication_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (benchmark, sorter, sync, reducer) of the communication study: the last epoch's
     train loss and headline metric (mean over seeds), the bytes and averaging steps of the whole run
-    (summed over epochs, mean over seeds), the achieved density, and the mean seconds per epoch with
-    its ratio to every-step + dense of the same sorter."""
+    (summed over epochs, mean over seeds), mean_H = the run's steps per averaging, the achieved density
+    (mean over epochs), and the mean seconds per epoch with its ratio to every-step + dense of the same sorter."""
     runs = df[df["study"] == "communication"] if len(df) else df
     if not len(runs):
         return pd.DataFrame()
@@ -29,12 +29,13 @@ def communication_table(df: pd.DataFrame) -> pd.DataFrame:
     for (benchmark, sorter, sync, reducer), group in runs.groupby(["benchmark", "sorter", "sync", "reducer"]):
         metric = headline_metrics(group, benchmark)[0]
         last = group[group["epoch"] == group.groupby("run_dir")["epoch"].transform("max")]
+        steps = (group["syncs"] * group["mean_H"]).groupby(group["run_dir"]).sum()
         totals = group.groupby("run_dir")[["comm_bytes", "syncs"]].sum()
         rows.append({"benchmark": benchmark, "sorter": sorter, "sync": sync, "reducer": reducer,
                      "seeds": group["run_dir"].nunique(), "epochs": int(last["epoch"].max()),
                      "train_loss": last["train_loss"].mean(), "metric": metric, "final": last[metric].mean(),
                      "gigabytes": totals["comm_bytes"].mean() / 1e9, "syncs": totals["syncs"].mean(),
-                     "mean_H": group["mean_H"].mean(), "density": group["density"].mean(),
+                     "mean_H": (steps / totals["syncs"]).mean(), "density": group["density"].mean(),
                      "epoch_seconds": group["epoch_seconds"].mean()})
     table = pd.DataFrame(rows)
     baseline = table[(table["sync"] == "every-step") & (table["reducer"] == "dense")].set_index(
