@@ -55,7 +55,7 @@ def plot_communication(df: pd.DataFrame, benchmark: str):
         return None
     table = table[table["benchmark"] == benchmark]
     metric = table["metric"].iloc[0]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     for ax, column, label in zip(axes, ("train_loss", "final"), ("final train loss", f"final {metric}")):
         for row in table.itertuples():
             ax.plot(row.gigabytes, getattr(row, column), linestyle="none", marker=STRATEGY_MARKERS.get(row.sync, "x"),
@@ -65,7 +65,7 @@ def plot_communication(df: pd.DataFrame, benchmark: str):
         ax.set_xlabel("gigabytes communicated over the run (sum over workers)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="best")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: the points fill the panel
     seeds = int(table["seeds"].min())
     fig.suptitle(f"{benchmark}: example ordering x synchronisation x sparsification "
                  f"({int(table['epochs'].max())} epochs, {seeds} seed{'s' * (seeds > 1)})")
