@@ -18,7 +18,7 @@ SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "
 
 def communication_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (benchmark, sorter, sync, reducer) of the communication study: the last epoch's
-    train loss and headline metric (mean over seeds), the bytes and averaging steps of the whole run
+    train loss and headline metric (mean and std over seeds), the bytes and averaging steps of the whole run
     (summed over epochs, mean over seeds), mean_H = the run's steps per averaging, the achieved density
     (mean over epochs), and the mean seconds per epoch with its ratio to every-step + dense of the same sorter."""
     runs = df[df["study"] == "communication"] if len(df) else df
@@ -33,7 +33,8 @@ def communication_table(df: pd.DataFrame) -> pd.DataFrame:
         totals = group.groupby("run_dir")[["comm_bytes", "syncs"]].sum()
         rows.append({"benchmark": benchmark, "sorter": sorter, "sync": sync, "reducer": reducer,
                      "seeds": group["run_dir"].nunique(), "epochs": int(last["epoch"].max()),
-                     "train_loss": last["train_loss"].mean(), "metric": metric, "final": last[metric].mean(),
+                     "train_loss": last["train_loss"].mean(), "train_loss_std": last["train_loss"].std(),
+                     "metric": metric, "final": last[metric].mean(), "final_std": last[metric].std(),
                      "gigabytes": totals["comm_bytes"].mean() / 1e9, "syncs": totals["syncs"].mean(),
                      "mean_H": (steps / totals["syncs"]).mean(), "density": group["density"].mean(),
                      "epoch_seconds": group["epoch_seconds"].mean()})

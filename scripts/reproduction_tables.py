@@ -144,7 +144,8 @@ def communication_markdown(df) -> list[str]:
                   "GB sent | averagings | mean H | density | s / epoch | vs every-step |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in rows.itertuples():
-            lines.append(f"| {row.sorter} | {row.sync} | {row.reducer} | {row.train_loss:.5f} | {row.final:.3f} | "
+            lines.append(f"| {row.sorter} | {row.sync} | {row.reducer} | {row.train_loss:.5f} ± {row.train_loss_std:.5f} | "
+                         f"{row.final:.2f} ± {row.final_std:.2f} | "
                          f"{row.gigabytes:.3f} | {row.syncs:,.0f} | {row.mean_H:.2f} | {row.density:.4f} | "
                          f"{row.epoch_seconds:.1f} | {row.seconds_vs_every_step:.2f} |")
         lines.append(f"(seeds per row: {', '.join(str(n) for n in sorted(set(rows['seeds'])))})")
