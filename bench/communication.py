@@ -1,6 +1,6 @@
 """Seconds per epoch of each communication strategy against every-step, back to back in one run.
 
-    OMP_NUM_THREADS=1 python bench/communication.py                       # MLP-M4, 4 workers, B 16
+    OMP_NUM_THREADS=1 CDGRAB_DATA=../shared/data python bench/communication.py    # MLP-M4, 4 workers, B 16
     python bench/communication.py --script main-LR-HMDA.py -- --max-train-examples 64000
 
 For every sorter and every strategy (every-step, constant H = 4, QSR, each with the dense and the ExDyna
@@ -49,9 +49,11 @@ def main():
             for sorter in args.sorters:
                 for name, flags in STRATEGIES.items():
                     out = Path(tmp) / f"{sorter}-{name}-{round_}"
-                    subprocess.run([sys.executable, args.script, "--sorter", sorter, "--epochs", "1", "--out", str(out),
-                                    "--progress", "off", *DEFAULTS, *flags, *extra], cwd=REPO, check=True,
-                                   stderr=subprocess.DEVNULL)
+                    run = subprocess.run([sys.executable, args.script, "--sorter", sorter, "--epochs", "1", "--out",
+                                          str(out), "--progress", "off", *DEFAULTS, *flags, *extra], cwd=REPO,
+                                         stderr=subprocess.PIPE, text=True)
+                    if run.returncode:
+                        sys.exit(f"{sorter} {name} failed: {run.stderr.strip().splitlines()[-1]}")
                     with open(out / "metrics.csv") as f:
                         epochs.setdefault((sorter, name), []).append(next(csv.DictReader(f)))
     result = {}
