@@ -202,14 +202,29 @@ def test_scaling_sweep_grows_the_batch_with_the_workers(env):
     assert proc.returncode == 2 and "unknown benchmark" in proc.stderr
 
 
+def test_communication_sweep_runs_every_strategy_in_its_own_folder(env):
+    sweep("communication", env, SORTERS="D-RR", SEEDS="0")
+    recorded = calls(env)
+    flags = [(value(a, "--sync"), value(a, "--reducer")) for a in recorded]
+    assert flags == [(sync, reducer) for sync in ("every-step", "constant", "qsr") for reducer in ("dense", "exdyna")]
+    assert all(value(a, "--lr-schedule") == "cosine" and value(a, "--node_cnt") == "4" for a in recorded)
+    assert value(recorded[5], "--alpha") == "0.002" and value(recorded[5], "--density") == "0.01"
+    assert value(recorded[5], "--out") == f"{env['RESULTS']}/communication/MLP-M4/D-RR-node4-B16-lr0.001-qsr-exdyna-seed0"
+    proc = sweep("communication", env, SORTERS="D-RR", SEEDS="0")  # finished: all skipped
+    assert calls(env) == [] and proc.stdout.count("] skip ") == 6
+    proc = sweep("communication", env, check=False, STRATEGIES="hourly")
+    assert proc.returncode == 2 and "unknown strategy" in proc.stderr
+
+
 @pytest.mark.parametrize("script", ["sweep-LR-HMDA.sh", "sweep-LSTM-Wiki2.sh", "sweep-MLP-M4.sh",
                                     "sweep-GPT2-Wiki103.sh", "reproduce-all.sh", "sweep-heterogeneity.sh",
-                                    "sweep-scaling.sh"])
+                                    "sweep-scaling.sh", "sweep-communication.sh"])
 def test_help(script):
     proc = subprocess.run(["bash", str(SCRIPTS / script), "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and "SEEDS" in proc.stdout and "RESULTS" in proc.stdout
     variable = {"sweep-LSTM-Wiki2.sh": "LSTM_STATE", "sweep-MLP-M4.sh": "M4_SETTING",
-                "sweep-heterogeneity.sh": "PARTITIONS", "sweep-scaling.sh": "WORKERS"}.get(script)
+                "sweep-heterogeneity.sh": "PARTITIONS", "sweep-scaling.sh": "WORKERS",
+                "sweep-communication.sh": "STRATEGIES"}.get(script)
     assert variable is None or variable in proc.stdout
 
 
