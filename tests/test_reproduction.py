@@ -43,6 +43,21 @@ def test_shipped_studies_are_complete():
     assert scaling["herding_bound"].notna().all() and (scaling["B"] == 4 * scaling["node_cnt"]).all()
 
 
+def test_shipped_communication_study_is_complete():
+    """Issue #9: {every-step, constant, qsr} x {dense, exdyna} x {CD-GraB, D-RR} x 3 seeds on MLP-M4; QSR's
+    rounds tile every epoch and grow as the cosine learning rate decays."""
+    from analysis.studies import communication_table
+
+    df = load_runs(SHIPPED, warn=False)
+    table = communication_table(df)
+    assert len(table) == 12 and (table["seeds"] == 3).all() and (table["epochs"] == 4).all()
+    runs = df[df["study"] == "communication"]
+    steps = runs["syncs"] * runs["mean_H"]
+    assert (steps.round() == 6711).all()  # every epoch's rounds add up to its steps
+    qsr = runs[runs["run_dir"].str.contains("-qsr-")].groupby("epoch")["mean_H"].mean()
+    assert list(qsr) == sorted(qsr) and qsr.iloc[-1] > 10 * qsr.iloc[0]
+
+
 def test_analysis_defaults_to_the_shipped_runs_without_runs_of_ones_own(tmp_path, monkeypatch):
     monkeypatch.setattr(load, "REPO_ROOT", tmp_path)
     assert load.default_results_dir() == load.SHIPPED_RESULTS == SHIPPED
@@ -58,6 +73,6 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("LR-HMDA-vs-epoch", "MLP-M4-vs-epoch", "LSTM-Wiki2-vs-epoch", "GPT2-Wiki103-vs-epoch",
-                 "herding-bound", "heterogeneity", "scaling"):
+                 "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()
