@@ -143,31 +143,33 @@ class GradientExchange:
 
     def __init__(self, comm, gather_unit_grads: bool, reducer=None):
         self.comm = comm
-        self.gather_unit_grads_too = gather_unit_grads
+        self.sorter_needs_unit_grads = gather_unit_grads
         self.reducer = reducer
         self.comm_bytes = 0  # the unit-gradient gathers and dense all-reduces; the reducer counts its own
         self._deferred = []  # (local unit gradients (n_local, k, d), positions) not gathered yet
+        self._deferred_bytes = 0
 
     def defer_unit_grads(self, local_unit_grads, positions) -> bool:
         """Keep this step's (n_local, k, d) unit gradients to gather later with others in one collective
         (local SGD: once per round). Returns True when the kept ones reach DEFER_LIMIT_BYTES: the caller
         should flush now."""
-        if self.gather_unit_grads_too:
+        if self.sorter_needs_unit_grads:
             self._deferred.append((local_unit_grads, positions))
-        return sum(g.numel() * g.element_size() for g, _ in self._deferred) >= self.DEFER_LIMIT_BYTES
+            self._deferred_bytes += local_unit_grads.numel() * local_unit_grads.element_size()
+        return self._deferred_bytes >= self.DEFER_LIMIT_BYTES
 
     def flush_unit_grads(self) -> list:
         """Gather every deferred step's unit gradients in one all-gather: [(every (n, k, d), positions), ...]
         in the order they were deferred (the same bytes as one gather per step)."""
         if not self._deferred:
             return []
-        steps, self._deferred = self._deferred, []
+        steps, self._deferred, self._deferred_bytes = self._deferred, [], 0
         every = self.gather_unit_grads(torch.stack([g for g, _ in steps], dim=1))  # (n, steps, k, d)
         return [(every[:, i], positions) for i, (_, positions) in enumerate(steps)]
 
     def gather_unit_grads(self, local_unit_grads):
         """(n_local, k, d) -> (n, k, d) every worker's unit gradients, or None when the sorter needs none."""
-        if not self.gather_unit_grads_too:
+        if not self.sorter_needs_unit_grads:
             return None
         every = self.comm.all_gather(local_unit_grads)
         self.comm_bytes += every.numel() * every.element_size()

@@ -124,21 +124,20 @@ class LocalWorkers:
         """Replace every worker's parameters by the average over all n workers (one collective per
         process for the dense reducer; the reducer's collectives otherwise)."""
         buffers = list(self.optimizer.buffers.values()) if self.average_opt_state else []
-        if self.reducer.name == "dense":
+        d = self.anchor.numel()
+        if self.reducer.name == "dense":  # parameters and requested states in one flattened all-reduce
             stacked = torch.cat([self.params, *buffers], dim=1) if buffers else self.params
             mean = self.comm.all_reduce_sum(stacked) / self.n
             self.comm_bytes += self.n * stacked.shape[1] * stacked.element_size()
-            self.anchor.copy_(mean[:self.anchor.numel()])
-        else:
+            self.anchor.copy_(mean[:d])
+            buffer_means = mean[d:]
+        else:  # each worker's change since the last averaging, sparsified with error feedback
             self.anchor += self.reducer.reduce(self.params - self.anchor)
-            if buffers:
-                mean = self.comm.all_reduce_sum(torch.cat(buffers, dim=1)) / self.n
-                self.comm_bytes += self.n * mean.numel() * mean.element_size()
+            buffer_means = self.comm.all_reduce_sum(torch.cat(buffers, dim=1)) / self.n if buffers else None
+            self.comm_bytes += self.n * len(buffers) * d * self.anchor.element_size()
         self.params.copy_(self.anchor.expand_as(self.params))
-        for i, buffer in enumerate(buffers):
-            d = self.anchor.numel()
-            offset = (i + 1) * d if self.reducer.name == "dense" else i * d
-            buffer.copy_(mean[offset:offset + d].expand_as(buffer))
+        for buffer, buffer_mean in zip(buffers, buffer_means.split(d) if buffers else ()):
+            buffer.copy_(buffer_mean.expand_as(buffer))
         self._rounds += 1
         self._round_steps += self.round_length
         self.round_left = 0
