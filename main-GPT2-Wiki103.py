@@ -73,14 +73,16 @@ class GPT2Wiki103(Task):
         }
 
     def units(self, workers, unit_ids):
-        rows = torch.as_tensor(workers)[:, None]
-        return self.worker_blocks[rows, unit_ids.to(self.worker_blocks.device)].flatten(0, 1)  # (U, T)
+        return self.pick_units(self.worker_blocks, workers, unit_ids)  # (U, T)
 
     def logits(self, flat, ids):
         """(U, T, V) logits of blocks ids (U, T); positions passed per block so that every layer input
-        has the blocks on dim 0 (what the outer-product gradients need)."""
-        positions = self.positions[:ids.shape[1]].expand(ids.shape[0], -1)
-        return self.model(flat, input_ids=ids, position_ids=positions, use_cache=False).logits
+        has the blocks on dim 0 (what the outer-product gradients need), with an all-ones attention
+        mask: given position_ids and no mask, transformers reads them on the host to look for packed
+        sequences, which on a GPU waits for every kernel queued before it."""
+        positions = self.positions[:, :ids.shape[1]].expand(ids.shape[0], -1)
+        mask = ids.new_ones(ids.shape, dtype=torch.bool)
+        return self.model(flat, input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False).logits
 
     def loss(self, flat, ids):
         return self.lm_loss(self.logits(flat, ids), ids), None

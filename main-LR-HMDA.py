@@ -56,9 +56,7 @@ class LogisticHMDA(Task):
                           "worker_positive_rates": [round(float(r), 6) for r in train_y[rows].mean(dim=1)]}
 
     def units(self, workers, unit_ids):
-        rows = torch.as_tensor(workers)[:, None]
-        unit_ids = unit_ids.to(self.worker_x.device)
-        return self.worker_x[rows, unit_ids].flatten(0, 1), self.worker_y[rows, unit_ids].flatten(0, 1)
+        return self.pick_units(self.worker_x, workers, unit_ids), self.pick_units(self.worker_y, workers, unit_ids)
 
     def loss(self, flat, batch):
         x, y = batch  # (U, F), (U,)
@@ -68,6 +66,23 @@ class LogisticHMDA(Task):
     def unit_losses(self, flat, batch):
         x, y = batch
         return F.binary_cross_entropy_with_logits(self.model(flat, x).squeeze(-1), y, reduction="none")  # (U,)
+
+    def unit_grads(self, flat, batch, n_local, k):
+        """Per-example gradients in closed form, (n_local, k, d) and losses (n_local, k): for
+        loss = BCE(w.x + b, y) the gradient is (sigmoid(w.x + b) - y) * [x, 1] (the layout of `flat`:
+        the weight row, then the bias). No autograd at all: at d = 26 its bookkeeping is the cost.
+        Other parameters (e.g. a vmap tracer) and --unit-grads vmap take the general path."""
+        if not self.outer_products_apply(flat):
+            return super().unit_grads(flat, batch, n_local, k)
+        x, y = batch  # (U, F), (U,)
+        grads = self._unit_grad_buffer(len(x))  # (U, F + 1)
+        with torch.no_grad():
+            logits = torch.addmv(flat[-1:], x, flat[:-1])  # (U,)
+            losses = F.binary_cross_entropy_with_logits(logits, y, reduction="none")
+            residual = torch.sigmoid(logits).sub_(y)
+            torch.mul(x, residual[:, None], out=grads[:, :-1])
+            grads[:, -1] = residual
+        return grads.view(n_local, k, -1), losses.view(n_local, k)
 
     def evaluate(self, flat, comm):
         train = (self.worker_x.flatten(0, 1), self.worker_y.flatten())

@@ -123,12 +123,15 @@ class LSTMWiki2(Task):
     def units(self, workers, unit_ids):
         """-> (inputs (U, bptt, w), targets (U, bptt, w), h0 (U, layers, w, hidden), c0 likewise), where
         U = n_local * k and w = B/n columns per unit (chunk) or 1 (example)."""
-        self._local_workers = list(workers)
-        rows = torch.as_tensor(workers)[:, None]
+        if list(workers) != list(range(workers[0], workers[0] + len(workers))):
+            raise ValueError(f"units: the workers of one call must be consecutive, got {list(workers)}")
+        # the carried states of these workers, as a slice: indexing with a list would copy it to the GPU
+        self._local_workers = slice(workers[0], workers[0] + len(workers))
         unit_ids = unit_ids.to(self.worker_chunks.device)
         if self.order_unit == "chunk":
-            seq = self.worker_chunks[rows, unit_ids].flatten(0, 1)  # (U, bptt + 1, mb)
+            seq = self.pick_units(self.worker_chunks, workers, unit_ids)  # (U, bptt + 1, mb)
         else:
+            rows = self.worker_rows(workers, self.worker_chunks.device)
             chunk, column = unit_ids // self.mb, unit_ids % self.mb
             seq = self.worker_chunks[rows, chunk, :, column].flatten(0, 1).unsqueeze(-1)  # (U, bptt + 1, 1)
         inputs, targets = seq[:, :-1], seq[:, 1:]

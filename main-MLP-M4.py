@@ -98,9 +98,7 @@ class MLPM4(Task):
         }
 
     def units(self, workers, unit_ids):
-        rows = torch.as_tensor(workers)[:, None]
-        unit_ids = unit_ids.to(self.worker_x.device)
-        return self.worker_x[rows, unit_ids].flatten(0, 1), self.worker_y[rows, unit_ids].flatten(0, 1)
+        return self.pick_units(self.worker_x, workers, unit_ids), self.pick_units(self.worker_y, workers, unit_ids)
 
     def loss(self, flat, batch):
         x, y = batch  # (U, in_len), (U, 6)

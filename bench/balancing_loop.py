@@ -3,8 +3,9 @@
     python bench/balancing_loop.py
 
 For each d, runs CD-GraB's sign loop over the same pair differences with the CPU path (numba) and
-with the torch path (the one used on GPUs), checks they give the same signs, and prints one JSON
-object: microseconds per vector and the torch / CPU ratio.
+with the device path (`signs_by_gram`, the one used on GPUs, here run on the CPU), checks they give
+the same signs, and prints one JSON object: microseconds per vector and the torch / CPU ratio. The
+differences come in blocks of 8 (one LR-HMDA or M4-figure step: 4 workers x 2 pairs).
 """
 import json
 import sys
@@ -26,13 +27,14 @@ def main():
         firsts = rng.standard_normal((count, 1, d), dtype=np.float32)
         seconds = rng.standard_normal((count, 1, d), dtype=np.float32)
         plus = np.empty((1, count), dtype=np.bool_)
-        compiled(np.zeros(d, np.float32), firsts[:2], 0, seconds[:2], 0, plus[:, :2], balance._MINUS_PLUS_ONE[np.float32])
+        compiled(np.zeros(d), firsts[:2], 0, seconds[:2], 0, plus[:, :2], balance._MINUS_PLUS_ONE)
         start = time.perf_counter()
-        compiled(np.zeros(d, np.float32), firsts, 0, seconds, 0, plus, balance._MINUS_PLUS_ONE[np.float32])
+        compiled(np.zeros(d), firsts, 0, seconds, 0, plus, balance._MINUS_PLUS_ONE)
         cpu_seconds = time.perf_counter() - start
         stream = torch.from_numpy(firsts[:, 0] - seconds[:, 0])
+        running_sum = torch.zeros(d, dtype=torch.float64)
         start = time.perf_counter()
-        torch_plus = balance.signs_torch(torch.zeros(d), stream)
+        torch_plus = torch.cat([balance.signs_by_gram(running_sum, block) for block in stream.split(8)])
         torch_seconds = time.perf_counter() - start
         report[f"d={d}"] = {"vectors": count, "cpu_us_per_vector": round(1e6 * cpu_seconds / count, 3),
                             "torch_us_per_vector": round(1e6 * torch_seconds / count, 3),

@@ -186,9 +186,9 @@ def bench_sign_loop(d: int = 1_081_792, vectors: int = 8) -> dict:
     rng = np.random.default_rng(0)
     firsts = rng.standard_normal((vectors, 1, d), dtype=np.float32)
     seconds = rng.standard_normal((vectors, 1, d), dtype=np.float32)
-    s, plus = np.zeros(d, dtype=np.float32), np.empty((1, vectors), dtype=np.bool_)  # one pair per worker
+    s, plus = np.zeros(d), np.empty((1, vectors), dtype=np.bool_)  # one pair per worker
     ours = _pair_signs_cpu()
-    runs = {"sign_loop": lambda: ours(s, firsts, 0, seconds, 0, plus, _MINUS_PLUS_ONE[np.float32]),
+    runs = {"sign_loop": lambda: ours(s, firsts, 0, seconds, 0, plus, _MINUS_PLUS_ONE),
             "fused_pass": lambda: one_fused_pass(s, firsts, seconds)}
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(5):

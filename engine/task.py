@@ -21,7 +21,9 @@ class Task:
     lr_decay_gamma = 1.0
     clip_grad_norm: float | None = None  # clip the global-batch gradient to this L2 norm (None: off)
     unit_grad_path = "auto"           # --unit-grads: "vmap" forces the general path (own unit_grads ignore it)
-    double_buffer = False             # set by the engine when the sorter reads step t's grads during step t + 1
+    # how many per-unit gradient buffers `_unit_grad_buffer` rotates: the engine raises it when step t's
+    # gradients must survive later steps (a sorter running behind the loop, or keeping a reference)
+    grad_buffers = 1
     # worker_gradients: True = one torch.func.vmap over the workers' (parameters, units); False = a loop
     # over the workers, each a batch of one worker (what LSTM and GPT-2 need: see their docstrings)
     vmap_over_workers = False
@@ -37,6 +39,25 @@ class Task:
         """unit_ids: (n_local, k) local ids of the units that `workers` use this step.
         Returns a pytree of tensors whose dim 0 runs over the n_local * k units, worker-major."""
         raise NotImplementedError
+
+    def worker_rows(self, workers: list[int], device) -> torch.Tensor:
+        """(len(workers), 1) LongTensor of the worker ids on `device`, made on the device and once per
+        list of workers: an index built from a Python list would be a copy to the GPU that waits for it."""
+        cache = self.__dict__.setdefault("_worker_rows", {})
+        key = (tuple(workers), str(device))
+        if key not in cache:
+            first = workers[0]
+            if list(workers) == list(range(first, first + len(workers))):  # a process's workers: always
+                cache[key] = torch.arange(first, first + len(workers), device=device)[:, None]
+            else:
+                cache[key] = torch.tensor(workers, device=device)[:, None]
+        return cache[key]
+
+    def pick_units(self, table: torch.Tensor, workers: list[int], unit_ids: torch.Tensor) -> torch.Tensor:
+        """table (n, m, ...): every worker's units. Returns (len(workers) * k, ...), row i * k + t
+        table[workers[i], unit_ids[i, t]] (worker-major); unit_ids (len(workers), k) on any device."""
+        rows = self.worker_rows(workers, table.device)
+        return table[rows, unit_ids.to(table.device)].flatten(0, 1)
 
     def loss(self, flat: torch.Tensor, batch):
         """Mean loss over a batch of units (dim 0) at parameters flat (d,). Returns (loss, aux)."""
@@ -68,12 +89,12 @@ class Task:
 
     def _unit_grad_buffer(self, units: int) -> torch.Tensor:
         """A (units, d) buffer reused from step to step, so per-unit gradients are not reallocated;
-        with `double_buffer`, two buffers used in turn."""
+        `grad_buffers` of them used in turn (the one handed out is the least recently used)."""
         flat = self.model.flat
         buffers = self.__dict__.setdefault("_grad_buffers", [])
         if buffers and (buffers[0].shape != (units, flat.numel()) or buffers[0].device != flat.device):
             buffers.clear()  # free the old ones first
-        if len(buffers) < (2 if self.double_buffer else 1):  # a new buffer is the least recently used one
+        if len(buffers) < self.grad_buffers:  # a new buffer is the least recently used one
             buffers.append(torch.empty(units, flat.numel(), dtype=flat.dtype, device=flat.device))
         else:
             buffers.append(buffers.pop(0))  # rotate: the one returned now is the least recently used

@@ -145,10 +145,14 @@ def train(task, args, comm, device) -> list[dict]:
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer)
     second_buffer_bytes = n_local * k * d * flat.element_size()
-    if sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and d >= OVERLAP_MIN_D
-                                                       and second_buffer_bytes <= OVERLAP_MAX_BUFFER)):
+    overlapping = sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and d >= OVERLAP_MIN_D
+                                                                  and second_buffer_bytes <= OVERLAP_MAX_BUFFER))
+    # with k odd a pair's first unit comes a step before its second: rather than copy it, the sorter keeps
+    # a reference, and the task rotates one more gradient buffer so that it stays intact
+    sorter.grads_stay_valid = sorter.uses_grads and k % 2 == 1
+    task.grad_buffers = 1 + overlapping + sorter.grads_stay_valid
+    if overlapping:
         sorter = BackgroundSorter(sorter, device)  # balances step t during step t + 1; same orders
-        task.double_buffer = True  # so step t's gradients survive step t + 1's
     lr_schedule = LRSchedule(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma, kind=args.lr_schedule,
                              total_epochs=args.epochs, warmup_epochs=args.warmup_epochs, min_lr=args.min_lr)
     if args.sync == "every-step":
@@ -210,7 +214,8 @@ def train(task, args, comm, device) -> list[dict]:
         task.start_epoch(epoch)
         timer = RegionTimer(device)
         orders = sorter.sort()
-        local_orders = orders[local_workers].cpu()  # (n_local, m)
+        # (n_local, m), on the device: each step's unit ids are then a slice, with no copy from the host
+        local_orders = orders[local_workers[0]:local_workers[-1] + 1]
         timer.lap("sorter")
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # local losses since the last check
         checked_step, epoch_loss = 0, 0.0

@@ -4,16 +4,28 @@ import functools
 import numpy as np
 import torch
 
-from sorters.base import OnlineBalancer, PairBalancer, array_views, pair_views, sign_as_float
+from sorters.base import OnlineBalancer, PairBalancer, array_views, pair_views
 
 
 class CDGraB(PairBalancer):
-    """CD-GraB (spec 1.5-1.7): online pair balance over the concatenated stream of all workers'
-    pair differences, with ONE running sum shared by every worker.
+    """CD-GraB (the paper's Algorithm 2): online pair balance over the concatenated stream of all
+    workers' pair differences, with ONE running sum shared by every worker.
 
     Visiting order: for each pair (outer), for each worker j = 0..n-1 (inner). Worker j's sign thus
     accounts for the pairs of workers 0..j-1 at the same step and for every earlier pair. Every
     process that runs it on the same all-gathered gradients computes identical orders.
+
+    Exactness rule. The running sum S is kept in float64. Each pair difference v (formed in the
+    gradients' float32) gets the sign +1 (first unit to the left) when <S, v> <= 0, else -1, and
+    S += sign * v. Both implementations below give the signs of a float64 sequential reference of
+    exactly this rule, except where |<S, v>| <= 1e-5 ||S|| ||v|| (a near-tie, where rounding may
+    decide), and the same orders from run to run and on every rank (fixed reduction orders):
+
+    - on the CPU, a compiled sequential loop (`_pair_signs_cpu`): float64 sum, float64 dot;
+    - elsewhere (GPUs), `signs_by_gram`: per step the r = n * pairs differences D (r, d), then
+      a = D S and G = D D^T in float64, the r signs by the recursion
+      <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij, and S += D^T signs: a few matrix products and
+      three small kernels per difference instead of two passes over d per difference.
     """
 
     name = "CD-GraB"
@@ -22,41 +34,45 @@ class CDGraB(PairBalancer):
         super().__init__(n_workers, m, d, seed, device, dtype)
         if self.device.type == "cpu":  # compile (or load) the sign loop now, not inside the first epoch
             units = np.zeros((1, 2, 1), np.float32)
-            _pair_signs_cpu()(np.zeros(1, np.float32), units, 0, units, 1, np.empty((1, 1), np.bool_),
-                              _MINUS_PLUS_ONE[np.float32])
+            _pair_signs_cpu()(np.zeros(1, np.float64), units, 0, units, 1, np.empty((1, 1), np.bool_),
+                              _MINUS_PLUS_ONE)
 
     def _reset_running_sums(self):
-        self.running_sum = torch.zeros(self.d, dtype=self.dtype, device=self.device)
+        self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        # checkpoints written before the sum was float64 hold a float32 one
+        self.running_sum = self.running_sum.to(torch.float64)
 
     def _pair_signs(self, xp, first_units, first_index, second_units, second_index, n_pairs):
         if xp is np:
             plus = np.empty((n_pairs, self.n), dtype=np.bool_)  # (P, n): the visiting order
             s = self.running_sum.numpy()  # shares memory: the loop updates the sum in place
-            _pair_signs_cpu()(s, first_units, first_index, second_units, second_index, plus,
-                              _MINUS_PLUS_ONE[s.dtype.type])
+            _pair_signs_cpu()(s, first_units, first_index, second_units, second_index, plus, _MINUS_PLUS_ONE)
             return plus.T
         firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
-        stream = (firsts - seconds).transpose(0, 1).reshape(-1, self.d)  # pair-major, worker-minor
-        return signs_torch(self.running_sum, stream).reshape(-1, self.n).T
+        diffs = (firsts - seconds).transpose(0, 1).reshape(-1, self.d)  # (P * n, d) pair-major, worker-minor
+        return signs_by_gram(self.running_sum, diffs).reshape(-1, self.n).T
 
 
-_MINUS_PLUS_ONE = {t: np.array([-1, 1], dtype=t) for t in (np.float16, np.float32, np.float64)}
+_MINUS_PLUS_ONE = np.array([-1.0, 1.0])
 
 
 @functools.cache
 def _pair_signs_cpu():
     """CD-GraB's sign loop on the CPU, compiled by numba on first use (about a second; cached on disk).
 
-    signs(s (d,), first_units (n, k1, d), first_index, second_units (n, k2, d), second_index, plus (P, n),
-    minus_plus_one (2,)) visits the pair differences v = first_units[j, first_index + 2p] -
-    second_units[j, second_index + 2p] pair-major (p), worker-minor (j), and for each sets
+    signs(s (d,) float64, first_units (n, k1, d), first_index, second_units (n, k2, d), second_index,
+    plus (P, n), minus_plus_one (2,) float64) visits the pair differences v = first_units[j, first_index
+    + 2p] - second_units[j, second_index + 2p] pair-major (p), worker-minor (j), and for each sets
     plus[p, j] = <s, v> <= 0 (ties go to +1) and s += v if plus else s -= v, in place. The unit arrays
-    must be C-contiguous (strided views lose the SIMD loop: 4-5x slower at d = 5,569).
+    must be C-contiguous (strided views lose the SIMD loop).
 
     One pass per vector: while adding difference r it accumulates the inner product of the updated
     sum with difference r + 1, and differences are formed on the fly, so the sum is read and written
-    once per vector and no difference is stored. The reduction may be reordered (SIMD), as a BLAS dot
-    is; nothing else is.
+    once per vector and no difference is stored. Differences are formed in the units' dtype, then
+    widened; the dot accumulates in float64 and may be reordered (SIMD), as a BLAS dot is.
     """
     from numba import njit
 
@@ -64,8 +80,7 @@ def _pair_signs_cpu():
     def signs(s, first_units, first_index, second_units, second_index, plus, minus_plus_one):
         n_pairs, n = plus.shape
         d = s.shape[0]
-        zero = s[0] - s[0]  # in the sum's dtype
-        dot = zero
+        dot = 0.0
         f, g = first_units[0, first_index], second_units[0, second_index]
         for i in range(d):
             dot += s[i] * (f[i] - g[i])
@@ -77,7 +92,7 @@ def _pair_signs_cpu():
                 if j + 1 < n or p + 1 < n_pairs:
                     jn, pn = (j + 1, p) if j + 1 < n else (0, p + 1)
                     fn, gn = first_units[jn, first_index + 2 * pn], second_units[jn, second_index + 2 * pn]
-                    dot = zero
+                    dot = 0.0
                     for i in range(d):
                         s[i] += sign * (f[i] - g[i])
                         dot += s[i] * (fn[i] - gn[i])
@@ -88,14 +103,38 @@ def _pair_signs_cpu():
     return signs
 
 
-def signs_torch(running_sum, stream):
-    """GPU path: tensor-valued signs keep the loop free of host synchronisations."""
-    plus = torch.empty(len(stream), dtype=torch.bool, device=running_sum.device)
-    for r, v in enumerate(stream):
-        plus[r] = torch.dot(running_sum, v) <= 0
-        running_sum.add_(v * sign_as_float(plus[r]))
-    return plus
+GRAM_CHUNK_BYTES = 32 * 2**20  # float64 copies of the differences are made this many bytes at a time
 
+
+def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
+    """The signs of CD-GraB's sequential rule for a block of r differences, without a pass over d per
+    difference and without a host synchronisation (the device path; the CPU uses the compiled loop).
+
+    running_sum: (d,) float64 S, updated in place to S + D^T signs; diffs: (r, d) D, in visiting order.
+    Returns (r,) bool, True = sign +1 (<S_i, v_i> <= 0). With a = D S and G = D D^T in float64,
+    <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij (S_i = S + sum_{j<i} sign_j v_j). Columns are widened to
+    float64 GRAM_CHUNK_BYTES at a time, so the extra memory stays bounded for any d.
+    """
+    r, d = diffs.shape
+    width = max(1, GRAM_CHUNK_BYTES // (8 * r))
+    columns = [slice(c, min(c + width, d)) for c in range(0, d, width)]
+    a = torch.zeros(r, dtype=torch.float64, device=diffs.device)
+    gram = torch.zeros(r, r, dtype=torch.float64, device=diffs.device)
+    wide = None
+    for cols in columns:
+        wide = diffs[:, cols].to(torch.float64)
+        a.addmv_(wide, running_sum[cols])
+        gram.addmm_(wide, wide.T)
+    signs = torch.zeros(r, dtype=torch.float64, device=diffs.device)  # sign_j, 0 until decided
+    plus_one, minus_one = signs.new_ones(()), -signs.new_ones(())
+    dot = torch.empty(1, dtype=torch.float64, device=diffs.device)
+    for i in range(r):  # the k-step recursion: three small kernels per difference
+        torch.addmv(a[i:i + 1], gram[i:i + 1], signs, out=dot)  # signs[j >= i] are still 0
+        torch.where(dot <= 0, plus_one, minus_one, out=signs[i:i + 1])
+    for cols in columns:
+        part = wide if len(columns) == 1 else diffs[:, cols].to(torch.float64)
+        running_sum[cols].addmv_(part.T, signs)
+    return signs > 0
 
 class IndependentPairBalance(PairBalancer):
     """I-PB: every worker runs its own pair balance on its own gradients (no coordination)."""

@@ -24,6 +24,10 @@ class Sorter:
 
     name = "base"
     uses_grads = False
+    # Set True by a caller that keeps the grads of every step() call unchanged until its next step()
+    # call has returned (the training engine rotates its gradient buffers so that they stay); pair
+    # balancers then keep a reference to a step's unpaired last unit instead of copying it.
+    grads_stay_valid = False
 
     def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device="cpu"):
         if n_workers < 1 or m < 1 or d < 1:
@@ -80,7 +84,8 @@ class Sorter:
         return grads
 
     def state_dict(self) -> dict:
-        state = {k: v for k, v in vars(self).items() if k not in ("generator", "device", "_pending_storage")}
+        state = {k: v for k, v in vars(self).items() if k not in ("generator", "device", "_pending_storage",
+                                                                   "grads_stay_valid")}
         state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
         state["generator"] = self.generator.get_state()
         return state
@@ -157,12 +162,16 @@ class PairBalancer(OnlineBalancer):
         if grads.device != self.device or grads.dtype != self.dtype:
             grads = grads.to(device=self.device, dtype=self.dtype)
         self._next_position += k
+        grads_tensor = grads
         xp, (grads,) = array_views(grads)  # NumPy on the CPU: a tenth of torch's per-op overhead here
-        if xp is np:
+        if xp is np and not grads.flags.c_contiguous:
             grads = np.ascontiguousarray(grads)  # compiled loops assume rows of contiguous units
+            grads_tensor = torch.from_numpy(grads)
         paired_from = 0
         if self.pending is not None:  # the pair that began in the previous step
             pending = array_views(self.pending)[1][0]
+            if xp is np and not pending.flags.c_contiguous:  # a kept (n, d) row slice of an (n, k, d) step
+                pending = np.ascontiguousarray(pending)
             self._place_pairs(xp, self._pair_signs(xp, pending[:, None], 0, grads, 0, 1), self.pending_position)
             self.pending, paired_from = None, 1
         n_pairs = (k - paired_from) // 2
@@ -170,13 +179,17 @@ class PairBalancer(OnlineBalancer):
             signs = self._pair_signs(xp, grads, paired_from, grads, paired_from + 1, n_pairs)
             self._place_pairs(xp, signs, start + paired_from)
         if (k - paired_from) % 2:  # an unpaired last unit: its partner comes with the next step
-            # a copy, never a view of the caller's buffer (spec bug 1: the original cached a
-            # reference to a gather buffer that the next step overwrote, so every diff was 0)
-            self.pending = self._pending_buffer(grads.shape[0], grads.shape[2])
-            if xp is np:
-                np.copyto(self.pending.numpy(), grads[:, k - 1])
+            # a copy, unless the caller promised to keep this step's grads (grads_stay_valid); never a
+            # view of a buffer that the next step overwrites (the original's bug: it cached a reference
+            # to a gather buffer that the next step refilled, so every pair difference was 0)
+            if self.grads_stay_valid:
+                self.pending = grads_tensor[:, k - 1]
             else:
-                self.pending.copy_(grads[:, k - 1])
+                self.pending = self._pending_buffer(grads.shape[0], grads.shape[2])
+                if xp is np:
+                    np.copyto(self.pending.numpy(), grads[:, k - 1])
+                else:
+                    self.pending.copy_(grads[:, k - 1])
             self.pending_position = start + k - 1
         if self._next_position == self.m and self.pending is not None:
             assert self.left == self.right
@@ -222,7 +235,3 @@ def array_views(*tensors):
                     for t in tensors]
     return torch, list(tensors)
 
-
-def sign_as_float(plus: torch.Tensor) -> torch.Tensor:
-    """bool -> +1.0 / -1.0, same shape."""
-    return plus.to(torch.float32) * 2 - 1

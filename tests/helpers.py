@@ -138,3 +138,26 @@ def check_torchrun_agrees(script: str, single, multi, *args, columns, nproc: int
     check_ok(run_script(script, "--out", multi, *args, nproc=nproc))
     assert_runs_agree(single, multi, columns)
     assert json.loads((Path(multi) / "config.json").read_text())["sizes"]["world_size"] == nproc
+
+
+def entry_task(script: str, device, *argv):
+    """(task, args): the Task an entry script builds for this command line (--data-dir DATA_DIR added),
+    on `device`, as its run_entry_point builds it, and the checked args."""
+    import importlib.util
+
+    import torch
+
+    from engine.cli import check_args
+
+    spec = importlib.util.spec_from_file_location(script[:-3].replace("-", "_"), REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    captured = {}
+    module.run_entry_point = lambda benchmark, parser, build: captured.update(benchmark=benchmark, parser=parser,
+                                                                             build=build)
+    module.main()  # builds the parser and hands it to (our) run_entry_point
+    parser = captured["parser"]
+    args = parser.parse_args(["--data-dir", str(DATA_DIR), *map(str, argv)])
+    check_args(args, captured["benchmark"], defaults=vars(parser.parse_args([])))
+    torch.manual_seed(args.seed)
+    return captured["build"](args, device), args

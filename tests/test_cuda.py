@@ -12,18 +12,16 @@ losses and metrics within METRIC_RTOL. Summation orders differ between the devic
 on an H100 (torch 2.11, CUDA 13) the largest unit-gradient error was 5e-7 (GPT-2), 3e-7 (LSTM),
 1e-7 (LR), 6e-8 (MLP).
 """
-import importlib.util
 import json
 import math
 
 import pytest
 import torch
 
-from engine.cli import check_args
 from engine.comm import LocalCommunicator
 from engine.functional import batch_gradient
 from models.lstm import LSTMModel
-from tests.helpers import (DATA_DIR, REPO, assert_runs_agree, check_ok, error_lines, needs_data, read_metrics,
+from tests.helpers import (DATA_DIR, assert_runs_agree, check_ok, entry_task, error_lines, needs_data, read_metrics,
                            run_script)
 
 pytestmark = [
@@ -63,17 +61,7 @@ def token_cache(tmp_path_factory):
 
 def build_task(script: str, device: torch.device, *argv):
     """The Task an entry script builds for this command line, on `device`, as run_entry_point builds it."""
-    spec = importlib.util.spec_from_file_location(script[:-3].replace("-", "_"), REPO / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    captured = {}
-    module.run_entry_point = lambda benchmark, parser, build: captured.update(benchmark=benchmark, parser=parser,
-                                                                             build=build)
-    module.main()  # builds the parser and hands it to (our) run_entry_point
-    args = captured["parser"].parse_args(["--data-dir", str(DATA_DIR), *argv])
-    check_args(args, captured["benchmark"])
-    torch.manual_seed(args.seed)
-    return captured["build"](args, device)
+    return entry_task(script, device, *argv)[0]
 
 
 def relative_errors(on_gpu: torch.Tensor, on_cpu: torch.Tensor) -> torch.Tensor:

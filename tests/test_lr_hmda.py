@@ -153,3 +153,26 @@ def test_help_explains_every_flag():
             "--hmda-file"} <= set(flags)
     for block in re.split(r"\n(?=  -)", result.stdout.split("options:")[1])[1:]:
         assert len(block.split(None, 2)) >= 2 and re.search(r"[a-z]{3,}", block.split("\n", 1)[-1]), block
+
+
+def test_closed_form_per_example_gradients_equal_autograd():
+    """LR's closed-form per-example gradients (sigmoid(w.x + b) - y) * [x, 1] against an independent
+    float64 autograd gradient of each example's own loss, at trained-looking (non-zero) parameters."""
+    import torch.nn.functional as F
+
+    from tests.helpers import entry_task
+
+    task, _ = entry_task(SCRIPT, torch.device("cpu"), "--max-train-examples", "64", "--max-eval-examples", "8")
+    flat = task.model.flat
+    with torch.no_grad():
+        flat.copy_(torch.randn(flat.shape, generator=torch.Generator().manual_seed(0)))
+    unit_ids = torch.tensor([[3, 0, 7, 1], [2, 5, 4, 6]])
+    x, y = task.units([0, 1], unit_ids)
+    grads, losses = task.unit_grads(flat, (x, y), 2, 4)
+    assert grads.shape == (2, 4, 26) and losses.shape == (2, 4)
+    for i in range(8):
+        w = flat.detach().double().clone().requires_grad_()
+        loss = F.binary_cross_entropy_with_logits(x[i].double() @ w[:-1] + w[-1], y[i].double())
+        loss.backward()
+        torch.testing.assert_close(grads.reshape(8, 26)[i].double(), w.grad, rtol=1e-5, atol=1e-7)
+        assert float(losses.reshape(8)[i]) == pytest.approx(loss.item(), rel=1e-5)

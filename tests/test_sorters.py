@@ -11,11 +11,16 @@ from sorters.fold import fold_map
 def run_epoch(sorter, grads_of, k):
     """Step `sorter` through one epoch; grads_of(orders, positions) -> (n, len(positions), d)."""
     orders = sorter.sort()
+    step_epoch(sorter, orders, grads_of, k)
+    return orders
+
+
+def step_epoch(sorter, orders, grads_of, k):
+    """The step() calls of one epoch that uses `orders` (n, m), k positions at a time."""
     m = orders.shape[1]
     for t in range(0, m, k):
         positions = torch.arange(t, min(t + k, m))
         sorter.step(grads_of(orders, positions) if sorter.uses_grads else None, positions)
-    return orders
 
 
 def unit_vectors(n, m, d, seed=0):
@@ -354,3 +359,107 @@ def test_torch_code_path_used_on_gpus_gives_the_same_orders(monkeypatch):
     for name, expected in cpu_orders.items():
         sorter = build_sorter(name, n, m, d, seed=4)
         assert all(torch.equal(e, run_epoch(sorter, gather_units(z), 3)) for e in expected), name
+
+
+# ---------------------------------------------------------------- CD-GraB's exactness rule
+NEAR_TIE = 1e-5  # the rule in CDGraB's docstring: signs may differ from float64 only where |<S, v>| <= this ||S|| ||v||
+
+
+def check_against_float64_sequential(z, before, after):
+    """Oracle for one epoch of CD-GraB: replay its pairs in the visiting order (pair-major, worker-minor)
+    with a float64 running sum, and check that every sign the sorter chose (read off the next order:
+    the first unit of pair p went left iff it sits in slot p) is the float64 rule's sign, except at
+    near-ties, where the replay follows the sorter's sign. Returns the number of near-ties."""
+    n, m, _ = z.shape
+    z64, s, near_ties = z.double(), torch.zeros(z.shape[2], dtype=torch.float64), 0
+    for p in range(m // 2):
+        for j in range(n):
+            first, second = before[j, 2 * p], before[j, 2 * p + 1]
+            went_left = bool(after[j, p] == first)
+            assert went_left or after[j, p] == second
+            v = z64[j, first] - z64[j, second]
+            dot = float(s @ v)
+            if not s.any():  # the epoch's first difference (or a sum that cancelled exactly): a tie, +1
+                assert went_left, (p, j)
+            elif abs(dot) > NEAR_TIE * float(s.norm() * v.norm()):
+                assert went_left == (dot <= 0), (p, j, dot)
+            else:
+                near_ties += 1
+            s += v if went_left else -v
+    return near_ties
+
+
+@pytest.fixture(params=["cpu-loop", "gram"])
+def sign_path(request, monkeypatch):
+    """Both implementations of CD-GraB's signs: the CPU's compiled loop, and the device path
+    (signs_by_gram) forced on the CPU."""
+    import sorters.base as base
+
+    if request.param == "gram":
+        monkeypatch.setattr(base, "array_views", lambda *tensors: (torch, list(tensors)))
+    return request.param
+
+
+@pytest.mark.parametrize("n,m,d,k", [(4, 64, 5, 4), (3, 40, 300, 1), (2, 30, 7, 3), (8, 16, 2000, 2)])
+def test_cd_grab_signs_follow_a_float64_sequential_reference(sign_path, n, m, d, k):
+    z = unit_vectors(n, m, d, seed=n + d) * torch.logspace(-3, 3, d)  # coordinates of very different scales
+    sorter = build_sorter("CD-GraB", n, m, d, seed=1)
+    orders = sorter.sort()
+    for _ in range(4):
+        step_epoch(sorter, orders, gather_units(z), k)
+        next_orders = sorter.sort()
+        assert check_against_float64_sequential(z, orders, next_orders) == 0  # random data: every sign checked
+        orders = next_orders
+
+
+def test_cd_grab_near_ties_and_exact_ties(sign_path):
+    """Pairs of equal units give zero differences (exact ties) and pairs that differ by 1e-6 in one
+    coordinate that no other difference has give differences nearly orthogonal to the sum (near-ties):
+    the signs of all other pairs still match the float64 rule."""
+    n, m, d = 3, 48, 64
+    sorter = build_sorter("CD-GraB", n, m, d, seed=2)
+    orders = sorter.sort()
+    z = unit_vectors(n, m, d, seed=5)
+    z[:, :, 0] = 0
+    for j in range(n):
+        for p in range(0, m // 2, 3):  # pair p equal, pair p + 1 equal but for coordinate 0
+            z[j, orders[j, 2 * p + 1]] = z[j, orders[j, 2 * p]]
+            z[j, orders[j, 2 * p + 3]] = z[j, orders[j, 2 * p + 2]]
+            z[j, orders[j, 2 * p + 3], 0] = 1e-6
+    step_epoch(sorter, orders, gather_units(z), 2)
+    assert check_against_float64_sequential(z, orders, sorter.sort()) >= n * m // 6
+
+
+def test_signs_by_gram_over_column_chunks_equals_one_chunk(monkeypatch):
+    """The device path widens columns chunk by chunk for any d: several chunks give the signs of the
+    float64 sequential rule and the same running sum as one chunk."""
+    import sorters.balance as balance
+
+    r, d = 12, 1000
+    gen = torch.Generator().manual_seed(3)
+    diffs = torch.randn(r, d, generator=gen)
+    start = torch.randn(d, generator=gen, dtype=torch.float64) * 3
+    expected_sum, expected = start.clone(), []
+    for v in diffs.double():  # the sequential rule in float64
+        expected.append(bool(expected_sum @ v <= 0))
+        expected_sum += v if expected[-1] else -v
+    one_chunk = start.clone()
+    assert balance.signs_by_gram(one_chunk, diffs).tolist() == expected
+    monkeypatch.setattr(balance, "GRAM_CHUNK_BYTES", 8 * r * 64)  # 64 columns per chunk: 16 chunks
+    chunked = start.clone()
+    assert balance.signs_by_gram(chunked, diffs).tolist() == expected
+    torch.testing.assert_close(chunked, expected_sum, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(one_chunk, expected_sum, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_kept_references_give_the_copying_orders(k):
+    """grads_stay_valid (the engine keeps each step's gradients until the next step): the sorter keeps a
+    reference to an unpaired unit instead of copying it, with the same orders."""
+    n, m, d = 3, 18, 6
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(13))
+    copying, keeping = build_sorter("CD-GraB", n, m, d, seed=0), build_sorter("CD-GraB", n, m, d, seed=0)
+    keeping.grads_stay_valid = True
+    for _ in range(3):
+        assert torch.equal(run_epoch(copying, gather_units(z), k), run_epoch(keeping, gather_units(z), k))
+    assert "grads_stay_valid" not in keeping.state_dict()
