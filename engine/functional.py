@@ -121,7 +121,11 @@ class FlatModel:
                 ins.append(_units_tokens_features(inputs, module))
                 outs.append(output_grad.reshape(U, -1, output_grad.shape[-1]))
             slots = _Slots(self, grads)
-            for module, (ins, outs) in calls.items():  # a layer used several times (the MLP's rollout): one call
+            # embeddings last: a tied weight's dense product (GPT-2's lm_head) is then copied into its slot
+            # first and the embedding's few rows are scattered onto it, instead of zeroing the slot, scattering,
+            # and adding the dense product (two more passes over a (U, V, C) slot)
+            in_order = sorted(calls.items(), key=lambda call: type(call[0]).__name__ == "Embedding")
+            for module, (ins, outs) in in_order:  # a layer used several times (the MLP's rollout): one call
                 inputs, output_grad = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=1) for xs in (ins, outs))
                 self.rules[module](module, inputs, output_grad, slots)
             if len(slots.written) < len(self.offsets):
