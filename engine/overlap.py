@@ -8,6 +8,15 @@ sees exactly the same calls in the same order, so orders are bit-identical to th
 
 The caller must keep each step's gradients intact until the step after next has been submitted
 (the engine double-buffers per-unit gradients when overlapping).
+
+CUDA memory. The caching allocator recycles a freed block on the stream that allocated it without
+waiting for other streams, so each tensor handed to the side stream is recorded on it
+(`Tensor.record_stream`): under torchrun the all-gather output is a fresh main-stream tensor every
+step, which the loop drops at once and the thread drops as soon as its kernels are queued (not
+run). The sorter's own state (running sums, orders) is allocated on the main stream and only
+replaced by `sort()` / `load_state_dict()`, after the main stream has waited for the side stream.
+What the sorter allocates on the side stream and keeps (the cached first unit of a pair) is
+reused only by later steps, whose kernels wait for everything the main stream queued before them.
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +41,10 @@ class BackgroundSorter:
         if self.side_stream is None:
             self.pending = self.pool.submit(self.sorter.step, grads, positions)
             return
+        if grads is not None:
+            # else, once the loop and the thread drop grads, its block may be handed to the next step's
+            # main-stream tensors while the side stream still reads it
+            grads.record_stream(self.side_stream)
         ready = torch.cuda.Event()
         ready.record()  # the gradients exist once the main stream gets here
 
