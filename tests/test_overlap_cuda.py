@@ -7,6 +7,8 @@ size, which the main stream fills while the side stream has not read it yet, unl
 recorded on the side stream (`Tensor.record_stream`). Here a stand-in sorter keeps the side stream
 busy (`torch.cuda._sleep`) before summing the gradients, and the main stream overwrites the freed
 memory meanwhile: the sum is right only if the allocator held the memory back.
+
+The steps are also timed by events on the side stream, and the hand-offs' waits on the main stream.
 """
 import time
 
@@ -80,3 +82,29 @@ def test_without_record_stream_the_freed_gradients_are_overwritten(monkeypatch):
     proves nothing.)"""
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     assert overlapped_sum() != EXPECTED_SUM
+
+
+def sleep_seconds() -> float:
+    """How long one step's torch.cuda._sleep takes on the main stream now."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def test_side_stream_steps_and_the_hand_offs_waits_are_timed():
+    """take_seconds(): the side stream's time of each step, and how long the main stream stalled
+    waiting for the previous step (three steps back to back: the 2nd and 3rd hand-offs waited)."""
+    before = sleep_seconds()
+    background = BackgroundSorter(SlowSumSorter(), GPU)
+    grads = torch.ones(SHAPE, device=GPU)
+    for step in range(STEPS):
+        background.step(grads, range(step, step + 1))
+    steps, waited = background.take_seconds()
+    slept = min(before, sleep_seconds())  # the sleep counts clock cycles: the shorter, at the higher clock
+    assert steps >= 0.9 * STEPS * slept
+    assert 0.5 * (STEPS - 1) * slept <= waited <= steps
+    assert background.take_seconds() == (0.0, 0.0)
+    background.close()
