@@ -6,7 +6,7 @@
 - torchrun on the GPU: NCCL with more processes than GPUs is refused, gloo shares the GPU;
 - a checkpoint written on the CPU resumes with --device cuda, and the reverse.
 
-Tolerance: float32 everywhere (TF32 matrix products are off by default in PyTorch); each unit's
+Tolerance: float32 everywhere (TF32 is off without --tf32: engine/device.py set_tf32); each unit's
 gradient on the GPU is within GRAD_RTOL of the CPU's in L2 norm relative to the CPU gradient's norm,
 losses and metrics within METRIC_RTOL. Summation orders differ between the devices, nothing else:
 on an H100 (torch 2.11, CUDA 13) the largest unit-gradient error was 5e-7 (GPT-2), 3e-7 (LSTM),
@@ -21,6 +21,7 @@ import torch
 
 from engine.cli import check_args
 from engine.comm import LocalCommunicator
+from engine.device import set_tf32
 from engine.functional import batch_gradient
 from models.lstm import LSTMModel
 from tests.helpers import (DATA_DIR, REPO, assert_runs_agree, check_ok, error_lines, needs_data, read_metrics,
@@ -72,6 +73,7 @@ def build_task(script: str, device: torch.device, *argv):
     module.main()  # builds the parser and hands it to (our) run_entry_point
     args = captured["parser"].parse_args(["--data-dir", str(DATA_DIR), *argv])
     check_args(args, captured["benchmark"])
+    set_tf32(args.tf32)
     torch.manual_seed(args.seed)
     return captured["build"](args, device)
 
