@@ -39,7 +39,8 @@ HERDING_COLUMNS = ["n_workers", "m", "d", "trial", "method", "round", "bound"]
 # added after runs were shipped, so a config.json without them is the same experiment as a new run with them
 ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
                       "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
-                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False}
+                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
+                      "tf32": False}
 BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
 ARG_DEFAULTS = {None: ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS}  # {benchmark or None (every one): {arg: default}}
 

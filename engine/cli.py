@@ -12,7 +12,8 @@ from sorters import SORTER_NAMES
 # flags added after runs were shipped: a config.json or checkpoint without them ran with these values
 ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
                       "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
-                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False}
+                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
+                      "tf32": False}
 BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
 
 
@@ -60,6 +61,10 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                    help="auto: CUDA when available, else CPU")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="torch.distributed backend under torchrun (default: nccl on CUDA, gloo on CPU)")
+    p.add_argument("--tf32", action="store_true",
+                   help="allow TensorFloat-32 in CUDA matrix products and cuDNN convolutions/RNNs: faster on "
+                        "Ampere and later GPUs, about 1e-3 relative error (default off: full float32); recorded "
+                        "in config.json; no effect on the CPU")
     p.add_argument("--max-train-examples", type=int, default=None, metavar="N",
                    help="use only the first N training units (quick runs); also limits the full-train evaluation")
     p.add_argument("--max-eval-examples", type=int, default=None, metavar="N",

@@ -11,6 +11,9 @@ chosen GPU this process's current device.
 NCCL needs a GPU of its own for every process: with more processes on a node than visible GPUs it
 fails deep inside its set-up ("invalid usage"), so that is refused up front, as is NCCL on the CPU.
 gloo can share a GPU between processes (local rank r uses cuda:r mod the GPU count).
+
+`set_tf32` applies --tf32: float32 matrix products, convolutions and RNNs run in full float32 on
+the GPU unless TensorFloat-32 is asked for.
 """
 import os
 
@@ -46,6 +49,23 @@ def choose_device(choice: str, backend: str | None, local_rank: int, local_proce
                               f"{visible_gpus} (each process then hosts more of the --node_cnt workers), "
                               "or --backend gloo (processes then share the GPUs)")
     return torch.device("cuda", local_rank % visible_gpus), backend
+
+
+def set_tf32(allowed: bool) -> dict:
+    """Allow TensorFloat-32 in CUDA matrix products (cuBLAS) and in cuDNN convolutions and RNNs, or
+    keep them full float32 (PyTorch's own default leaves cuDNN's TF32 on). Process-wide; harmless
+    without CUDA. Returns tf32_settings()."""
+    # the allow_tf32 flags rather than torch 2.13's fp32_precision properties: once those are set,
+    # reading these flags or torch.get_float32_matmul_precision() raises ("mix of the legacy and new
+    # APIs"), for any library that does
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
+    return tf32_settings()
+
+
+def tf32_settings() -> dict:
+    """Whether TF32 is allowed now, as config.json records it: {"matmul": bool, "cudnn": bool}."""
+    return {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}
 
 
 def setup_device(choice: str, backend: str | None) -> tuple[torch.device, str | None]:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from engine import runlog
 from engine.cli import ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS, check_args
 from engine.comm import GradientExchange, make_communicator
-from engine.device import setup_device
+from engine.device import set_tf32, setup_device, tf32_settings
 from engine.errors import UserFacingError
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
@@ -104,6 +104,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     try:
         check_args(args, benchmark, defaults=vars(parser.parse_args([])))
         device, backend = setup_device(args.device, args.backend)
+        set_tf32(args.tf32)
         comm = make_communicator(args.node_cnt, device, backend, args.dist_timeout)
         torch.manual_seed(args.seed)
         task = build_task(args, device)
@@ -202,6 +203,7 @@ def train(task, args, comm, device) -> list[dict]:
                               "worker_gradients": ("vmap" if task.vmap_over_workers else "loop")
                               if per_worker_grads else None},
             "device": str(device),
+            "tf32": tf32_settings(),  # what the run computed with (set from --tf32 by run_entry_point)
             "versions": runlog.library_versions(),
             "git_commit": runlog.git_commit(),
         })
@@ -254,10 +256,17 @@ def train(task, args, comm, device) -> list[dict]:
             timer.lap("compute")
         bar.close()
         flush_deferred(exchange, sorter, timer)  # (rounds end with the epoch: normally nothing is left)
+        timer.lap("sorter")
         if local is not None:
             local.end_epoch()  # evaluation and the checkpoint see the averaged parameters
             timer.lap("comm")
         seconds = timer.seconds()
+        if isinstance(sorter, BackgroundSorter):
+            # the loop's 'sorter' region saw only the hand-offs, waits for a step still running included;
+            # count the steps' own time in place of those waits, so that the column is the time the
+            # sorter's work took, as without --overlap
+            step_seconds, waited_seconds = sorter.take_seconds()
+            seconds["sorter"] += step_seconds - waited_seconds
         epoch_seconds = time.perf_counter() - epoch_start
 
         with torch.no_grad():

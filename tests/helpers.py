@@ -142,12 +142,13 @@ def check_torchrun_agrees(script: str, single, multi, *args, columns, nproc: int
 
 def entry_task(script: str, device, *argv):
     """(task, args): the Task an entry script builds for this command line (--data-dir DATA_DIR added),
-    on `device`, as its run_entry_point builds it, and the checked args."""
+    on `device`, as its run_entry_point builds it (TF32 set from --tf32), and the checked args."""
     import importlib.util
 
     import torch
 
     from engine.cli import check_args
+    from engine.device import set_tf32
 
     spec = importlib.util.spec_from_file_location(script[:-3].replace("-", "_"), REPO / script)
     module = importlib.util.module_from_spec(spec)
@@ -159,5 +160,6 @@ def entry_task(script: str, device, *argv):
     parser = captured["parser"]
     args = parser.parse_args(["--data-dir", str(DATA_DIR), *map(str, argv)])
     check_args(args, captured["benchmark"], defaults=vars(parser.parse_args([])))
+    set_tf32(args.tf32)
     torch.manual_seed(args.seed)
     return captured["build"](args, device), args

@@ -6,7 +6,7 @@
 - torchrun on the GPU: NCCL with more processes than GPUs is refused, gloo shares the GPU;
 - a checkpoint written on the CPU resumes with --device cuda, and the reverse.
 
-Tolerance: float32 everywhere (TF32 matrix products are off by default in PyTorch); each unit's
+Tolerance: float32 everywhere (TF32 is off without --tf32: engine/device.py set_tf32); each unit's
 gradient on the GPU is within GRAD_RTOL of the CPU's in L2 norm relative to the CPU gradient's norm,
 losses and metrics within METRIC_RTOL. Summation orders differ between the devices, nothing else:
 on an H100 (torch 2.11, CUDA 13) the largest unit-gradient error was 5e-7 (GPT-2), 3e-7 (LSTM),

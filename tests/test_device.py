@@ -4,6 +4,11 @@ The GPU itself is exercised in tests/test_cuda.py (skipped without CUDA); here t
 torch.distributed are replaced by recorders where a rule needs them.
 """
 import argparse
+import json
+import re
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -14,14 +19,14 @@ from engine import device as device_module
 from engine import train as train_module
 from engine.cli import check_args, common_parser
 from engine.comm import DistributedCommunicator, LocalCommunicator, node_leader_first
-from engine.device import choose_device, setup_device
+from engine.device import choose_device, set_tf32, setup_device, tf32_settings
 from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.optim import Optimizer, LRSchedule
 from engine.task import Task
 from engine.train import RegionTimer, restore, train
 from sorters import build_sorter
-from tests.helpers import error_lines, needs_data, run_script
+from tests.helpers import REPO, check_ok, error_lines, needs_data, run_script
 
 CPU, GPU = torch.device("cpu"), lambda index: torch.device("cuda", index)
 
@@ -135,6 +140,48 @@ def test_leader_first_is_a_plain_block_outside_torchrun():
     with node_leader_first():
         ran.append(1)
     assert ran == [1]
+
+
+# ---------------------------------------------------------------- TF32: off unless --tf32
+@pytest.fixture
+def tf32_restored():
+    """Puts the process-wide TF32 flags back as they were."""
+    before = tf32_settings()
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before["matmul"], before["cudnn"]
+
+
+def test_set_tf32_sets_both_backends_and_leaves_every_reader_working(tf32_restored):
+    """Both the cuBLAS and the cuDNN flag follow the setting; nothing warns, and the flags and the
+    matmul precision stay readable (with torch's newer fp32_precision properties they raise)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set_tf32(True) == {"matmul": True, "cudnn": True}
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"
+        assert set_tf32(False) == {"matmul": False, "cudnn": False}
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "highest"
+
+
+@needs_data("hmda/raw/hmda_train_preprocessed.zip")
+@pytest.mark.slow
+def test_tf32_is_off_unless_asked_for_and_config_json_records_it(tmp_path):
+    """PyTorch's default leaves cuDNN's TF32 on; a run turns both flags off unless --tf32."""
+    for flags, allowed in (([], False), (["--tf32"], True)):
+        out = tmp_path / f"tf32-{allowed}"
+        check_ok(run_script("main-LR-HMDA.py", "--out", out, "--epochs", "1", "--max-train-examples", "64",
+                            "--max-eval-examples", "64", *flags))
+        config = json.loads((out / "config.json").read_text())
+        assert config["tf32"] == {"matmul": allowed, "cudnn": allowed} and config["args"]["tf32"] is allowed
+
+
+@pytest.mark.parametrize("script", ["main-LR-HMDA.py", "main-LSTM-Wiki2.py", "main-MLP-M4.py", "main-GPT2-Wiki103.py"])
+def test_every_entry_script_explains_tf32(script):
+    result = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                            check=True, timeout=120)
+    words = " ".join(result.stdout.split())
+    assert re.search(r"--tf32 allow TensorFloat-32 in CUDA .{0,200}default off: full float32", words), result.stdout
 
 
 # ---------------------------------------------------------------- refused end to end, one line, exit 2

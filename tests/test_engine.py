@@ -170,6 +170,10 @@ def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
         restore(tmp_path / "old.pt", moved, flat, optimizer, sorter, torch.device("cpu"))
     with pytest.raises(UserFacingError, match=r"--lr 0.1 \(now 0.2\)"):
         restore(tmp_path / "checkpoint.pt", {**moved, "lr": 0.2}, flat, optimizer, sorter, torch.device("cpu"))
+    # --tf32 changes the arithmetic: a checkpoint from before the flag ran without it (float32)
+    restore(tmp_path / "checkpoint.pt", {**moved, "tf32": False}, flat, optimizer, sorter, torch.device("cpu"))
+    with pytest.raises(UserFacingError, match=r"--tf32 False \(now True\)"):
+        restore(tmp_path / "checkpoint.pt", {**moved, "tf32": True}, flat, optimizer, sorter, torch.device("cpu"))
 
 
 def test_step_decay_per_epoch():
