@@ -1,5 +1,5 @@
 """Seconds per training epoch of every benchmark alone on one GPU: a textbook PyTorch loop, our engine
-with D-RR, and our engine with CD-GraB (issue #7/#8).
+with D-RR, and our engine with CD-GraB.
 
     python bench/gpu_epochs.py [--data-dir DIR] [--benchmarks NAME ...] [--steps N | NAME=N ...] [--json PATH]
 
@@ -14,8 +14,7 @@ same initial parameters:
   where the settings clip, which the paper's do not), no ordering: step t takes the batch the engine
   would take at step t in the identity order, sliced from the task's tensors. Like the engine it reads
   the loss on the host every engine.train.LOSS_CHECK_EVERY steps, so the two differ by the engine's work,
-  not by a read of the loss. The LSTM runs on cuDNN here, PyTorch's default; the engine computes
-  its LSTM gradients without cuDNN (main-LSTM-Wiki2.py says why), which is part of what it costs.
+  not by a read of the loss. The LSTM runs on cuDNN in both (TF32 off, as the suite sets it).
 - D-RR and CD-GraB: `engine.train.train` in the same process, on the benchmark's Task.
 
 Every run trains on the benchmark's Task cut with --max-train-examples to `steps` steps per epoch: one
@@ -26,7 +25,7 @@ is the training seconds it logs for its second epoch (epoch_seconds: evaluation 
 ends after a device synchronisation); the textbook loop's is its second pass between two
 torch.cuda.synchronize(). seconds_per_epoch = seconds per timed step x the benchmark's real steps per
 epoch (its whole training set with these settings), so work done once per epoch (CD-GraB's and D-RR's
-sort, the orders' copy to the host) is counted steps_per_epoch / steps times over. Peak GPU memory is
+sort) is counted steps_per_epoch / steps times over. Peak GPU memory is
 torch.cuda.max_memory_allocated while training (evaluation excluded), the task's data included.
 
 Writes one JSON object to bench/results/gpu-epochs.json (--json) and prints it: device, torch, cuda,
@@ -61,7 +60,7 @@ from bench.step_overhead import entry_module  # noqa: E402
 from data.common import default_data_dir  # noqa: E402
 from engine.cli import OneLineErrorParser, check_args  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
-from engine.device import setup_device  # noqa: E402
+from engine.device import set_tf32, setup_device  # noqa: E402
 from engine.errors import UserFacingError  # noqa: E402
 from engine.train import LOSS_CHECK_EVERY, train  # noqa: E402
 
@@ -118,6 +117,7 @@ def build_task(benchmark: str, steps: int, data_dir: str, device: torch.device, 
     # --max-train-examples counts bptt chunks of all B columns for the LSTM (one per step), else
     # examples (windows, blocks): B per step
     args.max_train_examples = steps if benchmark == "LSTM-Wiki2" else steps * args.B
+    set_tf32(args.tf32)  # off, as run_entry_point sets it: the textbook loop and the engine alike
     torch.manual_seed(args.seed)  # the model's initialisation, as in run_entry_point
     task = build(args, device)
     if task.n_units // task.units_per_step != steps:
