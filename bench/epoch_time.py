@@ -1,44 +1,64 @@
 """Seconds per epoch of an entry script for several sorters, measured back to back in one run.
 
-    python bench/epoch_time.py main-LR-HMDA.py --sorters CD-GraB D-RR -- --max-train-examples 32000
+    OMP_NUM_THREADS=1 python bench/epoch_time.py main-LR-HMDA.py --sorters D-RR CD-GraB -- --max-train-examples 64000
 
-Everything after `--` goes to the entry script. Prints each sorter's training seconds per epoch,
-its sorter / communication / compute split, and the ratio to the first sorter's epoch time.
+Everything after `--` goes to the entry script. Each round runs every sorter once (a fresh run of
+--epochs epochs, in a process of its own), so sorters take turns and a slow patch of a shared machine
+hits them alike; each number is the median over the rounds of the training seconds of epoch --epoch
+(evaluation excluded; epoch 1 also pays one-off costs such as compiling the sign loop). Prints ONE JSON
+object: per sorter the epoch's seconds and its sorter / comm / compute split, and the ratio of each
+sorter's seconds to the first sorter's.
 """
 import argparse
 import csv
+import json
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+COLUMNS = ("epoch_seconds", "sorter_seconds", "comm_seconds", "compute_seconds")
+
+
+def one_run(script: str, sorter: str, epochs: int, extra: list[str], out: Path) -> dict:
+    """Train `sorter` for `epochs` epochs; the metrics rows, as {epoch: {column: seconds}}."""
+    subprocess.run([sys.executable, script, "--sorter", sorter, "--epochs", str(epochs), "--out", str(out),
+                    "--progress", "off", *extra], cwd=REPO, check=True, stderr=subprocess.DEVNULL)
+    with open(out / "metrics.csv") as f:
+        return {int(row["epoch"]): {key: float(row[key]) for key in COLUMNS} for row in csv.DictReader(f)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("script", help="entry script, e.g. main-LR-HMDA.py")
-    parser.add_argument("--sorters", nargs="+", default=["D-RR", "CD-GraB"], help="sorters to time")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs per sorter (the mean is reported)")
+    parser.add_argument("--sorters", nargs="+", default=["D-RR", "CD-GraB"], help="sorters to time; the first "
+                        "is the reference of the ratios")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per run")
+    parser.add_argument("--epoch", type=int, default=None, help="the epoch reported (default: the last)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per sorter, interleaved; medians reported")
     argv, extra = sys.argv[1:], []
     if "--" in argv:  # everything after -- belongs to the entry script
         argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(argv)
-    rows = {}
+    epoch = args.epoch or args.epochs
+    if not 1 <= epoch <= args.epochs or args.rounds < 1:
+        parser.error(f"need 1 <= --epoch <= --epochs and --rounds >= 1, got {epoch}, {args.epochs}, {args.rounds}")
+    samples = {sorter: [] for sorter in args.sorters}
     with tempfile.TemporaryDirectory() as tmp:
-        for sorter in args.sorters:
-            out = Path(tmp) / sorter
-            subprocess.run([sys.executable, args.script, "--sorter", sorter, "--epochs", str(args.epochs),
-                            "--out", str(out), "--progress", "off", *extra], cwd=REPO, check=True)
-            with open(out / "metrics.csv") as f:
-                epochs = list(csv.DictReader(f))
-            rows[sorter] = {key: sum(float(e[key]) for e in epochs) / len(epochs)
-                            for key in ("epoch_seconds", "sorter_seconds", "comm_seconds", "compute_seconds")}
-    base = rows[args.sorters[0]]["epoch_seconds"]
-    print(f"{'sorter':10} {'epoch s':>9} {'sorter s':>9} {'comm s':>9} {'compute s':>9} {'ratio':>7}")
-    for sorter, r in rows.items():
-        print(f"{sorter:10} {r['epoch_seconds']:9.2f} {r['sorter_seconds']:9.2f} {r['comm_seconds']:9.2f} "
-              f"{r['compute_seconds']:9.2f} {r['epoch_seconds'] / base:7.2f}")
+        for round_ in range(args.rounds):
+            for sorter in args.sorters:
+                rows = one_run(args.script, sorter, args.epochs, extra, Path(tmp) / f"{sorter}-{round_}")
+                samples[sorter].append(rows[epoch])
+    medians = {sorter: {key: round(statistics.median(row[key] for row in rows), 4) for key in COLUMNS}
+               for sorter, rows in samples.items()}
+    base = medians[args.sorters[0]]["epoch_seconds"]
+    print(json.dumps({
+        "script": args.script, "entry_args": extra, "epochs": args.epochs, "epoch_reported": epoch,
+        "rounds": args.rounds, "seconds": medians,
+        "ratio_to_first": {sorter: round(m["epoch_seconds"] / base, 3) for sorter, m in medians.items()},
+    }, indent=1))
 
 
 if __name__ == "__main__":

@@ -112,22 +112,21 @@ class FlatModel:
         output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
         grads = out if out is not None else torch.empty(U, self.d, dtype=self.flat.dtype, device=self.flat.device)
         with torch.no_grad():  # the products below need no autograd bookkeeping
-            calls = {}  # module -> ([inputs (U, T_i, in)], [output grads (U, T_i, out)]), over its calls
+            calls = {}  # module -> ([inputs], [output grads]), one entry per call of the module
             for (module, inputs, _), output_grad in zip(records, output_grads):
                 if inputs.shape[0] != U or output_grad.shape[0] != U:
                     raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for "
                                      f"{U} units: per-unit gradients need the units on dim 0 of every layer input")
                 ins, outs = calls.setdefault(module, ([], []))
-                ins.append(_units_tokens_features(inputs, module))
-                outs.append(output_grad.reshape(U, -1, output_grad.shape[-1]))
+                ins.append(inputs)
+                outs.append(output_grad)
             slots = _Slots(self, grads)
             # embeddings last: a tied weight's dense product (GPT-2's lm_head) is then copied into its slot
             # first and the embedding's few rows are scattered onto it, instead of zeroing the slot, scattering,
             # and adding the dense product (two more passes over a (U, V, C) slot)
             in_order = sorted(calls.items(), key=lambda call: type(call[0]).__name__ == "Embedding")
             for module, (ins, outs) in in_order:  # a layer used several times (the MLP's rollout): one call
-                inputs, output_grad = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=1) for xs in (ins, outs))
-                self.rules[module](module, inputs, output_grad, slots)
+                self.rules[module](module, _calls_as_tokens(ins, module), _calls_as_tokens(outs), slots)
             if len(slots.written) < len(self.offsets):
                 slots.zero_untouched()  # parameters the forward did not use have zero gradient
         return grads, losses.detach()
@@ -169,11 +168,17 @@ class _Slots:
                 self.zeroed(p)
 
 
-def _units_tokens_features(inputs: torch.Tensor, module) -> torch.Tensor:
-    """A layer input as (U, T, features), or (U, T) token ids for an Embedding."""
+def _calls_as_tokens(tensors: list, module=None) -> torch.Tensor:
+    """The inputs (or output gradients) of every call of one layer, units on dim 0, as one (U, T, features)
+    tensor, or (U, T) token ids for an Embedding's inputs: the calls' tokens side by side on dim 1.
+    (U, features) tensors, one token per call (the MLP's rollout), are stacked in one operation."""
+    if len(tensors) > 1 and all(t.dim() == 2 for t in tensors) and type(module).__name__ != "Embedding":
+        return torch.stack(tensors, dim=1)
     if type(module).__name__ == "Embedding":
-        return inputs.reshape(inputs.shape[0], -1)
-    return inputs.reshape(inputs.shape[0], -1, inputs.shape[-1])
+        pieces = [t.reshape(t.shape[0], -1) for t in tensors]
+    else:
+        pieces = [t.reshape(t.shape[0], -1, t.shape[-1]) for t in tensors]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 # Per-layer rules for outer_unit_gradients: rule(module, a (U, T, in), g (U, T, out), slots) adds every
