@@ -384,7 +384,11 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
     recorded orders, first epoch to run)."""
     # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
     # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
-    state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    except Exception:  # a damaged file fails in many ways (EOFError, UnpicklingError, OSError, RuntimeError)
+        raise UserFacingError(f"cannot resume: {checkpoint_path} is unreadable (corrupt or truncated); start a new "
+                              f"run with another --out, or delete {checkpoint_path} to start this one afresh") from None
     added = {**ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS.get(benchmark, {})}
     saved_args = {**added, **state["args"]}  # a checkpoint from before a flag existed
     arg_dict = {**added, **arg_dict}

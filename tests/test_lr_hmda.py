@@ -106,6 +106,23 @@ def test_resume_rewrites_logs_a_kill_left_behind_the_checkpoint(tmp_path):
     check_run_files(out, epochs=3, m=400)
 
 
+def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
+    """checkpoint.pt cut short (a full disk, an interrupted copy) or overwritten: --resume names the file and
+    what to do in one line, exits 2 and leaves the run directory as it was."""
+    out = tmp_path / "run"
+    check_ok(run_script(SCRIPT, "--epochs", "1", "--out", out, *QUICK))
+    checkpoint = (out / "checkpoint.pt").read_bytes()
+    for damaged in (checkpoint[:len(checkpoint) // 2], checkpoint[:100], b"not a checkpoint\n" * 8):
+        (out / "checkpoint.pt").write_bytes(damaged)
+        files = {path.name: path.read_bytes() for path in out.iterdir()}
+        result = run_script(SCRIPT, "--epochs", "2", "--out", out, "--resume", *QUICK)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+        assert line.startswith("error: cannot resume: ") and "another --out" in line
+        assert f"{out / 'checkpoint.pt'} is unreadable (corrupt or truncated)" in line
+        assert {path.name: path.read_bytes() for path in out.iterdir()} == files
+
+
 def test_a_dead_rank_stops_the_others_quickly(tmp_path):
     start = time.monotonic()
     result = run_script(SCRIPT, "--epochs", "2", "--out", tmp_path / "run", *QUICK, nproc=2,
