@@ -29,7 +29,7 @@ from engine import runlog
 from engine.cli import ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS, check_args
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
-from engine.errors import UserFacingError
+from engine.errors import UserFacingError, exit_with_error
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
@@ -111,8 +111,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         train(task, args, comm, device)
         comm.close(finished=True)
     except UserFacingError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(str(error))  # under torchrun: printed once (rank 0), every rank exits 2
     except KeyboardInterrupt:
         print("interrupted; the last finished epoch is in checkpoint.pt (continue with --resume)", file=sys.stderr)
         sys.exit(130)
