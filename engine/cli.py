@@ -3,7 +3,7 @@ import argparse
 import math
 
 from data.common import default_data_dir
-from engine.errors import UserFacingError
+from engine.errors import UserFacingError, exit_with_error
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
 from engine.reducers import REDUCER_NAMES
@@ -21,7 +21,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """Reports a bad command line in one line (argparse prints the whole usage block first)."""
 
     def error(self, message):
-        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+        exit_with_error(f"{message}; see {self.prog} --help")  # once per torchrun job, status 2
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -1,8 +1,31 @@
-"""The one exception type whose message is shown to the user as a single line (no traceback)."""
+"""The one exception type whose message is shown to the user as a single line (no traceback), and
+how that line is printed once per job."""
+import os
+import sys
+import time
+
+# Under torchrun every process runs the same checks, so bad input is normally seen by every rank at about
+# the same time. Rank 0 alone reports it; torchrun stops the other processes as soon as rank 0 exits
+# (it polls them every 0.1 s). A rank that sees an error rank 0 does not (rank 0 then waits in a
+# collective) reports it itself after this many seconds.
+PEER_REPORT_DELAY_SECONDS = 10.0
 
 
 class UserFacingError(Exception):
     """Bad input or a failed run, explained in one line that says what to do.
 
-    The entry scripts catch it, print ``error: <message>`` to stderr and exit with status 2.
+    The entry scripts catch it, print ``error: <message>`` to stderr and exit with status 2
+    (exit_with_error).
     """
+
+
+def exit_with_error(message: str, status: int = 2):
+    """Print `error: <message>` to stderr and exit with `status`; under torchrun only rank 0 prints at
+    once, any other rank after PEER_REPORT_DELAY_SECONDS (if torchrun has not stopped it by then)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        try:
+            time.sleep(PEER_REPORT_DELAY_SECONDS)
+        except KeyboardInterrupt:
+            sys.exit(130)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)

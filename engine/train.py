@@ -29,7 +29,7 @@ from engine import runlog
 from engine.cli import ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS, check_args
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
-from engine.errors import UserFacingError
+from engine.errors import UserFacingError, exit_with_error
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
@@ -111,8 +111,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         train(task, args, comm, device)
         comm.close(finished=True)
     except UserFacingError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(str(error))  # under torchrun: printed once (rank 0), every rank exits 2
     except KeyboardInterrupt:
         print("interrupted; the last finished epoch is in checkpoint.pt (continue with --resume)", file=sys.stderr)
         sys.exit(130)
@@ -384,7 +383,11 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
     recorded orders, first epoch to run)."""
     # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
     # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
-    state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    except Exception:  # a damaged file fails in many ways (EOFError, UnpicklingError, OSError, RuntimeError)
+        raise UserFacingError(f"cannot resume: {checkpoint_path} is unreadable (corrupt or truncated); start a new "
+                              f"run with another --out, or delete {checkpoint_path} to start this one afresh") from None
     added = {**ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS.get(benchmark, {})}
     saved_args = {**added, **state["args"]}  # a checkpoint from before a flag existed
     arg_dict = {**added, **arg_dict}

@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# Fetch every data set this suite reads into DATA_DIR (default: $CDGRAB_DATA, else ./datasets),
-# from its public source. Needs the internet, curl and unzip; files already present are kept.
-#   scripts/download_data.sh [DATA_DIR]
-# Layout written (what the entry scripts look for):
-#   hmda/targets-processed-NY-2017.pt                 authors' targets (their features file is not public)
-#   hmda/hmda_2017_ny_all-records_labels.zip          CFPB LAR 2017, New York (source (b) of data/hmda.py)
-#   hmda/raw/hmda_train_preprocessed.zip              HMDA 2018 sample (source (c))
-#   wikitext-2/{train,valid,test}.txt                 pytorch/examples word-level copy
-#   wikitext-103/wiki.{train,valid,test}.raw          WikiText-103 raw v1, the paper's variant (about 190 MB zipped)
-#   m4/{Weekly,Hourly}-{train,test}.csv               M4 competition
-#   gpt2-tokenizer/{vocab.json,merges.txt}            OpenAI GPT-2 BPE encodings
+# Fetch every data set this suite reads into DATA_DIR, from its public source (usage: --help).
 set -euo pipefail
+usage() {
+  cat <<'USAGE'
+usage: scripts/download_data.sh [DATA_DIR]
+
+Fetches every data set this suite reads into DATA_DIR (default: $CDGRAB_DATA, else ./datasets), from
+its public source. Needs the internet, curl and unzip; files already present are kept, so a rerun
+fetches only what is missing.
+
+Layout written (what the entry scripts look for):
+  hmda/targets-processed-NY-2017.pt                 authors' targets (their features file is not public)
+  hmda/hmda_2017_ny_all-records_labels.zip          CFPB LAR 2017, New York (source (b) of data/hmda.py)
+  hmda/raw/hmda_train_preprocessed.zip              HMDA 2018 sample (source (c))
+  wikitext-2/{train,valid,test}.txt                 pytorch/examples word-level copy
+  wikitext-103/wiki.{train,valid,test}.raw          WikiText-103 raw v1, the paper's variant (about 190 MB zipped)
+  m4/{Weekly,Hourly}-{train,test}.csv               M4 competition
+  gpt2-tokenizer/{vocab.json,merges.txt}            OpenAI GPT-2 BPE encodings
+USAGE
+}
+case ${1:-} in
+  -h|--help) usage; exit 0 ;;
+  -*) echo "error: unknown option '$1'; see scripts/download_data.sh --help" >&2; exit 2 ;;
+esac
+if (($# > 1)); then
+  echo "error: one DATA_DIR at most, got $#: $*; see scripts/download_data.sh --help" >&2
+  exit 2
+fi
 DATA_DIR="${1:-${CDGRAB_DATA:-./datasets}}"
 mkdir -p "$DATA_DIR"
 cd "$DATA_DIR"

@@ -9,6 +9,7 @@ worker-scaling studies (issue #10): final values per partition / worker count, m
 the communication study (issue #9). Runs with fewer epochs than the paper's epoch are reported at their
 last epoch and marked.
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -153,8 +154,25 @@ def communication_markdown(df) -> list[str]:
     return lines
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad command line in one line, as the entry scripts do (argparse prints its usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def main():
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else default_results_dir()
+    parser = OneLineErrorParser(prog="python scripts/reproduction_tables.py", description=__doc__.split("\n\n")[0],
+                                epilog="Prints Markdown to stdout.")
+    parser.add_argument("results_dir", nargs="?", metavar="RESULTS_DIR",
+                        help="folder searched recursively for run directories (and RESULTS_DIR/herding for the "
+                             "herding simulation's CSVs); default: results/ when it holds runs, else the shipped "
+                             "reproduction/")
+    args = parser.parse_args()
+    root = Path(args.results_dir) if args.results_dir else default_results_dir()
+    if not root.is_dir():
+        parser.error(f"RESULTS_DIR {root} is not a folder; give a folder that holds run directories (searched "
+                     "recursively), or none for the default")
     everything = load_runs(root, include_incomplete=True, warn=False)
     df = everything[everything["study"] == ""]  # the benchmarks' own runs; the studies have their own tables
     for benchmark in PAPER:

@@ -13,12 +13,30 @@ SEEDS=${SEEDS:-0}  # before sweep-common.sh sets its own default
 source "$(dirname "${BASH_SOURCE[0]}")/sweep-common.sh"
 STRATEGIES=${STRATEGIES:-"every-step constant qsr"}
 REDUCERS=${REDUCERS:-"dense exdyna"}
-variables="  STRATEGIES  synchronisation rules: every-step constant qsr   (default all three)
-  REDUCERS    dense exdyna                                       (default both)
-  (SEEDS defaults to 0 here)"
 if want_help "$@"; then
-  sweep_usage MLP-M4 "--node_cnt 4 --B 16 --lr 1e-3 --epochs 4
---lr-schedule cosine --warmup-epochs 0.5 --min-lr 1e-5; runs under \$RESULTS/communication" "$variables" "<strategy>-<reducer>"
+  # its own text: sweep_usage describes a benchmark's paper sweep (another script name, other defaults)
+  cat <<USAGE
+usage: scripts/sweep-communication.sh [extra args for main-MLP-M4.py ...]
+
+The communication study: MLP-M4 (4 workers, B 16, lr 1e-3, 4 epochs, --lr-schedule cosine --warmup-epochs 0.5
+--min-lr 1e-5) for every strategy x reducer x sorter x seed, skipping finished runs and resuming unfinished
+ones. Runs go to \$RESULTS/communication/MLP-M4/<sorter>-node4-B16-lr0.001-<strategy>-<reducer>-seed<seed>;
+python -m analysis draws them. Extra arguments go to every run after the defaults.
+  every-step  data-parallel: gradients averaged every step, the paper (--sync every-step)
+  constant    local SGD, parameters averaged every 4 steps (--sync constant --H 4)
+  qsr         local SGD, H = max(4, floor((0.002 / lr)^2)) (--sync qsr --H-base 4 --alpha 0.002)
+  dense       all-reduce (--reducer dense)
+  exdyna      ExDyna at 1 % density (--reducer exdyna --density 0.01)
+
+environment:
+  STRATEGIES  synchronisation rules  (default "every-step constant qsr")
+  REDUCERS    reducers               (default "dense exdyna")
+  SORTERS     sorters to run         (default "CD-GraB D-RR")
+  SEEDS       seeds to run           (default "0")
+  EPOCHS      epochs per run         (default 4)
+  RESULTS     results root           (default results)
+  NPROC, PYTHON, TORCHRUN, DATA, DRY_RUN: as in scripts/sweep-LR-HMDA.sh --help
+USAGE
   exit 0
 fi
 RESULTS="$RESULTS/communication"

@@ -236,3 +236,20 @@ def test_rotated_unit_gradients_never_hand_out_a_buffer_in_use(count):
     single = Task()
     single.model = task.model
     assert len({single._unit_grad_buffer(4).data_ptr() for _ in range(3)}) == 1
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_torchrun_error_is_printed_at_once_by_rank_0_only(monkeypatch, capsys, rank):
+    """Rank 0 prints at once; another rank waits for torchrun to stop it, and prints only if it is still
+    running after the wait (an error rank 0 did not see). Both exit 2."""
+    from engine import errors
+
+    waits = []
+    monkeypatch.setattr(errors.time, "sleep", waits.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit_info:
+        errors.exit_with_error("--B 15 is not divisible by --node_cnt 4")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --B 15 is not divisible by --node_cnt 4\n"
+    assert waits == ([] if rank == "0" else [errors.PEER_REPORT_DELAY_SECONDS])

@@ -106,6 +106,42 @@ def test_resume_rewrites_logs_a_kill_left_behind_the_checkpoint(tmp_path):
     check_run_files(out, epochs=3, m=400)
 
 
+def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
+    """checkpoint.pt cut short (a full disk, an interrupted copy) or overwritten: --resume names the file and
+    what to do in one line, exits 2 and leaves the run directory as it was."""
+    out = tmp_path / "run"
+    check_ok(run_script(SCRIPT, "--epochs", "1", "--out", out, *QUICK))
+    checkpoint = (out / "checkpoint.pt").read_bytes()
+    for damaged in (checkpoint[:len(checkpoint) // 2], checkpoint[:100], b"not a checkpoint\n" * 8):
+        (out / "checkpoint.pt").write_bytes(damaged)
+        files = {path.name: path.read_bytes() for path in out.iterdir()}
+        result = run_script(SCRIPT, "--epochs", "2", "--out", out, "--resume", *QUICK)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+        assert line.startswith("error: cannot resume: ") and "another --out" in line
+        assert f"{out / 'checkpoint.pt'} is unreadable (corrupt or truncated)" in line
+        assert {path.name: path.read_bytes() for path in out.iterdir()} == files
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--epochs", "0"], "--epochs must be >= 1"),  # engine.cli.check_args, before the process group
+    (["--sorter", "GraB"], "invalid choice: 'GraB'"),  # argparse
+    (["--resume"], "checkpoint.pt is unreadable"),  # after the process group is up
+])
+def test_bad_input_under_torchrun_is_reported_once(tmp_path, args, message):
+    """Every rank sees the error; rank 0 alone prints it, and exits 2. torchrun itself then exits 1 and
+    prints its ChildFailedError summary, whatever the ranks' status (README, "Bad input")."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"not a checkpoint\n")
+    result = run_script(SCRIPT, "--epochs", "2", "--out", out, *QUICK, *args, nproc=2, timeout=120)
+    (line,) = error_lines(result)
+    assert message in line, result.stderr
+    assert result.returncode == 1
+    root_cause = result.stderr.split("Root Cause")[-1]
+    assert re.search(r"rank\s*:\s*0\b", root_cause) and re.search(r"exitcode\s*:\s*2\b", root_cause), result.stderr
+
+
 def test_a_dead_rank_stops_the_others_quickly(tmp_path):
     start = time.monotonic()
     result = run_script(SCRIPT, "--epochs", "2", "--out", tmp_path / "run", *QUICK, nproc=2,
