@@ -97,17 +97,14 @@ class FlatModel:
         if not self.supports_outer:
             raise ValueError("outer_unit_gradients needs a model made only of Linear, Conv1D, Embedding "
                              "and LayerNorm layers; use unit_gradients (vmap)")
-        records = []
-
-        def record(module, inputs, output):
-            records.append((module, inputs[0], output))
-
-        handles = [module.register_forward_hook(record) for module in self.rules]
+        records = []  # (module, its input, its output), one per call, in call order
+        for module in self.rules:  # record through the forward itself: cheaper than a forward hook per call
+            module.forward = _recording_forward(module, records)
         try:
             losses = unit_loss_fn(self.flat, batch)
         finally:
-            for handle in handles:
-                handle.remove()
+            for module in self.rules:
+                del module.forward  # the class's forward again
         U = losses.shape[0]
         output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
         grads = out if out is not None else torch.empty(U, self.d, dtype=self.flat.dtype, device=self.flat.device)
@@ -131,6 +128,18 @@ class FlatModel:
                 slots.zero_untouched()  # parameters the forward did not use have zero gradient
         return grads, losses.detach()
 
+
+
+def _recording_forward(module, records: list):
+    """module's own forward, appending (module, input, output) to records at each call."""
+    forward = type(module).forward
+
+    def recording(inputs, *args, **kwargs):
+        output = forward(module, inputs, *args, **kwargs)
+        records.append((module, inputs, output))
+        return output
+
+    return recording
 
 
 class _Slots:
