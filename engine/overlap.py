@@ -7,7 +7,7 @@ joins it before anything reads the sorter: the next step, `sort()`, `state_dict(
 sees exactly the same calls in the same order, so orders are bit-identical to the sequential path.
 
 The caller must keep each step's gradients intact until the step after next has been submitted
-(the engine double-buffers per-unit gradients when overlapping).
+(the engine rotates one more per-unit gradient buffer when overlapping: engine/task.py grad_buffers).
 
 CUDA memory. The caching allocator recycles a freed block on the stream that allocated it without
 waiting for other streams, so each tensor handed to the side stream is recorded on it
