@@ -55,14 +55,23 @@ def test_round_lengths_sum_to_the_run(alpha):
     assert sequence[-1][0] + sequence[-1][1] == TOTAL
 
 
+def reference_lr(step, *, lr=0.5, min_lr=1e-4, warmup=WARMUP, total=TOTAL):
+    """The QSR reference scheduler (Gu et al. 2024), written out: linear warm-up from min_lr, step s of
+    the warm-up using s / warmup of the way to lr, then half a cosine down to min_lr at the last step."""
+    if step < warmup:
+        return min_lr + (lr - min_lr) * step / warmup
+    progress = (step - warmup) / (total - warmup)
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2
+
+
 def test_schedules_warm_up_then_decay_to_min_lr():
     schedule = cosine()
-    assert schedule(0) == pytest.approx(1e-4 + (0.5 - 1e-4) / WARMUP) and schedule(WARMUP - 1) == 0.5
-    assert schedule(WARMUP) == 0.5 and schedule(TOTAL) == pytest.approx(1e-4)
+    assert [schedule(s) for s in range(TOTAL)] == pytest.approx([reference_lr(s) for s in range(TOTAL)], rel=1e-12)
+    assert schedule(0) == 1e-4 and schedule(WARMUP) == 0.5 and schedule(TOTAL) == pytest.approx(1e-4)
     linear = LRSchedule(1.0, 10, kind="linear", total_epochs=2)
     assert [linear(s) for s in (0, 10, 20)] == pytest.approx([1.0, 0.5, 0.0])
     step = LRSchedule(1.0, 10, every_epochs=1, gamma=0.5, warmup_epochs=0.5)
-    assert [step(s) for s in (0, 4, 5, 10, 20)] == pytest.approx([0.2, 1.0, 1.0, 0.5, 0.25])
+    assert [step(s) for s in (0, 1, 4, 5, 10, 20)] == pytest.approx([0.0, 0.2, 0.8, 1.0, 0.5, 0.25])
 
 
 def test_sync_schedule_rules():
