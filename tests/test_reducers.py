@@ -196,11 +196,11 @@ def test_exdyna_block_layout_default_and_small_d():
     assert bounds[-1] == 100_003 and bounds[-1] - bounds[-2] == 128 * 96 + 100_003 - 1024 * 96  # leftover
     # d < 1024 * 32: 1024 unaligned blocks of 4; the first 1024 mod 3 = 1 partition one block more
     reducer = make_reducer("exdyna", LocalCommunicator(3), 5000, "cpu", density=0.01)
-    assert (reducer.n_blocks, reducer.blk, reducer.c_min) == (1024, 4, 85)
+    assert (reducer.n_blocks, reducer.blk, reducer.c_min) == (1024, 4, 1024 / 12)
     assert reducer.block_bounds == [0, 342, 683, 1024]
     # d < 1024: one element per block
     reducer = make_reducer("exdyna", LocalCommunicator(2), 50, "cpu", density=0.1)
-    assert (reducer.n_blocks, reducer.blk, reducer.c_min, reducer.block_bounds) == (50, 1, 6, [0, 25, 50])
+    assert (reducer.n_blocks, reducer.blk, reducer.c_min, reducer.block_bounds) == (50, 1, 50 / 8, [0, 25, 50])
     reducer.reduce(heavy_tailed(range(2), 0, 50))
 
 
@@ -273,6 +273,21 @@ def test_exdyna_boundaries_move_at_most_one_block_and_never_below_c_min():
     floor = int(sizes[-1].argmin())
     assert sizes[-1, floor] == reducer.c_min and (history[-10:] == history[-1]).all()
     assert floor < n - 1 and load[floor] > 1.05 and load[floor + 1] < 1 / 1.05
+
+
+@pytest.mark.parametrize("n", [3, 6])
+def test_exdyna_c_min_is_the_unfloored_1024_over_4n(n):
+    """The spec's c_min = 1024 / (4n) blocks is a float: for n = 3 (85.33) or 6 (42.67) a partition
+    stops at 86 or 43 blocks; a floored c_min would let it reach 85 or 42."""
+    d = 1024 * 32  # blk = 32: the reference layout
+    reducer = make_reducer("exdyna", LocalCommunicator(n), d, "cpu", density=0.01)
+    smallest = math.ceil(1024 / (4 * n))  # the fewest whole blocks that are still >= 1024 / (4n)
+    counts = [1000] + [1] * (n - 1)  # at t = 1 worker w owned partition w: partition 0 overloaded
+    sizes = []
+    for _ in range(400):
+        reducer._rebalance(counts, 1)
+        sizes.append(reducer.block_bounds[1] - reducer.block_bounds[0])
+    assert min(sizes) == sizes[-1] == smallest  # it shrank all the way, and no further
 
 
 def test_exdyna_threshold_rule():
