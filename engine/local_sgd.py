@@ -1,6 +1,6 @@
 """Local SGD: each worker steps on its own parameters and averages with the others every H steps.
 
-`--sync` picks H (qsr-spec section 1, the Quadratic Synchronization Rule of Gu et al., ICLR 2024):
+`--sync` picks H (the Quadratic Synchronization Rule of Gu et al., ICLR 2024, and their reference code):
 
     constant    H = --H every round
     qsr         H = max(H_base, floor((alpha / lr) ** power)), power 2 (H_init during warm-up)
@@ -34,7 +34,7 @@ def qsr_period(lr: float, step: int, *, warmup_steps: int, total_steps: int, h_i
                alpha: float, power: float = 2.0) -> int:
     """Length of the round that starts at 0-based global `step`, whose first step uses learning rate `lr`.
 
-    qsr-spec section 1 exactly: H_init during warm-up or when alpha is 0, else
+    The rule of Gu et al. 2024 exactly: H_init during warm-up or when alpha is 0, else
     max(H_base, floor((alpha / lr) ** power)); then capped so the round ends at the run's last step
     (total_steps), and at least 1. A learning rate of 0 makes the round last to the end of the run.
     """

@@ -20,7 +20,7 @@ sums) the same average.
 `comm_bytes` counts the payload as if each worker were its own process, summed over the n workers,
 so it is the same in both layouts (as engine.comm.GradientExchange does).
 
-ExDyna follows /work/shared/reference/exdyna-spec.md section 2 (Yoon & Oh, CCGrid 2024).
+ExDyna follows Yoon & Oh, CCGrid 2024 (arXiv 2402.13781) and their reference code.
 """
 import math
 

@@ -1,4 +1,4 @@
-"""Local SGD and the Quadratic Synchronization Rule (qsr-spec sections 1 and 6), and the schedules."""
+"""Local SGD and the Quadratic Synchronization Rule (Gu et al. 2024), and the schedules."""
 import math
 
 import pytest

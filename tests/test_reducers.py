@@ -277,7 +277,7 @@ def test_exdyna_boundaries_move_at_most_one_block_and_never_below_c_min():
 
 @pytest.mark.parametrize("n", [3, 6])
 def test_exdyna_c_min_is_the_unfloored_1024_over_4n(n):
-    """The spec's c_min = 1024 / (4n) blocks is a float: for n = 3 (85.33) or 6 (42.67) a partition
+    """ExDyna's c_min = 1024 / (4n) blocks is a float: for n = 3 (85.33) or 6 (42.67) a partition
     stops at 86 or 43 blocks; a floored c_min would let it reach 85 or 42."""
     d = 1024 * 32  # blk = 32: the reference layout
     reducer = make_reducer("exdyna", LocalCommunicator(n), d, "cpu", density=0.01)
