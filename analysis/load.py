@@ -38,7 +38,8 @@ HERDING_COLUMNS = ["n_workers", "m", "d", "trial", "method", "round", "bound"]
 # engine.cli.ADDED_ARG_DEFAULTS and BENCHMARK_ARG_DEFAULTS (a test keeps them equal): defaults of arguments
 # added after runs were shipped, so a config.json without them is the same experiment as a new run with them
 ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
-                      "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
+                      "switch_epoch": None, "average_opt_state": False, "avg_m": False, "avg_v": False,
+                      "reducer": "dense", "density": None,
                       "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
                       "tf32": False}
 BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}

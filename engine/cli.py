@@ -11,7 +11,8 @@ from sorters import SORTER_NAMES
 
 # flags added after runs were shipped: a config.json or checkpoint without them ran with these values
 ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
-                      "switch_epoch": None, "average_opt_state": False, "reducer": "dense", "density": None,
+                      "switch_epoch": None, "average_opt_state": False, "avg_m": False, "avg_v": False,
+                      "reducer": "dense", "density": None,
                       "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
                       "tf32": False}
 BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
@@ -115,9 +116,15 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     sync.add_argument("--power", type=float, default=2.0, help="exponent of --sync qsr (linear uses 1)")
     sync.add_argument("--switch-epoch", type=int, default=None, metavar="E",
                       help="--sync post-local: data-parallel during epochs 1..E-1, local steps from epoch E")
+    # Gu et al. 2024 average AdamW's two moments under separate switches and never SGD's momentum
+    sync.add_argument("--avg-m", action="store_true",
+                      help="with local steps and AdamW, also average the first moment (exp_avg) at each averaging "
+                           "(default: it stays per worker)")
+    sync.add_argument("--avg-v", action="store_true",
+                      help="with local steps and AdamW, also average the second moment (exp_avg_sq) at each "
+                           "averaging (default: it stays per worker)")
     sync.add_argument("--average-opt-state", action="store_true",
-                      help="with local steps, also average the optimizer state (momentum / AdamW moments) at "
-                           "each averaging (default: it stays per worker)")
+                      help="replaced by --avg-m and --avg-v (refused: it also averaged SGD momentum)")
     sync.add_argument("--unit-grad-gather", choices=("round", "step"), default="round",
                       help="with local steps, when the balancing sorters' unit gradients are all-gathered: once "
                            "per round (at the latest every 64 MB) or every step; the same bytes and orders, fewer "

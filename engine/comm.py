@@ -178,7 +178,9 @@ class GradientExchange:
     def exchange(self, local_unit_grads, local_mean_grad, local_worker_grads=None):
         n = self.comm.n_workers
         every = self.gather_unit_grads(local_unit_grads)
-        if local_worker_grads is not None:
+        # the gathered unit gradients already hold the dense mean: sending the workers' gradients to a
+        # dense reducer as well would move the gradient twice (post-local before its switch)
+        if local_worker_grads is not None and (every is None or self.reducer.name != "dense"):
             return self.reducer.reduce(local_worker_grads), every
         if every is not None:
             return every.mean(dim=(0, 1)), every

@@ -1,6 +1,6 @@
 """Local SGD: each worker steps on its own parameters and averages with the others every H steps.
 
-`--sync` picks H (qsr-spec section 1, the Quadratic Synchronization Rule of Gu et al., ICLR 2024):
+`--sync` picks H (the Quadratic Synchronization Rule of Gu et al., ICLR 2024, and their reference code):
 
     constant    H = --H every round
     qsr         H = max(H_base, floor((alpha / lr) ** power)), power 2 (H_init during warm-up)
@@ -16,7 +16,8 @@ Between averagings worker j updates its own row of the (n_local, d) parameter ma
 gradient and its own optimizer state (engine.optim.Optimizer applied to the matrix: every rule is
 element-wise, so each row keeps its own momentum or AdamW moments). An averaging step replaces every
 row by the mean over all n workers, through one flattened all-reduce per process; optimizer state
-stays local unless --average-opt-state. With a sparsifying reducer (--reducer topk/exdyna) what is
+stays local unless --avg-m / --avg-v ask to average AdamW's first / second moment (SGD momentum is never
+averaged, as in the reference code of Gu et al. 2024). With a sparsifying reducer (--reducer topk/exdyna) what is
 averaged is each worker's change since the last averaging, compressed with error feedback.
 """
 import math
@@ -33,7 +34,7 @@ def qsr_period(lr: float, step: int, *, warmup_steps: int, total_steps: int, h_i
                alpha: float, power: float = 2.0) -> int:
     """Length of the round that starts at 0-based global `step`, whose first step uses learning rate `lr`.
 
-    qsr-spec section 1 exactly: H_init during warm-up or when alpha is 0, else
+    The rule of Gu et al. 2024 exactly: H_init during warm-up or when alpha is 0, else
     max(H_base, floor((alpha / lr) ** power)); then capped so the round ends at the run's last step
     (total_steps), and at least 1. A learning rate of 0 makes the round last to the end of the run.
     """
@@ -78,19 +79,26 @@ class LocalWorkers:
 
     params:  (n_local, d) row j = local worker j's parameters (what its gradients are taken at)
     anchor:  (d,) the parameters of the last averaging step, the same on every rank
-    `step(worker_grads, global_step, steps_left_in_epoch)` applies one step: worker_grads (n_local, d)
+    averaged_state: names of the optimizer buffers averaged with the parameters ("exp_avg", "exp_avg_sq";
+    AdamW only). `step(worker_grads, global_step, steps_left_in_epoch)` applies one step: worker_grads (n_local, d)
     each worker's mean gradient over its own units at its own parameters. `end_epoch()` averages
     and writes the averaged parameters into `flat` (the model's, for evaluation and checkpoints).
     """
 
     def __init__(self, flat: torch.Tensor, comm, optimizer_name: str, lr_schedule, sync: SyncSchedule,
-                 reducer, momentum: float = 0.0, weight_decay: float = 0.0, average_opt_state: bool = False):
+                 reducer, momentum: float = 0.0, weight_decay: float = 0.0, averaged_state: tuple = ()):
         self.flat, self.comm, self.sync, self.reducer = flat, comm, sync, reducer
-        self.lr_schedule, self.average_opt_state = lr_schedule, average_opt_state
+        self.lr_schedule = lr_schedule
         n_local = len(comm.local_workers)
         self.anchor = flat.detach().clone()
         self.params = self.anchor.expand(n_local, -1).clone()
         self.optimizer = Optimizer(optimizer_name, self.params, lr_schedule, momentum, weight_decay)
+        # only AdamW's moments may be averaged: the reference never averages SGD momentum
+        unknown = set(averaged_state) - ({"exp_avg", "exp_avg_sq"} & set(self.optimizer.buffers))
+        if unknown:
+            raise UserFacingError(f"--avg-m / --avg-v average AdamW's moments; {optimizer_name} has no "
+                                  f"{', '.join(sorted(unknown))} to average")
+        self.averaged_state = tuple(averaged_state)  # names of optimizer buffers averaged with the parameters
         self.round_left = 0      # steps left in the current round (0: the next step starts a round)
         self.round_length = 0
         self.comm_bytes = 0      # summed over the n workers, as GradientExchange counts
@@ -123,7 +131,7 @@ class LocalWorkers:
     def average(self) -> None:
         """Replace every worker's parameters by the average over all n workers (one collective per
         process for the dense reducer; the reducer's collectives otherwise)."""
-        buffers = list(self.optimizer.buffers.values()) if self.average_opt_state else []
+        buffers = [self.optimizer.buffers[name] for name in self.averaged_state]
         d = self.anchor.numel()
         if self.reducer.name == "dense":  # parameters and requested states in one flattened all-reduce
             stacked = torch.cat([self.params, *buffers], dim=1) if buffers else self.params
@@ -186,6 +194,11 @@ def check_sync_args(args) -> None:
             raise UserFacingError(f"--H-base and --H-init must be >= 1, got {args.H_base} and {args.H_init}")
         if args.sync == "qsr" and not (math.isfinite(args.power) and args.power > 0):
             raise UserFacingError(f"--power must be a positive number, got {args.power}")
+    if getattr(args, "average_opt_state", False):
+        raise UserFacingError("--average-opt-state is replaced by --avg-m and --avg-v (AdamW's first and second "
+                              "moments); SGD momentum is never averaged under local steps")
+    if (getattr(args, "avg_m", False) or getattr(args, "avg_v", False)) and args.sync == "every-step":
+        raise UserFacingError("--avg-m / --avg-v average the workers' AdamW moments; they need local steps (--sync)")
     if args.sync == "post-local" and args.switch_epoch is None:
         raise UserFacingError("--sync post-local needs --switch-epoch E (data-parallel before epoch E)")
     if args.switch_epoch is not None and args.switch_epoch < 1:

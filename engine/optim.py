@@ -18,7 +18,8 @@ class LRSchedule:
     (every_epochs None: constant). "cosine": from lr down to min_lr along half a cosine over the
     steps after warm-up. "linear": from lr down to min_lr linearly. Every kind first warms up
     linearly from min_lr over `warmup_epochs` (may be fractional): warm-up step s uses
-    min_lr + (lr - min_lr) * (s + 1) / warmup_steps, so the last warm-up step uses lr. cosine and
+    min_lr + (lr - min_lr) * s / warmup_steps, the rule of the QSR reference scheduler (Gu et al.
+    2024), so step 0 uses min_lr and the first step after warm-up uses lr. cosine and
     linear reach min_lr at the run's last step (total_epochs), so they depend on --epochs.
     A resumed run gets the same learning rates: they depend on the step count alone.
     """
@@ -48,7 +49,7 @@ class LRSchedule:
         """Learning rate of 0-based global step `step` (a host int)."""
         step = int(step)
         if step < self.warmup_steps:
-            return self.min_lr + (self.lr - self.min_lr) * (step + 1) / self.warmup_steps
+            return self.min_lr + (self.lr - self.min_lr) * step / self.warmup_steps
         if self.kind == "step":
             return self.at_epoch(step // self.steps_per_epoch + 1)
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))

@@ -20,7 +20,7 @@ sums) the same average.
 `comm_bytes` counts the payload as if each worker were its own process, summed over the n workers,
 so it is the same in both layouts (as engine.comm.GradientExchange does).
 
-ExDyna follows /work/shared/reference/exdyna-spec.md section 2 (Yoon & Oh, CCGrid 2024).
+ExDyna follows Yoon & Oh, CCGrid 2024 (arXiv 2402.13781) and their reference code.
 """
 import math
 
@@ -205,7 +205,9 @@ class ExDynaReducer(ErrorFeedbackReducer):
     Block layout (our choice for small d, where the reference would get blk = 0): blk is
     floor(d / n_blocks) rounded down to a multiple of `block_alignment`; when that is 0
     (d < n_blocks * block_alignment) we drop the alignment and use min(n_blocks, d) blocks of
-    floor(d / blocks) elements. c_min = max(1, floor(blocks / (min_blocks_divisor * n))).
+    floor(d / blocks) elements. c_min = blocks / (min_blocks_divisor * n), kept as a float as the
+    reference does (for n not a power of two, flooring it would let a partition shrink one block
+    further), and at least 1 so that no partition is ever emptied.
 
     The keyword constants default to the reference code's values.
     """
@@ -235,7 +237,7 @@ class ExDynaReducer(ErrorFeedbackReducer):
         if self.n_blocks < n:
             raise UserFacingError(f"--reducer exdyna splits the gradient into {self.n_blocks} blocks, "
                                   f"fewer than the {n} workers (--node_cnt)")
-        self.c_min = max(1, self.n_blocks // (min_blocks_divisor * n))
+        self.c_min = max(1.0, self.n_blocks / (min_blocks_divisor * n))
         # initial split: floor(n_blocks / n) each, the first (n_blocks mod n) partitions one more
         sizes = [self.n_blocks // n + (j < self.n_blocks % n) for j in range(n)]
         self.block_bounds = [0] + [sum(sizes[:j + 1]) for j in range(n)]  # (n + 1,) block offsets

@@ -163,7 +163,7 @@ def train(task, args, comm, device) -> list[dict]:
                             power=args.power, switch_step=((args.switch_epoch or 1) - 1) * steps_per_epoch,
                             warmup_steps=lr_schedule.warmup_steps, total_steps=args.epochs * steps_per_epoch)
         local = LocalWorkers(flat, comm, task.optimizer, lr_schedule, sync, reducer, args.momentum,
-                             args.weight_decay, args.average_opt_state)
+                             args.weight_decay, averaged_state(args))
         optimizer = local  # what checkpoints save and restore
     # each worker's own gradient is needed by local steps and by error feedback
     per_worker_grads = local is not None or args.reducer != "dense"
@@ -296,6 +296,11 @@ def train(task, args, comm, device) -> list[dict]:
     if isinstance(sorter, BackgroundSorter):
         sorter.close()
     return rows
+
+
+def averaged_state(args) -> tuple:
+    """The optimizer buffers --avg-m / --avg-v ask LocalWorkers to average (AdamW's moments)."""
+    return tuple(name for name, on in (("exp_avg", args.avg_m), ("exp_avg_sq", args.avg_v)) if on)
 
 
 def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer, herding_log=None):

@@ -123,3 +123,16 @@ def test_post_local_is_data_parallel_until_the_switch(tmp_path):
     first, second = read_metrics(out)
     assert (first["syncs"], first["mean_H"]) == (100, 1.0)  # 100 steps per epoch, a gradient average each
     assert (second["syncs"], second["mean_H"]) == (20, 5.0)
+
+
+@needs_data(HMDA)
+def test_post_local_before_its_switch_sends_what_an_every_step_epoch_sends(tmp_path):
+    """With a balancing sorter the gathered unit gradients already give the mean gradient: before the
+    switch post-local must not also all-reduce the workers' gradients (the bytes of the gradient twice)."""
+    runs = {"every-step": [], "post-local": ["--sync", "post-local", "--switch-epoch", "2", "--H", "5"]}
+    rows = {}
+    for name, flags in runs.items():
+        check_ok(run("LR-HMDA", tmp_path / name, "--sorter", "CD-GraB", *flags))
+        rows[name] = read_metrics(tmp_path / name)
+    assert rows["post-local"][0]["comm_bytes"] == rows["every-step"][0]["comm_bytes"] > 0
+    assert rows["post-local"][0]["train_loss"] == pytest.approx(rows["every-step"][0]["train_loss"], rel=1e-6)

@@ -1,10 +1,11 @@
-"""Local SGD and the Quadratic Synchronization Rule (qsr-spec sections 1 and 6), and the schedules."""
+"""Local SGD and the Quadratic Synchronization Rule (Gu et al. 2024), and the schedules."""
 import math
 
 import pytest
 import torch
 
 from engine.comm import LocalCommunicator
+from engine.errors import UserFacingError
 from engine.local_sgd import LocalWorkers, SyncSchedule, qsr_period
 from engine.optim import LRSchedule, Optimizer
 from engine.reducers import make_reducer
@@ -55,14 +56,23 @@ def test_round_lengths_sum_to_the_run(alpha):
     assert sequence[-1][0] + sequence[-1][1] == TOTAL
 
 
+def reference_lr(step, *, lr=0.5, min_lr=1e-4, warmup=WARMUP, total=TOTAL):
+    """The QSR reference scheduler (Gu et al. 2024), written out: linear warm-up from min_lr, step s of
+    the warm-up using s / warmup of the way to lr, then half a cosine down to min_lr at the last step."""
+    if step < warmup:
+        return min_lr + (lr - min_lr) * step / warmup
+    progress = (step - warmup) / (total - warmup)
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2
+
+
 def test_schedules_warm_up_then_decay_to_min_lr():
     schedule = cosine()
-    assert schedule(0) == pytest.approx(1e-4 + (0.5 - 1e-4) / WARMUP) and schedule(WARMUP - 1) == 0.5
-    assert schedule(WARMUP) == 0.5 and schedule(TOTAL) == pytest.approx(1e-4)
+    assert [schedule(s) for s in range(TOTAL)] == pytest.approx([reference_lr(s) for s in range(TOTAL)], rel=1e-12)
+    assert schedule(0) == 1e-4 and schedule(WARMUP) == 0.5 and schedule(TOTAL) == pytest.approx(1e-4)
     linear = LRSchedule(1.0, 10, kind="linear", total_epochs=2)
     assert [linear(s) for s in (0, 10, 20)] == pytest.approx([1.0, 0.5, 0.0])
     step = LRSchedule(1.0, 10, every_epochs=1, gamma=0.5, warmup_epochs=0.5)
-    assert [step(s) for s in (0, 4, 5, 10, 20)] == pytest.approx([0.2, 1.0, 1.0, 0.5, 0.25])
+    assert [step(s) for s in (0, 1, 4, 5, 10, 20)] == pytest.approx([0.0, 0.2, 0.8, 1.0, 0.5, 0.25])
 
 
 def test_sync_schedule_rules():
@@ -74,12 +84,12 @@ def test_sync_schedule_rules():
     assert linear.round_length(0, 0.1, 10**6) == 10  # power 1 whatever --power says
 
 
-def make_workers(n=4, d=6, H=3, name="sgd", average_opt_state=False, momentum=0.9):
+def make_workers(n=4, d=6, H=3, name="sgd", averaged_state=(), momentum=0.9):
     comm = LocalCommunicator(n)
     flat = torch.randn(d, dtype=torch.float64)
     schedule = LRSchedule(0.1, steps_per_epoch=100)
     workers = LocalWorkers(flat, comm, name, schedule, SyncSchedule("constant", H=H), make_reducer("dense", comm, d, "cpu"),
-                           momentum=momentum, average_opt_state=average_opt_state)
+                           momentum=momentum, averaged_state=averaged_state)
     return workers, flat
 
 
@@ -114,13 +124,6 @@ def test_averaging_makes_workers_identical_and_keeps_optimizer_state_local(name)
     assert torch.allclose(workers.params[0], expected.mean(0), atol=1e-12)
     buffers = list(workers.optimizer.buffers.values())
     assert not torch.equal(buffers[0][0], buffers[0][1])  # state stays per worker
-
-
-def test_average_opt_state_averages_the_moments_too():
-    workers, _ = make_workers(average_opt_state=True)
-    run_round(workers, 3)
-    momentum = workers.optimizer.buffers["momentum"]
-    assert all(torch.equal(momentum[0], row) for row in momentum)
 
 
 def test_h_1_with_plain_sgd_equals_gradient_averaging():
@@ -162,3 +165,133 @@ def test_default_out_names_the_settings_that_differ_from_their_defaults():
                                "--lr-schedule", "cosine"])
     check_args(local, "toy", defaults)
     assert local.out == "results/toy/CD-GraB-node2-B4-lr0.1-qsr-exdyna-cosine-seed0"
+
+
+# ------------------------------------------------------------------------------------------------
+# oracles: the rule, the optimizers and the averaging written out independently of engine/
+
+
+def reference_round_lengths(*, h_init, h_base, alpha, power, total=TOTAL, warmup=WARMUP):
+    """QSR (Gu et al. 2024): a round starting at step s lasts H_init during warm-up, else
+    max(H_base, floor((alpha / lr_s) ** power)), capped at the steps left."""
+    lengths, step = [], 0
+    while step < total:
+        if step < warmup:
+            period = h_init
+        else:
+            period = max(h_base, math.floor((alpha / reference_lr(step)) ** power))
+        lengths.append(min(period, total - step))
+        step += lengths[-1]
+    return lengths
+
+
+@pytest.mark.parametrize("rule, power", [("qsr", 2.0), ("qsr", 3.0), ("linear", 1.0)])
+def test_round_lengths_of_a_whole_run_follow_the_rule(rule, power):
+    """LocalWorkers over a 2000-step run (one epoch) with a warmed-up cosine: the round lengths it
+    produces are the rule's, each H taken from the learning rate of its round's first step."""
+    h_init, h_base, alpha = 3, 4, 0.05 if power > 1 else 0.01
+    sync = SyncSchedule(rule, h_base=h_base, h_init=h_init, alpha=alpha, power=power, warmup_steps=WARMUP,
+                        total_steps=TOTAL)
+    comm = LocalCommunicator(2)
+    workers = LocalWorkers(torch.zeros(3), comm, "sgd", cosine(), sync, make_reducer("dense", comm, 3, "cpu"))
+    lengths = []
+    for step in range(TOTAL):
+        if workers.step(torch.zeros(2, 3), step, TOTAL - step):
+            lengths.append(workers.round_length)
+            workers.average()
+    expected = reference_round_lengths(h_init=h_init, h_base=h_base, alpha=alpha, power=power)
+    assert lengths == expected
+    assert len(set(expected)) > 5 and expected[0] == h_init  # the rule has work to do: H grows
+
+
+def torch_optimizers(name, start, n, momentum, weight_decay):
+    """n independent torch.optim optimizers, one per worker, each on its own copy of `start` (d,)."""
+    params = [torch.nn.Parameter(start.clone()) for _ in range(n)]
+    if name == "sgd":
+        return params, [torch.optim.SGD([p], lr=0.0, momentum=momentum, weight_decay=weight_decay) for p in params]
+    return params, [torch.optim.AdamW([p], lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+                    for p in params]
+
+
+def torch_local_step(params, optimizers, grads, lr):
+    for p, optimizer, g in zip(params, optimizers, grads):
+        optimizer.param_groups[0]["lr"] = lr
+        p.grad = g.clone()
+        optimizer.step()
+
+
+def torch_average(params, optimizers, state_names):
+    """The reference's averaging: the parameters and the requested optimizer-state fields, each
+    replaced by its mean over the workers; everything else stays per worker."""
+    with torch.no_grad():
+        for tensors in [params] + [[o.state[p][key] for p, o in zip(params, optimizers)] for key in state_names]:
+            mean = torch.stack(list(tensors)).mean(0)
+            for t in tensors:
+                t.copy_(mean)
+
+
+@pytest.mark.parametrize("name, averaged", [("sgd", ()), ("adamw", ()), ("adamw", ("exp_avg",)),
+                                            ("adamw", ("exp_avg_sq",)), ("adamw", ("exp_avg", "exp_avg_sq"))])
+def test_local_steps_and_averaging_match_per_worker_torch_optimizers(name, averaged):
+    n, d, H, momentum, weight_decay = 3, 5, 3, 0.9, 0.01
+    comm = LocalCommunicator(n)
+    start = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    workers = LocalWorkers(start.clone(), comm, name, cosine(), SyncSchedule("constant", H=H),
+                           make_reducer("dense", comm, d, "cpu"), momentum, weight_decay, averaged_state=averaged)
+    params, optimizers = torch_optimizers(name, start, n, momentum, weight_decay)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(4 * H):
+        grads = torch.randn(n, d, dtype=torch.float64, generator=generator)
+        torch_local_step(params, optimizers, grads, reference_lr(step))
+        if workers.step(grads, step, 100):
+            workers.average()
+            torch_average(params, optimizers, averaged)
+        assert torch.allclose(workers.params, torch.stack([p.detach() for p in params]), rtol=0, atol=1e-12)
+        states = {"momentum": "momentum_buffer"} if name == "sgd" else {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+        for ours, theirs in states.items():
+            expected = torch.stack([o.state[p][theirs] for p, o in zip(params, optimizers)])
+            assert torch.allclose(workers.optimizer.buffers[ours], expected, rtol=0, atol=1e-12), (step, ours)
+    # the states that are not averaged did diverge (so the comparison above could tell)
+    for ours in set(workers.optimizer.buffers) - set(averaged):
+        assert not torch.equal(workers.optimizer.buffers[ours][0], workers.optimizer.buffers[ours][1])
+
+
+def test_sparse_averaging_adds_the_mean_of_what_the_workers_sent():
+    """--reducer topk under local steps, against top-k with error feedback written out: each worker
+    offers its change since the last averaging plus its residual, picks its k largest, all send their
+    values at the union, and the anchor moves by their mean there."""
+    n, d, H, k = 3, 8, 2, 3
+    comm = LocalCommunicator(n)
+    start = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    workers = LocalWorkers(start.clone(), comm, "sgd", cosine(), SyncSchedule("constant", H=H),
+                           make_reducer("topk", comm, d, "cpu", density=k / d))
+    params, optimizers = torch_optimizers("sgd", start, n, 0.0, 0.0)
+    anchor, residual = start.clone(), torch.zeros(n, d, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(4)
+    for step in range(5 * H):
+        grads = torch.randn(n, d, dtype=torch.float64, generator=generator)
+        torch_local_step(params, optimizers, grads, reference_lr(step))
+        if workers.step(grads, step, 100):
+            workers.average()
+            acc = torch.stack([p.detach() for p in params]) - anchor + residual  # (n, d)
+            union = sorted({int(i) for row in acc for i in row.abs().topk(k).indices})
+            anchor[union] += acc[:, union].mean(0)
+            residual = acc.clone()
+            residual[:, union] = 0
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(anchor)
+            assert torch.allclose(workers.anchor, anchor, rtol=0, atol=1e-12), step
+    assert torch.allclose(workers.reducer.residual, residual, rtol=0, atol=1e-12)
+
+
+def test_averaging_sgd_momentum_or_every_buffer_is_refused():
+    from engine.cli import check_args, common_parser
+
+    parser = common_parser("toy", "toy", dict(sorter="CD-GraB", lr=0.1, B=4, node_cnt=2, epochs=3))
+    for flags, message in [(["--sync", "constant", "--average-opt-state"], "--avg-m and --avg-v"),
+                           (["--avg-m"], "need local steps")]:
+        with pytest.raises(UserFacingError, match=message):
+            check_args(parser.parse_args(flags), "toy")
+    with pytest.raises(UserFacingError, match="no momentum"):
+        make_workers(averaged_state=("momentum",))

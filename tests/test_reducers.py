@@ -196,11 +196,11 @@ def test_exdyna_block_layout_default_and_small_d():
     assert bounds[-1] == 100_003 and bounds[-1] - bounds[-2] == 128 * 96 + 100_003 - 1024 * 96  # leftover
     # d < 1024 * 32: 1024 unaligned blocks of 4; the first 1024 mod 3 = 1 partition one block more
     reducer = make_reducer("exdyna", LocalCommunicator(3), 5000, "cpu", density=0.01)
-    assert (reducer.n_blocks, reducer.blk, reducer.c_min) == (1024, 4, 85)
+    assert (reducer.n_blocks, reducer.blk, reducer.c_min) == (1024, 4, 1024 / 12)
     assert reducer.block_bounds == [0, 342, 683, 1024]
     # d < 1024: one element per block
     reducer = make_reducer("exdyna", LocalCommunicator(2), 50, "cpu", density=0.1)
-    assert (reducer.n_blocks, reducer.blk, reducer.c_min, reducer.block_bounds) == (50, 1, 6, [0, 25, 50])
+    assert (reducer.n_blocks, reducer.blk, reducer.c_min, reducer.block_bounds) == (50, 1, 50 / 8, [0, 25, 50])
     reducer.reduce(heavy_tailed(range(2), 0, 50))
 
 
@@ -273,6 +273,113 @@ def test_exdyna_boundaries_move_at_most_one_block_and_never_below_c_min():
     floor = int(sizes[-1].argmin())
     assert sizes[-1, floor] == reducer.c_min and (history[-10:] == history[-1]).all()
     assert floor < n - 1 and load[floor] > 1.05 and load[floor + 1] < 1 / 1.05
+
+
+@pytest.mark.parametrize("n", [3, 6])
+def test_exdyna_c_min_is_the_unfloored_1024_over_4n(n):
+    """ExDyna's c_min = 1024 / (4n) blocks is a float: for n = 3 (85.33) or 6 (42.67) a partition
+    stops at 86 or 43 blocks; a floored c_min would let it reach 85 or 42."""
+    d = 1024 * 32  # blk = 32: the reference layout
+    reducer = make_reducer("exdyna", LocalCommunicator(n), d, "cpu", density=0.01)
+    smallest = math.ceil(1024 / (4 * n))  # the fewest whole blocks that are still >= 1024 / (4n)
+    counts = [1000] + [1] * (n - 1)  # at t = 1 worker w owned partition w: partition 0 overloaded
+    sizes = []
+    for _ in range(400):
+        reducer._rebalance(counts, 1)
+        sizes.append(reducer.block_bounds[1] - reducer.block_bounds[0])
+    assert min(sizes) == sizes[-1] == smallest  # it shrank all the way, and no further
+
+
+class ReferenceExDyna:
+    """ExDyna (Yoon & Oh 2024) for n > 1 virtual workers, written out from the paper's algorithm with
+    no code from engine/: blocks of blk elements (the leftover in the last partition), cyclic
+    exclusive ownership, adjacent-boundary rebalancing with tolerance 1.05 and running load
+    estimates, c_min = n_blocks / (4n), the lambda scaling, selection on the error-feedback
+    accumulator, residual = accumulator with the global set zeroed."""
+
+    def __init__(self, n, d, density, n_blocks, blk):
+        self.n, self.d, self.blk, self.n_blocks = n, d, blk, n_blocks
+        self.k = math.floor(density * d)
+        self.c_min = n_blocks / (4 * n)
+        base, extra = divmod(n_blocks, n)
+        self.bounds = [0]
+        for j in range(n):
+            self.bounds.append(self.bounds[-1] + base + (1 if j < extra else 0))
+        self.lam = 1 / (2 * math.sqrt(self.k))
+        self.counts, self.t = None, 0
+        self.residual = torch.zeros(n, d, dtype=torch.float64)
+
+    def rebalance(self):
+        q = [0.0] * self.n
+        for worker, count in enumerate(self.counts):
+            q[(self.t - 1 + worker) % self.n] = float(count)
+        total = sum(q)
+        mean, rho = total / self.n, total / self.d
+        for i in range(self.n - 1):
+            left = self.bounds[i + 1] - self.bounds[i]
+            right = self.bounds[i + 2] - self.bounds[i + 1]
+            if q[i] / mean > 1.05 and q[i + 1] / mean < 1 / 1.05:
+                if left - 1 >= self.c_min:
+                    self.bounds[i + 1] -= 1
+                    q[i] -= self.blk * rho
+                    q[i + 1] += self.blk * rho
+            elif q[i] / mean < 1 / 1.05 and q[i + 1] / mean > 1.05:
+                if right - 1 >= self.c_min:
+                    self.bounds[i + 1] += 1
+                    q[i] += self.blk * rho
+                    q[i + 1] -= self.blk * rho
+
+    def rescale(self):
+        ratio = sum(self.counts) / self.k
+        self.lam *= 1.005 if ratio > 1.1 else (1.00125 if ratio > 0.909 else 0.995)
+
+    def step(self, grads):
+        """grads (n, d). Returns (selected (K,) worker by worker, average (d,))."""
+        if self.t >= 1:
+            self.rebalance()
+            self.rescale()
+        acc = grads + self.residual
+        starts = [b * self.blk for b in self.bounds[:-1]]
+        ends = starts[1:] + [self.d]
+        picks = []
+        for worker in range(self.n):
+            j = (self.t + worker) % self.n
+            hits = (starts[j] + torch.where(acc[worker, starts[j]:ends[j]].abs() >= self.lam)[0]).tolist()
+            picks.append(hits or [starts[j] + self.t % (ends[j] - starts[j])])
+        selected = torch.tensor([i for hits in picks for i in hits])
+        average = torch.zeros(self.d, dtype=torch.float64)
+        average[selected] = acc[:, selected].sum(0) / self.n
+        acc[:, selected] = 0
+        self.residual, self.counts, self.t = acc, [len(hits) for hits in picks], self.t + 1
+        return selected, average
+
+
+@pytest.mark.parametrize("n, n_blocks", [(3, 24), (6, 48), (3, 1024)])
+def test_exdyna_matches_a_reference_written_from_the_paper(n, n_blocks):
+    """The same heavy-tailed, skewed gradients into ExDynaReducer and ReferenceExDyna for 80
+    iterations: the same selected indices, partitions, thresholds, averages and residuals. Few blocks
+    make one block carry a large share of a partition's load, so the tolerance and the running load
+    estimates decide moves."""
+    d = n_blocks * 64
+    comm = RecordingComm(n)
+    reducer = make_reducer("exdyna", comm, d, "cpu", density=0.05, n_blocks=n_blocks)
+    assert reducer.blk == 64
+    reference = ReferenceExDyna(n, d, 0.05, n_blocks, 64)
+    profile = 0.02 * skewed_profile(d, heavy=5.0)
+    moves = 0
+    for t in range(80):
+        grads = heavy_tailed(range(n), t, d, scale=profile, dtype=torch.float64)
+        average = reducer.reduce(grads)
+        counts, padded, _ = exdyna_messages(comm)
+        selected, expected = reference.step(grads)
+        assert torch.equal(selected_set(counts, padded)[0], selected), t
+        assert reducer.block_bounds == reference.bounds, t
+        assert reducer.threshold == pytest.approx(reference.lam, rel=1e-12), t
+        assert torch.allclose(average, expected, rtol=0, atol=1e-12), t
+        assert torch.allclose(reducer.residual, reference.residual, rtol=0, atol=1e-12), t
+        moves += reference.bounds != [0] + [sum(n_blocks // n + (j < n_blocks % n) for j in range(i + 1))
+                                          for i in range(n)]
+    assert moves > 0  # the partitions did move
 
 
 def test_exdyna_threshold_rule():
