@@ -31,7 +31,10 @@ def test_one_process_equals_torchrun(tmp_path, bench_name, strategy, sorter):
     single, multi = tmp_path / "single", tmp_path / "multi"
     check_ok(run(bench_name, single, "--sorter", sorter, *flags))
     check_ok(run(bench_name, multi, "--sorter", sorter, *flags, nproc=2))
-    assert_runs_agree(single, multi, BENCHMARKS[bench_name][2])
+    # with local steps each worker's gradients come from one vmap over the process's workers: 4 in one
+    # process, 2 per process under torchrun, so the batched kernels round differently (orders, bytes and
+    # rounds must still agree exactly); 1e-5 held by chance before the warm-up's step 0 took lr 0 (s / w)
+    assert_runs_agree(single, multi, BENCHMARKS[bench_name][2], rel=5e-5 if strategy == "qsr" else 1e-5)
     for a, b in zip(read_metrics(single), read_metrics(multi)):
         assert (a["syncs"], a["mean_H"], a["density"]) == (b["syncs"], b["mean_H"], b["density"])
 
