@@ -34,6 +34,9 @@ NOT_SETTINGS = RESUMABLE_ARGS | {"sorter", "seed"}  # what a setting label leave
 # how a differing argument is shown in a setting label; others as name=value
 SHORT_NAMES = {"node_cnt": "n"}
 VALUE_LABELS = {"carry_hidden": {True: "carried hidden state", False: "zero hidden state"}}
+# settings whose values read better as words in a legend (None: the whole split, not "=None")
+WORD_LABELS = {"max_train_examples": lambda v: "all training units" if v is None else f"first {v} training units",
+               "max_eval_examples": lambda v: "all evaluation units" if v is None else f"first {v} evaluation units"}
 HERDING_COLUMNS = ["n_workers", "m", "d", "trial", "method", "round", "bound"]
 # engine.cli.ADDED_ARG_DEFAULTS and BENCHMARK_ARG_DEFAULTS (a test keeps them equal): defaults of arguments
 # added after runs were shipped, so a config.json without them is the same experiment as a new run with them
@@ -115,6 +118,10 @@ def setting_labels(settings: list[dict]) -> list[str]:
 def _show(key, value) -> str:
     if value in VALUE_LABELS.get(key, {}):
         return VALUE_LABELS[key][value]
+    if key in WORD_LABELS:
+        return WORD_LABELS[key](value)
+    if value is None:  # an optional setting left unset ("clip=None" reads like a value)
+        return f"{SHORT_NAMES.get(key, key)} unset"
     if isinstance(value, float):
         value = f"{value:g}"
     return f"{SHORT_NAMES.get(key, key)}={value}"

@@ -2,7 +2,7 @@
 Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and PDF:
 
     <out>/<benchmark>-vs-epoch.{png,pdf}        train loss + headline metric(s) vs epoch, band over seeds
-    <out>/<benchmark>-vs-seconds.{png,pdf}      the same vs cumulative wall-clock seconds (mean over seeds)
+    <out>/<benchmark>-vs-seconds.{png,pdf}      the same vs cumulative training seconds (mean over seeds)
     <out>/<benchmark>-time-breakdown.{png,pdf}  mean sorter/comm/compute/other seconds per epoch, stacked
     <out>/herding-bound.{png,pdf}               parallel herding bound per round (log y), one panel per n
     <out>/communication-<benchmark>.{png,pdf}   the communication study (analysis/studies.py)
@@ -35,6 +35,16 @@ SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "
 PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
                "other_seconds": "tab:gray"}
 LOG_Y = ("_ppl",)  # perplexities span orders of magnitude in the first epochs
+# the paper's reported values (REPRODUCTION.md's "paper" columns): benchmark -> (epoch, {metric: {sorter: value}});
+# LR-HMDA's are the mean of epochs 49 and 50, drawn at 49.5
+PAPER_VALUES = {
+    "LR-HMDA": (49.5, {"train_loss": {"CD-GraB": 0.33546, "D-RR": 0.33724},
+                       "test_acc": {"CD-GraB": 0.82371, "D-RR": 0.82279}}),
+    "LSTM-Wiki2": (50, {"train_loss": {"CD-GraB": 5.311, "D-RR": 5.361}, "test_ppl": {"CD-GraB": 223.6, "D-RR": 231.9}}),
+    "MLP-M4": (30, {"train_loss": {"CD-GraB": 0.0905, "D-RR": 0.0920}, "test_smape": {"CD-GraB": 8.51, "D-RR": 8.86}}),
+    "GPT2-Wiki103": (30, {"train_loss": {"CD-GraB": 4.098, "D-RR": 4.105}}),
+}
+SECONDS_LABEL = "training seconds (cumulative; evaluation excluded)"  # what cum_seconds sums: epoch_seconds
 
 
 def _label(metric, benchmark=None):
@@ -77,18 +87,30 @@ def plot_benchmark(df, benchmark, x="epoch", band="std", metrics=None):
                 continue
             xs, color = rows[x].to_numpy(float), _color(g[1], i)
             seeds = int(rows["count"].max())
-            ax.plot(xs, rows["mean"], color=color, label=f"{labels[g]} ({seeds} seed{'s' * (seeds > 1)})")
+            # markers: a one-epoch run is a single point, which a line alone does not draw
+            ax.plot(xs, rows["mean"], color=color, marker="o", markersize=3,
+                    label=f"{labels[g]} ({seeds} seed{'s' * (seeds > 1)})")
             ax.fill_between(xs, rows["lo"].to_numpy(float), rows["hi"].to_numpy(float), color=color, alpha=0.2, lw=0)
-        ax.set_xlabel("epoch" if x == "epoch" else "wall-clock seconds")
+        if x == "epoch":
+            _paper_points(ax, benchmark, metric)
+        ax.set_xlabel("epoch" if x == "epoch" else SECONDS_LABEL)
         ax.set_ylabel(_label(metric, benchmark))
         if metric.endswith(LOG_Y):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     band_text = "mean ± 1 std" if band == "std" else "mean, min–max"
-    fig.suptitle(f"{benchmark} vs {'epoch' if x == 'epoch' else 'wall-clock time'} ({band_text} over seeds)")
+    fig.suptitle(f"{benchmark} vs {'epoch' if x == 'epoch' else 'training time'} ({band_text} over seeds)")
     fig.tight_layout()
     return fig
+
+
+def _paper_points(ax, benchmark, metric):
+    """The paper's reported value of this metric per sorter, as a star labelled "paper <sorter>"."""
+    epoch, values = PAPER_VALUES.get(benchmark, (None, {}))
+    for i, (sorter, value) in enumerate(values.get(metric, {}).items()):
+        ax.plot([epoch], [value], ls="none", marker="*", markersize=11, color=_color(sorter, i),
+                markeredgecolor="black", markeredgewidth=0.6, label=f"paper {sorter} (epoch {epoch:g})")
 
 
 def plot_time_breakdown(df, benchmark):
@@ -117,7 +139,8 @@ def plot_time_breakdown(df, benchmark):
 
 def plot_herding(hdf, band="std"):
     """Parallel herding bound vs reorder round (log y), one panel per worker count, one curve per
-    method, mean over trials with a band. Titles use the paper's notation (m workers, n examples each)."""
+    method, mean over trials with a band. Titles use the suite's letters (n workers, m units each; the
+    paper swaps them)."""
     agg = aggregate_herding(hdf, band=band)
     if agg.empty:
         return None
@@ -134,7 +157,7 @@ def plot_herding(hdf, band="std"):
             ax.fill_between(rows["round"].to_numpy(float), rows["lo"].to_numpy(float), rows["hi"].to_numpy(float),
                             color=color, alpha=0.2, lw=0)
         ax.set_yscale("log")
-        ax.set_title(f"m={n} workers, n={m:g} examples per worker", fontsize=9)
+        ax.set_title(f"n={n} workers, m={m:g} units each", fontsize=9)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3, which="both")

@@ -57,7 +57,9 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                    help="folder holding the data sets (default: $CDGRAB_DATA, else ./datasets)")
     p.add_argument("--out", default=None,
                    help=f"run directory (default: results/{benchmark}/<sorter>-node<n>-B<B>-lr<lr>[-<value>]-seed<seed>, "
-                        "with -<value> for each of --partition, --sync, --reducer, --lr-schedule not at its default)")
+                        "with -<value> for each of --partition, --sync, --reducer, --lr-schedule not at its default, then "
+                        "-<flag><value> for every other setting not at its default that changes results, e.g. "
+                        "-max-train-examples8000; never the flags that may change on --resume)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when available, else CPU")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
@@ -140,12 +142,39 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
 
 
 # settings that change what is being compared; a default --out names those that differ from their default
+# by their value alone (the names shipped runs and the sweeps use)
 NAMED_IN_OUT = ("partition", "sync", "reducer", "lr_schedule")
+# left out of the default --out's -<flag><value> tags: already in its stem, or not changing results (the
+# per-unit gradient paths agree to float32 rounding; --log-herding only adds a column). The flags that may
+# change on resume (engine.train.RESUMABLE_CHANGES) are left out too.
+NOT_IN_OUT = frozenset({"sorter", "node_cnt", "B", "lr", "seed", "unit_grads", "log_herding"})
+
+
+def out_tags(args, defaults: dict) -> str:
+    """-<value> per NAMED_IN_OUT setting, then -<flag><value> per other result-changing setting, that
+    differs from `defaults`: a smoke run (--max-train-examples) and the full run get different folders."""
+    from engine.train import RESUMABLE_CHANGES  # not at the top: engine.train imports this module
+    tags = [str(getattr(args, key)) for key in NAMED_IN_OUT
+            if hasattr(args, key) and getattr(args, key) != defaults.get(key)]
+    for key, value in vars(args).items():
+        if key in NAMED_IN_OUT or key in NOT_IN_OUT or key in RESUMABLE_CHANGES or key not in defaults \
+                or value == defaults[key]:
+            continue
+        flag = key.replace("_", "-")
+        if value is True:
+            tags.append(flag)
+            continue
+        if isinstance(value, float):
+            value = f"{value:g}"
+        elif isinstance(value, str) and ("/" in value or "\\" in value):
+            value = "-".join(value.replace("\\", "/").rstrip("/").split("/")[-2:])  # a file: its folder and name
+        tags.append(f"{flag}{value}")
+    return "".join(f"-{tag}" for tag in tags).replace(":", "").replace(" ", "")
 
 
 def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
     """Refuse bad settings with one line that says what to do; fill in the default --out (which names
-    the NAMED_IN_OUT settings that differ from `defaults`, the parser's defaults)."""
+    the settings that differ from `defaults`, the parser's defaults: out_tags)."""
     if args.node_cnt < 1:
         raise UserFacingError(f"--node_cnt must be >= 1, got {args.node_cnt}")
     if args.B < 1 or args.B % args.node_cnt:
@@ -161,10 +190,8 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
             raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     check_communication_args(args)
     if args.out is None:
-        tags = "".join(f"-{getattr(args, key)}" for key in NAMED_IN_OUT
-                       if hasattr(args, key) and defaults and getattr(args, key) != defaults.get(key))
-        args.out = (f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags.replace(':', '')}"
-                    f"-seed{args.seed}")
+        tags = out_tags(args, defaults) if defaults else ""
+        args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags}-seed{args.seed}"
 
 
 def check_communication_args(args) -> None:

@@ -34,7 +34,9 @@ from torch.utils._pytree import tree_map
 class PerExampleGrads:
     """Callable: (inputs, targets) -> per-example gradients (B, d) of `loss_fn(model(inputs), targets)`.
 
-    model:      an nn.Module (a DistributedDataParallel wrapper is unwrapped: its `.module` is used).
+    model:      an nn.Module (a DistributedDataParallel wrapper is unwrapped: its `.module` is used). It must
+                be a pure function of its parameters and inputs (vmap replays it per example): dropout in
+                training mode with p > 0 is refused with a ValueError, BatchNorm only works in eval mode.
     loss_fn:    loss_fn(outputs, targets) -> scalar mean loss over the batch, as used for training; it
                 is called on batches of ONE example (outputs and targets keep a batch dim of size 1).
     params:     which parameters to differentiate: None (every parameter with requires_grad), a regular
@@ -66,6 +68,7 @@ class PerExampleGrads:
 
         out: optional (B, d) buffer to write into and return. Reusing one saves, at large B * d, the
         page faults of a fresh allocation every step (at d = 669,706, B = 64: about 110 of 390 ms)."""
+        self._refuse_dropout()
         selected = set(self.names)
         named = dict(self.model.named_parameters())
         differentiated = {name: named[name].detach() for name in self.names}
@@ -78,10 +81,28 @@ class PerExampleGrads:
             outputs = functional_call(self.model, ({**fixed, **differentiated}, buffers), as_batch[0])
             return self.loss_fn(outputs, as_batch[1])
 
-        grads = vmap(grad(one_example_loss), in_dims=(None, 0, 0), chunk_size=self.chunk_size)(
-            differentiated, inputs, targets)
+        try:
+            grads = vmap(grad(one_example_loss), in_dims=(None, 0, 0), chunk_size=self.chunk_size)(
+                differentiated, inputs, targets)
+        except RuntimeError as error:  # random ops the module check cannot see (F.dropout in a forward)
+            if "randomness" not in str(error):
+                raise
+            raise ValueError(f"PerExampleGrads: the model draws random numbers in its forward ({error}); "
+                             "per-example gradients need a model that is a pure function of its parameters: "
+                             "turn the random op off (e.g. dropout p = 0, or model.eval()) while computing them") \
+                from None
         batch = targets.shape[0]
         return torch.cat([grads[name].reshape(batch, -1) for name in self.names], dim=1, out=out)
+
+
+    def _refuse_dropout(self) -> None:
+        """Dropout in training mode makes each example's loss random, which vmap refuses with a message
+        about 'randomness' that does not say what to do; name the module and the fix instead."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+                raise ValueError(f"PerExampleGrads: module {name or 'model'!r} is {type(module).__name__}(p={module.p}) "
+                                 "in training mode; per-example gradients need a model without randomness: "
+                                 "set its p to 0, or call model.eval() while computing them")
 
 
 def per_example_grads(model: torch.nn.Module, loss_fn, inputs, targets, params=None) -> torch.Tensor:

@@ -164,7 +164,7 @@ def test_default_out_names_the_settings_that_differ_from_their_defaults():
     local = parser.parse_args(["--sync", "qsr", "--alpha", "0.1", "--reducer", "exdyna", "--density", "0.5",
                                "--lr-schedule", "cosine"])
     check_args(local, "toy", defaults)
-    assert local.out == "results/toy/CD-GraB-node2-B4-lr0.1-qsr-exdyna-cosine-seed0"
+    assert local.out == "results/toy/CD-GraB-node2-B4-lr0.1-qsr-exdyna-cosine-alpha0.1-density0.5-seed0"
 
 
 # ------------------------------------------------------------------------------------------------

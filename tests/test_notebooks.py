@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from jupyter_client import KernelManager
@@ -212,15 +213,43 @@ def test_runs_differing_in_any_setting_are_separate_curves(tmp_path):
     assert sorted(lstm.groupby(["sorter", "setting"]).size().items()) == [
         (("CD-GraB", "carried hidden state"), 2), (("CD-GraB", "zero hidden state"), 2),
         (("D-RR", "carried hidden state"), 1)]
-    assert sorted(runs.loc[runs["benchmark"] == "MLP-M4", "setting"]) == ["max_train_examples=128",
-                                                                           "max_train_examples=None"]
+    assert sorted(runs.loc[runs["benchmark"] == "MLP-M4", "setting"]) == ["all training units",
+                                                                           "first 128 training units"]
     table = final_table(df)
     assert len(table) == 5 and set(table.loc[table["benchmark"] == "LSTM-Wiki2", "seeds"]) == {1, 2}
     assert "zero hidden state" in format_table(table)
     fig = plots.plot_benchmark(df, "LSTM-Wiki2")
-    assert sorted(fig.axes[0].get_legend_handles_labels()[1]) == [
+    assert sorted(label for label in fig.axes[0].get_legend_handles_labels()[1] if not label.startswith("paper")) == [
         "CD-GraB (carried hidden state) (2 seeds)", "CD-GraB (zero hidden state) (2 seeds)",
         "D-RR (carried hidden state) (1 seed)"]
+    plt.close(fig)
+
+
+def test_figures_show_one_epoch_runs_the_paper_values_and_say_what_they_measure(tmp_path):
+    for sorter in ("CD-GraB", "D-RR"):
+        write_run(tmp_path, "LSTM-Wiki2", sorter, 0, epochs=1)
+    df = load_runs(tmp_path, warn=False)
+    fig = plots.plot_benchmark(df, "LSTM-Wiki2")
+    curves = [line for line in fig.axes[0].get_lines() if not line.get_label().startswith("paper")]
+    # one epoch is one point: drawn only as a marker
+    assert len(curves) == 2 and all(len(line.get_xdata()) == 1 and line.get_marker() not in (None, "None", "")
+                                    for line in curves)
+    paper = {line.get_label(): (line.get_xdata()[0], line.get_ydata()[0]) for line in fig.axes[0].get_lines()
+             if line.get_label().startswith("paper")}
+    assert paper == {"paper CD-GraB (epoch 50)": (50, 5.311), "paper D-RR (epoch 50)": (50, 5.361)}
+    assert "paper CD-GraB (epoch 50)" in fig.axes[0].get_legend_handles_labels()[1]
+    test_ppl = fig.axes[[ax.get_ylabel() for ax in fig.axes].index("test perplexity")]
+    assert {line.get_ydata()[0] for line in test_ppl.get_lines() if line.get_label().startswith("paper")} == {223.6, 231.9}
+    plt.close(fig)
+    fig = plots.plot_benchmark(df, "LSTM-Wiki2", x="seconds")
+    assert "training seconds" in fig.axes[0].get_xlabel() and "evaluation excluded" in fig.axes[0].get_xlabel()
+    assert not [line for line in fig.axes[0].get_lines() if line.get_label().startswith("paper")]  # no time known
+    plt.close(fig)
+    # the herding figure speaks the suite's letters: n workers, m units each
+    hdf = pd.DataFrame([{"n_workers": 5, "m": 200, "d": 16, "trial": 0, "method": "CD-GraB", "round": r, "bound": 3.0}
+                        for r in range(3)])
+    fig = plots.plot_herding(hdf)
+    assert fig.axes[0].get_title() == "n=5 workers, m=200 units each"
     plt.close(fig)
 
 

@@ -248,6 +248,35 @@ def test_per_example_grads_equal_a_loop_of_backward_passes_and_subsets_their_sli
                                                                           params="tail")
 
 
+class FunctionalDropout(torch.nn.Module):
+    """Dropout the module check cannot see: F.dropout called in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return F.dropout(self.linear(x), 0.5, self.training)
+
+
+def test_per_example_grads_refuse_dropout_in_one_line_that_says_what_to_do():
+    x, y = torch.randn(5, 3), torch.randn(5)
+
+    def loss_fn(out, target):
+        return F.mse_loss(out.squeeze(-1), target)
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"module '1' is Dropout\(p=0.5\) in training mode.*model.eval\(\)"):
+        PerExampleGrads(model, loss_fn)(x, y)
+    with pytest.raises(ValueError, match=r"random numbers in its forward.*dropout p = 0, or model.eval\(\)"):
+        PerExampleGrads(FunctionalDropout(), loss_fn)(x, y)
+    # what the errors advise works: eval mode, or p = 0, gives the gradients
+    assert PerExampleGrads(model.eval(), loss_fn)(x, y).shape == (5, 21)
+    model.train()[1].p = 0.0
+    assert PerExampleGrads(model, loss_fn)(x, y).shape == (5, 21)
+    assert PerExampleGrads(FunctionalDropout().eval(), loss_fn)(x, y).shape == (5, 4)
+
+
 def test_per_example_grads_follow_the_optimizer():
     """Parameters are read at each call, so the gradients after an update are the new ones."""
     torch.manual_seed(1)

@@ -1,0 +1,164 @@
+"""Every command in README.md's ```bash / ```sh blocks runs as written after the set-up, top to bottom.
+
+Which commands run (one rule, so a new README command cannot be skipped by accident):
+- skipped: `pip ...` (the set-up), `... -m pytest` (the set-up's test command: this suite), `export ...`
+  (the set-up's data line: the suite's $CDGRAB_DATA stands in for it), shell scripts (`scripts/*.sh`: sweeps
+  of many full runs) and `jupyter` (notebooks: tests/test_notebooks.py runs them);
+- every other `python` / `torchrun` command runs, in README order, in one fresh folder that sees the
+  checkout's files (so `results/` and `figures/` land there), with the flags of TINY for its target
+  appended (a tiny size: the last value of a repeated flag wins); a target TINY does not know fails the
+  test, so each new kind of command gets its tiny size chosen here on purpose.
+"""
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DATA_DIR, REPO, needs_data
+
+README = REPO / "README.md"
+SKIPPED_PROGRAMS = ("pip", "jupyter")
+# appended to a command by the prefix of its target (the script, or `-m module`); {epochs} is 1, or past
+# the command's own --warmup-epochs (which must end before the last epoch)
+TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slowly, so they get less
+    "main-LSTM-Wiki2.py": ["--max-train-examples", "8", "--max-eval-examples", "4", "--epochs", "1",
+                           "--progress", "off"],
+    "main-GPT2-Wiki103.py": ["--max-train-examples", "128", "--max-eval-examples", "4", "--epochs", "1",
+                             "--progress", "off"],  # 64 workers x 1 block: two steps at least
+    "main-": ["--max-train-examples", "128", "--max-eval-examples", "32", "--epochs", "{epochs}",
+              "--progress", "off"],
+    "examples/": ["--max-train-examples", "128", "--epochs", "1"],
+    "scripts/reproduction_tables.py": [],  # reads the shipped reproduction/ and prints
+    "-m analysis": [],  # draws what the commands above wrote to results/
+}
+# what the fresh folder leaves out of the checkout: what the commands write
+WRITTEN = {"results", "figures", ".git"}
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """The shell commands of the ```bash / ```sh blocks, as argument lists (continuation lines joined,
+    comments dropped, quotes removed; $VARS left for run_command to expand)."""
+    commands = []
+    for block in re.findall(r"^[ \t]*```(?:bash|sh)[ \t]*\n(.*?)^[ \t]*```", text, flags=re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(words)
+    return commands
+
+
+def split_env(words: list[str]) -> tuple[dict, list[str]]:
+    """Leading VAR=value words, and the rest."""
+    env = {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        key, value = words[0].split("=", 1)
+        env[key], words = value, words[1:]
+    return env, words
+
+
+def is_skipped(words: list[str]) -> bool:
+    _, argv = split_env(words)
+    return (argv[0] in SKIPPED_PROGRAMS or argv[0] == "export" or argv[:3] == ["python", "-m", "pytest"]
+            or any(word.endswith(".sh") for word in argv[:1]))
+
+
+def target_of(argv: list[str]) -> str:
+    """The script (or `-m module`) a python / torchrun command runs."""
+    if argv[0] not in ("python", "torchrun"):
+        raise AssertionError(f"README command {shlex.join(argv)!r}: only python and torchrun commands are run "
+                             "by this test; skip the program in SKIPPED_PROGRAMS (with a reason) or run it")
+    rest = argv[1:]
+    if rest[:1] == ["-m"]:
+        return f"-m {rest[1]}"
+    return next(word for word in rest if not word.startswith("-"))
+
+
+def tiny_flags(argv: list[str]) -> list[str]:
+    target = target_of(argv)
+    prefixes = [prefix for prefix in TINY if target.startswith(prefix)]
+    assert prefixes, f"README command {shlex.join(argv)!r}: no tiny size for {target!r}; add one to TINY"
+    warmup = float(argv[argv.index("--warmup-epochs") + 1]) if "--warmup-epochs" in argv else 0.0
+    return [flag.format(epochs=int(warmup) + 1) for flag in TINY[prefixes[0]]]
+
+
+def run_command(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run one README command in cwd with its tiny flags: `python` is this interpreter, `torchrun` is
+    `<this interpreter> -m torch.distributed.run` (as everywhere in the tests), $VARS expand from the
+    environment, whose CDGRAB_DATA is the suite's data folder (the README's set-up line)."""
+    assignments, argv = split_env(words)
+    env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update({key: os.path.expandvars(value) for key, value in assignments.items()})
+    expanded = [re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: env[m.group(1) or m.group(2)], word) for word in argv]
+    launcher = [sys.executable] if expanded[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = launcher + expanded[1:] + tiny_flags(argv)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def checkout_view(folder: Path) -> Path:
+    """A folder that links every file of the checkout but what the commands write."""
+    folder.mkdir()
+    for entry in REPO.iterdir():
+        if entry.name not in WRITTEN and not entry.name.startswith("results"):
+            (folder / entry.name).symlink_to(entry)
+    return folder
+
+
+def test_readme_commands_are_found_and_the_rule_picks_them():
+    commands = readme_commands(README.read_text())
+    run = [" ".join(words) for words in commands if not is_skipped(words)]
+    skipped = [" ".join(words) for words in commands if is_skipped(words)]
+    assert any(c.startswith("pip install") for c in skipped) and any("-m pytest" in c for c in skipped)
+    assert any(c.startswith("export CDGRAB_DATA=") for c in skipped)
+    assert any("sweep-LR-HMDA.sh" in c for c in skipped) and any("reproduce-all.sh" in c for c in skipped)
+    # the Quick start, in order, and one command of every other benchmark and of the example
+    assert run[0].startswith("python main-LR-HMDA.py") and "--max-train-examples" not in run[0]
+    assert run[1].startswith("torchrun ") and "main-LR-HMDA.py" in run[1]
+    assert run[2].startswith("python main-LR-HMDA.py") and "--max-train-examples" in run[2]
+    for script in ("main-LSTM-Wiki2.py", "main-MLP-M4.py", "main-GPT2-Wiki103.py", "examples/ddp_lr_hmda.py"):
+        assert any(script in c for c in run), script
+    # every command that runs has a tiny size
+    for words in commands:
+        if not is_skipped(words):
+            tiny_flags(split_env(words)[1])
+
+
+def test_default_out_tells_a_smoke_run_from_the_full_run_but_not_the_epochs_or_the_launch():
+    from engine.cli import check_args, common_parser
+
+    parser = common_parser("toy", "toy", dict(sorter="CD-GraB", lr=0.1, B=4, node_cnt=2, epochs=3))
+    defaults = vars(parser.parse_args([]))
+
+    def out(*argv):
+        args = parser.parse_args(list(argv))
+        check_args(args, "toy", defaults)
+        return args.out
+
+    full = out()
+    assert full == "results/toy/CD-GraB-node2-B4-lr0.1-seed0"
+    assert out("--max-train-examples", "8000") == "results/toy/CD-GraB-node2-B4-lr0.1-max-train-examples8000-seed0"
+    assert out("--max-eval-examples", "32") != full
+    assert out("--momentum", "0.5") != full and out("--tf32") != full
+    # --epochs may change on --resume (a longer run continues a shorter one): not in the name, nor where
+    # the data are read from, nor how the run is launched and logged
+    assert out("--epochs", "2", "--data-dir", "elsewhere", "--progress", "off", "--record-orders") == full
+
+
+@pytest.mark.slow
+@needs_data("hmda/raw/hmda_train_preprocessed.zip", "wikitext-2", "m4/Weekly-train.csv", "m4/Weekly-test.csv",
+            "wikitext-103", "gpt2-tokenizer")
+def test_every_readme_command_runs_as_written_top_to_bottom(tmp_path):
+    cwd = checkout_view(tmp_path / "checkout")
+    failures = []
+    for words in readme_commands(README.read_text()):
+        if is_skipped(words):
+            continue
+        result = run_command(words, cwd)
+        if result.returncode != 0:
+            failures.append(f"{shlex.join(words)}\n  exit {result.returncode}: "
+                            f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}")
+    assert not failures, "README commands that fail:\n" + "\n".join(failures)
+    assert list((cwd / "results" / "LR-HMDA").iterdir())
