@@ -3,7 +3,8 @@
 Which commands run (one rule, so a new README command cannot be skipped by accident):
 - skipped: `pip ...` (the set-up), `... -m pytest` (the set-up's test command: this suite), `export ...`
   (the set-up's data line: the suite's $CDGRAB_DATA stands in for it), shell scripts (`scripts/*.sh`: sweeps
-  of many full runs) and `jupyter` (notebooks: tests/test_notebooks.py runs them);
+  of many full runs), `jupyter` (notebooks: tests/test_notebooks.py runs them) and `python -m analysis`
+  (tests/test_reproduction.py draws the figures with it; here it would add about a minute);
 - every other `python` / `torchrun` command runs, in README order, in one fresh folder that sees the
   checkout's files (so `results/` and `figures/` land there), with the flags of TINY for its target
   appended (a tiny size: the last value of a repeated flag wins); a target TINY does not know fails the
@@ -62,7 +63,8 @@ def split_env(words: list[str]) -> tuple[dict, list[str]]:
 
 def is_skipped(words: list[str]) -> bool:
     _, argv = split_env(words)
-    return (argv[0] in SKIPPED_PROGRAMS or argv[0] == "export" or argv[:3] == ["python", "-m", "pytest"]
+    return (argv[0] in SKIPPED_PROGRAMS or argv[0] == "export" or argv[:3] in (["python", "-m", "pytest"],
+                                                                                ["python", "-m", "analysis"])
             or any(word.endswith(".sh") for word in argv[:1]))
 
 
@@ -115,9 +117,9 @@ def test_readme_commands_are_found_and_the_rule_picks_them():
     assert any(c.startswith("export CDGRAB_DATA=") for c in skipped)
     assert any("sweep-LR-HMDA.sh" in c for c in skipped) and any("reproduce-all.sh" in c for c in skipped)
     # the Quick start, in order, and one command of every other benchmark and of the example
-    assert run[0].startswith("python main-LR-HMDA.py") and "--max-train-examples" not in run[0]
+    assert run[0].split()[:2] == ["python", "main-LR-HMDA.py"] and "--max-train-examples" not in run[0]
     assert run[1].startswith("torchrun ") and "main-LR-HMDA.py" in run[1]
-    assert run[2].startswith("python main-LR-HMDA.py") and "--max-train-examples" in run[2]
+    assert run[2].split()[:2] == ["python", "main-LR-HMDA.py"] and "--max-train-examples" in run[2]
     for script in ("main-LSTM-Wiki2.py", "main-MLP-M4.py", "main-GPT2-Wiki103.py", "examples/ddp_lr_hmda.py"):
         assert any(script in c for c in run), script
     # every command that runs has a tiny size
