@@ -63,8 +63,8 @@ def split_env(words: list[str]) -> tuple[dict, list[str]]:
 
 def is_skipped(words: list[str]) -> bool:
     _, argv = split_env(words)
-    return (argv[0] in SKIPPED_PROGRAMS or argv[0] == "export" or argv[:3] in (["python", "-m", "pytest"],
-                                                                                ["python", "-m", "analysis"])
+    module_run = argv[:2] == ["python", "-m"] and argv[2:3] in (["pytest"], ["analysis"])
+    return (argv[0] in SKIPPED_PROGRAMS or argv[0] == "export" or module_run
             or any(word.endswith(".sh") for word in argv[:1]))
 
 
