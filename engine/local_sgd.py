@@ -9,8 +9,11 @@
 
 A round's H is computed once, at its first step, from that step's learning rate: right after the
 averaging that ended the previous round, as the reference does; it is never re-evaluated mid-round.
-Every epoch ends with an averaging step (evaluation and checkpoints see one averaged model), so a
-round is also cut at the epoch's end, and the next one starts with a freshly computed H.
+Rounds run across epoch ends: H is capped only by the steps left in the run, so late in training a
+round may last several epochs (and an epoch may have no averaging at all). At an epoch's end the
+model that is evaluated and checkpointed is the mean of the workers' parameters, computed without
+changing them: training goes on from the unaveraged workers, and a checkpoint holds every worker's
+parameters and the round's position, so a resume continues mid-round exactly.
 
 Between averagings worker j updates its own row of the (n_local, d) parameter matrix with its own
 gradient and its own optimizer state (engine.optim.Optimizer applied to the matrix: every rule is
@@ -46,11 +49,11 @@ def qsr_period(lr: float, step: int, *, warmup_steps: int, total_steps: int, h_i
 
 
 class SyncSchedule:
-    """When the workers average. `round_length(step, lr, steps_left_in_epoch)` at a round's first step."""
+    """When the workers average. `round_length(step, lr)` at a round's first step (0-based global step
+    and that step's learning rate); every round ends by the run's last step (`total_steps`)."""
 
-    def __init__(self, rule: str, *, H: int = 1, h_base: int = 1, h_init: int | None = None,
-                 alpha: float = 0.0, power: float = 2.0, switch_step: int = 0, warmup_steps: int = 0,
-                 total_steps: int = 0):
+    def __init__(self, rule: str, *, total_steps: int, H: int = 1, h_base: int = 1, h_init: int | None = None,
+                 alpha: float = 0.0, power: float = 2.0, switch_step: int = 0, warmup_steps: int = 0):
         if rule not in SYNC_RULES:
             raise ValueError(f"unknown --sync {rule!r}; choose one of {', '.join(SYNC_RULES)}")
         self.rule, self.H, self.h_base, self.alpha = rule, H, h_base, alpha
@@ -63,15 +66,13 @@ class SyncSchedule:
         its switch, and every step of every-step)."""
         return self.rule == "every-step" or (self.rule == "post-local" and step < self.switch_step)
 
-    def round_length(self, step: int, lr: float, steps_left_in_epoch: int) -> int:
+    def round_length(self, step: int, lr: float) -> int:
         if self.data_parallel(step):
-            period = 1
-        elif self.rule in ("constant", "post-local"):
-            period = self.H
-        else:
-            period = qsr_period(lr, step, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
-                                h_init=self.h_init, h_base=self.h_base, alpha=self.alpha, power=self.power)
-        return max(1, min(period, steps_left_in_epoch))
+            return 1
+        if self.rule in ("constant", "post-local"):
+            return max(1, min(self.H, self.total_steps - step))
+        return qsr_period(lr, step, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                          h_init=self.h_init, h_base=self.h_base, alpha=self.alpha, power=self.power)
 
 
 class LocalWorkers:
@@ -80,9 +81,10 @@ class LocalWorkers:
     params:  (n_local, d) row j = local worker j's parameters (what its gradients are taken at)
     anchor:  (d,) the parameters of the last averaging step, the same on every rank
     averaged_state: names of the optimizer buffers averaged with the parameters ("exp_avg", "exp_avg_sq";
-    AdamW only). `step(worker_grads, global_step, steps_left_in_epoch)` applies one step: worker_grads (n_local, d)
-    each worker's mean gradient over its own units at its own parameters. `end_epoch()` averages
-    and writes the averaged parameters into `flat` (the model's, for evaluation and checkpoints).
+    AdamW only). `step(worker_grads, global_step)` applies one step: worker_grads (n_local, d) each
+    worker's mean gradient over its own units at its own parameters. `end_epoch()` writes the mean of
+    the workers' parameters into `flat` (the model's, for evaluation and checkpoints) and leaves the
+    workers as they are.
     """
 
     def __init__(self, flat: torch.Tensor, comm, optimizer_name: str, lr_schedule, sync: SyncSchedule,
@@ -108,13 +110,12 @@ class LocalWorkers:
     def n(self) -> int:
         return self.comm.n_workers
 
-    def step(self, gradients: torch.Tensor, global_step: int, steps_left_in_epoch: int) -> bool:
+    def step(self, gradients: torch.Tensor, global_step: int) -> bool:
         """One optimizer step of every local worker. gradients: (n_local, d) each worker's own gradient,
         or (d,) one averaged gradient for all (a data-parallel step); not modified.
         Returns True when the round is over: the caller then calls `average()`."""
         if self.round_left == 0:
-            self.round_length = self.sync.round_length(global_step, self.lr_schedule(global_step),
-                                                       steps_left_in_epoch)
+            self.round_length = self.sync.round_length(global_step, self.lr_schedule(global_step))
             self.round_left = self.round_length
         self.optimizer.step(gradients)
         self.round_left -= 1
@@ -151,14 +152,19 @@ class LocalWorkers:
         self.round_left = 0
 
     def end_epoch(self) -> None:
-        """Average (unless the last step just did) and put the averaged parameters into `flat`."""
-        if self.round_left:
-            self.round_length -= self.round_left  # the round was cut short by the epoch's end
-            self.average()
-        self.flat.copy_(self.anchor)
+        """Put the mean of the n workers' parameters into `flat` for evaluation and the checkpoint,
+        without averaging the workers: a round in progress goes on into the next epoch. The mean of a
+        round in progress is one all-reduce of the parameters that is not training traffic, so it is
+        not counted in comm_bytes."""
+        if self.round_left == 0:  # the last step averaged: every row is the anchor already
+            self.flat.copy_(self.anchor)
+        else:
+            self.flat.copy_(self.comm.all_reduce_sum(self.params) / self.n)
 
     def epoch_stats(self) -> dict:
-        """This epoch's averaging count and mean round length (then resets them)."""
+        """This epoch's averaging count and the mean length of the rounds they closed, counting a
+        round's steps in earlier epochs too (so over a whole run syncs x mean_H sums to its steps);
+        mean_H is NaN in an epoch without an averaging. Resets both."""
         stats = {"syncs": self._rounds, "mean_H": self._round_steps / self._rounds if self._rounds else math.nan}
         self._rounds, self._round_steps = 0, 0
         return stats
@@ -168,7 +174,8 @@ class LocalWorkers:
         optimizer = self.optimizer.state_dict()
         for key, buffer in self.optimizer.buffers.items():
             optimizer[key] = self.comm.all_gather(buffer).cpu()
-        return {"optimizer": optimizer, "round_left": self.round_left, "round_length": self.round_length}
+        return {"optimizer": optimizer, "round_left": self.round_left, "round_length": self.round_length,
+                "params": self.comm.all_gather(self.params).cpu(), "anchor": self.anchor.cpu()}
 
     def load_state_dict(self, state: dict) -> None:
         rows = self.comm.local_workers
@@ -179,8 +186,14 @@ class LocalWorkers:
             optimizer[key] = optimizer[key][rows]
         self.optimizer.load_state_dict(optimizer)
         self.round_left, self.round_length = int(state["round_left"]), int(state["round_length"])
-        self.anchor.copy_(self.flat)  # checkpoints are written right after an averaging step
-        self.params.copy_(self.anchor.expand_as(self.params))
+        if "params" in state:  # every worker's parameters: the round may be in progress
+            if state["params"].shape != (self.n, self.anchor.numel()):
+                raise ValueError("the checkpoint's per-worker parameters do not match --node_cnt")
+            self.params.copy_(state["params"][rows])
+            self.anchor.copy_(state["anchor"])
+        else:  # written by a version that averaged at every epoch's end: `flat` is every worker's model
+            self.anchor.copy_(self.flat)
+            self.params.copy_(self.anchor.expand_as(self.params))
 
 
 def check_sync_args(args) -> None:

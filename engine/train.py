@@ -230,7 +230,7 @@ def train(task, args, comm, device) -> list[dict]:
             positions = range(step * k, (step + 1) * k)
             if per_worker_grads:
                 local_loss = worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions,
-                                                   global_step, steps_per_epoch - step, timer,
+                                                   global_step, timer,
                                                    args.unit_grad_gather == "round")
             else:
                 local_loss = data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer,
@@ -254,10 +254,10 @@ def train(task, args, comm, device) -> list[dict]:
                 checked_step = step + 1
             timer.lap("compute")
         bar.close()
-        flush_deferred(exchange, sorter, timer)  # (rounds end with the epoch: normally nothing is left)
+        flush_deferred(exchange, sorter, timer)  # a round in progress: the sorter's epoch needs its gradients
         timer.lap("sorter")
         if local is not None:
-            local.end_epoch()  # evaluation and the checkpoint see the averaged parameters
+            local.end_epoch()  # evaluation and the checkpoint see the mean of the workers' parameters
             timer.lap("comm")
         seconds = timer.seconds()
         if isinstance(sorter, BackgroundSorter):
@@ -331,7 +331,7 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
 
 
 def worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions, global_step,
-                          steps_left_in_epoch, timer, gather_per_round: bool = True):
+                          timer, gather_per_round: bool = True):
     """One step that needs each worker's own gradient: local SGD (`local`: LocalWorkers), or a
     sparsified reduction on the shared parameters (local None). Returns the local loss.
 
@@ -356,7 +356,7 @@ def worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, po
     if local is None:
         optimizer.step(gradients)
         return losses.mean()
-    round_over = local.step(gradients, global_step, steps_left_in_epoch)
+    round_over = local.step(gradients, global_step)
     timer.lap("compute")
     if round_over:
         local.average()

@@ -45,10 +45,36 @@ def test_qsr_rounds_grow_and_cover_every_step(tmp_path):
     check_ok(run("LR-HMDA", out, "--sorter", "D-RR", *QSR))
     rows = read_metrics(out)
     steps = json.loads((out / "config.json").read_text())["sizes"]["steps_per_epoch"]
+    # rounds run across epoch ends: only over the whole run do the rounds that closed tile the steps
+    assert sum(row["syncs"] * row["mean_H"] for row in rows) == pytest.approx(len(rows) * steps)
     for row in rows:
-        assert row["syncs"] * row["mean_H"] == pytest.approx(steps)  # the rounds tile the epoch
         assert row["comm_bytes"] == row["syncs"] * 4 * 26 * 4  # one d-vector per worker per averaging
     assert rows[1]["mean_H"] > rows[0]["mean_H"] > 1  # H grows as the cosine learning rate decays
+
+
+CROSSING = ["--sync", "constant", "--H", "30"]  # 100 steps per epoch: the round of steps 91-120 spans the epochs
+
+
+@needs_data(HMDA)
+def test_rounds_cross_epoch_ends_and_resume_mid_round(tmp_path):
+    """A round is cut only by the run's end: with H 30 and 100 steps per epoch the averagings fall on
+    steps 30, 60, 90 | 120, 150, 180 and 200 (the last round capped at 20). Resuming from the checkpoint
+    of epoch 1, written 10 steps into a round, continues it exactly (every worker's parameters and
+    momentum, the round's position, CD-GraB's gathered gradients)."""
+    flags = ["--sorter", "CD-GraB", *CROSSING]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    check_ok(run("LR-HMDA", straight, *flags))
+    first, second = read_metrics(straight)
+    assert (first["syncs"], first["mean_H"]) == (3, 30.0)
+    assert (second["syncs"], second["mean_H"]) == (4, (30 + 30 + 30 + 20) / 4)
+    assert (first["comm_bytes"] - 4 * 400 * 26 * 4, second["comm_bytes"] - 4 * 400 * 26 * 4) == \
+           (3 * 4 * 26 * 4, 4 * 4 * 26 * 4)  # CD-GraB's gathers (every unit's gradient once) + the averagings
+    assert run("LR-HMDA", crashed, *flags, env={"CDGRAB_FAULT": "exit:0:150"}).returncode != 0  # dies in epoch 2
+    check_ok(run("LR-HMDA", crashed, *flags, "--resume"))
+    assert_runs_agree(straight, crashed, BENCHMARKS["LR-HMDA"][2], exact=True)
+    multi = tmp_path / "torchrun"  # the epoch-end mean of a round in progress is a real collective here
+    check_ok(run("LR-HMDA", multi, *flags, nproc=2))
+    assert_runs_agree(straight, multi, BENCHMARKS["LR-HMDA"][2], rel=5e-5)
 
 
 @needs_data(HMDA)

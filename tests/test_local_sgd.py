@@ -76,19 +76,20 @@ def test_schedules_warm_up_then_decay_to_min_lr():
 
 
 def test_sync_schedule_rules():
-    constant = SyncSchedule("constant", H=5)
-    assert constant.round_length(0, 0.1, 100) == 5 and constant.round_length(0, 0.1, 3) == 3  # epoch end cuts
-    post = SyncSchedule("post-local", H=6, switch_step=10)
-    assert post.data_parallel(9) and not post.data_parallel(10) and post.round_length(10, 0.1, 100) == 6
+    constant = SyncSchedule("constant", H=5, total_steps=100)
+    assert constant.round_length(0, 0.1) == 5 and constant.round_length(97, 0.1) == 3  # only the run's end cuts
+    post = SyncSchedule("post-local", H=6, switch_step=10, total_steps=100)
+    assert post.data_parallel(9) and not post.data_parallel(10) and post.round_length(10, 0.1) == 6
+    assert post.round_length(9, 0.1) == 1
     linear = SyncSchedule("linear", h_base=2, alpha=1.0, power=2.0, total_steps=10**6)
-    assert linear.round_length(0, 0.1, 10**6) == 10  # power 1 whatever --power says
+    assert linear.round_length(0, 0.1) == 10  # power 1 whatever --power says
 
 
 def make_workers(n=4, d=6, H=3, name="sgd", averaged_state=(), momentum=0.9):
     comm = LocalCommunicator(n)
     flat = torch.randn(d, dtype=torch.float64)
     schedule = LRSchedule(0.1, steps_per_epoch=100)
-    workers = LocalWorkers(flat, comm, name, schedule, SyncSchedule("constant", H=H), make_reducer("dense", comm, d, "cpu"),
+    workers = LocalWorkers(flat, comm, name, schedule, SyncSchedule("constant", H=H, total_steps=TOTAL), make_reducer("dense", comm, d, "cpu"),
                            momentum=momentum, averaged_state=averaged_state)
     return workers, flat
 
@@ -98,7 +99,7 @@ def run_round(workers, steps, seed=0):
     averaged = []
     for step in range(steps):
         grads = torch.randn(workers.params.shape, generator=generator, dtype=torch.float64)
-        if workers.step(grads, step, 100 - step):
+        if workers.step(grads, step):
             workers.average()
             averaged.append(step)
     return averaged
@@ -114,7 +115,7 @@ def test_averaging_makes_workers_identical_and_keeps_optimizer_state_local(name)
     for step, g in enumerate(grads):
         for j in range(4):
             shadow[j].step(g[j])
-        assert workers.step(g, step, 100) == (step == 2)  # the round of H = 3 ends at its third step
+        assert workers.step(g, step) == (step == 2)  # the round of H = 3 ends at its third step
         if step == 1:
             assert not torch.equal(workers.params[0], workers.params[1])  # local steps diverge
     expected = torch.stack([o.flat for o in shadow])
@@ -133,7 +134,7 @@ def test_h_1_with_plain_sgd_equals_gradient_averaging():
     generator = torch.Generator().manual_seed(3)
     for step in range(5):
         grads = torch.randn(workers.params.shape, generator=generator, dtype=torch.float64)
-        if workers.step(grads, step, 100):
+        if workers.step(grads, step):
             workers.average()
         reference.step(grads.mean(0))
     assert torch.allclose(workers.anchor, reference.flat, atol=1e-12)
@@ -196,7 +197,7 @@ def test_round_lengths_of_a_whole_run_follow_the_rule(rule, power):
     workers = LocalWorkers(torch.zeros(3), comm, "sgd", cosine(), sync, make_reducer("dense", comm, 3, "cpu"))
     lengths = []
     for step in range(TOTAL):
-        if workers.step(torch.zeros(2, 3), step, TOTAL - step):
+        if workers.step(torch.zeros(2, 3), step):
             lengths.append(workers.round_length)
             workers.average()
     expected = reference_round_lengths(h_init=h_init, h_base=h_base, alpha=alpha, power=power)
@@ -236,14 +237,14 @@ def test_local_steps_and_averaging_match_per_worker_torch_optimizers(name, avera
     n, d, H, momentum, weight_decay = 3, 5, 3, 0.9, 0.01
     comm = LocalCommunicator(n)
     start = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    workers = LocalWorkers(start.clone(), comm, name, cosine(), SyncSchedule("constant", H=H),
+    workers = LocalWorkers(start.clone(), comm, name, cosine(), SyncSchedule("constant", H=H, total_steps=TOTAL),
                            make_reducer("dense", comm, d, "cpu"), momentum, weight_decay, averaged_state=averaged)
     params, optimizers = torch_optimizers(name, start, n, momentum, weight_decay)
     generator = torch.Generator().manual_seed(2)
     for step in range(4 * H):
         grads = torch.randn(n, d, dtype=torch.float64, generator=generator)
         torch_local_step(params, optimizers, grads, reference_lr(step))
-        if workers.step(grads, step, 100):
+        if workers.step(grads, step):
             workers.average()
             torch_average(params, optimizers, averaged)
         assert torch.allclose(workers.params, torch.stack([p.detach() for p in params]), rtol=0, atol=1e-12)
@@ -263,7 +264,7 @@ def test_sparse_averaging_adds_the_mean_of_what_the_workers_sent():
     n, d, H, k = 3, 8, 2, 3
     comm = LocalCommunicator(n)
     start = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    workers = LocalWorkers(start.clone(), comm, "sgd", cosine(), SyncSchedule("constant", H=H),
+    workers = LocalWorkers(start.clone(), comm, "sgd", cosine(), SyncSchedule("constant", H=H, total_steps=TOTAL),
                            make_reducer("topk", comm, d, "cpu", density=k / d))
     params, optimizers = torch_optimizers("sgd", start, n, 0.0, 0.0)
     anchor, residual = start.clone(), torch.zeros(n, d, dtype=torch.float64)
@@ -271,7 +272,7 @@ def test_sparse_averaging_adds_the_mean_of_what_the_workers_sent():
     for step in range(5 * H):
         grads = torch.randn(n, d, dtype=torch.float64, generator=generator)
         torch_local_step(params, optimizers, grads, reference_lr(step))
-        if workers.step(grads, step, 100):
+        if workers.step(grads, step):
             workers.average()
             acc = torch.stack([p.detach() for p in params]) - anchor + residual  # (n, d)
             union = sorted({int(i) for row in acc for i in row.abs().topk(k).indices})
@@ -295,3 +296,22 @@ def test_averaging_sgd_momentum_or_every_buffer_is_refused():
             check_args(parser.parse_args(flags), "toy")
     with pytest.raises(UserFacingError, match="no momentum"):
         make_workers(averaged_state=("momentum",))
+
+
+def test_epoch_end_mid_round_evaluates_the_mean_and_leaves_the_workers_alone():
+    """A round that is still going at an epoch's end: `flat` gets the plain mean of the workers' rows
+    (what is evaluated and checkpointed), and the workers go on exactly as if no epoch had ended."""
+    workers, flat = make_workers(H=5)
+    twin, _ = make_workers(H=5)
+    twin.params.copy_(workers.params), twin.anchor.copy_(workers.anchor)
+    assert run_round(workers, 3) == [] and run_round(twin, 3) == []  # 3 of the round's 5 steps
+    rows = workers.params.clone()
+    workers.end_epoch()
+    assert torch.allclose(flat, rows.mean(0), rtol=0, atol=1e-15)
+    assert torch.equal(workers.params, rows) and workers.round_left == 2
+    generator = torch.Generator().manual_seed(9)
+    for step in (3, 4):
+        grads = torch.randn(workers.params.shape, generator=generator, dtype=torch.float64)
+        assert workers.step(grads, step) == twin.step(grads, step) == (step == 4)
+    workers.average(), twin.average()
+    assert torch.equal(workers.params, twin.params)

@@ -45,15 +45,15 @@ def test_shipped_studies_are_complete():
 
 def test_shipped_communication_study_is_complete():
     """Issue #9: {every-step, constant, qsr} x {dense, exdyna} x {CD-GraB, D-RR} x 3 seeds on MLP-M4; QSR's
-    rounds tile every epoch and grow as the cosine learning rate decays."""
+    rounds tile every run and grow as the cosine learning rate decays."""
     from analysis.studies import communication_table
 
     df = load_runs(SHIPPED, warn=False)
     table = communication_table(df)
     assert len(table) == 12 and (table["seeds"] == 3).all() and (table["epochs"] == 4).all()
     runs = df[df["study"] == "communication"]
-    steps = runs["syncs"] * runs["mean_H"]
-    assert (steps.round() == 6711).all()  # every epoch's rounds add up to its steps
+    steps = (runs["syncs"] * runs["mean_H"]).groupby(runs["run_dir"]).sum()  # an epoch with no averaging: NaN
+    assert (steps.round() == 4 * 6711).all()  # rounds may cross epoch ends, but they tile the run
     qsr = runs[runs["run_dir"].str.contains("-qsr-")].groupby("epoch")["mean_H"].mean()
     assert list(qsr) == sorted(qsr) and qsr.iloc[-1] > 10 * qsr.iloc[0]
 
