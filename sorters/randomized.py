@@ -36,10 +36,15 @@ DELTA = 0.5  # failure probability, as in the published code
 SBW_C_MULTIPLIER = 30.0  # c = b_max * 30 log(...), as in the published code
 
 
+_LOOPS = []  # the module of compiled loops, once imported
+
+
 def _loops():
-    """The compiled loops (importing numba on first use)."""
-    from sorters import threshold_loops
-    return threshold_loops
+    """The compiled loops (importing numba on first use; a list lookup afterwards, per step)."""
+    if not _LOOPS:
+        from sorters import threshold_loops
+        _LOOPS.append(threshold_loops)
+    return _LOOPS[0]
 
 
 class ThresholdPairBalance(PairBalancer):
@@ -59,7 +64,7 @@ class ThresholdPairBalance(PairBalancer):
                              f"threshold depends on it), got {epochs!r}")
         self.total_epochs, self.seed = epochs, int(seed)
         self.rule_state = torch.zeros(5, dtype=torch.float64)  # on the CPU whatever the device: host scalars
-        self._draws, self._draws_epoch = None, None
+        self._draws, self._draws_epoch, self._views = None, None, None
         super().__init__(n_workers, m, d, seed, device, dtype)
         self.pairs_per_epoch = self.n * (self.m // 2)
         if self.device.type == "cpu":  # compile (or load) the loop now, not inside the first epoch
@@ -72,6 +77,14 @@ class ThresholdPairBalance(PairBalancer):
         self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
         self.rule_state[loops.INDEX] = 0
         self.rule_state[loops.KH_V] = 0  # KH's v restarts every epoch; SBW's b_max lives for the run
+        self._views = None
+
+    def _numpy_views(self):
+        """(running sum, rule state) as NumPy arrays sharing memory (the CPU path), kept between steps:
+        at LR-HMDA's size a step's whole sign loop costs about as much as a few tensor-to-NumPy calls."""
+        if self._views is None:
+            self._views = self.running_sum.numpy(), self.rule_state.numpy()
+        return self._views
 
     # ------------------------------------------------------------------ randomness
 
@@ -98,12 +111,15 @@ class ThresholdPairBalance(PairBalancer):
     # ------------------------------------------------------------------ the signs
 
     def _pair_signs(self, xp, first_units, first_index, second_units, second_index, n_pairs):
-        loops, draws, state = _loops(), self._current_draws(), self.rule_state.numpy()
+        loops = _LOOPS[0]
+        draws = self._draws if self._draws_epoch == self.epoch else self._current_draws()
         if xp is np:
+            running_sum, state = self._numpy_views()
             plus = np.empty((n_pairs, self.n), dtype=np.bool_)  # (P, n): the visiting order
-            loops.rule_signs(self.rule, self.running_sum.numpy(), first_units, first_index, second_units,
-                             second_index, plus, draws, state)
+            loops.rule_signs(self.rule, running_sum, first_units, first_index, second_units, second_index,
+                             plus, draws, state)
             return plus.T
+        state = self.rule_state.numpy()
         # the device path: the block's inner products on the device, then the scalar, sequential
         # decisions on the host (one round trip per step instead of a dozen tiny kernels per difference)
         firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
@@ -119,7 +135,7 @@ class ThresholdPairBalance(PairBalancer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        for key in ("_draws", "_draws_epoch"):  # regenerated from (seed, epoch)
+        for key in ("_draws", "_draws_epoch", "_views"):  # regenerated from (seed, epoch); views
             state.pop(key)
         return state
 
@@ -129,7 +145,7 @@ class ThresholdPairBalance(PairBalancer):
                              f"{self.total_epochs} (the threshold depends on the run's epochs)")
         super().load_state_dict(state)
         self.rule_state = self.rule_state.cpu()
-        self._draws_epoch = None
+        self._draws_epoch, self._views = None, None
 
 
 class KernelHalving(ThresholdPairBalance):
