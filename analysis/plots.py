@@ -31,7 +31,8 @@ LABELS = {
 }
 BENCHMARK_LABELS = {"MLP-M4": {"train_loss": "train MSE (standardised)"}}
 SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
-                 "D-SO": "tab:purple", "Fold": "tab:brown", "ALL": "tab:gray"}
+                 "D-SO": "tab:purple", "Fold": "tab:brown", "ALL": "tab:gray", "KH-SGD": "tab:pink",
+                 "SBW": "tab:olive"}
 PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
                "other_seconds": "tab:gray"}
 LOG_Y = ("_ppl",)  # perplexities span orders of magnitude in the first epochs

@@ -141,7 +141,7 @@ def train(task, args, comm, device) -> list[dict]:
 
     flat = task.model.flat
     task.unit_grad_path = args.unit_grads
-    sorter = build_sorter(args.sorter, n, m, d, seed=args.seed, device=device)
+    sorter = build_sorter(args.sorter, n, m, d, seed=args.seed, device=device, epochs=args.epochs)
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer)
     second_buffer_bytes = n_local * k * d * flat.element_size()
@@ -398,8 +398,9 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
     arg_dict = {**added, **arg_dict}
     changed = sorted(key for key in (set(saved_args) | set(arg_dict)) - RESUMABLE_CHANGES
                      if saved_args.get(key) != arg_dict.get(key))
-    if arg_dict.get("lr_schedule", "step") != "step" and saved_args.get("epochs") != arg_dict.get("epochs"):
-        changed.append("epochs")  # a cosine / linear schedule is stretched over the run's epochs
+    stretched = arg_dict.get("lr_schedule", "step") != "step"  # a cosine / linear schedule spans the run's epochs
+    if (stretched or sorter.uses_total_epochs) and saved_args.get("epochs") != arg_dict.get("epochs"):
+        changed.append("epochs")  # so do KH-SGD's and SBW's thresholds
     if changed:
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
                               + ", ".join(f"--{key} {saved_args.get(key)} (now {arg_dict.get(key)})"

@@ -62,7 +62,8 @@ def loss_fn(logits, y):
 grads_of = PerExampleGrads(model, loss_fn)  # (B, d) per-example gradients; d = 26 here
 # drop_last: each replica gets a whole number of batches, the tail of the data set is not used
 sampler = CDGraBSampler(train_set, batch_size=args.batch_size, d=grads_of.d, sorter=args.sorter,
-                        num_replicas=None if distributed else args.replicas, seed=args.seed, drop_last=True)
+                        num_replicas=None if distributed else args.replicas, seed=args.seed, drop_last=True,
+                        epochs=args.epochs)  # KH-SGD's and SBW's thresholds depend on the run's length
 loader = DataLoader(train_set, batch_size=sampler.loader_batch_size, sampler=sampler)
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 if rank == 0:

@@ -8,7 +8,8 @@ to 0). Every method reorders its own copy for `rounds` rounds through the ordina
     bound  = parallel_herding_bound(z, orders)     # max_k || sum_{t<=k} sum_j z[j, orders[j, t]] ||_inf
     sorter.step(z[j, orders[j, t]] for t in chunk, chunk)   # the whole round, chunk by chunk
 
-Methods: the sorters CD-GraB, I-B, I-PB, D-RR (the paper's figure), and ALL, the centralised
+Methods: the sorters CD-GraB, I-B, I-PB, D-RR (the paper's figure), any other sorter (e.g. KH-SGD and
+SBW, the randomised-threshold pair balancers of docs/reorderers.md; their E is --rounds), and ALL, the centralised
 baseline the original scripts also computed: pair balance (CD-GraB with one worker) over all n*m
 vectors as one stream, scored by the herding bound of that single sequence (not comparable step for
 step with the parallel bound: n*m prefixes instead of m; the paper does not plot it).
@@ -59,7 +60,7 @@ def simulate(z: np.ndarray, method: str, rounds: int, seed: int, chunk: int = 10
     z64 = torch.from_numpy(np.ascontiguousarray(z))
     z32 = z64.float()  # what the sorter sees, like float32 gradients in training
     start = time.perf_counter()
-    sorter = build_sorter(method, n_workers=n, m=m, d=d, seed=seed)
+    sorter = build_sorter(method, n_workers=n, m=m, d=d, seed=seed, epochs=rounds)  # a round is an epoch
     orders = sorter.sort()
     for r in range(rounds + 1):
         # z is centred already (float64), so the bound needs no second centring

@@ -32,7 +32,8 @@ after the defaults, so they override them (e.g. --max-train-examples 512 for a q
 
 environment:${3:+
 $3}
-  SORTERS   sorters to run                          (default "CD-GraB D-RR")
+  SORTERS   sorters to run: any --sorter choice, e.g.
+            "CD-GraB D-RR KH-SGD SBW"               (default "CD-GraB D-RR")
   SEEDS     seeds to run                            (default "0 1 2 3 4")
   EPOCHS    override the paper's epoch count        (default: the paper's)
   NPROC     processes per run; 1 runs \$PYTHON directly, >1 runs

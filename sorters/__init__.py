@@ -1,13 +1,16 @@
 """Example-order sorters for distributed training, independent of any training loop.
 
     from sorters import build_sorter, SORTER_NAMES
-    s = build_sorter("CD-GraB", n_workers=4, m=1000, d=10, seed=0)
+    s = build_sorter("CD-GraB", n_workers=4, m=1000, d=10, seed=0)   # KH-SGD, SBW: also epochs=E
     orders = s.sort()          # (n_workers, m) LongTensor, row j worker j's order this epoch
     s.step(grads, positions)   # grads (n_workers, k, d) of the units at epoch positions (k,)
 
 | name    | what                                                        | uses gradients |
 |---------|-------------------------------------------------------------|----------------|
 | CD-GraB | coordinated pair balance, one running sum over all workers   | all workers'   |
+| KH-SGD  | CD-GraB's coordinated pair balance with kernel halving's     | all workers'   |
+|         | randomised threshold (Carrell et al. 2025)                   |                |
+| SBW     | ... with the self-balancing walk's (Alweiss et al. 2021)     | all workers'   |
 | D-RR    | fresh independent random permutation per worker per epoch    | no             |
 | D-SO    | random permutation per worker drawn once                     | no             |
 | I-B     | GraB mean balance per worker (stale mean)                    | own only       |
@@ -22,19 +25,27 @@ from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalan
 from sorters.base import Sorter
 from sorters.fold import Fold
 from sorters.herding import parallel_herding_bound
+from sorters.randomized import KernelHalving, SelfBalancingWalk
 from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
 
 SORTERS = {cls.name: cls for cls in (CDGraB, DistributedRandomReshuffle, DistributedShuffleOnce,
-                                     IndependentMeanBalance, IndependentPairBalance, Fold)}
+                                     IndependentMeanBalance, IndependentPairBalance, Fold, KernelHalving,
+                                     SelfBalancingWalk)}
 SORTER_NAMES = tuple(SORTERS)
 
 
-def build_sorter(name: str, n_workers: int, m: int, d: int, seed: int = 0, device="cpu") -> Sorter:
+def build_sorter(name: str, n_workers: int, m: int, d: int, seed: int = 0, device="cpu",
+                 epochs: int | None = None) -> Sorter:
     """A fresh sorter `name` (one of SORTER_NAMES) for n_workers workers with m units each and
-    d-dimensional gradients. Everything it does is determined by `seed`."""
+    d-dimensional gradients. Everything it does is determined by `seed` (and `epochs`).
+
+    epochs: the run's total number of epochs; required by the sorters whose rule depends on it
+    (`uses_total_epochs`: KH-SGD, SBW), ignored by the others."""
     if name not in SORTERS:
         raise ValueError(f"unknown sorter {name!r}; choose one of {', '.join(SORTER_NAMES)}")
-    return SORTERS[name](n_workers, m, d, seed=seed, device=device)
+    cls = SORTERS[name]
+    extra = {"epochs": epochs} if cls.uses_total_epochs else {}
+    return cls(n_workers, m, d, seed=seed, device=device, **extra)
 
 
 # imported after build_sorter, which the sampler uses

@@ -115,6 +115,22 @@ def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tenso
     <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij (S_i = S + sum_{j<i} sign_j v_j). Columns are widened to
     float64 GRAM_CHUNK_BYTES at a time, so the extra memory stays bounded for any d.
     """
+    r = diffs.shape[0]
+    a, gram, widened = gram_products(running_sum, diffs)
+    signs = torch.zeros(r, dtype=torch.float64, device=diffs.device)  # sign_j, 0 until decided
+    plus_one, minus_one = signs.new_ones(()), -signs.new_ones(())
+    dot = torch.empty(1, dtype=torch.float64, device=diffs.device)
+    for i in range(r):  # the k-step recursion: three small kernels per difference
+        torch.addmv(a[i:i + 1], gram[i:i + 1], signs, out=dot)  # signs[j >= i] are still 0
+        torch.where(dot <= 0, plus_one, minus_one, out=signs[i:i + 1])
+    add_signed(running_sum, diffs, signs, widened)
+    return signs > 0
+
+
+def gram_products(running_sum: torch.Tensor, diffs: torch.Tensor):
+    """(a, G, widened) for the device path: a = D S (r,) and G = D D^T (r, r) in float64, from the (r, d)
+    differences D widened to float64 GRAM_CHUNK_BYTES at a time; `widened` is (columns, the last chunk
+    widened), which add_signed reuses when there is a single chunk."""
     r, d = diffs.shape
     width = max(1, GRAM_CHUNK_BYTES // (8 * r))
     columns = [slice(c, min(c + width, d)) for c in range(0, d, width)]
@@ -125,16 +141,16 @@ def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tenso
         wide = diffs[:, cols].to(torch.float64)
         a.addmv_(wide, running_sum[cols])
         gram.addmm_(wide, wide.T)
-    signs = torch.zeros(r, dtype=torch.float64, device=diffs.device)  # sign_j, 0 until decided
-    plus_one, minus_one = signs.new_ones(()), -signs.new_ones(())
-    dot = torch.empty(1, dtype=torch.float64, device=diffs.device)
-    for i in range(r):  # the k-step recursion: three small kernels per difference
-        torch.addmv(a[i:i + 1], gram[i:i + 1], signs, out=dot)  # signs[j >= i] are still 0
-        torch.where(dot <= 0, plus_one, minus_one, out=signs[i:i + 1])
+    return a, gram, (columns, wide)
+
+
+def add_signed(running_sum: torch.Tensor, diffs: torch.Tensor, signs: torch.Tensor, widened) -> None:
+    """running_sum (d,) float64 += D^T signs, for diffs (r, d) and signs (r,) float64 of +-1."""
+    columns, wide = widened
     for cols in columns:
         part = wide if len(columns) == 1 else diffs[:, cols].to(torch.float64)
         running_sum[cols].addmv_(part.T, signs)
-    return signs > 0
+
 
 class IndependentPairBalance(PairBalancer):
     """I-PB: every worker runs its own pair balance on its own gradients (no coordination)."""

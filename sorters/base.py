@@ -24,6 +24,7 @@ class Sorter:
 
     name = "base"
     uses_grads = False
+    uses_total_epochs = False  # True: the constructor takes epochs=, the run's total (KH-SGD, SBW)
     # Set True by a caller that keeps the grads of every step() call unchanged until its next step()
     # call has returned (the training engine rotates its gradient buffers so that they stay); pair
     # balancers then keep a reference to a step's unpaired last unit instead of copying it.

@@ -16,7 +16,7 @@ same seeded sorter on the same (all-gathered) gradients, so every process holds 
 
 Where the replicas live:
 - torch.distributed initialised (e.g. torchrun): one replica per process, num_replicas = world size,
-  rank = this process's rank. Balancing sorters (CD-GraB, I-B, I-PB) all-gather the per-example
+  rank = this process's rank. Balancing sorters (CD-GraB, KH-SGD, SBW, I-B, I-PB) all-gather the per-example
   gradients inside step(): (world size * batch_size * d) floats per step. D-RR, D-SO and Fold ignore
   gradients and communicate nothing: step(None) just counts the batch.
 - no process group (a plain `python` start): this process hosts ALL num_replicas replicas, like the
@@ -55,6 +55,8 @@ class CDGraBSampler(Sampler[int]):
                   drops only to a multiple of num_replicas.) Any m works for every sorter: with m odd
                   the pair sorters' unpaired last example takes the middle slot of the next order.
     device:       where the sorter keeps its state and balances ("cpu": compiled loop, fastest at small d).
+    epochs:       the run's total number of epochs; required by KH-SGD and SBW, whose thresholds depend on
+                  it (sorters/randomized.py), ignored by the others.
 
     Epochs: call step() once for every batch, with every sorter (the sampler counts positions with it).
     An iteration over the sampler (a DataLoader epoch) after a complete epoch starts the next epoch, whose
@@ -65,7 +67,7 @@ class CDGraBSampler(Sampler[int]):
 
     def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
-                 drop_last: bool = False, device="cpu"):
+                 drop_last: bool = False, device="cpu", epochs: int | None = None):
         if sorter not in SORTER_NAMES:
             raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
         n_examples = dataset if isinstance(dataset, int) else len(dataset)
@@ -100,8 +102,13 @@ class CDGraBSampler(Sampler[int]):
                 raise ValueError(f"{sorter} all-gathers gradients over the process group, so num_replicas and rank "
                                  f"must be its world size {dist.get_world_size()} and rank {dist.get_rank()}, "
                                  f"got {num_replicas} and {rank}")
-        self.sorter = build_sorter(sorter, num_replicas, m, d or 1, seed=seed, device=device)
+        if SORTERS[sorter].uses_total_epochs and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                                  or epochs < 1):
+            raise ValueError(f"{sorter}'s threshold depends on the run's length: pass epochs, the total number of "
+                             f"epochs (an integer >= 1), got {epochs!r}")
+        self.sorter = build_sorter(sorter, num_replicas, m, d or 1, seed=seed, device=device, epochs=epochs)
         self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
+        self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d
         self.gathers = self.sorter.uses_grads and distributed  # step() all-gathers over the process group
         # the replicas whose examples this process yields (and whose gradients step() receives)
@@ -113,7 +120,7 @@ class CDGraBSampler(Sampler[int]):
 
     @property
     def uses_grads(self) -> bool:
-        """Whether step() needs gradients (CD-GraB, I-B, I-PB); the others take step(None)."""
+        """Whether step() needs gradients (CD-GraB, KH-SGD, SBW, I-B, I-PB); the others take step(None)."""
         return self.sorter.uses_grads
 
     @property
@@ -219,5 +226,8 @@ class CDGraBSampler(Sampler[int]):
         self.position, self.started = state["position"], state["started"]
 
     def _config(self) -> dict:
-        return {"sorter": self.sorter.name, "num_replicas": self.num_replicas, "m": self.m,
-                "batch_size": self.batch_size, "d": self.d, "seed": self.seed}
+        config = {"sorter": self.sorter.name, "num_replicas": self.num_replicas, "m": self.m,
+                  "batch_size": self.batch_size, "d": self.d, "seed": self.seed}
+        if self.epochs is not None:  # only where it changes the orders (KH-SGD, SBW)
+            config["epochs"] = self.epochs
+        return config

@@ -59,7 +59,7 @@ def test_each_replica_gets_a_permutation_of_its_own_block_every_epoch(sorter, n_
     """Also: a step is replica 0's k examples, then replica 1's, ... (the last step shorter when m % k)."""
     table = example_grads(n_examples, 5)
     sampler = CDGraBSampler(n_examples, batch_size=k, d=5, sorter=sorter, num_replicas=replicas, seed=3,
-                            drop_last=drop_last)
+                            drop_last=drop_last, epochs=3)
     m = sampler.m
     assert m == (n_examples // (replicas * k) * k if drop_last else n_examples // replicas)
     assert len(sampler) == replicas * m and sampler.loader_batch_size == replicas * k

@@ -44,7 +44,7 @@ def is_permutation(row, m):
 def test_orders_are_permutations_every_epoch(name, m, k):
     n, d = 3, 5
     z = unit_vectors(n, m, d)
-    sorter = build_sorter(name, n_workers=n, m=m, d=d, seed=1)
+    sorter = build_sorter(name, n_workers=n, m=m, d=d, seed=1, epochs=4)  # epochs: KH-SGD, SBW
     for _ in range(4):
         orders = run_epoch(sorter, gather_units(z), k)
         assert orders.shape == (n, m) and orders.dtype == torch.long
@@ -56,10 +56,10 @@ def test_orders_are_permutations_every_epoch(name, m, k):
 def test_same_seed_same_orders_and_state_round_trip(name):
     n, m, d = 2, 10, 4
     z = unit_vectors(n, m, d)
-    a, b = (build_sorter(name, n, m, d, seed=7) for _ in range(2))
+    a, b = (build_sorter(name, n, m, d, seed=7, epochs=3) for _ in range(2))
     for _ in range(3):
         assert torch.equal(run_epoch(a, gather_units(z), 2), run_epoch(b, gather_units(z), 2))
-    restored = build_sorter(name, n, m, d, seed=123)
+    restored = build_sorter(name, n, m, d, seed=123, epochs=3)
     restored.load_state_dict(a.state_dict())
     for _ in range(3):
         assert torch.equal(run_epoch(a, gather_units(z), 2), run_epoch(restored, gather_units(z), 2))
