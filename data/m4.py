@@ -1,4 +1,4 @@
-"""M4 forecasting data (Weekly by default) for the autoregressive MLP (spec 3.3 and 4).
+"""M4 forecasting data (Weekly by default) for the autoregressive MLP (docs/benchmarks.md).
 
 Files: `<data_dir>/m4/{freq}-train.csv` and `{freq}-test.csv`, straight from Mcompetitions/M4-methods.
 Column V1 is the series id; each row is right-padded with empty cells (NaN after reading).

@@ -1,4 +1,4 @@
-"""WikiText-103 for the tiny GPT-2 (spec 3.4): GPT-2 BPE ids cut into fixed-length blocks.
+"""WikiText-103 for the tiny GPT-2 (docs/benchmarks.md): GPT-2 BPE ids cut into fixed-length blocks.
 
 Tokenizer: the GPT-2 byte-level BPE, built offline from `<data_dir>/gpt2-tokenizer/{vocab.json,merges.txt}`
 (50,257 ids; "Hello world" -> [15496, 995]).
@@ -7,7 +7,7 @@ Blocks, like Hugging Face run_clm's `group_texts` but over the whole file at onc
   - every line of the file is one text, kept with its trailing newline, as in the HF raw dataset
     rows; a blank line becomes "" (HF's wikitext script does the same), so it adds no tokens;
   - each line is tokenized in full. The original truncated every line to 128 tokens, which throws
-    text away (spec section 6, bug 8); we do not;
+    text away (bug 8 in docs/differences.md); we do not;
   - no EOS is inserted; all ids are concatenated and cut into (N_blocks, block_size), the remainder
     is dropped.
 

@@ -1,4 +1,4 @@
-"""WikiText-2, word level, as in pytorch/examples word_language_model (spec 3.2).
+"""WikiText-2, word level, as in pytorch/examples word_language_model (docs/benchmarks.md).
 
 Each line is split on whitespace and gets an `<eos>` appended. One dictionary is built over
 train + valid + test, in that order, with ids in first-seen order: 33,278 words. Token counts:

@@ -41,10 +41,11 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
                    help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
                         "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance), "
-                        "Fold (ablation: the fixed order the original's buggy CD-GraB applied every epoch, spec bug 1), "
-                        "KH-SGD / SBW (CD-GraB's coordinated pair balance with the randomised threshold of kernel "
-                        "halving / the self-balancing walk, Carrell et al. 2025; both depend on --epochs; "
-                        "docs/reorderers.md)")
+                         "Fold (ablation: the fixed order the original's buggy CD-GraB applied every epoch: bug 1 in "
+                         "docs/differences.md), "
+                         "KH-SGD / SBW (CD-GraB's coordinated pair balance with the randomised threshold of kernel "
+                         "halving / the self-balancing walk, Carrell et al. 2025; both depend on --epochs; "
+                         "docs/reorderers.md)")
     p.add_argument("--seed", type=int, default=defaults.get("seed", 0),
                    help="seeds the model initialisation, the data split and the sorter")
     p.add_argument("--lr", type=float, default=defaults["lr"], help="initial learning rate")

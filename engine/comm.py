@@ -131,7 +131,7 @@ class GradientExchange:
       all_unit_grads:     (n, k, d) every worker's unit gradients, or None
 
     Sorters that balance need every worker's unit gradients in every process (CD-GraB runs its
-    identical balancing redundantly on each rank, spec 1.5), so they all-gather them dense, also when
+    identical balancing redundantly on each rank, as the original code does), so they all-gather them dense, also when
     a reducer sparsifies the update; without a sparsifying reducer the update is then the mean of the
     gathered tensor. The others all-reduce one d-vector, as D-RR does in the paper, or hand each
     worker's gradient to the reducer (engine/reducers.py). Local SGD (engine/local_sgd.py) uses

@@ -5,7 +5,8 @@
 where g[j, t] (d,) is the gradient of the unit that worker j used at epoch position t, as computed in
 training (at that step's parameters), and positions run step by step (all workers' k units of step
 1, then step 2, ...): sorters.herding.parallel_herding_bound of the (n, m, d) gradients under the
-epoch's orders (spec 5.6; the metric the original logged in its LeNet script, spec 3.5).
+epoch's orders (the metric of the paper's herding-bound simulation, which the original code also logged
+in its LeNet script).
 
 It keeps all n * m * d gradients of the epoch as float32 (every process keeps every worker's), so runs
 whose buffer would pass MAX_BYTES are refused up front. Sorters that balance hand over the gradients

@@ -1,6 +1,6 @@
 """SGD (with momentum) and AdamW on the flat parameter vector, with ONE state for the whole run.
 
-The original code rebuilt parts of the optimizer state every epoch (spec bug 3: Adam's
+The original code rebuilt parts of the optimizer state every epoch (bug 3 in docs/differences.md: Adam's
 bias-correction count restarted at 1 each epoch); here the state lives as long as the run and
 is saved in checkpoints. The updates are torch.optim's SGD and AdamW (single-tensor) rules written
 out on one (d,) tensor: a couple of in-place ops per step instead of a per-parameter framework

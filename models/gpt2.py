@@ -1,4 +1,4 @@
-"""Tiny GPT-2 language model (spec 3.4), built from a config only: nothing is downloaded.
+"""Tiny GPT-2 language model (docs/benchmarks.md), built from a config only: nothing is downloaded.
 
 GPT-2 defaults (GELU-new, LayerNorm eps 1e-5, N(0, 0.02) init with scaled residual projections,
 lm_head tied to wte) with n_embd=128, n_layer=2, n_head=2, n_positions=128 and all dropout off.

@@ -1,4 +1,4 @@
-"""Word-level LSTM language model with tied embedding/decoder weights (spec 3.2).
+"""Word-level LSTM language model with tied embedding/decoder weights (docs/benchmarks.md).
 
 Embedding(V, ninp) -> nn.LSTM(ninp, nhid, nlayers) -> Linear(nhid, V, bias=False) sharing the
 embedding's weight -> log_softmax. With V = 33,278 and 32/32/2: d = 1,064,896 + 2 * 8,448 = 1,081,792

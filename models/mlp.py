@@ -1,4 +1,4 @@
-"""Autoregressive MLP forecaster for M4 (spec 3.3, `Auto_MLP` with num_steps=1 and RevIN off).
+"""Autoregressive MLP forecaster for M4 (docs/benchmarks.md; the original's `Auto_MLP` with num_steps=1 and RevIN off).
 
 Linear(in_len, hidden), ReLU, (n_layers - 2) x [Linear(hidden, hidden), ReLU], Linear(hidden, 1).
 Default 20/64/3: d = 1,344 + 4,160 + 65 = 5,569.

@@ -1,4 +1,4 @@
-"""The parallel herding bound simulation of spec 5.6 (the paper's random-vector figure).
+"""The paper's parallel herding bound simulation (its random-vector figure; docs/figures.md).
 
 Per trial: 10^6 * scale vectors ~ N(0, I_16) from numpy RandomState(trial), each normalised to unit
 L2 norm, reshaped to (m examples, n workers, d) and centred per worker (each worker's m vectors sum

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MLP-M4 sweep: MLP forecaster on M4 Weekly, lr 1e-3, 50 epochs, in the setting of the paper's figure:
-# 4 workers, B=16 (spec 5.3: the authors' notebook). M4_SETTING=readme runs the original README's
+# 4 workers, B=16 (the authors' M4 notebook). M4_SETTING=readme runs the original README's
 # command instead: 32 workers, B=32. The run names show node_cnt and B, so both can share RESULTS.
 #   SEEDS="0 1" EPOCHS=2 scripts/sweep-MLP-M4.sh --max-train-examples 512     (see --help)
 set -euo pipefail

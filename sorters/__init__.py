@@ -16,7 +16,7 @@
 | I-B     | GraB mean balance per worker (stale mean)                    | own only       |
 | I-PB    | pair balance per worker                                      | own only       |
 | Fold    | ablation: fixed fold (evens, then odds reversed) per epoch,  | no             |
-|         | the order the original's buggy CD-GraB made (spec bug 1)     |                |
+|         | the original's buggy CD-GraB order (docs/differences.md)     |                |
 
 For ordinary PyTorch / DDP loops: `CDGraBSampler` (sampler.py), a torch.utils.data.Sampler driving
 any of these sorters, and `PerExampleGrads` (per_example.py), per-example gradients by torch.func.

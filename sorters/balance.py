@@ -174,7 +174,7 @@ class IndependentPairBalance(PairBalancer):
 
 
 class IndependentMeanBalance(OnlineBalancer):
-    """I-B: GraB mean balance per worker (spec 1.1). Each unit's gradient is centred with the
+    """I-B: GraB mean balance per worker (GraB: Lu et al., NeurIPS 2022). Each unit's gradient is centred with the
     worker's stale mean of the previous epoch (zero in the first epoch), then signed by herding."""
 
     name = "I-B"

@@ -1,4 +1,4 @@
-"""Fold: an ablation that replays the order the original's degenerate CD-GraB produced (spec 1.6, bug 1).
+"""Fold: an ablation that replays the order the original's degenerate CD-GraB produced (bug 1 in docs/differences.md).
 
 The authors' `CD_GraB_SingleGrad` (LSTM-Wiki2 and MLP-M4) cached a *reference* to the all-gather
 buffer that the next step overwrote, so every pair difference it balanced was `buffer - buffer = 0`.
@@ -34,7 +34,7 @@ def fold_map(m: int) -> torch.Tensor:
 
 
 class Fold(Sorter):
-    """Fold (ablation, spec 1.6 / bug 1): each worker's next order is `fold_map(m)` applied to its
+    """Fold (ablation of the original's bug 1): each worker's next order is `fold_map(m)` applied to its
     current order, every epoch; no gradients, no communication (costs what D-RR costs).
 
     Starts, like every sorter, from the seeded random permutation per worker (`_random_orders`, the

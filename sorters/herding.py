@@ -1,4 +1,4 @@
-"""The parallel herding bound (spec 5.6): how unevenly an order spreads the gradients."""
+"""The parallel herding bound of the paper's herding simulation: how unevenly an order spreads the gradients."""
 import torch
 
 
@@ -6,7 +6,7 @@ def parallel_herding_bound(z: torch.Tensor, orders: torch.Tensor, center: bool =
     """max over prefixes k of || sum_{t<=k} sum_j z[j, orders[j, t]] ||_inf.
 
     z: (n, m, d) worker j's m vectors; orders: (n, m) row j a permutation of range(m).
-    With `center`, each worker's vectors are first centred on their mean (the spec's setting:
+    With `center`, each worker's vectors are first centred on their mean (the paper's setting:
     every worker's m vectors sum to zero), so a perfectly balanced order scores near 0.
     """
     n, m, _ = z.shape

@@ -5,7 +5,7 @@ from sorters.base import Sorter
 class DistributedRandomReshuffle(Sorter):
     """D-RR: an independent fresh uniform permutation per worker per epoch.
 
-    All n rows come from one seeded generator, so workers get different permutations (spec bug 2:
+    All n rows come from one seeded generator, so workers get different permutations (bug 2 in docs/differences.md:
     the original seeded every rank alike and all ranks drew the same one), and every process that
     builds this sorter with the same seed holds the same (n, m) orders.
     """

@@ -1,4 +1,4 @@
-"""M4 windows, split, standardisation and sMAPE (spec 3.3 and 4)."""
+"""M4 windows, split, standardisation and sMAPE (docs/benchmarks.md)."""
 import math
 
 import numpy as np

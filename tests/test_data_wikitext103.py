@@ -1,4 +1,4 @@
-"""GPT-2 tokenizer, WikiText-103 blocks and their cache (spec 3.4)."""
+"""GPT-2 tokenizer, WikiText-103 blocks and their cache (docs/benchmarks.md)."""
 import os
 import stat
 from pathlib import Path
@@ -59,7 +59,7 @@ def test_valid_blocks_are_full_lines_concatenated(tok, cache):
     assert len(ids) == 247_137
     assert blocks.shape == (len(ids) // 128, 128) == (1_930, 128) and blocks.dtype == torch.long
     assert blocks.flatten().tolist() == ids[: blocks.numel()]
-    # no per-line truncation (spec bug 8): long paragraphs keep all their tokens
+    # no per-line truncation (bug 8): long paragraphs keep all their tokens
     assert max(map(len, per_line)) > 128
     assert blocks.numel() > sum(min(len(p), 128) for p in per_line)
     # a line keeps its newline (198) and a blank line adds nothing: " = Homarus gammarus = \n"

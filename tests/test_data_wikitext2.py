@@ -1,4 +1,4 @@
-"""WikiText-2 word-level corpus and LSTM batching (spec 3.2)."""
+"""WikiText-2 word-level corpus and LSTM batching (docs/benchmarks.md)."""
 
 import pytest
 import torch

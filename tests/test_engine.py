@@ -112,7 +112,7 @@ def test_tied_weights_appear_once_in_the_flat_vector():
 
 
 def test_adam_state_persists_across_epochs_and_matches_torch_adamw():
-    """Spec bug 3: the original restarted Adam's bias-correction count every epoch."""
+    """Bug 3 (docs/differences.md): the original restarted Adam's bias-correction count every epoch."""
     flat = torch.zeros(3)
     reference = torch.zeros(3, requires_grad=True)
     optimizer = Optimizer("adamw", flat, LRSchedule(1e-2, steps_per_epoch=5), weight_decay=0.1)

@@ -130,7 +130,7 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
 ])
 def test_bad_input_under_torchrun_is_reported_once(tmp_path, args, message):
     """Every rank sees the error; rank 0 alone prints it, and exits 2. torchrun itself then exits 1 and
-    prints its ChildFailedError summary, whatever the ranks' status (README, "Bad input")."""
+    prints its ChildFailedError summary, whatever the ranks' status (docs/run-directory.md, "Bad input")."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint\n")

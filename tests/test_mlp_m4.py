@@ -76,7 +76,7 @@ def test_worker_split_units_and_metrics():
     other = module.MLPM4(task_args(seed=1), torch.device("cpu"))
     assert not torch.equal(other.worker_x, task.worker_x)
     # the sweep's settings on all 107,384 windows: the paper's figure (4 workers, B 16; m = 26,846 rounded
-    # down to a multiple of B/n = 4) and the original README (32 workers, B 32; spec 3.3)
+    # down to a multiple of B/n = 4) and the original README (32 workers, B 32)
     for node_cnt, B, m in ((4, 16, 26_844), (32, 32, 3_354)):
         full = module.MLPM4(task_args(node_cnt=node_cnt, B=B, max_train_examples=None), torch.device("cpu"))
         assert (full.n_workers, full.n_units, full.units_per_step) == (node_cnt, m, B // node_cnt)

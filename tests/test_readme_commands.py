@@ -1,11 +1,12 @@
-"""Every command in README.md's ```bash / ```sh blocks runs as written after the set-up, top to bottom.
+"""Every command in the ```bash / ```sh blocks of README.md and docs/*.md runs as written after the set-up,
+top to bottom (README.md first, then the docs pages by name).
 
 Which commands run (one rule, so a new README command cannot be skipped by accident):
 - skipped: `pip ...` (the set-up), `... -m pytest` (the set-up's test command: this suite), `export ...`
   (the set-up's data line: the suite's $CDGRAB_DATA stands in for it), shell scripts (`scripts/*.sh`: sweeps
   of many full runs), `jupyter` (notebooks: tests/test_notebooks.py runs them) and `python -m analysis`
   (tests/test_reproduction.py draws the figures with it; here it would add about a minute);
-- every other `python` / `torchrun` command runs, in README order, in one fresh folder that sees the
+- every other `python` / `torchrun` command runs, in that order, in one fresh folder that sees the
   checkout's files (so `results/` and `figures/` land there), with the flags of TINY for its target
   appended (a tiny size: the last value of a repeated flag wins); a target TINY does not know fails the
   test, so each new kind of command gets its tiny size chosen here on purpose.
@@ -22,6 +23,7 @@ import pytest
 from tests.helpers import DATA_DIR, REPO, needs_data
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]  # the order the commands run in
 SKIPPED_PROGRAMS = ("pip", "jupyter")
 # appended to a command by the prefix of its target (the script, or `-m module`); {epochs} is 1, or past
 # the command's own --warmup-epochs (which must end before the last epoch)
@@ -38,6 +40,11 @@ TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slow
 }
 # what the fresh folder leaves out of the checkout: what the commands write
 WRITTEN = {"results", "figures", ".git"}
+
+
+def documented_commands() -> list[list[str]]:
+    """The commands of every page in PAGES, README.md's first."""
+    return [words for page in PAGES for words in readme_commands(page.read_text())]
 
 
 def readme_commands(text: str) -> list[list[str]]:
@@ -110,16 +117,17 @@ def checkout_view(folder: Path) -> Path:
 
 
 def test_readme_commands_are_found_and_the_rule_picks_them():
-    commands = readme_commands(README.read_text())
+    commands = documented_commands()
     run = [" ".join(words) for words in commands if not is_skipped(words)]
     skipped = [" ".join(words) for words in commands if is_skipped(words)]
     assert any(c.startswith("pip install") for c in skipped) and any("-m pytest" in c for c in skipped)
     assert any(c.startswith("export CDGRAB_DATA=") for c in skipped)
     assert any("sweep-LR-HMDA.sh" in c for c in skipped) and any("reproduce-all.sh" in c for c in skipped)
-    # the Quick start, in order, and one command of every other benchmark and of the example
-    assert run[0].split()[:2] == ["python", "main-LR-HMDA.py"] and "--max-train-examples" not in run[0]
-    assert run[1].startswith("torchrun ") and "main-LR-HMDA.py" in run[1]
-    assert run[2].split()[:2] == ["python", "main-LR-HMDA.py"] and "--max-train-examples" in run[2]
+    # the Quick start, in order (the smoke run, the full run, then the same run under torchrun), and one
+    # command of every other benchmark and of the example
+    assert run[0].split()[:2] == ["python", "main-LR-HMDA.py"] and "--max-train-examples" in run[0]
+    assert run[1].split()[:2] == ["python", "main-LR-HMDA.py"] and "--max-train-examples" not in run[1]
+    assert run[2].startswith("torchrun ") and "main-LR-HMDA.py" in run[2]
     for script in ("main-LSTM-Wiki2.py", "main-MLP-M4.py", "main-GPT2-Wiki103.py", "examples/ddp_lr_hmda.py"):
         assert any(script in c for c in run), script
     # every command that runs has a tiny size
@@ -155,12 +163,12 @@ def test_default_out_tells_a_smoke_run_from_the_full_run_but_not_the_epochs_or_t
 def test_every_readme_command_runs_as_written_top_to_bottom(tmp_path):
     cwd = checkout_view(tmp_path / "checkout")
     failures = []
-    for words in readme_commands(README.read_text()):
+    for words in documented_commands():
         if is_skipped(words):
             continue
         result = run_command(words, cwd)
         if result.returncode != 0:
             failures.append(f"{shlex.join(words)}\n  exit {result.returncode}: "
                             f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}")
-    assert not failures, "README commands that fail:\n" + "\n".join(failures)
+    assert not failures, "README / docs commands that fail:\n" + "\n".join(failures)
     assert list((cwd / "results" / "LR-HMDA").iterdir())

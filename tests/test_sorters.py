@@ -1,4 +1,4 @@
-"""Sorter behaviour: valid permutations, exactness against naive spec implementations, herding."""
+"""Sorter behaviour: valid permutations, exactness against naive reference implementations, herding."""
 import io
 
 import pytest
@@ -24,7 +24,7 @@ def step_epoch(sorter, orders, grads_of, k):
 
 
 def unit_vectors(n, m, d, seed=0):
-    """(n, m, d) random unit vectors, centred per worker (spec 5.6)."""
+    """(n, m, d) random unit vectors, centred per worker (the paper's herding simulation)."""
     z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(seed))
     z = z / z.norm(dim=2, keepdim=True)
     return z - z.mean(dim=1, keepdim=True)
@@ -165,11 +165,11 @@ def test_fold_state_round_trip_mid_run():
         build_sorter("Fold", n, 12, d).load_state_dict(a.state_dict())
 
 
-# --- naive reference implementations, written straight from the spec -------------------------
+# --- naive reference implementations, written from the algorithms' definitions --------------
 
 def reference_cd_grab(z, initial_orders, epochs):
-    """Spec 1.5-1.7: pairs (2i, 2i+1) of epoch positions; for each pair, for each worker j in turn,
-    one shared running sum s: first goes left iff <s, first - second> <= 0. Returns orders per epoch."""
+    """CD-GraB as the original runs it (per example, per step, simulated): pairs (2i, 2i+1) of epoch
+    positions; for each pair, for each worker j in turn, one shared running sum s: first goes left iff <s, first - second> <= 0. Returns orders per epoch."""
     n, m, d = z.shape
     orders, history = initial_orders.clone(), []
     for _ in range(epochs):
@@ -191,7 +191,8 @@ def reference_cd_grab(z, initial_orders, epochs):
 
 
 def reference_mean_balance(z, initial_orders, epochs):
-    """Spec 1.1 per worker: centre with the previous epoch's mean, herd, + to the front, - to the back."""
+    """GraB's mean balance per worker: centre with the previous epoch's mean, herd, + to the front,
+    - to the back."""
     n, m, d = z.shape
     orders, history = initial_orders.clone(), []
     stale = torch.zeros(n, d)
@@ -214,8 +215,8 @@ def reference_mean_balance(z, initial_orders, epochs):
 
 
 def reference_buggy_single_grad(z, initial_orders, epochs):
-    """Spec 1.6 as the original ran it (bug 1): one unit per worker per step, the even step's gradients
-    cached as a *reference* to a gather buffer that the odd step overwrites in place. m even."""
+    """The original's single-gradient CD-GraB as it ran (bug 1): one unit per worker per step, the even
+    step's gradients cached as a *reference* to a gather buffer that the odd step overwrites in place. m even."""
     n, m, d = z.shape
     orders, history = initial_orders.clone(), []
     for _ in range(epochs):
@@ -289,7 +290,8 @@ def test_mean_balance_matches_the_spec():
 
 
 def test_pairing_across_steps_copies_the_cached_gradient():
-    """Spec bug 1: a caller that reuses one buffer for every step must not turn every diff into 0."""
+    """Bug 1 (docs/differences.md): a caller that reuses one buffer for every step must not turn every
+    diff into 0."""
     n, m, d = 2, 10, 3
     z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(9))
     fresh, reused = build_sorter("CD-GraB", n, m, d, seed=0), build_sorter("CD-GraB", n, m, d, seed=0)

@@ -13,7 +13,7 @@ SCRIPTS = REPO / "scripts"
 PAPER = {  # benchmark: (lr as passed, node_cnt, B, run-dir lr)
     "LR-HMDA": ("5e-3", "4", "16", "0.005"),
     "LSTM-Wiki2": ("5.0", "4", "16", "5"),
-    "MLP-M4": ("1e-3", "4", "16", "0.001"),  # the paper's figure (spec 5.3), not the original README
+    "MLP-M4": ("1e-3", "4", "16", "0.001"),  # the paper's figure (the authors' notebook), not the original README
     "GPT2-Wiki103": ("5e-4", "64", "64", "0.0005"),
 }
 TAGS = {"LSTM-Wiki2": "-carry-hidden"}  # run-name part before -seed<N> that names a variant

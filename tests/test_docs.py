@@ -1,0 +1,121 @@
+"""The documentation holds together: a README that fits on a screen, relative links (and their #anchors)
+that lead somewhere, a docs/ index that lists every page, and no citation of files a user does not have
+(the private reference notes this suite was written from). Reads files only: no training."""
+import re
+from pathlib import Path
+
+from tests.helpers import REPO
+
+README_MAX_LINES = 200
+PAGES = [REPO / "README.md", REPO / "REPRODUCTION.md", *sorted((REPO / "docs").glob("*.md"))]
+# what a checkout holds that is not the project's own text (written by runs, tools or installs)
+SKIPPED_DIRS = {".git", "results", "figures", "datasets", "build", "__pycache__", ".venv", ".pytest_cache",
+                ".ipynb_checkpoints"}
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".ipynb", ".toml", ".txt", ".ini", ".cfg", ".yml", ".yaml"}
+# a section, bug or file of the notes: the word "spec" then "section", "bug" or a number; "<name>-spec.md"
+SPEC_CITATION = re.compile(r"\bspec\s+(?:section|bug|\d)|\b[a-z]+-spec\.md\b", re.IGNORECASE)
+
+
+def prose(markdown: str) -> str:
+    """The text outside fenced code blocks and inline code spans (links there are examples, not links)."""
+    markdown = re.sub(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", "", markdown, flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", markdown)
+
+
+def links(markdown: str) -> list[str]:
+    """Targets of [text](target) and ![alt](target) links."""
+    return re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", prose(markdown))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    """Every heading's anchor; a repeated heading gets -1, -2, ... as on GitHub."""
+    seen, found = {}, set()
+    text = re.sub(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", "", markdown, flags=re.M | re.S)
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, flags=re.M):
+        base = slug(heading)
+        found.add(base if base not in seen else f"{base}-{seen[base]}")
+        seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def broken_links(page: Path) -> list[str]:
+    """'target: why' for every relative link of `page` whose file or #anchor does not exist."""
+    broken = []
+    for target in links(page.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, flags=re.I):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no file {file}")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {file.name}")
+    return broken
+
+
+def project_text_files() -> list[Path]:
+    files = []
+    for path in REPO.rglob("*"):
+        parts = path.relative_to(REPO).parts
+        if any(part in SKIPPED_DIRS or part.startswith("results") or part.endswith(".egg-info") for part in parts):
+            continue
+        if path.is_file() and (path.suffix in TEXT_SUFFIXES or parts[0] == ".ci"):
+            files.append(path)
+    return files
+
+
+def test_readme_fits_on_a_screen():
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to a docs/ page"
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    setup = re.search(r"^## Set-up\n.*?```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.M | re.S)
+    assert setup, "README.md: a '## Set-up' section with a ```bash block of the set-up commands"
+    install, test_command = setup.group(1).splitlines()
+    assert install == "pip install -r requirements.txt"
+    assert test_command in (REPO / ".ci" / "run").read_text().splitlines()
+
+
+def test_every_relative_link_leads_to_a_file_and_heading():
+    broken = {page.name: broken_links(page) for page in PAGES}
+    assert not {name: hits for name, hits in broken.items() if hits}, broken
+
+
+def test_docs_index_lists_every_page_and_the_readme_links_the_index():
+    index = REPO / "docs" / "README.md"
+    listed = {(index.parent / target).resolve() for target in links(index.read_text())}
+    pages = {page.resolve() for page in (REPO / "docs").glob("*.md") if page != index}
+    assert pages <= listed, f"docs/README.md does not link {sorted(p.name for p in pages - listed)}"
+    assert "docs/README.md" in links((REPO / "README.md").read_text())
+
+
+def test_nothing_cites_the_private_reference_notes():
+    hits = [f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}"
+            for path in project_text_files()
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if SPEC_CITATION.search(line)]
+    assert not hits, "cite the paper or a docs/ page instead:\n" + "\n".join(hits)
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path):
+    """The link, anchor and citation checks on pages broken on purpose."""
+    (tmp_path / "other.md").write_text("# Other page\n\n## A `flag`: what it does\n")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n[ok](other.md#a-flag-what-it-does) [self](#page) [web](https://example.org/x)\n"
+                    "```\n[in code](nowhere.md)\n```\n`[inline](nowhere.md)`\n")
+    assert broken_links(page) == []
+    page.write_text("[gone](missing.md) [bad anchor](other.md#no-such-heading) ![img](fig.png)\n")
+    assert [hit.split(":")[0] for hit in broken_links(page)] == ["missing.md", "other.md#no-such-heading", "fig.png"]
+    assert anchors("# A\n## A\n## A\n") == {"a", "a-1", "a-2"}
+    cited = [text.replace("@", "") for text in  # "@" keeps this file from citing them itself
+             ("as in sp@ec 5.3", "(Sp@ec bug 1)", "see sp@ec section 6", "cdgrab-sp@ec.md", "qsr-sp@ec.md, 2")]
+    fine = ["importlib.util.spec_from_file_location", "kernelspec", "the paper's section 6.1", "a specific case"]
+    assert all(SPEC_CITATION.search(line) for line in cited)
+    assert not any(SPEC_CITATION.search(line) for line in fine)
