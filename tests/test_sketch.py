@@ -150,17 +150,40 @@ def test_per_example_grads_sketch_what_they_would_return():
 # ------------------------------------------------------------------------------------------- the exchange
 
 
+class RecordingComm(LocalCommunicator):
+    """One process's communicator that records the shape of every tensor handed to all_gather."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.gathered = []
+
+    def all_gather(self, local):
+        self.gathered.append(tuple(local.shape))
+        return local
+
+
 def test_the_exchange_gathers_sketches_and_all_reduces_the_update():
     n, k, d, dim = 4, 3, 40, 6
     sketch = GradientSketch(d, dim, seed=0)
-    comm = LocalCommunicator(n)
+    comm = RecordingComm(n)
     exchange = GradientExchange(comm, gather_unit_grads=True, reducer=make_reducer("dense", comm, d, "cpu"),
                                 sketch=sketch)
     grads = torch.randn(n, k, d)
     update, every = exchange.exchange(grads, None)
-    assert torch.equal(every, sketch(grads)) and every.shape == (n, k, dim)
+    assert comm.gathered == [(n, k, dim)]  # sketched before the gather, not after
+    assert torch.equal(every, sketch(grads))
     assert torch.allclose(update, grads.mean(dim=(0, 1)))
     assert exchange.comm_bytes == 4 * (n * k * dim + n * d)  # the sketches, and one d-vector per worker
+    # local steps defer the unit gradients of a round: kept and gathered as sketches, in step order
+    second = torch.randn(n, k, d)
+    exchange.defer_unit_grads(grads, range(0, k))
+    exchange.defer_unit_grads(second, range(k, 2 * k))
+    flushed = exchange.flush_unit_grads()
+    assert comm.gathered[1:] == [(n, 2, k, dim)]
+    assert torch.equal(flushed[0][0], sketch(grads)) and torch.equal(flushed[1][0], sketch(second))
+    # with each worker's own gradient (--reducer / --sync), the update is the reducer's
+    update, _ = exchange.exchange(grads, None, grads.mean(1))
+    assert torch.allclose(update, grads.mean(dim=(0, 1)))
 
 
 # ------------------------------------------------------------------------------------------- end to end
