@@ -44,7 +44,7 @@ ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None,
                       "switch_epoch": None, "average_opt_state": False, "avg_m": False, "avg_v": False,
                       "reducer": "dense", "density": None,
                       "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
-                      "tf32": False}
+                      "tf32": False, "sketch_dim": 0}
 BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
 ARG_DEFAULTS = {None: ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS}  # {benchmark or None (every one): {arg: default}}
 

@@ -7,6 +7,7 @@ from engine.errors import UserFacingError, exit_with_error
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
 from engine.reducers import REDUCER_NAMES
+from engine.sketching import check_sketch_args
 from sorters import SORTER_NAMES
 
 # flags added after runs were shipped: a config.json or checkpoint without them ran with these values
@@ -14,7 +15,7 @@ ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None,
                       "switch_epoch": None, "average_opt_state": False, "avg_m": False, "avg_v": False,
                       "reducer": "dense", "density": None,
                       "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
-                      "tf32": False}
+                      "tf32": False, "sketch_dim": 0}
 BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
 
 
@@ -96,6 +97,11 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                    help="add a herding_bound column to metrics.csv: per epoch, the parallel herding bound of the "
                         "epoch's per-unit gradients in the order used (engine/herding_log.py; keeps n*m*d floats, "
                         "at most 512 MB; D-RR and the other non-balancing sorters compute per-unit gradients for it)")
+    p.add_argument("--sketch-dim", type=int, default=0, metavar="D",
+                   help="balancing sorters (CD-GraB, I-B, I-PB) balance D-dimensional CountSketches of the per-unit "
+                        "gradients (sorters/sketch.py), made by each process before the all-gather: n*k*D floats "
+                        "gathered per step instead of n*k*d, plus the update's all-reduce (n*d). 0 (default): exact "
+                        "balancing; D >= d: exact too (the identity). docs/sketching.md")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 
@@ -193,6 +199,7 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
         if value is not None and value < 1:
             raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     check_communication_args(args)
+    check_sketch_args(args)
     if args.out is None:
         tags = out_tags(args, defaults) if defaults else ""
         args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags}-seed{args.seed}"

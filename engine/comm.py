@@ -136,15 +136,21 @@ class GradientExchange:
     gathered tensor. The others all-reduce one d-vector, as D-RR does in the paper, or hand each
     worker's gradient to the reducer (engine/reducers.py). Local SGD (engine/local_sgd.py) uses
     `gather_unit_grads` alone between its averaging steps.
+
+    With a `sketch` (--sketch-dim D: a sorters.GradientSketch, never the identity) each process maps
+    its own (n_local, k, d) unit gradients to (n_local, k, D) before they are gathered or deferred,
+    so the balancing sorters receive (n, k, D) sketches: n * k * D floats per step, and the update
+    (no longer the mean of what was gathered) is all-reduced or reduced as without a balancing sorter.
     """
 
     # deferred unit gradients are gathered at the latest when they reach this many bytes per process
     DEFER_LIMIT_BYTES = 64 * 2**20
 
-    def __init__(self, comm, gather_unit_grads: bool, reducer=None):
+    def __init__(self, comm, gather_unit_grads: bool, reducer=None, sketch=None):
         self.comm = comm
         self.sorter_needs_unit_grads = gather_unit_grads
         self.reducer = reducer
+        self.sketch = sketch  # None: the unit gradients themselves are gathered
         self.comm_bytes = 0  # the unit-gradient gathers and dense all-reduces; the reducer counts its own
         self._deferred = []  # (local unit gradients (n_local, k, d), positions) not gathered yet
         self._deferred_bytes = 0
@@ -154,6 +160,7 @@ class GradientExchange:
         (local SGD: once per round). Returns True when the kept ones reach DEFER_LIMIT_BYTES: the caller
         should flush now."""
         if self.sorter_needs_unit_grads:
+            local_unit_grads = self._sketched(local_unit_grads)
             self._deferred.append((local_unit_grads, positions))
             self._deferred_bytes += local_unit_grads.numel() * local_unit_grads.element_size()
         return self._deferred_bytes >= self.DEFER_LIMIT_BYTES
@@ -171,23 +178,33 @@ class GradientExchange:
         """(n_local, k, d) -> (n, k, d) every worker's unit gradients, or None when the sorter needs none."""
         if not self.sorter_needs_unit_grads:
             return None
-        every = self.comm.all_gather(local_unit_grads)
+        every = self.comm.all_gather(self._sketched(local_unit_grads))
         self.comm_bytes += every.numel() * every.element_size()
         return every
+
+    def _sketched(self, local_unit_grads):
+        """(n_local, k, d) -> (n_local, k, D) with a sketch, else unchanged. Deferred ones come sketched."""
+        if self.sketch is None or local_unit_grads.shape[-1] != self.sketch.d:
+            return local_unit_grads
+        return self.sketch(local_unit_grads)
 
     def exchange(self, local_unit_grads, local_mean_grad, local_worker_grads=None):
         n = self.comm.n_workers
         every = self.gather_unit_grads(local_unit_grads)
         # the gathered unit gradients already hold the dense mean: sending the workers' gradients to a
-        # dense reducer as well would move the gradient twice (post-local before its switch)
-        if local_worker_grads is not None and (every is None or self.reducer.name != "dense"):
+        # dense reducer as well would move the gradient twice (post-local before its switch); gathered
+        # sketches do not hold it
+        exact = every is not None and self.sketch is None
+        if local_worker_grads is not None and (not exact or self.reducer.name != "dense"):
             return self.reducer.reduce(local_worker_grads), every
-        if every is not None:
+        if exact:
             return every.mean(dim=(0, 1)), every
+        if local_mean_grad is None:  # sketched: the update comes from this process's own unit gradients
+            local_mean_grad = local_unit_grads.mean(dim=(0, 1))
         self.comm_bytes += n * local_mean_grad.numel() * local_mean_grad.element_size()
         n_local = len(self.comm.local_workers)
         if n_local == n:  # every worker is in this process: the local mean is the global one
-            return local_mean_grad, None
+            return local_mean_grad, every
         # weight by n_local so that the sum over processes is n * (global mean)
         total = self.comm.all_reduce_sum((local_mean_grad * n_local).unsqueeze(0))
-        return total / n, None
+        return total / n, every

@@ -35,6 +35,7 @@ from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
 from engine.overlap import BackgroundSorter
 from engine.reducers import make_reducer
+from engine.sketching import make_sketch, sketch_config
 from sorters import build_sorter
 
 LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of the training loss
@@ -141,16 +142,19 @@ def train(task, args, comm, device) -> list[dict]:
 
     flat = task.model.flat
     task.unit_grad_path = args.unit_grads
-    sorter = build_sorter(args.sorter, n, m, d, seed=args.seed, device=device, epochs=args.epochs)
+    sketch = make_sketch(args, d)  # --sketch-dim: the sorter balances (n, k, D) sketches (engine/sketching.py)
+    sorted_d = sketch.dim if sketch else d
+    sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs)
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
-    exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer)
+    exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer, sketch=sketch)
     second_buffer_bytes = n_local * k * d * flat.element_size()
-    overlapping = sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and d >= OVERLAP_MIN_D
+    overlapping = sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and sorted_d >= OVERLAP_MIN_D
                                                                   and second_buffer_bytes <= OVERLAP_MAX_BUFFER))
     # with k odd a pair's first unit comes a step before its second: rather than copy it, the sorter keeps
     # a reference, and the task rotates one more gradient buffer so that it stays intact
     sorter.grads_stay_valid = sorter.uses_grads and k % 2 == 1
-    task.grad_buffers = 1 + overlapping + sorter.grads_stay_valid
+    # sketches are fresh tensors every step: the sorter never holds the task's buffer
+    task.grad_buffers = 1 if sketch else 1 + overlapping + sorter.grads_stay_valid
     if overlapping:
         sorter = BackgroundSorter(sorter, device)  # balances step t during step t + 1; same orders
     lr_schedule = LRSchedule(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma, kind=args.lr_schedule,
@@ -194,7 +198,7 @@ def train(task, args, comm, device) -> list[dict]:
                       "units_per_worker": m, "units_per_step": k, "steps_per_epoch": steps_per_epoch,
                       "d": d, "global_batch": task.global_batch},
             "data": task.data_info,
-            "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads},
+            "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads, "sketch": sketch_config(args, sketch)},
             "optimizer": {"name": task.optimizer, "lr_decay_every": task.lr_decay_every,
                           "lr_decay_gamma": task.lr_decay_gamma, "lr_schedule": args.lr_schedule,
                           "warmup_steps": lr_schedule.warmup_steps},
@@ -317,8 +321,10 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     timer.lap("compute")
     update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
     timer.lap("comm")
-    if herding_log:
-        herding_log.record(positions.start // k, every_unit_grad, lambda: task.unit_grads(flat, batch, n_local, k)[0])
+    if herding_log:  # the real gradients: not the sketches a --sketch-dim sorter gathered
+        gathered = every_unit_grad if exchange.sketch is None else None
+        herding_log.record(positions.start // k, gathered, lambda: unit_grads if unit_grads is not None
+                           else task.unit_grads(flat, batch, n_local, k)[0])
         timer.lap("compute")
     sorter.step(every_unit_grad, positions)
     del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes

@@ -20,6 +20,8 @@
 
 For ordinary PyTorch / DDP loops: `CDGraBSampler` (sampler.py), a torch.utils.data.Sampler driving
 any of these sorters, and `PerExampleGrads` (per_example.py), per-example gradients by torch.func.
+`GradientSketch` (sketch.py): a random linear map R^d -> R^D; the balancing sorters run unchanged on
+the D-dimensional sketches of the gradients (`sketch_dim=` of both; docs/sketching.md).
 """
 from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalance
 from sorters.base import Sorter
@@ -27,6 +29,7 @@ from sorters.fold import Fold
 from sorters.herding import parallel_herding_bound
 from sorters.randomized import KernelHalving, SelfBalancingWalk
 from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
+from sorters.sketch import GradientSketch
 
 SORTERS = {cls.name: cls for cls in (CDGraB, DistributedRandomReshuffle, DistributedShuffleOnce,
                                      IndependentMeanBalance, IndependentPairBalance, Fold, KernelHalving,
@@ -53,4 +56,4 @@ from sorters.per_example import PerExampleGrads, per_example_grads  # noqa: E402
 from sorters.sampler import CDGraBSampler  # noqa: E402
 
 __all__ = ["SORTER_NAMES", "SORTERS", "Sorter", "build_sorter", "parallel_herding_bound", "CDGraBSampler",
-           "PerExampleGrads", "per_example_grads"]
+           "GradientSketch", "PerExampleGrads", "per_example_grads"]

@@ -3,6 +3,7 @@ r"""Per-example gradients of an ordinary nn.Module, flattened to (batch, d), for
     grads_of = PerExampleGrads(model, loss_fn)                   # every trainable parameter
     grads_of = PerExampleGrads(model, loss_fn, params=r"^head\.")  # a cheaper subset: names matching
     g = grads_of(inputs, targets)                                # (B, grads_of.d)
+    sketched = PerExampleGrads(model, loss_fn, sketch_dim=256)     # (B, 256): CountSketches of them
 
 One torch.func pass: `vmap(grad(loss of one example))` over the batch, with the module run through
 `functional_call` at its current parameters (read at every call, so optimizer steps are seen). It is
@@ -30,6 +31,8 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
+from sorters.sketch import GradientSketch
+
 
 class PerExampleGrads:
     """Callable: (inputs, targets) -> per-example gradients (B, d) of `loss_fn(model(inputs), targets)`.
@@ -43,13 +46,20 @@ class PerExampleGrads:
                 expression, or a list of them; a parameter is kept when `re.search` finds any of them in
                 its name (names as in `model.named_parameters()`).
     chunk_size: examples per vmap chunk (None: the whole batch at once); smaller uses less memory.
+    sketch_dim: 0 (the default): return the gradients. D > 0: return their sketches under
+                `GradientSketch(d, D, sketch_seed)` (sorters/sketch.py), (B, D); the (B, d) gradients
+                are still formed first (the sketch saves communication and balancing, not this). Give
+                `CDGraBSampler(..., sketch_dim=D, seed=sketch_seed)` the same D and seed: it then takes
+                these sketches as they are.
+    sketch_seed: seeds the sketch (the sampler's `seed`).
 
     Attributes: `names` (the selected parameter names, in `named_parameters()` order), `d` (their total
-    number of elements: the number of columns of the result, in that order).
+    number of elements, in that order), `sketch` (the GradientSketch, or None), `dim` (the number of
+    columns of the result: `sketch.dim`, else d).
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, params: str | Sequence[str] | None = None,
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0):
         model = getattr(model, "module", model) if isinstance(
             model, torch.nn.parallel.DistributedDataParallel) else model
         self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size
@@ -61,6 +71,10 @@ class PerExampleGrads:
             raise ValueError(f"PerExampleGrads: no trainable parameter name matches {params!r}; names are "
                              + ", ".join(name for name, _ in trainable[:12]))
         self.d = sum(p.numel() for name, p in trainable if name in self.names)
+        if sketch_dim < 0:
+            raise ValueError(f"PerExampleGrads: sketch_dim must be >= 0 (0: no sketch), got {sketch_dim}")
+        self.sketch = GradientSketch(self.d, sketch_dim, sketch_seed) if sketch_dim else None
+        self.dim = self.sketch.dim if self.sketch else self.d
 
     def __call__(self, inputs, targets, out: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: a tensor (B, ...) or a tuple of them (positional arguments of the model), dim 0 the
@@ -92,7 +106,10 @@ class PerExampleGrads:
                              "turn the random op off (e.g. dropout p = 0, or model.eval()) while computing them") \
                 from None
         batch = targets.shape[0]
-        return torch.cat([grads[name].reshape(batch, -1) for name in self.names], dim=1, out=out)
+        if self.sketch is None or self.sketch.is_identity:
+            return torch.cat([grads[name].reshape(batch, -1) for name in self.names], dim=1, out=out)
+        sketches = self.sketch(torch.cat([grads[name].reshape(batch, -1) for name in self.names], dim=1))
+        return sketches if out is None else out.copy_(sketches)
 
 
     def _refuse_dropout(self) -> None:

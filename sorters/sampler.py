@@ -23,6 +23,11 @@ Where the replicas live:
   engine's one-process mode. Each step's batch is every replica's batch_size examples, replica 0's
   first: a DataLoader with batch_size=loader_batch_size (num_replicas * batch_size) yields exactly
   one step, and step() takes the gradients of that whole batch.
+
+Sketched balancing (sketch_dim=D > 0, balancing sorters only): step() maps each example's gradient to
+D numbers with `GradientSketch(d, D, seed)` (sorters/sketch.py) BEFORE the all-gather, so each step
+gathers world size * batch_size * D floats and the sorter balances the sketches (docs/sketching.md).
+step() also takes gradients already sketched by `PerExampleGrads(..., sketch_dim=D, sketch_seed=seed)`.
 """
 import math
 
@@ -31,6 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from sorters import SORTER_NAMES, SORTERS, build_sorter
+from sorters.sketch import GradientSketch
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -57,6 +63,8 @@ class CDGraBSampler(Sampler[int]):
     device:       where the sorter keeps its state and balances ("cpu": compiled loop, fastest at small d).
     epochs:       the run's total number of epochs; required by KH-SGD and SBW, whose thresholds depend on
                   it (sorters/randomized.py), ignored by the others.
+    sketch_dim:   0 (the default): balance the gradients themselves. D > 0 (balancing sorters only):
+                  balance their D-dimensional sketches (see above); D >= d is the identity (exact).
 
     Epochs: call step() once for every batch, with every sorter (the sampler counts positions with it).
     An iteration over the sampler (a DataLoader epoch) after a complete epoch starts the next epoch, whose
@@ -67,9 +75,13 @@ class CDGraBSampler(Sampler[int]):
 
     def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
-                 drop_last: bool = False, device="cpu", epochs: int | None = None):
+                 drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0):
         if sorter not in SORTER_NAMES:
             raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
+        if sketch_dim < 0 or (sketch_dim and not SORTERS[sorter].uses_grads):
+            balancing = ", ".join(name for name, cls in SORTERS.items() if cls.uses_grads)
+            raise ValueError(f"sketch_dim must be 0, or > 0 with a sorter that balances gradients "
+                             f"({balancing}); got {sketch_dim} with {sorter}")
         n_examples = dataset if isinstance(dataset, int) else len(dataset)
         distributed = dist.is_available() and dist.is_initialized()
         if num_replicas is None:
@@ -106,7 +118,11 @@ class CDGraBSampler(Sampler[int]):
                                                   or epochs < 1):
             raise ValueError(f"{sorter}'s threshold depends on the run's length: pass epochs, the total number of "
                              f"epochs (an integer >= 1), got {epochs!r}")
-        self.sorter = build_sorter(sorter, num_replicas, m, d or 1, seed=seed, device=device, epochs=epochs)
+        # one map for every process: it depends on (d, sketch_dim, seed) only
+        self.sketch = GradientSketch(d, sketch_dim, seed) if sketch_dim else None
+        self.sketch_dim = sketch_dim
+        sorted_d = self.sketch.dim if self.sketch else (d or 1)
+        self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs)
         self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
         self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d
@@ -176,6 +192,7 @@ class CDGraBSampler(Sampler[int]):
         batch_size (fewer for the epoch's last batch when m % batch_size != 0), rows in the order the
         sampler yielded the examples. None is accepted for sorters that ignore gradients. Balancing
         sorters under torch.distributed all-gather them: every process must call step() together.
+        With sketch_dim = D, the last dimension may also be D: sketches made with the same D and seed.
         """
         if not self.started:
             raise ValueError("step() before the epoch started: iterate over the sampler (the DataLoader) first")
@@ -187,17 +204,22 @@ class CDGraBSampler(Sampler[int]):
         if grads is not None or self.uses_grads:
             grads = self._check_shape(grads, R, b)
         if self.uses_grads:
-            grads = grads.detach().reshape(R, b, self.d)
+            grads = grads.detach()
+            if self.sketch is not None and grads.shape[-1] == self.d:
+                grads = self.sketch(grads)  # before the gather: that is what it saves
+            width = grads.shape[-1]
+            grads = grads.reshape(R, b, width)
             if self.gathers:
-                every = torch.empty((self.num_replicas * b, self.d), dtype=grads.dtype, device=grads.device)
+                every = torch.empty((self.num_replicas * b, width), dtype=grads.dtype, device=grads.device)
                 _all_gather_single(every, grads[0].contiguous())
-                grads = every.view(self.num_replicas, b, self.d)
+                grads = every.view(self.num_replicas, b, width)
         self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
         self.position += b
 
     def _check_shape(self, grads, R: int, b: int) -> torch.Tensor:
         d = self.d if self.d is not None else "d"
-        expected = [(R * b, d)] + ([(R, b, d)] if R > 1 else [])
+        widths = [d] + ([self.sketch.dim] if self.sketch is not None and self.sketch.dim != d else [])
+        expected = [shape for w in widths for shape in [(R * b, w)] + ([(R, b, w)] if R > 1 else [])]
         shape = None if grads is None else tuple(grads.shape)
         if shape is not None and len(shape) in (2, 3) and self.d is None:
             expected = [e[:-1] + shape[-1:] for e in expected]  # any d for sorters that ignore gradients
@@ -217,17 +239,18 @@ class CDGraBSampler(Sampler[int]):
                 "config": self._config()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self._config():
-            differ = {key: (value, self._config()[key]) for key, value in state["config"].items()
-                      if self._config()[key] != value}
+        saved, now = {"sketch_dim": 0, **state["config"]}, self._config()  # states saved before sketch_dim
+        if saved != now:
+            differ = {key: (saved.get(key), now.get(key)) for key in saved.keys() | now.keys()
+                      if saved.get(key) != now.get(key)}
             raise ValueError(f"sampler state is for other settings: " + ", ".join(
-                f"{key} {saved} (this sampler: {now})" for key, (saved, now) in differ.items()))
+                f"{key} {was} (this sampler: {is_now})" for key, (was, is_now) in sorted(differ.items())))
         self.sorter.load_state_dict(state["sorter"])
         self.position, self.started = state["position"], state["started"]
 
     def _config(self) -> dict:
         config = {"sorter": self.sorter.name, "num_replicas": self.num_replicas, "m": self.m,
-                  "batch_size": self.batch_size, "d": self.d, "seed": self.seed}
+                  "batch_size": self.batch_size, "d": self.d, "seed": self.seed, "sketch_dim": self.sketch_dim}
         if self.epochs is not None:  # only where it changes the orders (KH-SGD, SBW)
             config["epochs"] = self.epochs
         return config

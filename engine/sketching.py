@@ -1,0 +1,37 @@
+"""--sketch-dim D: the balancing sorters run on CountSketches of the per-unit gradients.
+
+Each process sketches its own workers' (n_local, k, d) unit gradients to (n_local, k, D) before the
+all-gather (engine.comm.GradientExchange), the sorter is built for D-dimensional gradients, and the
+update is all-reduced as D-RR's is: n * (d + k * D) floats per step instead of n * k * d. The map is
+sorters.GradientSketch(d, D, seed=--seed), the same in every process (docs/sketching.md).
+"""
+from engine.errors import UserFacingError
+from sorters import SORTERS, GradientSketch
+
+
+def check_sketch_args(args) -> None:
+    """One-line errors for --sketch-dim (before any data is loaded)."""
+    dim = getattr(args, "sketch_dim", 0)
+    if dim < 0:
+        raise UserFacingError(f"--sketch-dim must be >= 0 (0: exact balancing), got {dim}")
+    if dim and not SORTERS[args.sorter].uses_grads:
+        balancing = ", ".join(name for name, cls in SORTERS.items() if cls.uses_grads)
+        raise UserFacingError(f"--sketch-dim applies to the sorters that balance gradients ({balancing}); "
+                              f"--sorter {args.sorter} uses none: drop --sketch-dim")
+
+
+def make_sketch(args, d: int):
+    """The run's GradientSketch, or None when there is none to apply (--sketch-dim 0, or D >= d,
+    where the sketch would be the identity: the run is then exact balancing, bit for bit)."""
+    dim = getattr(args, "sketch_dim", 0)
+    if not dim:
+        return None
+    sketch = GradientSketch(d, dim, seed=args.seed)
+    return None if sketch.is_identity else sketch
+
+
+def sketch_config(args, sketch) -> dict:
+    """config.json's record of the sketch actually applied."""
+    if sketch is None:
+        return {"sketch_dim": getattr(args, "sketch_dim", 0), "applied": False}
+    return {"sketch_dim": sketch.dim, "applied": True, "family": sketch.family, "seed": sketch.seed}

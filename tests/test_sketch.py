@@ -1,0 +1,266 @@
+"""Sketched balancing (--sketch-dim, sorters.GradientSketch): the map is the CountSketch its docstring
+states, with the stated inner-product mean and variance; the identity is exact CD-GraB bit for bit;
+sketched runs give permutations, agree between one process and torchrun, and gather n * k * D floats."""
+import json
+import math
+
+import pytest
+import torch
+
+from engine.comm import GradientExchange, LocalCommunicator
+from engine.reducers import make_reducer
+from sorters import CDGraBSampler, GradientSketch, PerExampleGrads
+from tests.helpers import (check_ok, check_run_files, check_torchrun_agrees, error_lines, needs_data, read_metrics,
+                           run_script)
+
+# ------------------------------------------------------------------------------------------- the map
+
+
+def test_the_map_is_a_linear_countsketch():
+    """P (dim, d) has exactly one +-1 per column, and the sketch of any batch is x P^T, row by row."""
+    d, dim = 300, 17
+    sketch = GradientSketch(d, dim, seed=4)
+    x = torch.randn(2, 3, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = sketch(x)
+    assert y.shape == (2, 3, dim) and y.dtype == torch.float64
+    P = torch.zeros(dim, d, dtype=torch.float64)
+    for i in range(d):  # the map read off the basis vectors, one at a time
+        e = torch.zeros(d, dtype=torch.float64)
+        e[i] = 1
+        P[:, i] = sketch(e)
+    assert torch.equal(P.abs().sum(0), torch.ones(d)) and set(P.unique().tolist()) == {-1.0, 0.0, 1.0}
+    assert torch.equal(P, sketch.matrix())
+    assert torch.allclose(y, x @ P.T, rtol=0, atol=1e-12)
+    # linear: a combination of inputs maps to the combination of sketches
+    a, b = x[0, 0], x[1, 2]
+    assert torch.allclose(sketch(2.5 * a - 3 * b), 2.5 * sketch(a) - 3 * sketch(b), atol=1e-12)
+    # float32 in, float32 out; a row's sketch does not depend on the other rows of its batch
+    x32 = x.float().reshape(6, d)
+    assert torch.equal(sketch(x32)[4], sketch(x32[4:5])[0])
+    assert len(set(P.argmax(0).tolist())) > dim // 2  # the buckets are spread, not all in one
+
+
+def countsketch_variance(x, y, dim):
+    """The oracle, from the definition: <Px, Py> - <x, y> = sum_{i != j} [h_i = h_j] s_i s_j x_i y_j. In its
+    square only the products of the (i, j) and (j, i) terms have a non-zero mean (independent signs), and
+    [h_i = h_j] has mean 1/dim."""
+    x, y = x.double(), y.double()
+    cross = torch.outer(x, y)  # x_i y_j
+    off_diagonal = ~torch.eye(len(x), dtype=torch.bool)
+    # sum_{i != j} x_i^2 y_j^2 + x_i y_i x_j y_j (the (i, j) and (j, i) terms of the square)
+    total = (cross.square() + cross * cross.T)[off_diagonal].sum()
+    return float(total / dim)
+
+
+@pytest.mark.parametrize("d,dim", [(128, 32), (40, 10)])
+def test_inner_products_are_unbiased_with_the_documented_variance(d, dim):
+    """Over 6000 independent maps (seeds), <Px, Py> has mean <x, y> (within 4 standard errors) and variance
+    within 10 % of the docstring's formula (the standard error of a sample variance here is about 2 %)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(d, generator=g, dtype=torch.float64) + 0.5  # non-zero means: a sign-free map is biased
+    y = 0.6 * x + torch.randn(d, generator=g, dtype=torch.float64)  # correlated: <x, y>^2 matters
+    x[0], y[0] = 12.0, -10.0  # one heavy coordinate: the diagonal term matters
+    estimates = torch.tensor([float(GradientSketch(d, dim, seed=s)(x) @ GradientSketch(d, dim, seed=s)(y))
+                              for s in range(6000)], dtype=torch.float64)
+    variance = countsketch_variance(x, y, dim)
+    docstring = float(((x @ x) * (y @ y) + (x @ y) ** 2 - 2 * (x.square() @ y.square())) / dim)
+    assert docstring == pytest.approx(variance, rel=1e-9)  # the formula the docstring states
+    assert abs(float(estimates.mean() - x @ y)) < 4 * math.sqrt(variance / len(estimates))
+    assert estimates.var().item() == pytest.approx(variance, rel=0.10)
+    # the test can tell the formula from its neighbours: a dense Gaussian map's, and buckets drawn once each
+    assert abs(float((x @ x) * (y @ y) + (x @ y) ** 2) / dim / variance - 1) > 0.2
+    assert abs((d / dim - 1) / (d - 1) * dim - 1) > 0.2
+
+
+def test_the_same_seed_gives_the_same_map_everywhere():
+    d, dim = 1000, 64
+    a, b, c = GradientSketch(d, dim, seed=7), GradientSketch(d, dim, seed=7), GradientSketch(d, dim, seed=8)
+    assert torch.equal(a.matrix(), b.matrix()) and not torch.equal(a.matrix(), c.matrix())
+    # integer-valued inputs: every sum is exact, so any device must give the same numbers bit for bit
+    x = torch.randint(-50, 50, (5, d), generator=torch.Generator().manual_seed(0)).float()
+    expected = (x.double() @ a.matrix().T).float()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        assert torch.equal(b(x.to(device)).cpu(), expected), device
+    if torch.cuda.is_available():  # real-valued inputs: the same summation order on both
+        r = torch.randn(5, d, generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(a(r.cuda()).cpu(), a(r), rtol=1e-6, atol=1e-6)
+        assert torch.equal(a(r.cuda()), a(r.cuda()))  # deterministic from call to call
+
+
+def test_identity_and_bad_sizes():
+    x = torch.randn(3, 10)
+    for sketch in (GradientSketch.identity(10), GradientSketch(10, 10), GradientSketch(10, 99)):
+        assert sketch.is_identity and sketch.dim == 10 and sketch(x) is x
+    with pytest.raises(ValueError, match="shape"):
+        GradientSketch(10, 4)(torch.zeros(3, 11))
+    with pytest.raises(ValueError, match="dim >= 1"):
+        GradientSketch(10, 0)
+
+
+# ------------------------------------------------------------------------------------------- the sampler
+
+
+def sampler_orders(sampler, table, epochs=3, transform=lambda g: g):
+    """(epochs, n, m) dataset indices of a sampler hosting every replica, fed transform(table rows)."""
+    seen = []
+    for _ in range(epochs):
+        indices = torch.tensor(list(sampler))
+        for batch in indices.split(sampler.loader_batch_size):
+            sampler.step(transform(table[batch]))
+        seen.append(sampler.all_indices())
+    return torch.stack(seen)
+
+
+def test_the_sampler_balances_the_sketches_and_its_identity_is_exact():
+    n, m, k, d, dim = 3, 20, 2, 50, 8
+    # integer-valued "gradients": the sketch's sums are exact, so the oracle below sees the same numbers
+    table = torch.randint(-9, 10, (n * m, d), generator=torch.Generator().manual_seed(2)).float()
+    P = GradientSketch(d, dim, seed=5).matrix().float()
+
+    def sampler(**kw):
+        return CDGraBSampler(n * m, batch_size=k, num_replicas=n, seed=5, **kw)
+
+    sketched = sampler_orders(sampler(d=d, sketch_dim=dim), table)
+    oracle = sampler_orders(sampler(d=dim), table @ P.T)  # exact CD-GraB on explicit sketches
+    assert torch.equal(sketched, oracle)
+    exact = sampler_orders(sampler(d=d), table)
+    assert not torch.equal(sketched[1:], exact[1:])  # the sketch changed what was balanced
+    assert torch.equal(sampler_orders(sampler(d=d, sketch_dim=d), table), exact)  # identity: bit for bit
+    assert torch.equal(sampler_orders(sampler(d=d, sketch_dim=5 * d), table), exact)
+    # gradients sketched beforehand (PerExampleGrads(sketch_dim, sketch_seed)) give the same orders
+    pre = sampler_orders(sampler(d=d, sketch_dim=dim), table, transform=GradientSketch(d, dim, seed=5))
+    assert torch.equal(pre, sketched)
+    with pytest.raises(ValueError, match="sketch_dim"):
+        sampler(d=d, sorter="D-RR", sketch_dim=dim)
+
+
+def test_per_example_grads_sketch_what_they_would_return():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    x, y = torch.randn(7, 6), torch.randn(7, 2)
+    loss = torch.nn.functional.mse_loss
+    full = PerExampleGrads(model, loss)(x, y)
+    grads_of = PerExampleGrads(model, loss, sketch_dim=9, sketch_seed=3)
+    assert (grads_of.d, grads_of.dim) == (full.shape[1], 9)
+    assert torch.equal(grads_of(x, y), GradientSketch(full.shape[1], 9, seed=3)(full))
+    out = torch.empty(7, 9)
+    assert grads_of(x, y, out=out) is out and torch.equal(out, grads_of(x, y))
+
+
+# ------------------------------------------------------------------------------------------- the exchange
+
+
+class RecordingComm(LocalCommunicator):
+    """One process's communicator that records the shape of every tensor handed to all_gather."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.gathered = []
+
+    def all_gather(self, local):
+        self.gathered.append(tuple(local.shape))
+        return local
+
+
+def test_the_exchange_gathers_sketches_and_all_reduces_the_update():
+    n, k, d, dim = 4, 3, 40, 6
+    sketch = GradientSketch(d, dim, seed=0)
+    comm = RecordingComm(n)
+    exchange = GradientExchange(comm, gather_unit_grads=True, reducer=make_reducer("dense", comm, d, "cpu"),
+                                sketch=sketch)
+    grads = torch.randn(n, k, d)
+    update, every = exchange.exchange(grads, None)
+    assert comm.gathered == [(n, k, dim)]  # sketched before the gather, not after
+    assert torch.equal(every, sketch(grads))
+    assert torch.allclose(update, grads.mean(dim=(0, 1)))
+    assert exchange.comm_bytes == 4 * (n * k * dim + n * d)  # the sketches, and one d-vector per worker
+    # local steps defer the unit gradients of a round: kept and gathered as sketches, in step order
+    second = torch.randn(n, k, d)
+    exchange.defer_unit_grads(grads, range(0, k))
+    exchange.defer_unit_grads(second, range(k, 2 * k))
+    flushed = exchange.flush_unit_grads()
+    assert comm.gathered[1:] == [(n, 2, k, dim)]
+    assert torch.equal(flushed[0][0], sketch(grads)) and torch.equal(flushed[1][0], sketch(second))
+    # with each worker's own gradient (--reducer / --sync), the update is the reducer's
+    update, _ = exchange.exchange(grads, None, grads.mean(1))
+    assert torch.allclose(update, grads.mean(dim=(0, 1)))
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+M4 = "m4/Weekly-train.csv"
+SCRIPT = "main-MLP-M4.py"
+D_MLP = 5_569
+QUICK = ["--B", "4", "--node_cnt", "2", "--lr", "5e-4", "--max-train-examples", "128",
+         "--max-eval-examples", "128", "--epochs", "2", "--record-orders"]
+COLUMNS = ("train_loss", "test_loss", "valid_loss", "test_smape")
+STEPS, N, K = 32, 2, 2  # QUICK's 64 windows per worker, 2 per step
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Exact CD-GraB and D = 64 (both with --log-herding), the identity sketch (--sketch-dim d), and D = 128."""
+    root = tmp_path_factory.mktemp("sketch")
+    flags = {"exact": ["--log-herding"], "identity": ["--sketch-dim", D_MLP], "64": ["--sketch-dim", 64, "--log-herding"],
+             "128": ["--sketch-dim", 128]}
+    for name, extra in flags.items():
+        check_ok(run_script(SCRIPT, "--out", root / name, *QUICK, *extra))
+    return {name: root / name for name in flags}
+
+
+@pytest.mark.slow
+@needs_data(M4)
+def test_identity_sketch_is_exact_cd_grab_bit_for_bit(runs):
+    exact, identity = torch.load(runs["exact"] / "orders.pt"), torch.load(runs["identity"] / "orders.pt")
+    assert all(torch.equal(a, b) for a, b in zip(exact, identity)) and len(exact) == 2
+    for a, b in zip(read_metrics(runs["exact"]), read_metrics(runs["identity"])):
+        assert all(a[c] == b[c] for c in (*COLUMNS, "comm_bytes"))
+
+
+@pytest.mark.slow
+@needs_data(M4)
+def test_sketched_orders_are_permutations_and_bytes_scale_with_d(runs):
+    """comm_bytes per epoch = steps * 4 * (n*k*D sketch floats gathered + n*d update floats all-reduced)."""
+    for D in (64, 128):
+        orders = check_run_files(runs[str(D)], epochs=2, m=64)
+        assert not torch.equal(orders[1], torch.load(runs["exact"] / "orders.pt")[1])
+        config = json.loads((runs[str(D)] / "config.json").read_text())
+        assert config["args"]["sketch_dim"] == D and config["sorter"]["sketch"]["applied"]
+        for row in read_metrics(runs[str(D)]):
+            assert row["comm_bytes"] == STEPS * 4 * (N * K * D + N * D_MLP)
+    for row in read_metrics(runs["exact"]):
+        assert row["comm_bytes"] == STEPS * 4 * N * K * D_MLP
+    # the herding bound is that of the real gradients: epoch 1 (the seed's random order, the same updates as
+    # exact CD-GraB in one process) gives exact CD-GraB's bound exactly
+    herding = [r["herding_bound"] for r in read_metrics(runs["64"])]
+    assert herding[0] == read_metrics(runs["exact"])[0]["herding_bound"] and all(map(math.isfinite, herding))
+
+
+@pytest.mark.slow
+@needs_data(M4)
+def test_sketched_one_process_equals_torchrun(runs, tmp_path):
+    check_torchrun_agrees(SCRIPT, runs["64"], tmp_path / "nproc2", *QUICK, "--sketch-dim", 64, "--log-herding",
+                          columns=(*COLUMNS, "herding_bound"))
+
+
+@pytest.mark.slow
+@needs_data(M4)
+def test_bad_sketch_flags_fail_in_one_line(runs, tmp_path):
+    for extra, message in ((["--sorter", "D-RR", "--sketch-dim", "8"], "--sketch-dim applies to the sorters"),
+                           (["--sketch-dim", "-1"], "--sketch-dim must be >= 0")):
+        result = run_script(SCRIPT, "--out", tmp_path / "bad", *QUICK, *extra)
+        assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, result.stderr
+        assert not (tmp_path / "bad").exists()
+    # the sketch dimension cannot change on --resume
+    result = run_script(SCRIPT, "--out", runs["128"], *QUICK, "--epochs", "3", "--sketch-dim", "64", "--resume")
+    assert result.returncode == 2 and "--sketch_dim 128 (now 64)" in result.stderr, result.stderr
+
+
+def test_the_default_out_names_the_sketch_dimension():
+    from engine.cli import check_args, common_parser
+
+    parser = common_parser("MLP-M4", "", dict(sorter="CD-GraB", lr=1e-3, B=32, node_cnt=32, epochs=50))
+    for argv, tag in ((["--sketch-dim", "256"], "-sketch-dim256-seed0"), ([], "-lr0.001-seed0")):
+        args = parser.parse_args(argv)
+        check_args(args, "MLP-M4", defaults=vars(parser.parse_args([])))
+        assert args.out.endswith(tag), args.out
