@@ -202,6 +202,12 @@ class ExDynaReducer(ErrorFeedbackReducer):
         fewer than c_min blocks;
       - rescale lambda by the ratio K_prev / k of achieved to target count (k = floor(density * d)).
 
+    The rescaling looks only at which band K_prev / k falls in, not how far out it is. lambda therefore
+    settles where roughly as many steps land above the band as below it: the rule holds the MEDIAN count
+    near k, not the mean. When the per-step counts are right-skewed (gradients whose scale varies from
+    step to step, e.g. small per-worker batches), the mean density reported in metrics.csv lies above
+    the band although the median is inside it (docs/communication.md, tests/test_reducers.py).
+
     Block layout (our choice for small d, where the reference would get blk = 0): blk is
     floor(d / n_blocks) rounded down to a multiple of `block_alignment`; when that is 0
     (d < n_blocks * block_alignment) we drop the alignment and use min(n_blocks, d) blocks of

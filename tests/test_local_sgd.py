@@ -315,3 +315,106 @@ def test_epoch_end_mid_round_evaluates_the_mean_and_leaves_the_workers_alone():
         assert workers.step(grads, step) == twin.step(grads, step) == (step == 4)
     workers.average(), twin.average()
     assert torch.equal(workers.params, twin.params)
+
+
+def reference_linear_lr(step, *, lr, min_lr, warmup, total):
+    """The QSR reference's linear schedule, written out: warm-up from min_lr, then a straight line from lr
+    down to min_lr at the last step."""
+    if step < warmup:
+        return min_lr + (lr - min_lr) * step / warmup
+    return min_lr + (lr - min_lr) * (1 - (step - warmup) / (total - warmup))
+
+
+def test_linear_schedule_decays_to_min_lr():
+    schedule = LRSchedule(0.4, steps_per_epoch=50, kind="linear", total_epochs=4, warmup_epochs=0.5, min_lr=0.01)
+    expected = [reference_linear_lr(s, lr=0.4, min_lr=0.01, warmup=25, total=200) for s in range(201)]
+    assert [schedule(s) for s in range(201)] == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_first_step_after_warm_up_uses_the_rule_not_h_init():
+    """A round that starts at step == warmup_steps is past the warm-up (step < warmup_steps takes H_init)."""
+    common = dict(warmup_steps=100, total_steps=10**6, h_init=7, h_base=1, alpha=0.75)
+    assert qsr_period(0.25, 99, **common) == 7
+    assert qsr_period(0.25, 100, **common) == 9  # (0.75 / 0.25) ** 2, exact in binary
+    assert qsr_period(0.25, 100, **common, power=1) == 3
+
+
+def test_post_local_steps_on_the_mean_gradient_then_locally_like_torch_optimizers():
+    """--sync post-local: before the switch every worker applies the mean gradient (the rows stay equal and
+    an epoch that ends there hands that model to evaluation); after it, local rounds of H steps. Checked
+    against one torch.optim.SGD per worker."""
+    n, d, H, switch, steps = 3, 5, 3, 4, 10
+    comm = LocalCommunicator(n)
+    start = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    flat = start.clone()
+    workers = LocalWorkers(flat, comm, "sgd", cosine(), SyncSchedule("post-local", H=H, switch_step=switch, total_steps=steps),
+                           make_reducer("dense", comm, d, "cpu"), momentum=0.9)
+    params, optimizers = torch_optimizers("sgd", start, n, 0.9, 0.0)
+    generator = torch.Generator().manual_seed(6)
+    averaged_at = []
+    for step in range(steps):
+        grads = torch.randn(n, d, dtype=torch.float64, generator=generator)
+        assert workers.data_parallel(step) == (step < switch)
+        if step < switch:
+            torch_local_step(params, optimizers, [grads.mean(0)] * n, reference_lr(step))
+            assert not workers.step(grads.mean(0), step)
+        else:
+            torch_local_step(params, optimizers, grads, reference_lr(step))
+            if workers.step(grads, step):
+                workers.average()
+                torch_average(params, optimizers, ())
+                averaged_at.append(step)
+        assert torch.allclose(workers.params, torch.stack([p.detach() for p in params]), rtol=0, atol=1e-12), step
+        if step == switch - 1:  # an epoch ending inside the data-parallel phase
+            workers.end_epoch()
+            assert torch.allclose(flat, params[0].detach(), rtol=0, atol=1e-12)
+    assert averaged_at == [switch + H - 1, switch + 2 * H - 1]
+    workers.end_epoch()
+    assert torch.allclose(flat, params[0].detach(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sync, expected", [
+    # rounds end at steps 2, 5, 8 | 11 (the round 9-11 crosses the epoch end), 14, 17, 19 (capped by the run)
+    (SyncSchedule("constant", H=3, total_steps=20), [(3, 3.0), (4, 11 / 4)]),
+    (SyncSchedule("constant", H=5, total_steps=20), [(2, 5.0)] * 2),
+    # no averaging at all in epoch 1: the first round ends at step 14, the second is capped at 5 steps
+    (SyncSchedule("constant", H=15, total_steps=20), [(0, math.nan), (2, 10.0)]),
+    # 4 gradient averages then rounds of 3, 3 | 3, 3, 3 and 1 (capped)
+    (SyncSchedule("post-local", H=3, switch_step=4, total_steps=20), [(4 + 2, 10 / 6), (4, 10 / 4)]),
+])
+def test_epoch_stats_count_averagings_and_the_rounds_they_close(sync, expected):
+    """syncs = averagings in the epoch, mean_H = the mean length of the rounds they closed, steps taken in
+    the previous epoch included; rounds are cut only by the run's end, never by an epoch's."""
+    steps = 10
+    n, d = 2, 3
+    comm = LocalCommunicator(n)
+    workers = LocalWorkers(torch.zeros(d), comm, "sgd", LRSchedule(0.1, steps), sync, make_reducer("dense", comm, d, "cpu"))
+    for epoch in range(2):
+        for step in range(steps):
+            global_step = epoch * steps + step
+            grads = torch.ones(n, d) if not workers.data_parallel(global_step) else torch.ones(d)
+            if workers.step(grads, global_step):
+                workers.average()
+        workers.end_epoch()
+        stats = workers.epoch_stats()
+        assert (stats["syncs"], stats["mean_H"]) == pytest.approx(expected[epoch], nan_ok=True)
+
+
+@pytest.mark.parametrize("reducer_name, averaged", [("dense", ()), ("dense", ("exp_avg",)),
+                                                    ("dense", ("exp_avg", "exp_avg_sq")), ("topk", ("exp_avg_sq",))])
+def test_averaging_counts_the_parameters_and_the_requested_moments(reducer_name, averaged):
+    """Bytes per averaging, summed over the n workers: the dense path all-reduces one flat buffer of the d
+    parameters and each requested moment (n * d * (1 + moments) values); the sparse path sends the
+    parameters' change through the reducer (counted there) and the moments dense (n * d * moments)."""
+    n, d, H, rounds = 3, 8, 2, 3
+    comm = LocalCommunicator(n)
+    reducer = make_reducer(reducer_name, comm, d, "cpu", density=0.25)
+    workers = LocalWorkers(torch.zeros(d, dtype=torch.float64), comm, "adamw", cosine(), SyncSchedule("constant", H=H, total_steps=100),
+                           reducer, averaged_state=averaged)
+    generator = torch.Generator().manual_seed(7)
+    for step in range(H * rounds):
+        if workers.step(torch.randn(n, d, dtype=torch.float64, generator=generator), step):
+            workers.average()
+    values_per_round = n * d * ((1 + len(averaged)) if reducer_name == "dense" else len(averaged))
+    assert workers.comm_bytes == rounds * values_per_round * 8  # float64
+    assert (reducer.comm_bytes > 0) == (reducer_name != "dense")  # the parameters' change went through topk

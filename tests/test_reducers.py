@@ -290,6 +290,36 @@ def test_exdyna_c_min_is_the_unfloored_1024_over_4n(n):
     assert min(sizes) == sizes[-1] == smallest  # it shrank all the way, and no further
 
 
+@pytest.mark.parametrize("n", [3, 6])
+def test_exdyna_an_overloaded_right_partition_stops_at_c_min_too(n):
+    """The mirror of the test above: the last partition overloaded next to an underloaded left neighbour
+    gives blocks to the left until it holds ceil(1024 / (4n)) blocks, and no fewer."""
+    d = 1024 * 32
+    reducer = make_reducer("exdyna", LocalCommunicator(n), d, "cpu", density=0.01)
+    counts = [1] * (n - 1) + [1000]  # at t = 1 worker w owned partition w: the last one overloaded
+    sizes = []
+    for _ in range(400):
+        reducer._rebalance(counts, 1)
+        sizes.append(reducer.block_bounds[n] - reducer.block_bounds[n - 1])
+    assert min(sizes) == sizes[-1] == math.ceil(1024 / (4 * n))
+
+
+def test_exdyna_selects_values_equal_to_the_threshold():
+    """Selection is |acc| >= lambda: with k = 64, lambda_0 = 1 / 16 exactly, so entries of exactly +-1/16
+    are selected at t = 0 and smaller ones are not."""
+    n, d = 2, 6400
+    comm = RecordingComm(n)
+    reducer = make_reducer("exdyna", comm, d, "cpu", density=0.01)  # k = 64
+    assert reducer.threshold == 1 / 16
+    grads = torch.full((n, d), 1 / 32)
+    grads[0, [3, 10]] = torch.tensor([1 / 16, -1 / 16])  # worker 0 owns partition 0 = [0, 3200) at t = 0
+    grads[1, [3200, 6000]] = torch.tensor([-1 / 16, 0.0625])
+    grads[1, 7] = 1.0  # outside worker 1's partition: not its to select
+    reducer.reduce(grads)
+    counts, padded, _ = exdyna_messages(comm)
+    assert selected_set(counts, padded)[0].tolist() == [3, 10, 3200, 6000]
+
+
 class ReferenceExDyna:
     """ExDyna (Yoon & Oh 2024) for n > 1 virtual workers, written out from the paper's algorithm with
     no code from engine/: blocks of blk elements (the leftover in the last partition), cyclic
@@ -404,6 +434,30 @@ def test_exdyna_density_settles_near_the_target_on_a_heavy_tailed_stream():
     ratio = sum(achieved[-100:]) / 100 / density
     assert 0.9 <= ratio <= 1.1, ratio
     assert not 0.9 <= achieved[0] / density <= 1.1  # it started off target: the threshold did the work
+
+
+def test_exdyna_holds_the_median_count_not_the_mean_on_bursty_gradients():
+    """The threshold moves by the band each step's count falls in, up 0.5 % above 1.1 k and down 0.5 %
+    below 0.909 k, so it settles where about as many steps land above the band as below it: the median
+    count sits near k. When the gradient's scale varies from step to step (a log-normal factor with mean 1
+    here, as with small per-worker batches), the counts are right-skewed and their mean lies above the
+    band although the median does not. The same stream at a constant scale has both in the band."""
+    n, d, density, steps = 4, 5000, 0.01, 600
+    ratios = {}
+    for sigma in (0.0, 0.9):
+        reducer = make_reducer("exdyna", LocalCommunicator(n), d, "cpu", density=density)
+        factors = torch.exp(sigma * torch.randn(steps, generator=torch.Generator().manual_seed(8)) - sigma ** 2 / 2)
+        counts = []
+        for t in range(steps):
+            reducer.reduce(heavy_tailed(range(n), t, d, scale=0.005 * float(factors[t])))
+            counts.append(sum(reducer.last_counts))
+        ratios[sigma] = torch.tensor(counts[steps // 2:], dtype=torch.float64) / reducer.k
+    for sigma, ratio in ratios.items():
+        assert 0.909 <= ratio.median() <= 1.1, (sigma, ratio.median())
+    assert 0.909 <= ratios[0.0].mean() <= 1.1
+    assert ratios[0.9].mean() > 1.2  # the mean density is well above the target: the rule's own behaviour
+    above, below = (ratios[0.9] > 1.1).double().mean(), (ratios[0.9] <= 0.909).double().mean()
+    assert abs(above - below) < 0.1 and above > 0.35  # the steps split about evenly around the band
 
 
 def test_exdyna_single_worker_sends_its_accumulator_above_the_threshold():
