@@ -26,7 +26,8 @@ def test_shipped_runs_are_complete_and_hold_only_config_and_metrics():
         ("MLP-M4", "Fold"): 3}
     assert own[own["benchmark"].isin(["LR-HMDA", "MLP-M4"])].groupby("run_dir")["epoch"].max().eq(50).all()
     herding = load_herding(SHIPPED / "herding", warn=False)
-    assert herding.groupby("method")["trial"].nunique().to_dict() == {"CD-GraB": 5, "D-RR": 5, "I-B": 5, "I-PB": 5}
+    assert herding.groupby("method")["trial"].nunique().to_dict() == {"CD-GraB": 5, "D-RR": 5, "I-B": 5, "I-PB": 5,
+                                                                  "KH-SGD": 5, "SBW": 5}
 
 
 def test_shipped_studies_are_complete():
