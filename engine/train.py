@@ -26,10 +26,11 @@ import torch
 from tqdm import tqdm
 
 from engine import runlog
-from engine.cli import ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS, check_args
+from engine.cli import check_args, flag_name
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
 from engine.errors import UserFacingError, exit_with_error
+from engine.flags import changed_on_resume
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
@@ -42,10 +43,6 @@ LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of 
 # OVERLAP_MAX_BUFFER the second per-unit gradient buffer costs more memory than it saves time (GPT-2:
 # 1.75 GB for 8% of a step)
 OVERLAP_MIN_D, OVERLAP_MAX_BUFFER = 65_536, 256 * 2**20
-# args that may differ between a checkpoint and the run that resumes it (where the data and the
-# token cache live, how the run is launched and logged: nothing that changes its results)
-RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir", "record_orders",
-                     "progress", "dist_timeout", "overlap", "unit_grad_gather"}
 
 
 class RegionTimer:
@@ -393,17 +390,10 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
     except Exception:  # a damaged file fails in many ways (EOFError, UnpicklingError, OSError, RuntimeError)
         raise UserFacingError(f"cannot resume: {checkpoint_path} is unreadable (corrupt or truncated); start a new "
                               f"run with another --out, or delete {checkpoint_path} to start this one afresh") from None
-    added = {**ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS.get(benchmark, {})}
-    saved_args = {**added, **state["args"]}  # a checkpoint from before a flag existed
-    arg_dict = {**added, **arg_dict}
-    changed = sorted(key for key in (set(saved_args) | set(arg_dict)) - RESUMABLE_CHANGES
-                     if saved_args.get(key) != arg_dict.get(key))
-    if arg_dict.get("lr_schedule", "step") != "step" and saved_args.get("epochs") != arg_dict.get("epochs"):
-        changed.append("epochs")  # a cosine / linear schedule is stretched over the run's epochs
+    changed = changed_on_resume(state["args"], arg_dict, benchmark)  # what engine/flags.py says may not change
     if changed:
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
-                              + ", ".join(f"--{key} {saved_args.get(key)} (now {arg_dict.get(key)})"
-                                          for key in changed))
+                              + ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed))
     flat.copy_(state["flat"])
     try:
         optimizer.load_state_dict(state["optimizer"])
