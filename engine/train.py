@@ -501,33 +501,53 @@ def flush_deferred(exchange, sorter, timer) -> None:
         sorter.step(every_unit_grad, positions)
 
 
+CHECKPOINT_KEYS = ("epoch", "args", "flat", "optimizer", "sorter", "rows", "rng")  # what restore() reads
+
+
 def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=None, benchmark=None):
     """Load a checkpoint into the run's objects; refuse one made with different settings.
     optimizer: the Optimizer, or LocalWorkers with local steps; reducer: engine.reducers' (None: a
-    checkpoint without reducer state); benchmark: fills in its defaults of flags a checkpoint predates. Returns (metrics rows so far,
-    recorded orders, first epoch to run)."""
-    # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
-    # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
-    try:
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-    except Exception:  # a damaged file fails in many ways (EOFError, UnpicklingError, OSError, RuntimeError)
-        raise UserFacingError(f"cannot resume: {checkpoint_path} is unreadable (corrupt or truncated); start a new "
-                              f"run with another --out, or delete {checkpoint_path} to start this one afresh") from None
+    checkpoint without reducer state); benchmark: fills in its defaults of flags a checkpoint predates.
+    Returns (metrics rows so far, recorded orders, first epoch to run)."""
+    state = load_checkpoint(checkpoint_path)
     changed = changed_on_resume(state["args"], arg_dict, benchmark)  # what engine/flags.py says may not change
     if changed:
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
                               + ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed))
+    another_version = (f"cannot resume {checkpoint_path.parent}: {{}}; the checkpoint was written by another "
+                       "version of the suite, so start a new run (or choose another --out)")
+    if not torch.is_tensor(state["flat"]) or state["flat"].shape != flat.shape:
+        raise UserFacingError(another_version.format(f"its parameters are not the model's {tuple(flat.shape)}"))
     flat.copy_(state["flat"])
     try:
         optimizer.load_state_dict(state["optimizer"])
         if reducer is not None and "reducer" in state:  # older checkpoints: dense, nothing to restore
             reducer.load_state_dict(state["reducer"])
         sorter.load_state_dict(state["sorter"])
-    except ValueError as error:  # e.g. a checkpoint from the torchopt-based versions of the suite
-        raise UserFacingError(f"cannot resume {checkpoint_path.parent}: {error}; the checkpoint was written by "
-                              "another version of the suite, so start a new run (or choose another --out)")
-    set_rng_states(state["rng"], device)
+        set_rng_states(state["rng"], device)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # e.g. the torchopt-based versions' state
+        detail = f"its state lacks {error}" if isinstance(error, KeyError) else error
+        raise UserFacingError(another_version.format(detail)) from None
     return state["rows"], state.get("orders", []), state["epoch"] + 1
+
+
+def load_checkpoint(checkpoint_path) -> dict:
+    """checkpoint.pt as a dict holding CHECKPOINT_KEYS; a damaged file or one from elsewhere: one line."""
+    # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
+    # load_state_dict methods move flat parameters, optimizer and sorter state to the run's device
+    try:
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    except Exception:  # a damaged file fails in many ways (EOFError, UnpicklingError, OSError, RuntimeError)
+        raise UserFacingError(f"cannot resume: {checkpoint_path} is unreadable (corrupt or truncated); start a new "
+                              f"run with another --out, or delete {checkpoint_path} to start this one afresh") from None
+    if not isinstance(state, dict):
+        state = {}
+    missing = [key for key in CHECKPOINT_KEYS if key not in state or (key == "args" and not isinstance(state[key], dict))]
+    if missing:
+        raise UserFacingError(f"cannot resume: {checkpoint_path} lacks {', '.join(missing)} (not a checkpoint of this "
+                              f"version of the suite); start a new run with another --out, or delete "
+                              f"{checkpoint_path} to start this one afresh")
+    return state
 
 
 def communication_stats(local, reducer, steps_per_epoch: int) -> dict:

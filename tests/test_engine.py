@@ -226,6 +226,30 @@ def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
                     torch.device("cpu"), benchmark=benchmark)
 
 
+def test_restore_refuses_a_checkpoint_it_cannot_read_in_one_line(tmp_path):
+    """A readable file that is not this version's checkpoint (a key missing at the top or inside a state,
+    other parameters, not a dict at all) is a UserFacingError naming what is wrong, not a KeyError."""
+    flat = torch.arange(3.0)
+    optimizer, sorter = Optimizer("sgd", flat, LRSchedule(0.1, 2), momentum=0.9), build_sorter("CD-GraB", 2, 4, 3)
+    args = {"lr": 0.1}
+    save_checkpoint(tmp_path / "checkpoint.pt", args, flat, optimizer, sorter, [])
+    good = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    cases = {
+        "no-sorter": ({k: v for k, v in good.items() if k != "sorter"}, "lacks sorter"),
+        "no-rng-args": ({k: v for k, v in good.items() if k not in ("rng", "args")}, "lacks args, rng"),
+        "a-list": ([good["flat"]], "lacks epoch, args, flat, optimizer, sorter, rows, rng"),
+        "sorter-without-n": ({**good, "sorter": {k: v for k, v in good["sorter"].items() if k != "n"}},
+                             "its state lacks 'n'"),
+        "rng-without-numpy": ({**good, "rng": {"torch": good["rng"]["torch"]}}, "its state lacks 'numpy'"),
+        "other-model": ({**good, "flat": torch.zeros(5)}, r"its parameters are not the model's \(3,\)"),
+    }
+    for name, (state, message) in cases.items():
+        torch.save(state, tmp_path / f"{name}.pt")
+        with pytest.raises(UserFacingError, match=message):
+            restore(tmp_path / f"{name}.pt", args, flat, optimizer, sorter, torch.device("cpu"))
+    assert restore(tmp_path / "checkpoint.pt", args, flat, optimizer, sorter, torch.device("cpu"))[2] == 2
+
+
 def test_step_decay_per_epoch():
     schedule = LRSchedule(5.0, steps_per_epoch=3, every_epochs=10, gamma=0.1)
     assert [schedule.at_epoch(e) for e in (1, 10, 11, 21)] == pytest.approx([5.0, 5.0, 0.5, 0.05])
