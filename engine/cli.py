@@ -35,13 +35,14 @@ def flag_name(dest: str) -> str:
 
 def common_parser(benchmark: str, description: str, defaults: dict,
                   help_texts: dict | None = None) -> argparse.ArgumentParser:
-    """The flags every main-*.py takes; `defaults` holds the benchmark's paper settings, `help_texts`
-    says what --max-train-examples / --max-eval-examples count for this benchmark ({dest: help})."""
+    """The flags every main-*.py takes. description: the script's docstring (its first paragraph is
+    shown); defaults: the benchmark's paper settings; help_texts: what --max-train-examples /
+    --max-eval-examples count for this benchmark ({dest: help})."""
     texts = dict(help_texts or {})
     if set(texts) - {"max_train_examples", "max_eval_examples"}:
         raise ValueError(f"common_parser: help_texts may replace max_train_examples and max_eval_examples, "
                          f"got {sorted(texts)}")
-    p = OneLineErrorParser(description=description, formatter_class=DefaultsHelpFormatter)
+    p = OneLineErrorParser(description=description.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
                    help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
                         "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance), "

@@ -250,6 +250,52 @@ def test_restore_refuses_a_checkpoint_it_cannot_read_in_one_line(tmp_path):
     assert restore(tmp_path / "checkpoint.pt", args, flat, optimizer, sorter, torch.device("cpu"))[2] == 2
 
 
+@pytest.mark.parametrize("even_steps", [True, False])
+def test_units_per_worker_is_the_largest_whole_even_share(even_steps):
+    """Against a search: the largest m <= available // n that is even and whole steps of k, with
+    even_steps also an even number of steps; too few units: one line saying how many are needed."""
+    from engine.task import units_per_worker
+
+    for available in range(0, 130, 7):
+        for n in (1, 2, 3):
+            for k in (1, 2, 3, 4):
+                fits = [m for m in range(1, available // n + 1)
+                        if m % 2 == 0 and m % k == 0 and (not even_steps or (m // k) % 2 == 0)]
+                if fits:
+                    assert units_per_worker(available, n, k, "units", even_steps) == max(fits)
+                else:
+                    with pytest.raises(UserFacingError, match=rf"{available} units are too few for --node_cnt {n} "
+                                                              rf"and --B {n * k}: need at least"):
+                        units_per_worker(available, n, k, "units", even_steps)
+
+
+def test_eval_batches_tile_the_items_on_one_grid_whatever_the_processes():
+    from engine.task import eval_batches
+
+    class Comm:
+        def __init__(self, rank, world_size):
+            self.rank, self.world_size = rank, world_size
+
+    for n_items, batch in ((0, 4), (10, 4), (12, 4), (3, 8), (1000, 96)):
+        grid = [slice(start, min(start + batch, n_items)) for start in range(0, n_items, batch)]
+        for world_size in (1, 2, 3, 5):
+            per_rank = [eval_batches(n_items, batch, Comm(rank, world_size)) for rank in range(world_size)]
+            assert [piece for pieces in per_rank for piece in pieces] == grid
+
+
+def test_a_benchmark_says_what_its_units_are_in_the_help_of_the_common_flags():
+    from engine.cli import common_parser
+
+    defaults = dict(sorter="CD-GraB", lr=0.1, B=8, node_cnt=2, epochs=3)
+    parser = common_parser("toy", "Toy benchmark.\n\nDetails.", defaults,
+                           help_texts={"max_train_examples": "use only the first N toy windows"})
+    help_text = " ".join(parser.format_help().split())
+    assert "use only the first N toy windows" in help_text and "Toy benchmark." in help_text
+    assert "cap the validation/test sets at N units" in help_text and "Details." not in help_text
+    with pytest.raises(ValueError, match="help_texts may replace"):
+        common_parser("toy", "toy", defaults, help_texts={"lr": "the learning rate"})
+
+
 def test_step_decay_per_epoch():
     schedule = LRSchedule(5.0, steps_per_epoch=3, every_epochs=10, gamma=0.1)
     assert [schedule.at_epoch(e) for e in (1, 10, 11, 21)] == pytest.approx([5.0, 5.0, 0.5, 0.05])

@@ -181,7 +181,7 @@ def test_non_finite_loss_stops_and_keeps_the_finished_epochs(tmp_path):
     (["--B", "15"], r"--B 15 is not divisible by --node_cnt 4"),
     (["--sorter", "GraB"], r"invalid choice: 'GraB'"),
     (["--data-dir", "/nonexistent"], r"no HMDA data in .*expected .*download_data\.sh"),
-    (["--max-train-examples", "20"], r"too few for --B 16"),
+    (["--max-train-examples", "20"], r"20 training examples are too few for --node_cnt 4 and --B 16: need at least 32"),
     (["--epochs", "0"], r"--epochs must be >= 1"),
 ])
 def test_bad_input_gets_one_clear_line(tmp_path, args, message):
