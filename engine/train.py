@@ -200,7 +200,7 @@ def build_run(task, args, comm, device) -> Run:
     sorter = with_overlap(sorter, task, args.overlap, len(comm.local_workers), device)
     lr_schedule = LRSchedule(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma, kind=args.lr_schedule,
                              total_epochs=args.epochs, warmup_epochs=args.warmup_epochs, min_lr=args.min_lr)
-    local = local_workers(task, args, comm, reducer, lr_schedule, steps_per_epoch)
+    local = build_local_workers(task, args, comm, reducer, lr_schedule, steps_per_epoch)
     optimizer = Optimizer(task.optimizer, task.model.flat, lr_schedule, args.momentum, args.weight_decay) \
         if local is None else local
     herding_log = HerdingLog(n, m, d, comm, task.model, device) if args.log_herding else None
@@ -223,7 +223,7 @@ def with_overlap(sorter, task, overlap: str, n_local: int, device):
     return BackgroundSorter(sorter, device) if overlapping else sorter  # balances step t during step t + 1
 
 
-def local_workers(task, args, comm, reducer, lr_schedule, steps_per_epoch: int) -> LocalWorkers | None:
+def build_local_workers(task, args, comm, reducer, lr_schedule, steps_per_epoch: int) -> LocalWorkers | None:
     """LocalWorkers for --sync other than every-step (each worker's own parameters and optimizer state,
     averaged every H steps); None for the paper's data-parallel training."""
     if args.sync == "every-step":
