@@ -19,7 +19,7 @@ from engine.cli import common_parser  # noqa: E402
 from engine.comm import node_leader_first  # noqa: E402
 from engine.errors import UserFacingError  # noqa: E402
 from engine.functional import FlatModel  # noqa: E402
-from engine.task import Task, shard, sum_over_processes  # noqa: E402
+from engine.task import Task, eval_batches, sum_over_processes, units_per_worker  # noqa: E402
 from engine.train import run_entry_point  # noqa: E402
 
 BENCHMARK = "GPT2-Wiki103"
@@ -50,11 +50,8 @@ class GPT2Wiki103(Task):
         n, k = args.node_cnt, args.B // args.node_cnt
         # contiguous split like the original: m = last_even(N // n) blocks per worker (for k = 1); in general an
         # even number of steps of k blocks, so that pair sorters see complete pairs
-        steps = len(train) // n // k // 2 * 2
-        if steps == 0:
-            raise UserFacingError(f"{len(train)} training blocks of {block} tokens are too few for --node_cnt {n} "
-                                  f"and --B {args.B}: need at least {2 * args.B}")
-        self.n_workers, self.n_units, self.units_per_step, self.global_batch = n, steps * k, k, args.B
+        m = units_per_worker(len(train), n, k, f"training blocks of {block} tokens")
+        self.n_workers, self.n_units, self.units_per_step, self.global_batch = n, m, k, args.B
         used = n * self.n_units
         # worker j owns blocks j*m .. (j+1)*m - 1
         self.worker_blocks = train[:used].reshape(n, self.n_units, block).to(device)  # (n, m, T)
@@ -131,9 +128,8 @@ class GPT2Wiki103(Task):
         metrics = {}
         for split, blocks in splits.items():
             loss_sum = 0.0
-            rows = shard(len(blocks), comm)
-            for start in range(rows.start, rows.stop, EVAL_BATCH):
-                ids = blocks[start:min(start + EVAL_BATCH, rows.stop)]
+            for rows in eval_batches(len(blocks), EVAL_BATCH, comm):
+                ids = blocks[rows]
                 logits = self.logits(flat, ids)
                 per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
                 loss_sum += per_token.double().sum().item()
@@ -147,7 +143,7 @@ class GPT2Wiki103(Task):
 
 def make_parser():
     """The command line: the common flags with this benchmark's defaults, and its own flags."""
-    parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
+    parser = common_parser(BENCHMARK, __doc__, DEFAULTS)
     parser.add_argument("--train-file", default=None, metavar="PATH",
                         help="training text in WikiText format, instead of <data-dir>/wikitext-103/wiki.train.* "
                              "(stand-in: <data-dir>/wikitext-2/train.txt, whose articles are in WikiText-103)")

@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from data.hmda import load_hmda
 from data.partition import partition_type, split_by_labels
 from engine.cli import common_parser
-from engine.errors import UserFacingError
 from engine.functional import FlatModel
-from engine.task import Task, shard, sum_over_processes
+from engine.task import Task, eval_batches, sum_over_processes, units_per_worker
 from engine.train import run_entry_point
 
 BENCHMARK = "LR-HMDA"
@@ -33,20 +32,16 @@ class LogisticHMDA(Task):
         train_x, train_y = data.train_x, data.train_y
         if args.max_train_examples:
             train_x, train_y = train_x[:args.max_train_examples], train_y[:args.max_train_examples]
-        steps = len(train_x) // args.B // 2 * 2  # pair sorters need an even number of units per worker
-        if steps == 0:
-            raise UserFacingError(f"{len(train_x)} training examples are too few for --B {args.B}: "
-                                  f"need at least {2 * args.B}")
-        used = steps * args.B
-        self.n_workers = args.node_cnt
-        self.n_units = used // args.node_cnt
-        self.units_per_step = args.B // args.node_cnt
-        self.global_batch = args.B
+        n, k = args.node_cnt, args.B // args.node_cnt
+        m = units_per_worker(len(train_x), n, k, "training examples")
+        used = n * m
+        self.n_workers, self.n_units, self.units_per_step, self.global_batch = n, m, k, args.B
         # the first `used` rows, split by --partition (data/partition.py); the default, contiguous, is the
         # original's: worker r owns rows r*m .. (r+1)*m - 1
         rows = split_by_labels(train_y[:used], self.n_workers, args.partition, args.seed)  # (n, m)
         self.worker_x = train_x[rows].to(device)  # (n, m, F)
         self.worker_y = train_y[rows].to(device)  # (n, m)
+        self.unit_tables = (self.worker_x, self.worker_y)  # a step's units: (x (U, F), y (U,))
         self.test_x, self.test_y = data.test_x[:args.max_eval_examples].to(device), data.test_y[:args.max_eval_examples].to(device)
         self.model = FlatModel(torch.nn.Linear(data.num_features, 1)).to(device)
         self.data_info = {"source": data.source, "files": data.files, "features": data.num_features,
@@ -54,9 +49,6 @@ class LogisticHMDA(Task):
                           "test_examples": len(self.test_x), "train_positive_rate": float(train_y[:used].mean()),
                           "partition": args.partition,
                           "worker_positive_rates": [round(float(r), 6) for r in train_y[rows].mean(dim=1)]}
-
-    def units(self, workers, unit_ids):
-        return self.pick_units(self.worker_x, workers, unit_ids), self.pick_units(self.worker_y, workers, unit_ids)
 
     def loss(self, flat, batch):
         x, y = batch  # (U, F), (U,)
@@ -89,9 +81,8 @@ class LogisticHMDA(Task):
         metrics = {}
         for split, (x, y) in (("train", train), ("test", (self.test_x, self.test_y))):
             loss_sum, correct = 0.0, 0.0
-            rows = shard(len(x), comm)
-            for start in range(rows.start, rows.stop, EVAL_CHUNK):
-                xb, yb = x[start:min(start + EVAL_CHUNK, rows.stop)], y[start:min(start + EVAL_CHUNK, rows.stop)]
+            for rows in eval_batches(len(x), EVAL_CHUNK, comm):
+                xb, yb = x[rows], y[rows]
                 logits = self.model(flat, xb).squeeze(-1)
                 loss_sum += F.binary_cross_entropy_with_logits(logits, yb, reduction="sum").double().item()
                 correct += ((logits > 0).float() == yb).double().sum().item()
@@ -102,7 +93,7 @@ class LogisticHMDA(Task):
 
 def make_parser():
     """The command line: the common flags with this benchmark's defaults, and its own flags."""
-    parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
+    parser = common_parser(BENCHMARK, __doc__, DEFAULTS)
     parser.add_argument("--hmda-file", default=None,
                         help="use this HMDA file instead of searching <data-dir>/hmda/ (authors' .pt pair, "
                              "CFPB LAR 2017 csv/zip, or the HMDA 2018 sample csv/zip)")

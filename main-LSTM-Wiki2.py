@@ -225,13 +225,10 @@ class LSTMWiki2(Task):
 
 def make_parser():
     """The command line: the common flags with this benchmark's defaults, and its own flags."""
-    parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
-    for action in parser._actions:  # say what a unit is for this benchmark
-        if action.dest == "max_train_examples":
-            action.help = ("use only the first N bptt chunks of the B-column training matrix (rounded down to "
-                           "even; also with --order-unit example); the train evaluation uses the same chunks")
-        elif action.dest == "max_eval_examples":
-            action.help = "evaluate only the first N bptt chunks of the validation and test matrices"
+    parser = common_parser(BENCHMARK, __doc__, DEFAULTS, help_texts={
+        "max_train_examples": "use only the first N bptt chunks of the B-column training matrix (rounded down to "
+                              "even; also with --order-unit example); the train evaluation uses the same chunks",
+        "max_eval_examples": "evaluate only the first N bptt chunks of the validation and test matrices"})
     parser.add_argument("--bptt", type=int, default=35, help="tokens per stream per chunk (sequence length)")
     parser.add_argument("--clip", type=float, nargs="?", const=0.25, default=None, metavar="NORM",
                         help="clip the averaged (global-batch) gradient to this L2 norm, as torch's "

@@ -20,8 +20,6 @@ window weighs the same), test_loss = MSE of a rollout over the test horizon (13 
 de-standardised per series): sMAPE = mean over series and horizon steps of 200 * |p - t| / (|p| + |t|),
 in percent (0 where p = t = 0).
 """
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +28,7 @@ from data.partition import partition_type, whole_groups
 from engine.cli import common_parser
 from engine.errors import UserFacingError
 from engine.functional import FlatModel
-from engine.task import Task, shard, sum_over_processes
+from engine.task import Task, eval_batches, sum_over_processes, unit_multiple, units_per_worker
 from engine.train import run_entry_point
 from models.mlp import AutoregressiveMLP
 
@@ -60,11 +58,8 @@ class MLPM4(Task):
         if args.max_train_examples:
             train_x, train_y = train_x[:args.max_train_examples], train_y[:args.max_train_examples]
         n, k = args.node_cnt, args.B // args.node_cnt
-        multiple = k * 2 // math.gcd(k, 2)  # m must be even (pair sorters) and a multiple of k (steps)
-        m = len(train_x) // n // multiple * multiple
-        if m == 0:
-            raise UserFacingError(f"{len(train_x)} training windows are too few for --node_cnt {n} --B {args.B}: "
-                                  f"need at least {n * multiple}")
+        m = units_per_worker(len(train_x), n, k, "training windows", even_steps=False)
+        multiple = unit_multiple(k, even_steps=False)  # what m is a multiple of: even, whole steps
         series = data.train_series[:len(train_x)]
         if args.partition == "contiguous":  # whole series per worker: m may shrink
             ids = whole_groups(series, n, multiple, m)
@@ -80,6 +75,7 @@ class MLPM4(Task):
         self.n_workers, self.n_units, self.units_per_step, self.global_batch = n, m, k, args.B
         self.worker_x = train_x[ids].reshape(n, m, -1).to(device)  # (n, m, in_len)
         self.worker_y = train_y[ids].reshape(n, m, -1).to(device)  # (n, m, 6)
+        self.unit_tables = (self.worker_x, self.worker_y)  # a step's units: (x (U, in_len), y (U, 6))
         cap = args.max_eval_examples
         self.valid_x, self.valid_y = data.valid_x[:cap].to(device), data.valid_y[:cap].to(device)
         self.test_x, self.test_y = data.test_x[:cap].to(device), data.test_y[:cap].to(device)
@@ -97,9 +93,6 @@ class MLPM4(Task):
             "series_on_several_workers": int(torch.cat(series_sets).bincount().gt(1).sum()),
         }
 
-    def units(self, workers, unit_ids):
-        return self.pick_units(self.worker_x, workers, unit_ids), self.pick_units(self.worker_y, workers, unit_ids)
-
     def loss(self, flat, batch):
         x, y = batch  # (U, in_len), (U, 6)
         return F.mse_loss(self.model(flat, x, y.shape[-1]), y), None
@@ -111,8 +104,7 @@ class MLPM4(Task):
     def _squared_error_sum(self, flat, x, y, comm):
         """Sum of squared errors of a rollout of len y over all rows; fixed chunks split over processes."""
         total = 0.0
-        for chunk in shard(-(-len(x) // EVAL_CHUNK), comm):
-            rows = slice(chunk * EVAL_CHUNK, (chunk + 1) * EVAL_CHUNK)
+        for rows in eval_batches(len(x), EVAL_CHUNK, comm):
             pred = self.model(flat, x[rows], y.shape[-1])
             total += F.mse_loss(pred, y[rows], reduction="sum").double().item()
         return total
@@ -135,12 +127,9 @@ class MLPM4(Task):
 
 def make_parser():
     """The command line: the common flags with this benchmark's defaults, and its own flags."""
-    parser = common_parser(BENCHMARK, __doc__.split("\n\n")[0], DEFAULTS)
-    for action in parser._actions:  # say what a unit is for this benchmark
-        if action.dest == "max_train_examples":
-            action.help = "use only the first N training windows (before the worker split); quick runs"
-        elif action.dest == "max_eval_examples":
-            action.help = "evaluate only the first N validation windows and the first N test series"
+    parser = common_parser(BENCHMARK, __doc__, DEFAULTS, help_texts={
+        "max_train_examples": "use only the first N training windows (before the worker split); quick runs",
+        "max_eval_examples": "evaluate only the first N validation windows and the first N test series"})
     parser.add_argument("--freq", default="Weekly",
                         choices=("Hourly", "Daily", "Weekly", "Monthly", "Quarterly", "Yearly"),
                         help="M4 frequency: <data-dir>/m4/<freq>-{train,test}.csv")

@@ -7,7 +7,7 @@ A run directory holds
 and is finished when metrics.csv has args.epochs rows.
 
 A run's identity is its benchmark and every argument that may change its results: all of
-config.json's args except RESUMABLE_ARGS. Runs of one benchmark and sorter whose settings differ
+config.json's args except those that may change on resume (engine/flags.py). Runs of one benchmark and sorter whose settings differ
 (--carry-hidden, --clip, --node_cnt, --max-train-examples, ...) are different curves, labelled by the
 `setting` column: the arguments that differ between the benchmark's runs, sorter and seed aside.
 
@@ -15,7 +15,7 @@ Runs of a study (scripts/sweep-heterogeneity.sh, scripts/sweep-scaling.sh) live 
 after it, <root>/<study>/<benchmark>/<run>: the `study` column holds the path between the results
 folder and the benchmark folder ("" for the benchmarks' own runs), settings are compared within one
 study, and a study's setting labels start with its name ("heterogeneity: partition=random").
-An argument that older runs lack counts as its default (ARG_DEFAULTS), so they match newer runs.
+An argument that older runs lack counts as the value they ran with (engine/flags.py), so they match newer runs.
 """
 import json
 import warnings
@@ -24,12 +24,12 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from engine.flags import RESUMABLE_FLAGS, with_added_defaults  # plain Python: no torch for the notebooks
+
 RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir", "partition", "study"]
 SETTING = ["node_cnt", "B", "lr", "setting"]  # runs of one benchmark and sorter that differ here are different curves
-# engine.train.RESUMABLE_CHANGES (a test keeps them equal; importing the engine here would pull in
-# torch for every notebook): args that may differ on resume, so they never change a run's results
-RESUMABLE_ARGS = frozenset({"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir",
-                            "record_orders", "progress", "dist_timeout", "overlap", "unit_grad_gather"})
+# args that may differ on resume never change a run's results
+RESUMABLE_ARGS = RESUMABLE_FLAGS
 NOT_SETTINGS = RESUMABLE_ARGS | {"sorter", "seed"}  # what a setting label leaves out
 # how a differing argument is shown in a setting label; others as name=value
 SHORT_NAMES = {"node_cnt": "n"}
@@ -38,15 +38,6 @@ VALUE_LABELS = {"carry_hidden": {True: "carried hidden state", False: "zero hidd
 WORD_LABELS = {"max_train_examples": lambda v: "all training units" if v is None else f"first {v} training units",
                "max_eval_examples": lambda v: "all evaluation units" if v is None else f"first {v} evaluation units"}
 HERDING_COLUMNS = ["n_workers", "m", "d", "trial", "method", "round", "bound"]
-# engine.cli.ADDED_ARG_DEFAULTS and BENCHMARK_ARG_DEFAULTS (a test keeps them equal): defaults of arguments
-# added after runs were shipped, so a config.json without them is the same experiment as a new run with them
-ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
-                      "switch_epoch": None, "average_opt_state": False, "avg_m": False, "avg_v": False,
-                      "reducer": "dense", "density": None,
-                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
-                      "tf32": False, "sketch_dim": 0}
-BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
-ARG_DEFAULTS = {None: ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS}  # {benchmark or None (every one): {arg: default}}
 
 
 class Problem(NamedTuple):
@@ -70,7 +61,7 @@ def _read_run(run_dir: Path, results_dir: Path, include_incomplete: bool):
         config = json.loads((run_dir / "config.json").read_text())
         args = config["args"]
         benchmark = config["benchmark"]
-        args = {**ARG_DEFAULTS[None], **ARG_DEFAULTS.get(benchmark, {}), **args}
+        args = with_added_defaults(args, benchmark)  # a config.json from before a flag existed
         info = {"benchmark": benchmark, "sorter": args["sorter"], "seed": int(args["seed"]),
                 "node_cnt": int(args["node_cnt"]), "B": int(args["B"]), "lr": float(args["lr"]),
                 "setting": "", "run_dir": str(run_dir), "partition": args.get("partition") or "",
@@ -179,11 +170,11 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
 
 def run_args(df, names) -> pd.DataFrame:
     """One row per run of a load_runs frame: run_dir and the config.json args `names` (with the
-    ARG_DEFAULTS of flags the run predates; None for others it lacks)."""
+    values engine/flags.py gives the flags the run predates; None for others it lacks)."""
     rows = []
     for run_dir in df["run_dir"].unique() if len(df) else []:
         config = json.loads((Path(run_dir) / "config.json").read_text())
-        args = {**ARG_DEFAULTS[None], **ARG_DEFAULTS.get(config["benchmark"], {}), **config["args"]}
+        args = with_added_defaults(config["args"], config["benchmark"])
         rows.append({"run_dir": run_dir, **{name: args.get(name) for name in names}})
     return pd.DataFrame(rows, columns=["run_dir", *names])
 

@@ -21,6 +21,7 @@ from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding, final_values, headline_metrics,
                                 time_breakdown)
+from analysis.paper_values import PAPER_VALUES, paper_epoch
 from analysis.studies import study_figures
 
 LABELS = {
@@ -36,15 +37,6 @@ SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "
 PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
                "other_seconds": "tab:gray"}
 LOG_Y = ("_ppl",)  # perplexities span orders of magnitude in the first epochs
-# the paper's reported values (REPRODUCTION.md's "paper" columns): benchmark -> (epoch, {metric: {sorter: value}});
-# LR-HMDA's are the mean of epochs 49 and 50, drawn at 49.5
-PAPER_VALUES = {
-    "LR-HMDA": (49.5, {"train_loss": {"CD-GraB": 0.33546, "D-RR": 0.33724},
-                       "test_acc": {"CD-GraB": 0.82371, "D-RR": 0.82279}}),
-    "LSTM-Wiki2": (50, {"train_loss": {"CD-GraB": 5.311, "D-RR": 5.361}, "test_ppl": {"CD-GraB": 223.6, "D-RR": 231.9}}),
-    "MLP-M4": (30, {"train_loss": {"CD-GraB": 0.0905, "D-RR": 0.0920}, "test_smape": {"CD-GraB": 8.51, "D-RR": 8.86}}),
-    "GPT2-Wiki103": (30, {"train_loss": {"CD-GraB": 4.098, "D-RR": 4.105}}),
-}
 SECONDS_LABEL = "training seconds (cumulative; evaluation excluded)"  # what cum_seconds sums: epoch_seconds
 
 
@@ -108,7 +100,9 @@ def plot_benchmark(df, benchmark, x="epoch", band="std", metrics=None):
 
 def _paper_points(ax, benchmark, metric):
     """The paper's reported value of this metric per sorter, as a star labelled "paper <sorter>"."""
-    epoch, values = PAPER_VALUES.get(benchmark, (None, {}))
+    if benchmark not in PAPER_VALUES:
+        return
+    epoch, values = paper_epoch(benchmark), PAPER_VALUES[benchmark][1]  # LR-HMDA's epochs 49-50: at 49.5
     for i, (sorter, value) in enumerate(values.get(metric, {}).items()):
         ax.plot([epoch], [value], ls="none", marker="*", markersize=11, color=_color(sorter, i),
                 markeredgecolor="black", markeredgewidth=0.6, label=f"paper {sorter} (epoch {epoch:g})")

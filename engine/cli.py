@@ -4,19 +4,12 @@ import math
 
 from data.common import default_data_dir
 from engine.errors import UserFacingError, exit_with_error
+from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
 from engine.reducers import REDUCER_NAMES
 from engine.sketching import check_sketch_args
 from sorters import SORTER_NAMES
-
-# flags added after runs were shipped: a config.json or checkpoint without them ran with these values
-ADDED_ARG_DEFAULTS = {"sync": "every-step", "H": 4, "H_base": 4, "H_init": None, "alpha": None, "power": 2.0,
-                      "switch_epoch": None, "average_opt_state": False, "avg_m": False, "avg_v": False,
-                      "reducer": "dense", "density": None,
-                      "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0, "log_herding": False,
-                      "tf32": False, "sketch_dim": 0}
-BENCHMARK_ARG_DEFAULTS = {"LR-HMDA": {"partition": "contiguous"}, "MLP-M4": {"partition": "random"}}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -36,9 +29,21 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.ArgumentParser:
-    """The flags every main-*.py takes; `defaults` holds the benchmark's paper settings."""
-    p = OneLineErrorParser(description=description, formatter_class=DefaultsHelpFormatter)
+def flag_name(dest: str) -> str:
+    """--flag as the user types it, from its argparse dest (the paper's underscore spellings kept)."""
+    return "--" + (dest if dest in ("node_cnt", "weight_decay") else dest.replace("_", "-"))
+
+
+def common_parser(benchmark: str, description: str, defaults: dict,
+                  help_texts: dict | None = None) -> argparse.ArgumentParser:
+    """The flags every main-*.py takes. description: the script's docstring (its first paragraph is
+    shown); defaults: the benchmark's paper settings; help_texts: what --max-train-examples /
+    --max-eval-examples count for this benchmark ({dest: help})."""
+    texts = dict(help_texts or {})
+    if set(texts) - {"max_train_examples", "max_eval_examples"}:
+        raise ValueError(f"common_parser: help_texts may replace max_train_examples and max_eval_examples, "
+                         f"got {sorted(texts)}")
+    p = OneLineErrorParser(description=description.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
                    help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
                         "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance), "
@@ -52,18 +57,18 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     p.add_argument("--lr", type=float, default=defaults["lr"], help="initial learning rate")
     p.add_argument("--momentum", type=float, default=defaults.get("momentum", 0.9),
                    help="SGD momentum (ignored by AdamW)")
-    p.add_argument("--weight_decay", type=float, default=defaults.get("weight_decay", 0.0), help="weight decay")
+    p.add_argument("--weight_decay", "--weight-decay", type=float, metavar="WD", default=defaults.get("weight_decay", 0.0), help="weight decay")
     p.add_argument("--B", type=int, default=defaults["B"],
                    help="global batch per step over all workers; each worker takes B / node_cnt")
-    p.add_argument("--node_cnt", type=int, default=defaults["node_cnt"],
+    p.add_argument("--node_cnt", "--node-cnt", type=int, metavar="N", default=defaults["node_cnt"],
                    help="number of logical workers n (all in one process, or n / nproc per torchrun process)")
     p.add_argument("--epochs", type=int, default=defaults["epochs"], help="training epochs")
     p.add_argument("--data-dir", default=default_data_dir(),
                    help="folder holding the data sets (default: $CDGRAB_DATA, else ./datasets)")
     p.add_argument("--out", default=None,
                    help=f"run directory (default: results/{benchmark}/<sorter>-node<n>-B<B>-lr<lr>[-<value>]-seed<seed>, "
-                        "with -<value> for each of --partition, --sync, --reducer, --lr-schedule not at its default, then "
-                        "-<flag><value> for every other setting not at its default that changes results, e.g. "
+                        f"with -<value> for each of {', '.join(map(flag_name, NAMED_BY_VALUE))} not at its default, "
+                        "then -<flag><value> for every other setting not at its default that changes results, e.g. "
                         "-max-train-examples8000; never the flags that may change on --resume)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when available, else CPU")
@@ -74,11 +79,15 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
                         "Ampere and later GPUs, about 1e-3 relative error (default off: full float32); recorded "
                         "in config.json; no effect on the CPU")
     p.add_argument("--max-train-examples", type=int, default=None, metavar="N",
-                   help="use only the first N training units (quick runs); also limits the full-train evaluation")
+                   help=texts.get("max_train_examples", "use only the first N training units (quick runs); also "
+                                                        "limits the full-train evaluation"))
     p.add_argument("--max-eval-examples", type=int, default=None, metavar="N",
-                   help="cap the validation/test sets at N units (quick runs)")
+                   help=texts.get("max_eval_examples", "cap the validation/test sets at N units (quick runs)"))
     p.add_argument("--resume", action="store_true",
-                   help="continue from <out>/checkpoint.pt when it exists (else start fresh)")
+                   help="continue from <out>/checkpoint.pt when it exists (else start fresh); only these settings "
+                        "may differ from the checkpoint's: "
+                        + ", ".join(sorted(map(flag_name, RESUMABLE_FLAGS - {"out", "resume"})))
+                        + " (--epochs not with --lr-schedule cosine/linear; --cache-dir: GPT-2)")
     p.add_argument("--record-orders", action="store_true",
                    help="also save every epoch's (n, m) orders to <out>/orders.pt")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
@@ -151,24 +160,14 @@ def common_parser(benchmark: str, description: str, defaults: dict) -> argparse.
     return p
 
 
-# settings that change what is being compared; a default --out names those that differ from their default
-# by their value alone (the names shipped runs and the sweeps use)
-NAMED_IN_OUT = ("partition", "sync", "reducer", "lr_schedule")
-# left out of the default --out's -<flag><value> tags: already in its stem, or not changing results (the
-# per-unit gradient paths agree to float32 rounding; --log-herding only adds a column). The flags that may
-# change on resume (engine.train.RESUMABLE_CHANGES) are left out too.
-NOT_IN_OUT = frozenset({"sorter", "node_cnt", "B", "lr", "seed", "unit_grads", "log_herding"})
-
-
 def out_tags(args, defaults: dict) -> str:
-    """-<value> per NAMED_IN_OUT setting, then -<flag><value> per other result-changing setting, that
-    differs from `defaults`: a smoke run (--max-train-examples) and the full run get different folders."""
-    from engine.train import RESUMABLE_CHANGES  # not at the top: engine.train imports this module
-    tags = [str(getattr(args, key)) for key in NAMED_IN_OUT
+    """-<value> per setting named by value (engine.flags), then -<flag><value> per other result-changing
+    setting, that differs from `defaults`: a smoke run (--max-train-examples) and the full run get
+    different folders."""
+    tags = [str(getattr(args, key)) for key in NAMED_BY_VALUE
             if hasattr(args, key) and getattr(args, key) != defaults.get(key)]
     for key, value in vars(args).items():
-        if key in NAMED_IN_OUT or key in NOT_IN_OUT or key in RESUMABLE_CHANGES or key not in defaults \
-                or value == defaults[key]:
+        if FLAGS[key].resumable or FLAGS[key].out != "tag" or key not in defaults or value == defaults[key]:
             continue
         flag = key.replace("_", "-")
         if value is True:

@@ -1,8 +1,12 @@
-"""What a benchmark hands the training engine: its units, its loss, its evaluation."""
+"""What a benchmark hands the training engine: its units, its loss, its evaluation; and the pieces the
+entry scripts share (how many units each worker owns, which evaluation batches a process takes)."""
+import math
+
 import torch
 from torch.func import vmap
 from torch.utils._pytree import tree_map
 
+from engine.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 
 
@@ -34,11 +38,15 @@ class Task:
     units_per_step: int               # k
     global_batch: int                 # what B means for this benchmark (examples, columns, windows)
     data_info: dict                   # recorded in config.json: data source, files, sizes
+    unit_tables: tuple = ()           # (n, m, ...) tensors of every worker's units, for the default `units`
 
     def units(self, workers: list[int], unit_ids: torch.Tensor):
         """unit_ids: (n_local, k) local ids of the units that `workers` use this step.
-        Returns a pytree of tensors whose dim 0 runs over the n_local * k units, worker-major."""
-        raise NotImplementedError
+        Returns a pytree of tensors whose dim 0 runs over the n_local * k units, worker-major.
+        Default: the tuple of those rows of each of `unit_tables` (e.g. the inputs and the targets)."""
+        if not self.unit_tables:
+            raise NotImplementedError
+        return tuple(self.pick_units(table, workers, unit_ids) for table in self.unit_tables)
 
     def worker_rows(self, workers: list[int], device) -> torch.Tensor:
         """(len(workers), 1) LongTensor of the worker ids on `device`, made on the device and once per
@@ -168,10 +176,36 @@ class Task:
         """Hook receiving the aux output of the loss after each step (e.g. a carried hidden state)."""
 
 
+def unit_multiple(k: int, even_steps: bool = True) -> int:
+    """What the units per worker m must be a multiple of, with k units per step: k (whole steps) and 2
+    (the pair sorters pair a worker's units); with even_steps 2k (an even number of steps: the original
+    LR and GPT-2 code's rounding)."""
+    return 2 * k if even_steps else math.lcm(k, 2)
+
+
+def units_per_worker(available: int, n: int, k: int, what: str, even_steps: bool = True) -> int:
+    """m, the most units each of n workers can own out of `available`: a multiple of
+    unit_multiple(k, even_steps). what: the units in words, for the error when there are too few
+    (e.g. "training examples")."""
+    multiple = unit_multiple(k, even_steps)
+    m = available // n // multiple * multiple
+    if m == 0:
+        raise UserFacingError(f"{available} {what} are too few for --node_cnt {n} and --B {n * k}: "
+                              f"need at least {n * multiple}")
+    return m
+
+
 def shard(n_items: int, comm) -> range:
     """The contiguous share of range(n_items) that this process evaluates."""
     per = -(-n_items // comm.world_size)
     return range(min(comm.rank * per, n_items), min((comm.rank + 1) * per, n_items))
+
+
+def eval_batches(n_items: int, batch: int, comm) -> list[slice]:
+    """This process's evaluation batches of range(n_items): a fixed grid of `batch` items each (the last
+    shorter), the batches split over the processes, so every batch, and with it the rounding of its
+    sums, is the same whatever the number of processes."""
+    return [slice(i * batch, min((i + 1) * batch, n_items)) for i in shard(-(-n_items // batch), comm)]
 
 
 def sum_over_processes(values: list[float], comm) -> list[float]:

@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +27,11 @@ import torch
 from tqdm import tqdm
 
 from engine import runlog
-from engine.cli import ADDED_ARG_DEFAULTS, BENCHMARK_ARG_DEFAULTS, check_args
+from engine.cli import check_args, flag_name
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
 from engine.errors import UserFacingError, exit_with_error
+from engine.flags import changed_on_resume
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
@@ -43,10 +45,6 @@ LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of 
 # OVERLAP_MAX_BUFFER the second per-unit gradient buffer costs more memory than it saves time (GPT-2:
 # 1.75 GB for 8% of a step)
 OVERLAP_MIN_D, OVERLAP_MAX_BUFFER = 65_536, 256 * 2**20
-# args that may differ between a checkpoint and the run that resumes it (where the data and the
-# token cache live, how the run is launched and logged: nothing that changes its results)
-RESUMABLE_CHANGES = {"epochs", "out", "resume", "device", "backend", "data_dir", "cache_dir", "record_orders",
-                     "progress", "dist_timeout", "overlap", "unit_grad_gather"}
 
 
 class RegionTimer:
@@ -129,182 +127,287 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
             comm.close()
 
 
+@dataclass
+class Run:
+    """What train() builds once, from the task and the args, for its helpers below.
+    optimizer: what steps and is checkpointed (LocalWorkers with local steps, `local`; else an
+    Optimizer and local None)."""
+    task: object
+    args: object
+    comm: object
+    device: torch.device
+    sorter: object
+    reducer: object
+    exchange: GradientExchange
+    lr_schedule: LRSchedule
+    optimizer: object
+    local: LocalWorkers | None
+    herding_log: HerdingLog | None
+    steps_per_epoch: int
+    per_worker_grads: bool  # each worker's own gradient: needed by local steps and by error feedback
+    fault: "FaultInjection"
+
+    @property
+    def out(self) -> Path:
+        return Path(self.args.out)
+
+    @property
+    def writer(self) -> bool:  # rank 0 writes the run directory
+        return self.comm.rank == 0
+
+    def comm_bytes(self) -> int:
+        """Bytes sent so far by the gradient exchange, the reducer and the local-SGD averaging."""
+        return self.exchange.comm_bytes + self.reducer.comm_bytes + (self.local.comm_bytes if self.local else 0)
+
+
 def train(task, args, comm, device) -> list[dict]:
-    """Train `task` for args.epochs; write the run directory (rank 0). Returns the metrics rows."""
+    """Train `task` for args.epochs; write the run directory (rank 0). Returns the metrics rows.
+
+    Build the sorter, reducer, exchange and optimizer; resume from <out>/checkpoint.pt (--resume);
+    write config.json; then per epoch: train its steps, evaluate, append a metrics row, save the
+    checkpoint and the logs.
+    """
+    run = build_run(task, args, comm, device)
+    rows, recorded_orders, first_epoch = resume(run) if (run.out / "checkpoint.pt").exists() else ([], [], 1)
+    if first_epoch > args.epochs and (run.out / "config.json").exists():
+        return rows  # keep config.json: it describes the run that made these epochs
+    if run.writer:
+        runlog.write_config(run.out / "config.json", run_config(run))
+    for epoch in range(first_epoch, args.epochs + 1):
+        bytes_before = run.comm_bytes()
+        orders, seconds = train_epoch(run, epoch, epochs_saved=bool(rows))
+        with torch.no_grad():
+            metrics = task.evaluate(task.model.flat, comm)
+        rows.append(metrics_row(run, epoch, metrics, seconds, run.comm_bytes() - bytes_before))
+        if args.record_orders:
+            recorded_orders.append(orders.to(torch.int32).cpu())
+        save_epoch(run, rows, recorded_orders)
+    if isinstance(run.sorter, BackgroundSorter):
+        run.sorter.close()
+    return rows
+
+
+def build_run(task, args, comm, device) -> Run:
+    """The sorter (with --overlap in a background thread), the reducer and exchange, the learning-rate
+    schedule, and the optimizer or LocalWorkers; sizes checked."""
     n, m, k, d = task.n_workers, task.n_units, task.units_per_step, task.model.d
     if m % k:
         raise UserFacingError(f"{task.name}: {m} units per worker is not a multiple of {k} units per step")
     steps_per_epoch = m // k
-    local_workers, n_local = comm.local_workers, len(comm.local_workers)
-    writer = comm.rank == 0
-    out = Path(args.out)
-    checkpoint_path = out / "checkpoint.pt"
-
-    flat = task.model.flat
     task.unit_grad_path = args.unit_grads
     sketch = make_sketch(args, d)  # --sketch-dim: the sorter balances (n, k, D) sketches (engine/sketching.py)
-    sorted_d = sketch.dim if sketch else d
-    sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs)
+    sorter = build_sorter(args.sorter, n, m, sketch.dim if sketch else d, seed=args.seed, device=device,
+                          epochs=args.epochs)
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer, sketch=sketch)
+    sorter = with_overlap(sorter, task, args.overlap, len(comm.local_workers), device, sketch)
+    lr_schedule = LRSchedule(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma, kind=args.lr_schedule,
+                             total_epochs=args.epochs, warmup_epochs=args.warmup_epochs, min_lr=args.min_lr)
+    local = build_local_workers(task, args, comm, reducer, lr_schedule, steps_per_epoch)
+    optimizer = Optimizer(task.optimizer, task.model.flat, lr_schedule, args.momentum, args.weight_decay) \
+        if local is None else local
+    herding_log = HerdingLog(n, m, d, comm, task.model, device) if args.log_herding else None
+    return Run(task, args, comm, device, sorter, reducer, exchange, lr_schedule, optimizer, local, herding_log,
+               steps_per_epoch, per_worker_grads=local is not None or args.reducer != "dense",
+               fault=FaultInjection.from_environment(comm.rank))
+
+
+def with_overlap(sorter, task, overlap: str, n_local: int, device, sketch=None):
+    """The sorter, run in a background thread when --overlap asks for it (auto: when the sorted vectors
+    (d, or the sketch's D) are long enough and the second per-unit gradient buffer small enough); sets how
+    many buffers the task rotates."""
+    k, d, flat = task.units_per_step, task.model.d, task.model.flat
+    sorted_d = sketch.dim if sketch else d
     second_buffer_bytes = n_local * k * d * flat.element_size()
-    overlapping = sorter.uses_grads and (args.overlap == "on" or (args.overlap == "auto" and sorted_d >= OVERLAP_MIN_D
-                                                                  and second_buffer_bytes <= OVERLAP_MAX_BUFFER))
+    overlapping = sorter.uses_grads and (overlap == "on" or (overlap == "auto" and sorted_d >= OVERLAP_MIN_D
+                                                             and second_buffer_bytes <= OVERLAP_MAX_BUFFER))
     # with k odd a pair's first unit comes a step before its second: rather than copy it, the sorter keeps
     # a reference, and the task rotates one more gradient buffer so that it stays intact
     sorter.grads_stay_valid = sorter.uses_grads and k % 2 == 1
     # sketches are fresh tensors every step: the sorter never holds the task's buffer
     task.grad_buffers = 1 if sketch else 1 + overlapping + sorter.grads_stay_valid
-    if overlapping:
-        sorter = BackgroundSorter(sorter, device)  # balances step t during step t + 1; same orders
-    lr_schedule = LRSchedule(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma, kind=args.lr_schedule,
-                             total_epochs=args.epochs, warmup_epochs=args.warmup_epochs, min_lr=args.min_lr)
+    return BackgroundSorter(sorter, device) if overlapping else sorter  # balances step t during step t + 1
+
+
+def build_local_workers(task, args, comm, reducer, lr_schedule, steps_per_epoch: int) -> LocalWorkers | None:
+    """LocalWorkers for --sync other than every-step (each worker's own parameters and optimizer state,
+    averaged every H steps); None for the paper's data-parallel training."""
     if args.sync == "every-step":
-        local = None
-        optimizer = Optimizer(task.optimizer, flat, lr_schedule, args.momentum, args.weight_decay)
-    else:
-        sync = SyncSchedule(args.sync, H=args.H, h_base=args.H_base, h_init=args.H_init, alpha=args.alpha or 0.0,
-                            power=args.power, switch_step=((args.switch_epoch or 1) - 1) * steps_per_epoch,
-                            warmup_steps=lr_schedule.warmup_steps, total_steps=args.epochs * steps_per_epoch)
-        local = LocalWorkers(flat, comm, task.optimizer, lr_schedule, sync, reducer, args.momentum,
-                             args.weight_decay, averaged_state(args))
-        optimizer = local  # what checkpoints save and restore
-    # each worker's own gradient is needed by local steps and by error feedback
-    per_worker_grads = local is not None or args.reducer != "dense"
-    arg_dict = dict(vars(args))
-    rows, recorded_orders, first_epoch = [], [], 1
-    herding_log = HerdingLog(n, m, d, comm, task.model, device) if args.log_herding else None
-
-    if checkpoint_path.exists():
-        if not args.resume:
-            raise UserFacingError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it, "
-                                  "or choose another --out")
-        rows, recorded_orders, first_epoch = restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device,
-                                                     reducer, task.name)
-        if writer:
-            # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
-            # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
-            write_logs(out, rows, recorded_orders, task.metric_columns)
-            print(f"{out} is finished: {first_epoch - 1} epochs done (--epochs {args.epochs}); nothing to resume"
-                  if first_epoch > args.epochs else f"resuming {out} after epoch {first_epoch - 1}", file=sys.stderr)
-        if first_epoch > args.epochs and (out / "config.json").exists():
-            return rows  # keep config.json: it describes the run that made these epochs
-
-    if writer:
-        runlog.write_config(out / "config.json", {
-            "benchmark": task.name,
-            "args": arg_dict,
-            "sizes": {"n_workers": n, "world_size": comm.world_size, "workers_per_process": n_local,
-                      "units_per_worker": m, "units_per_step": k, "steps_per_epoch": steps_per_epoch,
-                      "d": d, "global_batch": task.global_batch},
-            "data": task.data_info,
-            "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads, "sketch": sketch_config(args, sketch)},
-            "optimizer": {"name": task.optimizer, "lr_decay_every": task.lr_decay_every,
-                          "lr_decay_gamma": task.lr_decay_gamma, "lr_schedule": args.lr_schedule,
-                          "warmup_steps": lr_schedule.warmup_steps},
-            "communication": {"sync": args.sync, "reducer": args.reducer, "per_worker_grads": per_worker_grads,
-                              "worker_gradients": ("vmap" if task.vmap_over_workers else "loop")
-                              if per_worker_grads else None},
-            "device": str(device),
-            "tf32": tf32_settings(),  # what the run computed with (set from --tf32 by run_entry_point)
-            "versions": runlog.library_versions(),
-            "git_commit": runlog.git_commit(),
-        })
-
-    fault_kind, fault_step = _fault_injection(comm.rank)
-    show_progress = writer and {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
-    for epoch in range(first_epoch, args.epochs + 1):
-        bytes_before = exchange.comm_bytes + reducer.comm_bytes + (local.comm_bytes if local else 0)
-        epoch_start = time.perf_counter()
-        task.start_epoch(epoch)
-        timer = RegionTimer(device)
-        orders = sorter.sort()
-        # (n_local, m), on the device: each step's unit ids are then a slice, with no copy from the host
-        local_orders = orders[local_workers[0]:local_workers[-1] + 1]
-        timer.lap("sorter")
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # local losses since the last check
-        checked_step, epoch_loss = 0, 0.0
-        bar = tqdm(total=steps_per_epoch, desc=f"{task.name} {sorter.name} epoch {epoch}/{args.epochs}",
-                   disable=not show_progress, leave=False, mininterval=0.5, file=sys.stderr)
-        for step in range(steps_per_epoch):
-            global_step = step + (epoch - 1) * steps_per_epoch
-            if fault_kind == "exit" and global_step == fault_step:
-                os._exit(3)
-            unit_ids = local_orders[:, step * k:(step + 1) * k]
-            positions = range(step * k, (step + 1) * k)
-            if per_worker_grads:
-                local_loss = worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions,
-                                                   global_step, timer,
-                                                   args.unit_grad_gather == "round")
-            else:
-                local_loss = data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer,
-                                                herding_log)
-            loss_sum += local_loss.detach()
-            if fault_kind == "nan" and global_step == fault_step:
-                loss_sum += float("nan")
-            if (step + 1) % LOSS_CHECK_EVERY == 0 or step + 1 == steps_per_epoch:
-                # the only host read of the loss: all processes check the same steps, so they stop together
-                window_loss = comm.all_reduce_sum((loss_sum * n_local).reshape(1, 1)).item() / n
-                if not math.isfinite(window_loss):
-                    saved = (f"epochs 1-{epoch - 1} are saved in {checkpoint_path} and metrics.csv" if rows
-                             else "no epoch had finished, so nothing was saved")
-                    raise UserFacingError(f"{task.name}: the training loss became {window_loss} at epoch {epoch}, "
-                                          f"between steps {checked_step + 1} and {step + 1}; lower --lr and start "
-                                          f"a new run ({saved})")
-                epoch_loss += window_loss
-                loss_sum.zero_()
-                bar.update(step + 1 - checked_step)
-                bar.set_postfix(loss=f"{epoch_loss / (step + 1):.4f}", refresh=False)
-                checked_step = step + 1
-            timer.lap("compute")
-        bar.close()
-        flush_deferred(exchange, sorter, timer)  # a round in progress: the sorter's epoch needs its gradients
-        timer.lap("sorter")
-        if local is not None:
-            local.end_epoch()  # evaluation and the checkpoint see the mean of the workers' parameters
-            timer.lap("comm")
-        seconds = timer.seconds()
-        if isinstance(sorter, BackgroundSorter):
-            # the loop's 'sorter' region saw only the hand-offs, waits for a step still running included;
-            # count the steps' own time in place of those waits, so that the column is the time the
-            # sorter's work took, as without --overlap
-            step_seconds, waited_seconds = sorter.take_seconds()
-            seconds["sorter"] += step_seconds - waited_seconds
-        epoch_seconds = time.perf_counter() - epoch_start
-
-        with torch.no_grad():
-            metrics = task.evaluate(flat, comm)
-        row = {"epoch": epoch, **{key: float(metrics[key]) for key in ("train_loss", "test_loss", *task.metric_columns)},
-               "epoch_seconds": epoch_seconds, "sorter_seconds": seconds["sorter"],
-               "comm_seconds": seconds["comm"], "compute_seconds": seconds["compute"],
-               "comm_bytes": exchange.comm_bytes + reducer.comm_bytes + (local.comm_bytes if local else 0) - bytes_before,
-               **communication_stats(local, reducer, steps_per_epoch)}
-        if herding_log:
-            row["herding_bound"] = herding_log.bound()
-        rows.append(row)
-        strategy_state = optimizer.state_dict(), reducer.state_dict()  # collectives with local steps / reducers
-        if args.record_orders:
-            recorded_orders.append(orders.to(torch.int32).cpu())
-        if writer:
-            runlog.atomic_torch_save({
-                "epoch": epoch, "args": arg_dict, "flat": flat.detach().cpu(), "optimizer": strategy_state[0], "reducer": strategy_state[1],
-                "sorter": sorter.state_dict(), "rows": rows, "orders": recorded_orders,
-                "rng": rng_states(device),
-            }, checkpoint_path)  # read back by restore()
-            if args.record_orders:
-                runlog.atomic_torch_save(recorded_orders, out / "orders.pt")
-            runlog.write_metrics(out / "metrics.csv", rows, task.metric_columns)
-            shown = " | ".join(f"{key} {row[key]:.4f}" for key in ("train_loss", "test_loss", *task.metric_columns))
-            print(f"{task.name} {sorter.name} epoch {epoch}/{args.epochs} | {shown} | {epoch_seconds:.1f} s",
-                  file=sys.stderr, flush=True)
-    if isinstance(sorter, BackgroundSorter):
-        sorter.close()
-    return rows
+        return None
+    sync = SyncSchedule(args.sync, H=args.H, h_base=args.H_base, h_init=args.H_init, alpha=args.alpha or 0.0,
+                        power=args.power, switch_step=((args.switch_epoch or 1) - 1) * steps_per_epoch,
+                        warmup_steps=lr_schedule.warmup_steps, total_steps=args.epochs * steps_per_epoch)
+    return LocalWorkers(task.model.flat, comm, task.optimizer, lr_schedule, sync, reducer, args.momentum,
+                        args.weight_decay, averaged_state(args))
 
 
 def averaged_state(args) -> tuple:
     """The optimizer buffers --avg-m / --avg-v ask LocalWorkers to average (AdamW's moments)."""
     return tuple(name for name, on in (("exp_avg", args.avg_m), ("exp_avg_sq", args.avg_v)) if on)
+
+
+def resume(run: Run) -> tuple[list, list, int]:
+    """Restore <out>/checkpoint.pt into the run (only with --resume); rewrite the logs from it (rank 0).
+    Returns (metrics rows so far, recorded orders, first epoch to run)."""
+    out, args = run.out, run.args
+    if not args.resume:
+        raise UserFacingError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it, "
+                              "or choose another --out")
+    rows, recorded_orders, first_epoch = restore(out / "checkpoint.pt", dict(vars(args)), run.task.model.flat,
+                                                 run.optimizer, run.sorter, run.device, run.reducer, run.task.name)
+    if run.writer:
+        # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
+        # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
+        write_logs(out, rows, recorded_orders, run.task.metric_columns)
+        print(f"{out} is finished: {first_epoch - 1} epochs done (--epochs {args.epochs}); nothing to resume"
+              if first_epoch > args.epochs else f"resuming {out} after epoch {first_epoch - 1}", file=sys.stderr)
+    return rows, recorded_orders, first_epoch
+
+
+def run_config(run: Run) -> dict:
+    """config.json: the benchmark, its args, sizes, data, strategies, device and versions."""
+    task, args, comm, sorter = run.task, run.args, run.comm, run.sorter
+    return {
+        "benchmark": task.name,
+        "args": dict(vars(args)),
+        "sizes": {"n_workers": task.n_workers, "world_size": comm.world_size,
+                  "workers_per_process": len(comm.local_workers), "units_per_worker": task.n_units,
+                  "units_per_step": task.units_per_step, "steps_per_epoch": run.steps_per_epoch,
+                  "d": task.model.d, "global_batch": task.global_batch},
+        "data": task.data_info,
+        "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads,
+                   "sketch": sketch_config(args, run.exchange.sketch)},
+        "optimizer": {"name": task.optimizer, "lr_decay_every": task.lr_decay_every,
+                      "lr_decay_gamma": task.lr_decay_gamma, "lr_schedule": args.lr_schedule,
+                      "warmup_steps": run.lr_schedule.warmup_steps},
+        "communication": {"sync": args.sync, "reducer": args.reducer, "per_worker_grads": run.per_worker_grads,
+                          "worker_gradients": ("vmap" if task.vmap_over_workers else "loop")
+                          if run.per_worker_grads else None},
+        "device": str(run.device),
+        "tf32": tf32_settings(),  # what the run computed with (set from --tf32 by run_entry_point)
+        "versions": runlog.library_versions(),
+        "git_commit": runlog.git_commit(),
+    }
+
+
+def train_epoch(run: Run, epoch: int, epochs_saved: bool) -> tuple[torch.Tensor, dict]:
+    """The epoch's orders, then its steps, then what the epoch's end owes (deferred unit gradients, the
+    local workers' last averaging). Returns (orders (n, m), seconds: per region and the whole epoch)."""
+    task = run.task
+    epoch_start = time.perf_counter()
+    task.start_epoch(epoch)
+    timer = RegionTimer(run.device)
+    orders = run.sorter.sort()
+    workers = run.comm.local_workers
+    # (n_local, m), on the device: each step's unit ids are then a slice, with no copy from the host
+    local_orders = orders[workers[0]:workers[-1] + 1]
+    timer.lap("sorter")
+    losses = LossCheck(run, epoch, epochs_saved)
+    for step in range(run.steps_per_epoch):
+        global_step = step + (epoch - 1) * run.steps_per_epoch
+        run.fault.before_step(global_step)
+        local_loss = take_step(run, local_orders, step, global_step, timer)
+        losses.add(run.fault.poison(local_loss.detach(), global_step), step)
+        timer.lap("compute")
+    losses.close()
+    flush_deferred(run.exchange, run.sorter, timer)  # a round in progress: the sorter's epoch needs its gradients
+    timer.lap("sorter")
+    if run.local is not None:
+        run.local.end_epoch()  # evaluation and the checkpoint see the mean of the workers' parameters
+        timer.lap("comm")
+    seconds = timer.seconds()
+    if isinstance(run.sorter, BackgroundSorter):
+        # the loop's 'sorter' region saw only the hand-offs, waits for a step still running included;
+        # count the steps' own time in place of those waits, so that the column is the time the
+        # sorter's work took, as without --overlap
+        step_seconds, waited_seconds = run.sorter.take_seconds()
+        seconds["sorter"] += step_seconds - waited_seconds
+    seconds["epoch"] = time.perf_counter() - epoch_start
+    return orders, seconds
+
+
+def take_step(run: Run, local_orders, step: int, global_step: int, timer):
+    """Step `step` of the epoch (0-based) with the strategy the run uses: each local worker takes its
+    units local_orders[:, step*k:(step+1)*k] (local_orders (n_local, m)). Returns the local loss."""
+    k = run.task.units_per_step
+    unit_ids, positions = local_orders[:, step * k:(step + 1) * k], range(step * k, (step + 1) * k)
+    if run.local is not None:
+        return local_step(run.task, run.sorter, run.exchange, run.local, unit_ids, positions, global_step,
+                          timer, run.args.unit_grad_gather == "round")
+    if run.per_worker_grads:
+        return sparsified_step(run.task, run.sorter, run.exchange, run.optimizer, unit_ids, positions, timer)
+    return data_parallel_step(run.task, run.sorter, run.exchange, run.optimizer, unit_ids, positions, timer,
+                              run.herding_log)
+
+
+class LossCheck:
+    """The training loss, read on the host once every LOSS_CHECK_EVERY steps (and at the epoch's end),
+    summed over all workers: stops the run when it is not finite, feeds the progress bar (rank 0)."""
+
+    def __init__(self, run: Run, epoch: int, epochs_saved: bool):
+        self.run, self.epoch, self.epochs_saved = run, epoch, epochs_saved
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # local losses since the last check
+        self.checked_step, self.epoch_loss = 0, 0.0
+        args, name = run.args, run.task.name
+        show = run.writer and {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
+        self.bar = tqdm(total=run.steps_per_epoch, desc=f"{name} {run.sorter.name} epoch {epoch}/{args.epochs}",
+                        disable=not show, leave=False, mininterval=0.5, file=sys.stderr)
+
+    def add(self, local_loss: torch.Tensor, step: int) -> None:
+        """local_loss: this process's mean loss of 0-based step `step` (a device scalar)."""
+        self.loss_sum += local_loss
+        if (step + 1) % LOSS_CHECK_EVERY and step + 1 != self.run.steps_per_epoch:
+            return
+        # the only host read of the loss: all processes check the same steps, so they stop together
+        comm, n_local = self.run.comm, len(self.run.comm.local_workers)
+        window_loss = comm.all_reduce_sum((self.loss_sum * n_local).reshape(1, 1)).item() / self.run.task.n_workers
+        if not math.isfinite(window_loss):
+            saved = (f"epochs 1-{self.epoch - 1} are saved in {self.run.out / 'checkpoint.pt'} and metrics.csv"
+                     if self.epochs_saved else "no epoch had finished, so nothing was saved")
+            raise UserFacingError(f"{self.run.task.name}: the training loss became {window_loss} at epoch "
+                                  f"{self.epoch}, between steps {self.checked_step + 1} and {step + 1}; lower --lr "
+                                  f"and start a new run ({saved})")
+        self.epoch_loss += window_loss
+        self.loss_sum.zero_()
+        self.bar.update(step + 1 - self.checked_step)
+        self.bar.set_postfix(loss=f"{self.epoch_loss / (step + 1):.4f}", refresh=False)
+        self.checked_step = step + 1
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def metrics_row(run: Run, epoch: int, metrics: dict, seconds: dict, comm_bytes: int) -> dict:
+    """The epoch's metrics.csv row: the task's metrics, the seconds per region, the communication
+    columns (and with --log-herding the herding bound)."""
+    task = run.task
+    row = {"epoch": epoch, **{key: float(metrics[key]) for key in ("train_loss", "test_loss", *task.metric_columns)},
+           "epoch_seconds": seconds["epoch"], "sorter_seconds": seconds["sorter"],
+           "comm_seconds": seconds["comm"], "compute_seconds": seconds["compute"], "comm_bytes": comm_bytes,
+           **communication_stats(run.local, run.reducer, run.steps_per_epoch)}
+    if run.herding_log:
+        row["herding_bound"] = run.herding_log.bound()
+    return row
+
+
+def save_epoch(run: Run, rows: list[dict], recorded_orders: list) -> None:
+    """checkpoint.pt (read back by restore), orders.pt, metrics.csv and the epoch's line on stderr, by
+    rank 0; every rank takes part in collecting the optimizer's and reducer's state."""
+    strategy_state = run.optimizer.state_dict(), run.reducer.state_dict()  # collectives with local steps / reducers
+    if not run.writer:
+        return
+    row, task, args = rows[-1], run.task, run.args
+    runlog.atomic_torch_save({
+        "epoch": row["epoch"], "args": dict(vars(args)), "flat": task.model.flat.detach().cpu(),
+        "optimizer": strategy_state[0], "reducer": strategy_state[1], "sorter": run.sorter.state_dict(),
+        "rows": rows, "orders": recorded_orders, "rng": rng_states(run.device),
+    }, run.out / "checkpoint.pt")
+    if args.record_orders:
+        runlog.atomic_torch_save(recorded_orders, run.out / "orders.pt")
+    runlog.write_metrics(run.out / "metrics.csv", rows, task.metric_columns)
+    shown = " | ".join(f"{key} {row[key]:.4f}" for key in ("train_loss", "test_loss", *task.metric_columns))
+    print(f"{task.name} {run.sorter.name} epoch {row['epoch']}/{args.epochs} | {shown} | {row['epoch_seconds']:.1f} s",
+          file=sys.stderr, flush=True)
 
 
 def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer, herding_log=None):
@@ -336,38 +439,46 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     return local_loss
 
 
-def worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, positions, global_step,
-                          timer, gather_per_round: bool = True):
-    """One step that needs each worker's own gradient: local SGD (`local`: LocalWorkers), or a
-    sparsified reduction on the shared parameters (local None). Returns the local loss.
+def sparsified_step(task, sorter, exchange, optimizer, unit_ids, positions, timer):
+    """One step on the shared parameters whose gradient average goes through a sparsifying reducer
+    (--reducer topk / exdyna: its error feedback needs each worker's own gradient). Returns the local loss."""
+    worker_grads, unit_grads, losses = task.worker_gradients(task.model.flat, exchange.comm.local_workers,
+                                                             unit_ids, per_unit=sorter.uses_grads)
+    timer.lap("compute")
+    update = exchange_and_sort(exchange, sorter, unit_grads, worker_grads, positions, timer)
+    del unit_grads  # (n_local, k, d): free before the next step computes
+    if task.clip_grad_norm:
+        update = clip_to_norm(update, task.clip_grad_norm)
+    optimizer.step(update)
+    return losses.mean()
 
-    With local steps the balancing sorters' unit gradients are all-gathered once per round
-    (gather_per_round; at the latest every GradientExchange.DEFER_LIMIT_BYTES) or every step: the
-    same bytes and the same orders, fewer collectives (bench/gather_batching.py)."""
-    params = local.params if local is not None else task.model.flat
-    worker_grads, unit_grads, losses = task.worker_gradients(params, exchange.comm.local_workers, unit_ids,
+
+def local_step(task, sorter, exchange, local, unit_ids, positions, global_step, timer,
+               gather_per_round: bool = True):
+    """One step of local SGD (`local`: LocalWorkers): each worker steps on its own gradient, and the
+    round's last step averages the workers; --sync post-local before its switch: a data-parallel step.
+    Returns the local loss.
+
+    The balancing sorters' unit gradients are all-gathered once per round (gather_per_round; at the
+    latest every GradientExchange.DEFER_LIMIT_BYTES) or every step: the same bytes and the same
+    orders, fewer collectives (bench/gather_batching.py)."""
+    worker_grads, unit_grads, losses = task.worker_gradients(local.params, exchange.comm.local_workers, unit_ids,
                                                              per_unit=sorter.uses_grads)
     timer.lap("compute")
-    if local is None or local.data_parallel(global_step):
-        update, every_unit_grad = exchange.exchange(unit_grads, None, worker_grads)
-        timer.lap("comm")
-        sorter.step(every_unit_grad, positions)
-        del unit_grads, every_unit_grad
-        timer.lap("sorter")
-        gradients = update
+    data_parallel = local.data_parallel(global_step)
+    if data_parallel:
+        gradients = exchange_and_sort(exchange, sorter, unit_grads, worker_grads, positions, timer)
+        del unit_grads
     else:
-        update, gradients = None, worker_grads
+        gradients = worker_grads
     if task.clip_grad_norm:  # per worker with local steps, as the reference clips the local gradient
         gradients = clip_to_norm(gradients, task.clip_grad_norm)
-    if local is None:
-        optimizer.step(gradients)
-        return losses.mean()
     round_over = local.step(gradients, global_step)
     timer.lap("compute")
     if round_over:
         local.average()
         timer.lap("comm")
-    if update is not None:  # a data-parallel step (post-local): the sorter has had its gradients
+    if data_parallel:  # the sorter has had this step's gradients
         return losses.mean()
     if not sorter.uses_grads:
         sorter.step(None, positions)
@@ -379,6 +490,18 @@ def worker_gradients_step(task, sorter, exchange, local, optimizer, unit_ids, po
     return losses.mean()
 
 
+def exchange_and_sort(exchange, sorter, unit_grads, worker_grads, positions, timer) -> torch.Tensor:
+    """Average the workers' gradients worker_grads (n_local, d) through the reducer, and hand every
+    worker's unit gradients (unit_grads (n_local, k, d) gathered, or None) to the sorter. Returns the
+    average (d,)."""
+    update, every_unit_grad = exchange.exchange(unit_grads, None, worker_grads)
+    timer.lap("comm")
+    sorter.step(every_unit_grad, positions)
+    del every_unit_grad
+    timer.lap("sorter")
+    return update
+
+
 def flush_deferred(exchange, sorter, timer) -> None:
     """Gather the deferred unit gradients in one collective and hand them to the sorter in step order."""
     gathered = exchange.flush_unit_grads()
@@ -387,41 +510,54 @@ def flush_deferred(exchange, sorter, timer) -> None:
         sorter.step(every_unit_grad, positions)
 
 
+CHECKPOINT_KEYS = ("epoch", "args", "flat", "optimizer", "sorter", "rows", "rng")  # what restore() reads
+
+
 def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=None, benchmark=None):
     """Load a checkpoint into the run's objects; refuse one made with different settings.
     optimizer: the Optimizer, or LocalWorkers with local steps; reducer: engine.reducers' (None: a
-    checkpoint without reducer state); benchmark: fills in its defaults of flags a checkpoint predates. Returns (metrics rows so far,
-    recorded orders, first epoch to run)."""
-    # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
-    # load_state_dict methods below move flat parameters, optimizer and sorter state to `device`
-    try:
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-    except Exception:  # a damaged file fails in many ways (EOFError, UnpicklingError, OSError, RuntimeError)
-        raise UserFacingError(f"cannot resume: {checkpoint_path} is unreadable (corrupt or truncated); start a new "
-                              f"run with another --out, or delete {checkpoint_path} to start this one afresh") from None
-    added = {**ADDED_ARG_DEFAULTS, **BENCHMARK_ARG_DEFAULTS.get(benchmark, {})}
-    saved_args = {**added, **state["args"]}  # a checkpoint from before a flag existed
-    arg_dict = {**added, **arg_dict}
-    changed = sorted(key for key in (set(saved_args) | set(arg_dict)) - RESUMABLE_CHANGES
-                     if saved_args.get(key) != arg_dict.get(key))
-    stretched = arg_dict.get("lr_schedule", "step") != "step"  # a cosine / linear schedule spans the run's epochs
-    if (stretched or sorter.uses_total_epochs) and saved_args.get("epochs") != arg_dict.get("epochs"):
-        changed.append("epochs")  # so do KH-SGD's and SBW's thresholds
+    checkpoint without reducer state); benchmark: fills in its defaults of flags a checkpoint predates.
+    Returns (metrics rows so far, recorded orders, first epoch to run)."""
+    state = load_checkpoint(checkpoint_path)
+    # what engine/flags.py says may not change (and --epochs, for the sorters whose thresholds depend on it)
+    changed = changed_on_resume(state["args"], arg_dict, benchmark, epochs_fixed=sorter.uses_total_epochs)
     if changed:
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
-                              + ", ".join(f"--{key} {saved_args.get(key)} (now {arg_dict.get(key)})"
-                                          for key in changed))
+                              + ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed))
+    another_version = (f"cannot resume {checkpoint_path.parent}: {{}}; the checkpoint was written by another "
+                       "version of the suite, so start a new run (or choose another --out)")
+    if not torch.is_tensor(state["flat"]) or state["flat"].shape != flat.shape:
+        raise UserFacingError(another_version.format(f"its parameters are not the model's {tuple(flat.shape)}"))
     flat.copy_(state["flat"])
     try:
         optimizer.load_state_dict(state["optimizer"])
         if reducer is not None and "reducer" in state:  # older checkpoints: dense, nothing to restore
             reducer.load_state_dict(state["reducer"])
         sorter.load_state_dict(state["sorter"])
-    except ValueError as error:  # e.g. a checkpoint from the torchopt-based versions of the suite
-        raise UserFacingError(f"cannot resume {checkpoint_path.parent}: {error}; the checkpoint was written by "
-                              "another version of the suite, so start a new run (or choose another --out)")
-    set_rng_states(state["rng"], device)
+        set_rng_states(state["rng"], device)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # e.g. the torchopt-based versions' state
+        detail = f"its state lacks {error}" if isinstance(error, KeyError) else error
+        raise UserFacingError(another_version.format(detail)) from None
     return state["rows"], state.get("orders", []), state["epoch"] + 1
+
+
+def load_checkpoint(checkpoint_path) -> dict:
+    """checkpoint.pt as a dict holding CHECKPOINT_KEYS; a damaged file or one from elsewhere: one line."""
+    # onto the CPU whatever device wrote it: the RNG states must stay CPU tensors, and the
+    # load_state_dict methods move flat parameters, optimizer and sorter state to the run's device
+    try:
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    except Exception:  # a damaged file fails in many ways (EOFError, UnpicklingError, OSError, RuntimeError)
+        raise UserFacingError(f"cannot resume: {checkpoint_path} is unreadable (corrupt or truncated); start a new "
+                              f"run with another --out, or delete {checkpoint_path} to start this one afresh") from None
+    if not isinstance(state, dict):
+        state = {}
+    missing = [key for key in CHECKPOINT_KEYS if key not in state or (key == "args" and not isinstance(state[key], dict))]
+    if missing:
+        raise UserFacingError(f"cannot resume: {checkpoint_path} lacks {', '.join(missing)} (not a checkpoint of this "
+                              f"version of the suite); start a new run with another --out, or delete "
+                              f"{checkpoint_path} to start this one afresh")
+    return state
 
 
 def communication_stats(local, reducer, steps_per_epoch: int) -> dict:
@@ -466,13 +602,26 @@ def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:
     return gradient * (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def _fault_injection(rank: int) -> tuple[str | None, int]:
+class FaultInjection:
     """Test hook. CDGRAB_FAULT=exit:RANK:STEP makes that rank exit abruptly before global step STEP
     (0-based, counted over the whole run); CDGRAB_FAULT=nan:STEP makes every rank see a NaN loss there."""
-    spec = os.environ.get("CDGRAB_FAULT", "")
-    kind, *numbers = spec.split(":") if spec else (None,)
-    if kind == "exit" and int(numbers[0]) == rank:
-        return "exit", int(numbers[1])
-    if kind == "nan":
-        return "nan", int(numbers[0])
-    return None, -1
+
+    def __init__(self, kind: str | None = None, step: int = -1):
+        self.kind, self.step = kind, step
+
+    @classmethod
+    def from_environment(cls, rank: int) -> "FaultInjection":
+        spec = os.environ.get("CDGRAB_FAULT", "")
+        kind, *numbers = spec.split(":") if spec else (None,)
+        if kind == "exit" and int(numbers[0]) == rank:
+            return cls("exit", int(numbers[1]))
+        if kind == "nan":
+            return cls("nan", int(numbers[0]))
+        return cls()
+
+    def before_step(self, global_step: int) -> None:
+        if self.kind == "exit" and global_step == self.step:
+            os._exit(3)
+
+    def poison(self, local_loss: torch.Tensor, global_step: int) -> torch.Tensor:
+        return local_loss + float("nan") if self.kind == "nan" and global_step == self.step else local_loss

@@ -7,7 +7,6 @@ An ordinary loop (DataLoader, nn.Module, torch.optim, DDP); the only additions a
 `sampler.step(per-example gradients)` per batch. Both launches give the same orders and losses (to
 rounding): in one process, each batch is every replica's batch side by side, replica 0's first.
 """
-import argparse
 import os
 import sys
 import time
@@ -22,10 +21,11 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters` and `data`
 from data.common import default_data_dir  # noqa: E402
 from data.hmda import load_hmda  # noqa: E402
-from engine.errors import UserFacingError  # noqa: E402
+from engine.cli import OneLineErrorParser  # noqa: E402
+from engine.errors import UserFacingError, exit_with_error  # noqa: E402
 from sorters import SORTER_NAMES, CDGraBSampler, PerExampleGrads  # noqa: E402
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])  # argparse's, with one-line errors
 parser.add_argument("--data-dir", default=default_data_dir(), help="folder holding hmda/ (default $CDGRAB_DATA)")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--max-train-examples", type=int, default=None, help="train on the first N examples only")
@@ -47,8 +47,8 @@ torch.manual_seed(args.seed)  # the same initial model in every process
 
 try:
     data = load_hmda(args.data_dir)
-except UserFacingError as error:  # a missing or unreadable data set: say what to do in one line
-    sys.exit(f"error: {error}")
+except UserFacingError as error:  # a missing or unreadable data set: say what to do in one line, exit 2
+    exit_with_error(str(error))
 train_set = TensorDataset(data.train_x[:args.max_train_examples], data.train_y[:args.max_train_examples])
 model = torch.nn.Linear(data.num_features, 1)
 ddp_model = DistributedDataParallel(model) if distributed else model
@@ -61,9 +61,12 @@ def loss_fn(logits, y):
 
 grads_of = PerExampleGrads(model, loss_fn)  # (B, d) per-example gradients; d = 26 here
 # drop_last: each replica gets a whole number of batches, the tail of the data set is not used
-sampler = CDGraBSampler(train_set, batch_size=args.batch_size, d=grads_of.d, sorter=args.sorter,
-                        num_replicas=None if distributed else args.replicas, seed=args.seed, drop_last=True,
-                        epochs=args.epochs)  # KH-SGD's and SBW's thresholds depend on the run's length
+try:
+    sampler = CDGraBSampler(train_set, batch_size=args.batch_size, d=grads_of.d, sorter=args.sorter,
+                            num_replicas=None if distributed else args.replicas, seed=args.seed, drop_last=True,
+                            epochs=args.epochs)  # KH-SGD's and SBW's thresholds depend on the run's length
+except ValueError as error:  # settings the sampler refuses, e.g. too few examples for the batch size
+    exit_with_error(str(error))
 loader = DataLoader(train_set, batch_size=sampler.loader_batch_size, sampler=sampler)
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 if rank == 0:

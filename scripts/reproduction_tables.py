@@ -16,18 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
+from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
 from analysis.studies import communication_table  # noqa: E402
-
-# benchmark: (epochs averaged, [(metric, paper CD-GraB, paper D-RR, scale to our units)])
-PAPER = {
-    "LR-HMDA": ((49, 50), [("train_loss", 0.33546, 0.33724, 1.0), ("test_acc", 0.82371, 0.82279, 1.0)]),
-    "LSTM-Wiki2": ((50,), [("train_loss", 5.311, 5.361, 1.0), ("test_ppl", 223.6, 231.9, 1.0)]),
-    "MLP-M4": ((30,), [("train_loss", 0.0905, 0.0920, 1.0), ("test_smape", 8.51, 8.86, 1.0)]),
-    "GPT2-Wiki103": ((30,), [("train_loss", 4.098, 4.105, 1.0)]),
-}
-PAPER_HERDING = {"CD-GraB": "2.3-2.7 for every n", "I-B": "4.2, 5.8, 8.5, 12.5, 17.7",
-                 "I-PB": "6, 8.5, 12, 18, 24"}
 
 
 def mean_std(values) -> str:
@@ -41,14 +32,15 @@ def mean_std(values) -> str:
 
 
 def benchmark_table(df, benchmark: str) -> list[str]:
-    epochs, metrics = PAPER[benchmark]
+    epochs, metrics = PAPER_VALUES[benchmark]
     runs = df[df["benchmark"] == benchmark]
     if runs.empty:
         return [f"No {benchmark} runs.", ""]
     lines = [f"| {benchmark} | epoch | paper CD-GraB | paper D-RR | " +
              " | ".join(f"ours {s}" for s in sorted(runs["sorter"].unique())) + " |",
              "|---|---|---|---|" + "---|" * runs["sorter"].nunique()]
-    for metric, paper_cd, paper_drr, _ in metrics:
+    for metric, paper in metrics.items():
+        paper_cd, paper_drr = paper["CD-GraB"], paper["D-RR"]
         if metric not in runs or runs[metric].isna().all():
             continue
         cells, short = [], set()  # short: last epochs of runs that stop before the paper's epoch
@@ -175,7 +167,7 @@ def main():
                      "recursively), or none for the default")
     everything = load_runs(root, include_incomplete=True, warn=False)
     df = everything[everything["study"] == ""]  # the benchmarks' own runs; the studies have their own tables
-    for benchmark in PAPER:
+    for benchmark in PAPER_VALUES:
         print("\n".join(benchmark_table(df, benchmark)))
     print("\n".join(herding_table(load_herding(root / "herding", warn=False))))
     print("\n".join(heterogeneity_table(everything)))

@@ -143,23 +143,27 @@ def check_torchrun_agrees(script: str, single, multi, *args, columns, nproc: int
 def entry_task(script: str, device, *argv):
     """(task, args): the Task an entry script builds for this command line (--data-dir DATA_DIR added),
     on `device`, as its run_entry_point builds it (TF32 set from --tf32), and the checked args."""
-    import importlib.util
-
     import torch
 
     from engine.cli import check_args
     from engine.device import set_tf32
 
+    benchmark, parser, build = entry_point(script)
+    args = parser.parse_args(["--data-dir", str(DATA_DIR), *map(str, argv)])
+    check_args(args, benchmark, defaults=vars(parser.parse_args([])))
+    set_tf32(args.tf32)
+    torch.manual_seed(args.seed)
+    return build(args, device), args
+
+
+def entry_point(script: str):
+    """(benchmark, parser, build_task): what an entry script's main() hands run_entry_point."""
+    import importlib.util
+
     spec = importlib.util.spec_from_file_location(script[:-3].replace("-", "_"), REPO / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    captured = {}
-    module.run_entry_point = lambda benchmark, parser, build: captured.update(benchmark=benchmark, parser=parser,
-                                                                             build=build)
+    captured = []
+    module.run_entry_point = lambda *handed: captured.extend(handed)
     module.main()  # builds the parser and hands it to (our) run_entry_point
-    parser = captured["parser"]
-    args = parser.parse_args(["--data-dir", str(DATA_DIR), *map(str, argv)])
-    check_args(args, captured["benchmark"], defaults=vars(parser.parse_args([])))
-    set_tf32(args.tf32)
-    torch.manual_seed(args.seed)
-    return captured["build"](args, device), args
+    return tuple(captured)

@@ -89,7 +89,7 @@ def test_resume_reproduces_the_h_sequence_and_reducer_state(tmp_path):
         assert [a[c] for c in ("syncs", "mean_H", "density", "threshold")] == \
                [b[c] for c in ("syncs", "mean_H", "density", "threshold")]
     changed = run("LR-HMDA", crashed, *flags, "--H-base", "3", "--resume")
-    assert changed.returncode == 2 and "--H_base" in error_lines(changed)[0]
+    assert changed.returncode == 2 and "--H-base 2 (now 3)" in error_lines(changed)[0]  # spelled as typed
     longer = run("LR-HMDA", crashed, *flags, "--resume", "--epochs", "3")
     assert longer.returncode == 2 and "--epochs" in error_lines(longer)[0]  # the cosine would be stretched
 

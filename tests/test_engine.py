@@ -12,8 +12,12 @@ from engine.comm import GradientExchange, LocalCommunicator
 from engine.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 from engine.optim import Optimizer, LRSchedule
-from engine.train import RESUMABLE_CHANGES, clip_to_norm, restore
+from engine.flags import FLAGS, RESUMABLE_FLAGS
+from engine.train import clip_to_norm, restore
 from sorters import build_sorter
+from tests.helpers import entry_point
+
+ENTRY_SCRIPTS = ("main-LR-HMDA.py", "main-MLP-M4.py", "main-LSTM-Wiki2.py", "main-GPT2-Wiki103.py")
 
 
 def small_model():
@@ -150,18 +154,52 @@ def test_sgd_momentum_matches_torch_sgd_and_state_round_trips():
         Optimizer("adamw", flat.clone(), LRSchedule(0.1, 2)).load_state_dict(ours.state_dict())
 
 
-def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
-    """Where the data and the token cache live may change on resume; the learning rate may not."""
-    assert {"cache_dir", "data_dir", "epochs", "device"} <= RESUMABLE_CHANGES and "lr" not in RESUMABLE_CHANGES
-    flat = torch.arange(3.0)
-    optimizer, sorter = Optimizer("sgd", flat, LRSchedule(0.1, 2), momentum=0.9), build_sorter("D-RR", 2, 4, 3)
-    args = {"lr": 0.1, "cache_dir": "/old/cache", "data_dir": "/old/data", "epochs": 2}
-    rows = [{"epoch": 1, "train_loss": 1.0}]
+def test_every_flag_of_every_entry_script_is_in_the_flag_table():
+    """engine/flags.py says for each flag whether it may change on resume and what older runs ran with;
+    a flag added to a parser without an entry there (or an entry left behind) fails here."""
+    dests = set()
+    for script in ENTRY_SCRIPTS:
+        _, parser, _ = entry_point(script)
+        dests |= {action.dest for action in parser._actions if action.dest != "help"}
+    assert sorted(dests - set(FLAGS)) == [] and sorted(set(FLAGS) - dests) == []
+    assert {"overlap", "unit_grad_gather", "cache_dir", "data_dir", "epochs", "device"} <= RESUMABLE_FLAGS
+    assert not {"lr", "tf32", "partition", "sync", "reducer", "unit_grads", "max_train_examples"} & RESUMABLE_FLAGS
+
+
+def test_hyphenated_spellings_set_the_same_setting_as_the_papers_underscores():
+    from engine.cli import check_args, common_parser
+
+    parser = common_parser("toy", "toy", dict(sorter="CD-GraB", lr=0.1, B=8, node_cnt=2, epochs=3))
+    defaults = vars(parser.parse_args([]))
+    for underscore, hyphen, value in (("--node_cnt", "--node-cnt", "4"), ("--weight_decay", "--weight-decay", "0.5")):
+        one, other = parser.parse_args([underscore, value]), parser.parse_args([hyphen, value])
+        check_args(one, "toy", defaults)
+        check_args(other, "toy", defaults)
+        assert vars(one) == vars(other) and one.out != "results/toy/CD-GraB-node2-B8-lr0.1-seed0"
+        assert getattr(one, underscore[2:]) == float(value)
+    help_text = " ".join(parser.format_help().split())
+    assert "--node_cnt N, --node-cnt N" in help_text and "--weight_decay WD, --weight-decay WD" in help_text
+
+
+def save_checkpoint(path, args, flat, optimizer, sorter, rows):
     runlog.atomic_torch_save({"epoch": 1, "args": args, "flat": flat.clone(), "optimizer": optimizer.state_dict(),
                               "sorter": sorter.state_dict(), "rows": rows, "orders": [],
                               "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                                      "python": random.getstate()}}, tmp_path / "checkpoint.pt")
-    moved = {**args, "cache_dir": "/new/cache", "data_dir": "/new/data", "epochs": 3}
+                                      "python": random.getstate()}}, path)
+
+
+def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
+    """Where the data and the token cache live, how long the run goes and how it overlaps or gathers may
+    change on resume; the learning rate may not, nor a setting the checkpoint predates unless it keeps
+    the value that checkpoint ran with."""
+    flat = torch.arange(3.0)
+    optimizer, sorter = Optimizer("sgd", flat, LRSchedule(0.1, 2), momentum=0.9), build_sorter("D-RR", 2, 4, 3)
+    args = {"lr": 0.1, "cache_dir": "/old/cache", "data_dir": "/old/data", "epochs": 2, "overlap": "off",
+            "unit_grad_gather": "round"}
+    rows = [{"epoch": 1, "train_loss": 1.0}]
+    save_checkpoint(tmp_path / "checkpoint.pt", args, flat, optimizer, sorter, rows)
+    moved = {**args, "cache_dir": "/new/cache", "data_dir": "/new/data", "epochs": 3, "overlap": "on",
+             "unit_grad_gather": "step"}
     assert restore(tmp_path / "checkpoint.pt", moved, flat, optimizer, sorter, torch.device("cpu")) == (rows, [], 2)
     old_format = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     old_format["optimizer"] = [torch.zeros(3), torch.tensor(4)]  # torchopt's leaves, as older versions saved
@@ -174,6 +212,88 @@ def test_restore_accepts_only_changes_that_keep_the_results(tmp_path):
     restore(tmp_path / "checkpoint.pt", {**moved, "tf32": False}, flat, optimizer, sorter, torch.device("cpu"))
     with pytest.raises(UserFacingError, match=r"--tf32 False \(now True\)"):
         restore(tmp_path / "checkpoint.pt", {**moved, "tf32": True}, flat, optimizer, sorter, torch.device("cpu"))
+    # a cosine schedule is stretched over the run's epochs: then --epochs may not change
+    cosine = {**args, "lr_schedule": "cosine"}
+    save_checkpoint(tmp_path / "cosine.pt", cosine, flat, optimizer, sorter, rows)
+    with pytest.raises(UserFacingError, match=r"--epochs 2 \(now 3\)"):
+        restore(tmp_path / "cosine.pt", {**cosine, "epochs": 3}, flat, optimizer, sorter, torch.device("cpu"))
+    # --partition's value before the flag existed depends on the benchmark (each one's original split)
+    for benchmark, original, other in (("LR-HMDA", "contiguous", "random"), ("MLP-M4", "random", "contiguous")):
+        restore(tmp_path / "checkpoint.pt", {**moved, "partition": original}, flat, optimizer, sorter,
+                torch.device("cpu"), benchmark=benchmark)
+        with pytest.raises(UserFacingError, match=rf"--partition {original} \(now {other}\)"):
+            restore(tmp_path / "checkpoint.pt", {**moved, "partition": other}, flat, optimizer, sorter,
+                    torch.device("cpu"), benchmark=benchmark)
+
+
+def test_restore_refuses_a_checkpoint_it_cannot_read_in_one_line(tmp_path):
+    """A readable file that is not this version's checkpoint (a key missing at the top or inside a state,
+    other parameters, not a dict at all) is a UserFacingError naming what is wrong, not a KeyError."""
+    flat = torch.arange(3.0)
+    optimizer, sorter = Optimizer("sgd", flat, LRSchedule(0.1, 2), momentum=0.9), build_sorter("CD-GraB", 2, 4, 3)
+    args = {"lr": 0.1}
+    save_checkpoint(tmp_path / "checkpoint.pt", args, flat, optimizer, sorter, [])
+    good = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    cases = {
+        "no-sorter": ({k: v for k, v in good.items() if k != "sorter"}, "lacks sorter"),
+        "no-rng-args": ({k: v for k, v in good.items() if k not in ("rng", "args")}, "lacks args, rng"),
+        "a-list": ([good["flat"]], "lacks epoch, args, flat, optimizer, sorter, rows, rng"),
+        "sorter-without-n": ({**good, "sorter": {k: v for k, v in good["sorter"].items() if k != "n"}},
+                             "its state lacks 'n'"),
+        "rng-without-numpy": ({**good, "rng": {"torch": good["rng"]["torch"]}}, "its state lacks 'numpy'"),
+        "other-model": ({**good, "flat": torch.zeros(5)}, r"its parameters are not the model's \(3,\)"),
+    }
+    for name, (state, message) in cases.items():
+        torch.save(state, tmp_path / f"{name}.pt")
+        with pytest.raises(UserFacingError, match=message):
+            restore(tmp_path / f"{name}.pt", args, flat, optimizer, sorter, torch.device("cpu"))
+    assert restore(tmp_path / "checkpoint.pt", args, flat, optimizer, sorter, torch.device("cpu"))[2] == 2
+
+
+@pytest.mark.parametrize("even_steps", [True, False])
+def test_units_per_worker_is_the_largest_whole_even_share(even_steps):
+    """Against a search: the largest m <= available // n that is even and whole steps of k, with
+    even_steps also an even number of steps; too few units: one line saying how many are needed."""
+    from engine.task import units_per_worker
+
+    for available in range(0, 130, 7):
+        for n in (1, 2, 3):
+            for k in (1, 2, 3, 4):
+                fits = [m for m in range(1, available // n + 1)
+                        if m % 2 == 0 and m % k == 0 and (not even_steps or (m // k) % 2 == 0)]
+                if fits:
+                    assert units_per_worker(available, n, k, "units", even_steps) == max(fits)
+                else:
+                    with pytest.raises(UserFacingError, match=rf"{available} units are too few for --node_cnt {n} "
+                                                              rf"and --B {n * k}: need at least"):
+                        units_per_worker(available, n, k, "units", even_steps)
+
+
+def test_eval_batches_tile_the_items_on_one_grid_whatever_the_processes():
+    from engine.task import eval_batches
+
+    class Comm:
+        def __init__(self, rank, world_size):
+            self.rank, self.world_size = rank, world_size
+
+    for n_items, batch in ((0, 4), (10, 4), (12, 4), (3, 8), (1000, 96)):
+        grid = [slice(start, min(start + batch, n_items)) for start in range(0, n_items, batch)]
+        for world_size in (1, 2, 3, 5):
+            per_rank = [eval_batches(n_items, batch, Comm(rank, world_size)) for rank in range(world_size)]
+            assert [piece for pieces in per_rank for piece in pieces] == grid
+
+
+def test_a_benchmark_says_what_its_units_are_in_the_help_of_the_common_flags():
+    from engine.cli import common_parser
+
+    defaults = dict(sorter="CD-GraB", lr=0.1, B=8, node_cnt=2, epochs=3)
+    parser = common_parser("toy", "Toy benchmark.\n\nDetails.", defaults,
+                           help_texts={"max_train_examples": "use only the first N toy windows"})
+    help_text = " ".join(parser.format_help().split())
+    assert "use only the first N toy windows" in help_text and "Toy benchmark." in help_text
+    assert "cap the validation/test sets at N units" in help_text and "Details." not in help_text
+    with pytest.raises(ValueError, match="help_texts may replace"):
+        common_parser("toy", "toy", defaults, help_texts={"lr": "the learning rate"})
 
 
 def test_step_decay_per_epoch():

@@ -1,4 +1,5 @@
 """LR-HMDA end to end on the real data: modes agree, resume is exact, bad input fails cleanly."""
+import io
 import json
 import re
 import subprocess
@@ -121,6 +122,19 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
         assert line.startswith("error: cannot resume: ") and "another --out" in line
         assert f"{out / 'checkpoint.pt'} is unreadable (corrupt or truncated)" in line
         assert {path.name: path.read_bytes() for path in out.iterdir()} == files
+    # readable, but not what this version writes: a key missing at the top, or inside the sorter's state
+    state = torch.load(io.BytesIO(checkpoint), weights_only=False)
+    without_sorter = {key: value for key, value in state.items() if key != "sorter"}
+    sorter_without_n = {**state, "sorter": {key: value for key, value in state["sorter"].items() if key != "n"}}
+    for damaged, message in ((without_sorter, "checkpoint.pt lacks sorter (not a checkpoint of this version"),
+                             (sorter_without_n, "its state lacks 'n'; the checkpoint was written by another version")):
+        torch.save(damaged, out / "checkpoint.pt")
+        files = {path.name: path.read_bytes() for path in out.iterdir()}
+        result = run_script(SCRIPT, "--epochs", "2", "--out", out, "--resume", *QUICK)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+        assert line.startswith("error: cannot resume") and message in line and "another --out" in line, line
+        assert {path.name: path.read_bytes() for path in out.iterdir()} == files
 
 
 @pytest.mark.parametrize("args,message", [
@@ -167,7 +181,7 @@ def test_non_finite_loss_stops_and_keeps_the_finished_epochs(tmp_path):
     (["--B", "15"], r"--B 15 is not divisible by --node_cnt 4"),
     (["--sorter", "GraB"], r"invalid choice: 'GraB'"),
     (["--data-dir", "/nonexistent"], r"no HMDA data in .*expected .*download_data\.sh"),
-    (["--max-train-examples", "20"], r"too few for --B 16"),
+    (["--max-train-examples", "20"], r"20 training examples are too few for --node_cnt 4 and --B 16: need at least 32"),
     (["--epochs", "0"], r"--epochs must be >= 1"),
 ])
 def test_bad_input_gets_one_clear_line(tmp_path, args, message):
