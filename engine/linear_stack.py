@@ -31,7 +31,6 @@ class LinearStack:
         # every parameter in the order of the flat vector: the gradient is their pieces side by side
         self.order = sorted((p for layer in self.layers for p in layer.parameters(recurse=False)),
                             key=lambda p: model.offsets[id(p)])
-        self._seeds = {}
         self._views = (None, None)  # (params (n, d), {layer: (weight^T (n, in, out), bias (n, 1, out))})
 
     def views(self, params: torch.Tensor) -> dict:
@@ -45,13 +44,6 @@ class LinearStack:
                      for layer in self.layers}
             self._views = (params, views)
         return views
-
-    def _filled(self, like: torch.Tensor, value: float) -> torch.Tensor:
-        """A tensor like `like` filled with value, reused from call to call (the backward's seed)."""
-        key = (like.shape, like.dtype, like.device, value)
-        if key not in self._seeds:
-            self._seeds[key] = torch.full_like(like, value)
-        return self._seeds[key]
 
     def _view(self, stack: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         offset = self.model.offsets[id(p)]
@@ -85,8 +77,9 @@ class LinearStack:
         """(rows, d): one backward of scale * unit_losses.sum() to the recorded Linear outputs, then for every layer the
         sum over its tokens of g a^T (weight) and g (bias), the tokens grouped into `rows` blocks along
         dim 0 of the layer inputs: rows = n gives each worker's gradient, rows = U each unit's."""
-        output_grads = torch.autograd.grad(unit_losses, [out for _, _, out in records],
-                                           grad_outputs=self._filled(unit_losses, scale))
+        # a scalar to differentiate: a grad_outputs tensor would make torch import sympy (a second) at the first call
+        total = unit_losses.sum() if scale == 1 else unit_losses.sum() * scale
+        output_grads = torch.autograd.grad(total, [out for _, _, out in records])
         calls = {}  # layer -> ([inputs], [output grads]), one entry per call
         for (layer, inputs, _), output_grad in zip(records, output_grads):
             ins, outs = calls.setdefault(layer, ([], []))
