@@ -26,6 +26,7 @@ class LogisticHMDA(Task):
     name = BENCHMARK
     metric_columns = ("train_acc", "test_acc")
     vmap_over_workers = True
+    linear_stack = True  # local steps: every worker's gradient in closed form (stacked_gradients)
 
     def __init__(self, args, device):
         data = load_hmda(args.data_dir, args.hmda_file)
@@ -66,15 +67,33 @@ class LogisticHMDA(Task):
         Other parameters (e.g. a vmap tracer) and --unit-grads vmap take the general path."""
         if not self.outer_products_apply(flat):
             return super().unit_grads(flat, batch, n_local, k)
+        grads, losses = self._closed_form(flat, batch, self._unit_grad_buffer(len(batch[0])))
+        return grads.view(n_local, k, -1), losses.view(n_local, k)
+
+    def stacked_gradients(self, params, batch, k, per_unit):
+        """Local steps: the closed form of unit_grads, worker j's units at its own row of params (n_local, d)."""
+        n_local = params.shape[0]
+        grads, losses = self._closed_form(params, batch, torch.empty(len(batch[0]), params.shape[1],
+                                                                     dtype=params.dtype, device=params.device))
+        grads, losses = grads.view(n_local, k, -1), losses.view(n_local, k)
+        return grads.mean(1), grads if per_unit else None, losses.mean(1)
+
+    @staticmethod
+    def _closed_form(params, batch, out):
+        """Per-example gradients into out (U, F + 1) and losses (U,) at params (F + 1,) shared, or
+        (n_local, F + 1) with worker j's units (worker-major) at row j."""
         x, y = batch  # (U, F), (U,)
-        grads = self._unit_grad_buffer(len(x))  # (U, F + 1)
         with torch.no_grad():
-            logits = torch.addmv(flat[-1:], x, flat[:-1])  # (U,)
+            if params.dim() == 1:
+                logits = torch.addmv(params[-1:], x, params[:-1])  # (U,)
+            else:  # (n_local, k, F) @ (n_local, F, 1) + (n_local, 1, 1)
+                rows = x.view(params.shape[0], -1, x.shape[1])
+                logits = torch.baddbmm(params[:, None, -1:], rows, params[:, :-1, None]).view(-1)
             losses = F.binary_cross_entropy_with_logits(logits, y, reduction="none")
             residual = torch.sigmoid(logits).sub_(y)
-            torch.mul(x, residual[:, None], out=grads[:, :-1])
-            grads[:, -1] = residual
-        return grads.view(n_local, k, -1), losses.view(n_local, k)
+            torch.mul(x, residual[:, None], out=out[:, :-1])
+            out[:, -1] = residual
+        return out, losses
 
     def evaluate(self, flat, comm):
         train = (self.worker_x.flatten(0, 1), self.worker_y.flatten())

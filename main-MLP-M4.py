@@ -44,6 +44,7 @@ class MLPM4(Task):
     name = BENCHMARK
     metric_columns = ("valid_loss", "test_smape")
     vmap_over_workers = True
+    linear_stack = True  # local steps: every worker's gradient from one batched pass (engine/linear_stack.py)
     lr_decay_every = 10
     lr_decay_gamma = 0.25
 

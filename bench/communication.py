@@ -1,72 +1,169 @@
 """Seconds per epoch of each communication strategy against every-step, back to back in one run.
 
-    OMP_NUM_THREADS=1 CDGRAB_DATA=../shared/data python bench/communication.py    # MLP-M4, 4 workers, B 16
-    python bench/communication.py --script main-LR-HMDA.py -- --max-train-examples 64000
+    OMP_NUM_THREADS=1 CDGRAB_DATA=../shared/data python bench/communication.py    # LR-HMDA and MLP-M4
+    python bench/communication.py --scripts main-MLP-M4.py --rounds 5 -- --max-train-examples 32000
 
-For every sorter and every strategy (every-step, constant H = 4, QSR, each with the dense and the ExDyna
-reducer) one short run of the entry script; the rounds are interleaved (strategy A, B, ..., then A, B, ...
-again) so that a change in the machine's load hits every strategy alike, and the median epoch time per
-strategy is divided by the median of every-step + dense of the same sorter. Prints one JSON object:
-    {"<sorter>": {"<sync>+<reducer>": {"epoch_seconds": s, "ratio": r, "comm_seconds": c,
-                                        "megabytes_per_epoch": b, "syncs_per_epoch": n}, ...}, ...,
-     "settings": {...}}
+For every benchmark, every sorter and every strategy (every-step, constant H = 4, QSR, each with the
+dense and the ExDyna reducer, density 0.01, 0.25 for LR-HMDA's d = 26; and constant H = 4 through the
+general torch.func path, --unit-grads vmap, the way every local step went before engine/linear_stack.py)
+one epoch of the entry script's task, 4 workers, B 16, trained by engine.train.train in this process
+(the entry script's own parser, checks and task; one process, as `python main-*.py`). A warm-up round
+on a few steps first runs every code path once (numba's compilation, first-call imports: costs of a
+process, not of an epoch); then the rounds are interleaved (strategy A, B, ..., then A, B, ... again)
+so that a change in the machine's load hits every strategy alike. Per strategy the least disturbed
+(minimum) and the median epoch time over the rounds, each divided by the same statistic of every-step +
+dense of the same benchmark and sorter. Writes ONE JSON object to --out (and prints it), then the table
+in markdown:
+    {"<benchmark>": {"<sorter>": {"<sync>+<reducer>": {"epoch_seconds": min s, "ratio": r,
+        "epoch_seconds_median": s, "ratio_median": r, "comm_seconds": c, "megabytes_per_epoch": b,
+        "syncs_per_epoch": n}, ...}}, ..., "settings": {...}}
 Everything after `--` goes to every run (after the defaults below, so it overrides them).
 """
 import argparse
-import csv
+import functools
+import importlib.util
 import json
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
-STRATEGIES = {
+sys.path.insert(0, str(REPO))  # run from anywhere
+
+from engine.cli import check_args  # noqa: E402
+from engine.comm import LocalCommunicator  # noqa: E402
+from engine.errors import UserFacingError  # noqa: E402
+from engine.train import train  # noqa: E402
+
+STRATEGIES = {  # {density}: ExDyna's target density, per benchmark (below)
     "every-step+dense": [],
     "constant+dense": ["--sync", "constant", "--H", "4"],
     "qsr+dense": ["--sync", "qsr", "--H-base", "4", "--alpha", "0.002"],
-    "every-step+exdyna": ["--reducer", "exdyna", "--density", "0.01"],
-    "constant+exdyna": ["--sync", "constant", "--H", "4", "--reducer", "exdyna", "--density", "0.01"],
-    "qsr+exdyna": ["--sync", "qsr", "--H-base", "4", "--alpha", "0.002", "--reducer", "exdyna", "--density", "0.01"],
+    "every-step+exdyna": ["--reducer", "exdyna", "--density", "{density}"],
+    "constant+exdyna": ["--sync", "constant", "--H", "4", "--reducer", "exdyna", "--density", "{density}"],
+    "qsr+exdyna": ["--sync", "qsr", "--H-base", "4", "--alpha", "0.002", "--reducer", "exdyna", "--density", "{density}"],
+    "constant+dense (vmap)": ["--sync", "constant", "--H", "4", "--unit-grads", "vmap"],
 }
-DEFAULTS = ["--node_cnt", "4", "--B", "16", "--lr", "1e-3", "--lr-schedule", "cosine", "--max-train-examples", "16000",
-            "--max-eval-examples", "500"]
+DEFAULTS = ["--node_cnt", "4", "--B", "16", "--lr", "1e-3", "--lr-schedule", "cosine"]
+# per script: enough steps for an epoch of a second or more on one core (LR-HMDA's steps are short), and
+# ExDyna's density: LR-HMDA's d = 26 needs at least one coordinate per worker (26 * 0.25 = 6 for 4 workers)
+SCRIPTS = {
+    "main-MLP-M4.py": (["--max-train-examples", "16000", "--max-eval-examples", "500"], "0.01"),
+    "main-LR-HMDA.py": (["--max-train-examples", "64000", "--max-eval-examples", "2000"], "0.25"),
+}
+WARM_UP_EXAMPLES = "640"  # the warm-up round's --max-train-examples: 40 steps
+
+
+def entry_point(script: str):
+    """(parser, build_task, benchmark) of an entry script, its data loaders cached (every run of a
+    benchmark reads the same files; the tasks copy what they keep)."""
+    spec = importlib.util.spec_from_file_location(script[:-3].replace("-", "_"), REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("load_m4", "load_hmda"):
+        if hasattr(module, name):
+            setattr(module, name, functools.lru_cache(getattr(module, name)))
+    captured = {}
+    module.run_entry_point = lambda benchmark, parser, build: captured.update(benchmark=benchmark, parser=parser,
+                                                                             build=build)
+    module.main()  # builds the parser and hands it to (our) run_entry_point
+    return captured["parser"], captured["build"], captured["benchmark"]
+
+
+def run_once(entry, script, sorter, flags, extra, tmp, examples=None) -> dict:
+    """One epoch of one strategy, as `python <script> ... --epochs 1` trains it; its metrics row."""
+    parser, build_task, benchmark = entry
+    script_args, density = SCRIPTS[script]
+    argv = ["--sorter", sorter, "--epochs", "1", "--progress", "off", "--out", tempfile.mkdtemp(dir=tmp), *DEFAULTS,
+            *script_args, *[flag.format(density=density) for flag in flags], *extra]
+    args = parser.parse_args(argv + (["--max-train-examples", examples] if examples else []))
+    check_args(args, benchmark, defaults=vars(parser.parse_args([])))
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    task = build_task(args, device)  # data loading and the worker split: not timed
+    return train(task, args, LocalCommunicator(args.node_cnt, device), device)[-1]
+
+
+def summarise(rows: dict) -> dict:
+    """{strategy: [metrics rows]} of one benchmark and sorter -> minimum and median epoch seconds and their
+    ratios to every-step+dense's; the communication columns (the same in every round) from the median."""
+    def stat(name, key, how):
+        return how(float(row[key]) for row in rows[name])
+
+    base_min, base_median = (stat("every-step+dense", "epoch_seconds", how) for how in (min, statistics.median))
+    return {name: {"epoch_seconds": round(stat(name, "epoch_seconds", min), 3),
+                   "ratio": round(stat(name, "epoch_seconds", min) / base_min, 3),
+                   "epoch_seconds_median": round(stat(name, "epoch_seconds", statistics.median), 3),
+                   "ratio_median": round(stat(name, "epoch_seconds", statistics.median) / base_median, 3),
+                   "comm_seconds": round(stat(name, "comm_seconds", statistics.median), 3),
+                   "megabytes_per_epoch": round(stat(name, "comm_bytes", statistics.median) / 1e6, 3),
+                   "syncs_per_epoch": int(stat(name, "syncs", statistics.median))} for name in rows}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| benchmark | sorter | strategy | s / epoch (min) | vs every-step dense (min) | (median) | comm s | "
+             "MB / epoch | averagings / epoch |", "|---|---|---|---|---|---|---|---|---|"]
+    for benchmark, sorters in result.items():
+        if benchmark == "settings":
+            continue
+        for sorter, strategies in sorters.items():
+            for name, m in strategies.items():
+                lines.append(f"| {benchmark} | {sorter} | {name} | {m['epoch_seconds']:.2f} | {m['ratio']:.2f} | "
+                             f"{m['ratio_median']:.2f} | {m['comm_seconds']:.3f} | {m['megabytes_per_epoch']:.3f} | "
+                             f"{m['syncs_per_epoch']} |")
+    return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--script", default="main-MLP-M4.py", help="entry script")
+    parser.add_argument("--scripts", nargs="+", choices=tuple(SCRIPTS), default=list(SCRIPTS), help="entry scripts")
     parser.add_argument("--sorters", nargs="+", default=["D-RR", "CD-GraB"], help="sorters to time")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every strategy")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed repetitions of every strategy")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "communication-cpu.json"),
+                        help="where the JSON object goes (written whole at the end)")
     argv, extra = sys.argv[1:], []
     if "--" in argv:
         argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(argv)
-    epochs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for sorter in args.sorters:
-                for name, flags in STRATEGIES.items():
-                    out = Path(tmp) / f"{sorter}-{name}-{round_}"
-                    run = subprocess.run([sys.executable, args.script, "--sorter", sorter, "--epochs", "1", "--out",
-                                          str(out), "--progress", "off", *DEFAULTS, *flags, *extra], cwd=REPO,
-                                         stderr=subprocess.PIPE, text=True)
-                    if run.returncode:
-                        sys.exit(f"{sorter} {name} failed: {run.stderr.strip().splitlines()[-1]}")
-                    with open(out / "metrics.csv") as f:
-                        epochs.setdefault((sorter, name), []).append(next(csv.DictReader(f)))
-    result = {}
-    for sorter in args.sorters:
-        median = {name: {key: statistics.median(float(row[key]) for row in epochs[sorter, name])
-                         for key in ("epoch_seconds", "comm_seconds", "comm_bytes", "syncs")} for name in STRATEGIES}
-        base = median["every-step+dense"]["epoch_seconds"]
-        result[sorter] = {name: {"epoch_seconds": round(m["epoch_seconds"], 3), "ratio": round(m["epoch_seconds"] / base, 3),
-                                 "comm_seconds": round(m["comm_seconds"], 3),
-                                 "megabytes_per_epoch": round(m["comm_bytes"] / 1e6, 3),
-                                 "syncs_per_epoch": int(m["syncs"])} for name, m in median.items()}
-    result["settings"] = {"script": args.script, "args": DEFAULTS + extra, "rounds": args.rounds, "epochs_per_run": 1}
-    print(json.dumps(result, indent=1))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    entries = {script: entry_point(script) for script in args.scripts}
+    load_before = os.getloadavg()
+    rows = {}  # (script, sorter, strategy) -> metrics rows of the timed rounds
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for round_ in range(1 + args.rounds):  # round 0: the warm-up, on a few steps, not kept
+                for script in args.scripts:
+                    for sorter in args.sorters:
+                        for name, flags in STRATEGIES.items():
+                            row = run_once(entries[script], script, sorter, flags, extra, tmp,
+                                           WARM_UP_EXAMPLES if round_ == 0 else None)
+                            if round_:
+                                rows.setdefault((script, sorter, name), []).append(row)
+    except UserFacingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    result = {entries[script][2]: {sorter: summarise({name: rows[script, sorter, name] for name in STRATEGIES})
+                                   for sorter in args.sorters} for script in args.scripts}
+    result["settings"] = {"args": DEFAULTS + extra, "per_script_args": {s: SCRIPTS[s][0] for s in args.scripts},
+                          "exdyna_density": {s: float(SCRIPTS[s][1]) for s in args.scripts},
+                          "rounds": args.rounds, "warm_up_round_examples": int(WARM_UP_EXAMPLES), "epochs_per_run": 1,
+                          "process": "one (engine.train.train in this process, 4 simulated workers)",
+                          "torch": torch.__version__, "threads": torch.get_num_threads(),
+                          "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
+                          "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
+    text = json.dumps(result, indent=1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(text + "\n")
+    partial.replace(out)  # never a half-written result file
+    print(text)
+    print(markdown(result))
 
 
 if __name__ == "__main__":

@@ -95,8 +95,9 @@ def common_parser(benchmark: str, description: str, defaults: dict,
     p.add_argument("--unit-grads", choices=("auto", "vmap"), default="auto",
                    help="per-unit gradients for the balancing sorters: auto = one backward plus per-unit outer "
                         "products where the model allows it (Linear/Conv1D/Embedding/LayerNorm: LR, MLP, GPT-2), "
-                        "else the benchmark's own path; vmap = torch.func.vmap over grad (the general path; "
-                        "equal to float32 rounding)")
+                        "else the benchmark's own path; with local steps (--sync) each worker's gradient at its own "
+                        "parameters from one batched pass for LR and MLP; vmap = "
+                        "torch.func.vmap over grad for both (the general path; equal to float32 rounding)")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="run the balancing sorters' step t in a background thread while step t + 1 computes "
                         "(the same orders either way; costs a second per-unit gradient buffer). auto: on "

@@ -6,6 +6,7 @@ import torch
 from torch.func import vmap
 from torch.utils._pytree import tree_map
 
+from engine import linear_stack
 from engine.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 
@@ -31,6 +32,10 @@ class Task:
     # worker_gradients: True = one torch.func.vmap over the workers' (parameters, units); False = a loop
     # over the workers, each a batch of one worker (what LSTM and GPT-2 need: see their docstrings)
     vmap_over_workers = False
+    # worker_gradients at per-worker (n_local, d) parameters through stacked_gradients, for a model of
+    # nn.Linear layers only (LR, MLP) and a task with unit_losses: one batched forward and backward for
+    # every worker (engine/linear_stack.py) instead of a vmap or a loop over the workers
+    linear_stack = False
 
     model: FlatModel
     n_workers: int
@@ -123,7 +128,8 @@ class Task:
         Returns (grads (n_local, d) each worker's mean gradient over its k units, unit_grads
         (n_local, k, d) or None unless per_unit, losses (n_local,)). Calls end_step itself.
         Shared parameters where outer products apply: one backward plus per-unit outer products (the
-        returned unit gradients may then live in the reused buffer of unit_grads). Else with
+        returned unit gradients may then live in the reused buffer of unit_grads). Per-worker
+        parameters with linear_stack: one batched pass (engine/linear_stack.py). Else with
         vmap_over_workers one vmapped pass; otherwise one call per worker with `model.flat` holding
         that worker's parameters (so `model.flat` is scratch when params is 2-D).
         """
@@ -133,6 +139,10 @@ class Task:
             unit_grads, unit_losses = self.unit_grads(flat, self.units(workers, unit_ids), n_local, k)
             self.end_step(None)
             return unit_grads.mean(1), unit_grads if per_unit else None, unit_losses.mean(1)
+        if params.dim() == 2 and self.linear_stack and self.unit_grad_path != "vmap":
+            result = self.stacked_gradients(params, self.units(workers, unit_ids), k, per_unit)
+            self.end_step(None)
+            return result
         if self.vmap_over_workers:
             batch = tree_map(lambda t: t.reshape(n_local, k, *t.shape[1:]), self.units(workers, unit_ids))
             in_dims = (0 if params.dim() == 2 else None, 0)
@@ -163,6 +173,13 @@ class Task:
                 grads[j] = grad
             self.end_step(aux)
         return grads, unit_grads, losses
+
+    def stacked_gradients(self, params: torch.Tensor, batch, k: int, per_unit: bool):
+        """worker_gradients' result (grads (n_local, d), unit_grads (n_local, k, d) or None, losses
+        (n_local,)) at params (n_local, d) for the worker-major batch of n_local * k units, with
+        linear_stack. The batched pass of engine/linear_stack.py; a task with closed-form gradients may
+        override it. Unit gradients must be freshly allocated (local steps keep them for a round)."""
+        return linear_stack.worker_gradients(self.model, self.unit_losses, params, batch, k, per_unit)
 
     def evaluate(self, flat: torch.Tensor, comm) -> dict:
         """Metrics after an epoch: train_loss, test_loss and every name in metric_columns.
