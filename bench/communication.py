@@ -10,12 +10,13 @@ one epoch of the entry script's task, 4 workers, B 16, trained by engine.train.t
 (the entry script's own parser, checks and task; one process, as `python main-*.py`). A warm-up round
 on a few steps first runs every code path once (numba's compilation, first-call imports: costs of a
 process, not of an epoch); then the rounds are interleaved (strategy A, B, ..., then A, B, ... again)
-so that a change in the machine's load hits every strategy alike. Per strategy the least disturbed
-(minimum) and the median epoch time over the rounds, each divided by the same statistic of every-step +
-dense of the same benchmark and sorter. Writes ONE JSON object to --out (and prints it), then the table
-in markdown:
-    {"<benchmark>": {"<sorter>": {"<sync>+<reducer>": {"epoch_seconds": min s, "ratio": r,
-        "epoch_seconds_median": s, "ratio_median": r, "comm_seconds": c, "megabytes_per_epoch": b,
+so that a change in the machine's load hits every strategy alike. Per strategy the median over the
+rounds of the epoch's CPU seconds (this process's CPU time over the span metrics.csv's epoch_seconds
+times: single-threaded, it is the wall time of an idle machine, and other processes on a shared machine
+barely move it) and of its wall seconds, each divided by the same of every-step + dense of the same
+benchmark and sorter. Writes ONE JSON object to --out (and prints it), then the table in markdown:
+    {"<benchmark>": {"<sorter>": {"<sync>+<reducer>": {"epoch_cpu_seconds": s, "ratio": r,
+        "epoch_seconds": wall s, "ratio_wall": r, "comm_seconds": c, "megabytes_per_epoch": b,
         "syncs_per_epoch": n}, ...}}, ..., "settings": {...}}
 Everything after `--` goes to every run (after the defaults below, so it overrides them).
 """
@@ -27,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -75,7 +77,9 @@ def entry_point(script: str):
 
 
 def run_once(entry, script, sorter, flags, extra, tmp, examples=None) -> dict:
-    """One epoch of one strategy, as `python <script> ... --epochs 1` trains it; its metrics row."""
+    """One epoch of one strategy, as `python <script> ... --epochs 1` trains it: its metrics row, with
+    epoch_cpu_seconds, this process's CPU time over the span that epoch_seconds times (from the task's
+    start_epoch hook to its evaluate call)."""
     parser, build_task, benchmark = entry
     script_args, density = SCRIPTS[script]
     argv = ["--sorter", sorter, "--epochs", "1", "--progress", "off", "--out", tempfile.mkdtemp(dir=tmp), *DEFAULTS,
@@ -85,35 +89,48 @@ def run_once(entry, script, sorter, flags, extra, tmp, examples=None) -> dict:
     device = torch.device("cpu")
     torch.manual_seed(args.seed)
     task = build_task(args, device)  # data loading and the worker split: not timed
-    return train(task, args, LocalCommunicator(args.node_cnt, device), device)[-1]
+    cpu = {}
+    start_epoch, evaluate = task.start_epoch, task.evaluate
+
+    def timed_start(epoch):
+        cpu["start"] = time.process_time()
+        return start_epoch(epoch)
+
+    def timed_evaluate(flat, comm):
+        cpu["end"] = time.process_time()
+        return evaluate(flat, comm)
+
+    task.start_epoch, task.evaluate = timed_start, timed_evaluate
+    row = train(task, args, LocalCommunicator(args.node_cnt, device), device)[-1]
+    return {**row, "epoch_cpu_seconds": cpu["end"] - cpu["start"]}
 
 
 def summarise(rows: dict) -> dict:
-    """{strategy: [metrics rows]} of one benchmark and sorter -> minimum and median epoch seconds and their
-    ratios to every-step+dense's; the communication columns (the same in every round) from the median."""
-    def stat(name, key, how):
-        return how(float(row[key]) for row in rows[name])
+    """{strategy: [metrics rows]} of one benchmark and sorter -> median epoch CPU and wall seconds and
+    their ratios to every-step+dense's; the communication columns (the same in every round)."""
+    def median(name, key):
+        return statistics.median(float(row[key]) for row in rows[name])
 
-    base_min, base_median = (stat("every-step+dense", "epoch_seconds", how) for how in (min, statistics.median))
-    return {name: {"epoch_seconds": round(stat(name, "epoch_seconds", min), 3),
-                   "ratio": round(stat(name, "epoch_seconds", min) / base_min, 3),
-                   "epoch_seconds_median": round(stat(name, "epoch_seconds", statistics.median), 3),
-                   "ratio_median": round(stat(name, "epoch_seconds", statistics.median) / base_median, 3),
-                   "comm_seconds": round(stat(name, "comm_seconds", statistics.median), 3),
-                   "megabytes_per_epoch": round(stat(name, "comm_bytes", statistics.median) / 1e6, 3),
-                   "syncs_per_epoch": int(stat(name, "syncs", statistics.median))} for name in rows}
+    base_cpu, base_wall = median("every-step+dense", "epoch_cpu_seconds"), median("every-step+dense", "epoch_seconds")
+    return {name: {"epoch_cpu_seconds": round(median(name, "epoch_cpu_seconds"), 3),
+                   "ratio": round(median(name, "epoch_cpu_seconds") / base_cpu, 3),
+                   "epoch_seconds": round(median(name, "epoch_seconds"), 3),
+                   "ratio_wall": round(median(name, "epoch_seconds") / base_wall, 3),
+                   "comm_seconds": round(median(name, "comm_seconds"), 3),
+                   "megabytes_per_epoch": round(median(name, "comm_bytes") / 1e6, 3),
+                   "syncs_per_epoch": int(median(name, "syncs"))} for name in rows}
 
 
 def markdown(result: dict) -> str:
-    lines = ["| benchmark | sorter | strategy | s / epoch (min) | vs every-step dense (min) | (median) | comm s | "
+    lines = ["| benchmark | sorter | strategy | CPU s / epoch | vs every-step dense | wall s / epoch | (wall ratio) | "
              "MB / epoch | averagings / epoch |", "|---|---|---|---|---|---|---|---|---|"]
     for benchmark, sorters in result.items():
         if benchmark == "settings":
             continue
         for sorter, strategies in sorters.items():
             for name, m in strategies.items():
-                lines.append(f"| {benchmark} | {sorter} | {name} | {m['epoch_seconds']:.2f} | {m['ratio']:.2f} | "
-                             f"{m['ratio_median']:.2f} | {m['comm_seconds']:.3f} | {m['megabytes_per_epoch']:.3f} | "
+                lines.append(f"| {benchmark} | {sorter} | {name} | {m['epoch_cpu_seconds']:.2f} | {m['ratio']:.2f} | "
+                             f"{m['epoch_seconds']:.2f} | {m['ratio_wall']:.2f} | {m['megabytes_per_epoch']:.3f} | "
                              f"{m['syncs_per_epoch']} |")
     return "\n".join(lines)
 
@@ -151,7 +168,7 @@ def main():
                                    for sorter in args.sorters} for script in args.scripts}
     result["settings"] = {"args": DEFAULTS + extra, "per_script_args": {s: SCRIPTS[s][0] for s in args.scripts},
                           "exdyna_density": {s: float(SCRIPTS[s][1]) for s in args.scripts},
-                          "rounds": args.rounds, "warm_up_round_examples": int(WARM_UP_EXAMPLES), "epochs_per_run": 1,
+                          "rounds": args.rounds, "statistic": "median over rounds", "warm_up_round_examples": int(WARM_UP_EXAMPLES), "epochs_per_run": 1,
                           "process": "one (engine.train.train in this process, 4 simulated workers)",
                           "torch": torch.__version__, "threads": torch.get_num_threads(),
                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),

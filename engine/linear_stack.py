@@ -58,10 +58,10 @@ class LinearStack:
         its k units, unit_grads (n, k, d) freshly allocated or None unless per_unit, losses (n,) detached).
         """
         n = params.shape[0]
-        records = []  # (layer, input, output) of every Linear call, in call order
+        calls = {layer: ([], []) for layer in self.layers}  # layer -> (inputs, outputs) of its calls, in order
         views = self.views(params)
         for layer in self.layers:  # (object's setattr: nn.Module's checks cost more than the call)
-            object.__setattr__(layer, "forward", _stacked_forward(layer, *views[layer], records))
+            object.__setattr__(layer, "forward", _stacked_forward(*views[layer], *calls[layer]))
         try:
             unit_losses = unit_loss_fn(self.model.flat, batch)
         finally:
@@ -69,26 +69,24 @@ class LinearStack:
                 object.__delattr__(layer, "forward")  # the class's forward again
         losses = unit_losses.detach().view(n, k).mean(1)
         if not per_unit:  # row j sums worker j's tokens: the gradient of its mean loss
-            return self.layer_gradients(unit_losses, 1 / k, records, n), None, losses
-        unit_grads = self.layer_gradients(unit_losses, 1.0, records, len(unit_losses)).view(n, k, -1)
+            return self.layer_gradients(unit_losses, 1 / k, calls, n), None, losses
+        unit_grads = self.layer_gradients(unit_losses, 1.0, calls, len(unit_losses)).view(n, k, -1)
         return unit_grads.mean(1), unit_grads, losses
 
-    def layer_gradients(self, unit_losses: torch.Tensor, scale: float, records: list, rows: int) -> torch.Tensor:
-        """(rows, d): one backward of scale * unit_losses.sum() to the recorded Linear outputs, then for every layer the
-        sum over its tokens of g a^T (weight) and g (bias), the tokens grouped into `rows` blocks along
-        dim 0 of the layer inputs: rows = n gives each worker's gradient, rows = U each unit's."""
+    def layer_gradients(self, unit_losses: torch.Tensor, scale: float, calls: dict, rows: int) -> torch.Tensor:
+        """(rows, d): one backward of scale * unit_losses.sum() to the outputs of every Linear call (calls:
+        layer -> (inputs, outputs)), then for every layer the sum over its tokens of g a^T (weight) and g
+        (bias), the tokens grouped into `rows` blocks along dim 0 of the layer inputs: rows = n gives each
+        worker's gradient, rows = U each unit's."""
+        called = [(layer, inputs, outputs) for layer, (inputs, outputs) in calls.items() if outputs]
         # a scalar to differentiate: a grad_outputs tensor would make torch import sympy (a second) at the first call
         total = unit_losses.sum() if scale == 1 else unit_losses.sum() * scale
-        output_grads = torch.autograd.grad(total, [out for _, _, out in records])
-        calls = {}  # layer -> ([inputs], [output grads]), one entry per call
-        for (layer, inputs, _), output_grad in zip(records, output_grads):
-            ins, outs = calls.setdefault(layer, ([], []))
-            ins.append(inputs)
-            outs.append(output_grad)
+        output_grads = iter(torch.autograd.grad(total, [out for _, _, outputs in called for out in outputs]))
         pieces = {}  # id(parameter) -> its (rows, numel) columns of the gradient
         with torch.no_grad():
-            for layer, (ins, outs) in calls.items():
-                a, g = _tokens(ins, rows), _tokens(outs, rows)                     # (rows, T, in), (rows, T, out)
+            for layer, inputs, outputs in called:
+                a = _tokens(inputs, rows)                                  # (rows, T, in)
+                g = _tokens([next(output_grads) for _ in outputs], rows)  # (rows, T, out)
                 pieces[id(layer.weight)] = torch.bmm(g.transpose(1, 2), a).view(rows, -1)  # (rows, out * in)
                 if layer.bias is not None:
                     pieces[id(layer.bias)] = g.sum(1)
@@ -97,9 +95,10 @@ class LinearStack:
                               for p in self.order], dim=1)
 
 
-def _stacked_forward(layer, weight_t, bias, records):
-    """layer's forward with its weight^T (n, in, out) and bias (n, 1, out) stacks: inputs (n * r, ..., in),
-    worker-major, computed block j with worker j's row. Appends (layer, input, output) to records."""
+def _stacked_forward(weight_t, bias, inputs_seen: list, outputs_seen: list):
+    """A Linear layer's forward with its weight^T (n, in, out) and bias (n, 1, out) stacks: inputs
+    (n * r, ..., in), worker-major, computed block j with worker j's row. Appends each call's input and
+    output to inputs_seen and outputs_seen."""
     n, in_features, out_features = weight_t.shape
 
     def forward(inputs):
@@ -108,7 +107,8 @@ def _stacked_forward(layer, weight_t, bias, records):
         out = out.view(-1, out_features) if inputs.dim() == 2 else out.view(*inputs.shape[:-1], out_features)
         if not out.requires_grad:  # no input needs a gradient (the parameters do not): the graph starts here
             out.requires_grad_()
-        records.append((layer, inputs, out))
+        inputs_seen.append(inputs)
+        outputs_seen.append(out)
         return out
 
     return forward
@@ -116,10 +116,14 @@ def _stacked_forward(layer, weight_t, bias, records):
 
 def _tokens(tensors: list, rows: int) -> torch.Tensor:
     """Every call's (U, ..., features) tensors as one (rows, tokens, features): the U units grouped into
-    `rows` blocks (worker-major), the calls' tokens side by side. One stack for (U, features) calls."""
-    if all(t.dim() == 2 for t in tensors):  # one token per unit and call (the MLP's rollout): one op
-        return torch.stack(tensors, dim=1).view(rows, -1, tensors[0].shape[-1])
-    return torch.cat([t.reshape(rows, -1, t.shape[-1]) for t in tensors], dim=1)
+    `rows` blocks (worker-major), the calls' tokens side by side."""
+    features = tensors[0].shape[-1]
+    if len(tensors) == 1:
+        return tensors[0].reshape(rows, -1, features)
+    try:  # calls of one shape (the MLP's rollout): one stack, the units still on dim 0
+        return torch.stack(tensors, dim=1).view(rows, -1, features)
+    except RuntimeError:  # calls of several shapes
+        return torch.cat([t.reshape(rows, -1, features) for t in tensors], dim=1)
 
 
 _STACKS = weakref.WeakKeyDictionary()  # FlatModel -> its LinearStack, built at the first call
