@@ -31,8 +31,8 @@ def test_one_process_equals_torchrun(tmp_path, bench_name, strategy, sorter):
     single, multi = tmp_path / "single", tmp_path / "multi"
     check_ok(run(bench_name, single, "--sorter", sorter, *flags))
     check_ok(run(bench_name, multi, "--sorter", sorter, *flags, nproc=2))
-    # with local steps each worker's gradients come from one vmap over the process's workers: 4 in one
-    # process, 2 per process under torchrun, so the batched kernels round differently (orders, bytes and
+    # with local steps each worker's gradients come from one batched pass over the process's workers
+    # (engine/linear_stack.py): 4 in one process, 2 per process under torchrun, so the batched kernels round differently (orders, bytes and
     # rounds must still agree exactly); 1e-5 held by chance before the warm-up's step 0 took lr 0 (s / w)
     assert_runs_agree(single, multi, BENCHMARKS[bench_name][2], rel=5e-5 if strategy == "qsr" else 1e-5)
     for a, b in zip(read_metrics(single), read_metrics(multi)):
@@ -124,7 +124,7 @@ def test_bad_communication_settings_get_one_line(tmp_path, args, message):
 ])
 def test_averaging_every_step_equals_gradient_averaging(tmp_path, bench_name, script, quick):
     """With plain SGD an average of the workers' parameters after each local step is the step with the
-    averaged gradient: the per-worker gradient paths (vmap over workers for LR, a loop with the carried
+    averaged gradient: the per-worker gradient paths (one batched pass over the workers for LR, a loop with the carried
     hidden state for the LSTM) must reproduce the data-parallel run."""
     runs = {name: tmp_path / name for name in ("data-parallel", "local")}
     flags = {"data-parallel": [], "local": ["--sync", "constant", "--H", "1"]}
