@@ -253,7 +253,7 @@ def test_bad_sketch_flags_fail_in_one_line(runs, tmp_path):
         assert not (tmp_path / "bad").exists()
     # the sketch dimension cannot change on --resume
     result = run_script(SCRIPT, "--out", runs["128"], *QUICK, "--epochs", "3", "--sketch-dim", "64", "--resume")
-    assert result.returncode == 2 and "--sketch_dim 128 (now 64)" in result.stderr, result.stderr
+    assert result.returncode == 2 and "--sketch-dim 128 (now 64)" in result.stderr, result.stderr
 
 
 def test_the_default_out_names_the_sketch_dimension():
