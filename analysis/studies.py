@@ -1,6 +1,8 @@
 """Tables and figures of the studies whose sweeps write into <results>/<study>/<benchmark>/<run>:
 
     communication   scripts/sweep-communication.sh: synchronisation rule x reducer x sorter (issue #9)
+    sketching       --sketch-dim: CD-GraB balancing CountSketches of the gradients (issue #20); its
+                    training curves are drawn against the benchmark's own exact CD-GraB and D-RR runs
 
 `study_figures(df)` returns {file stem: Figure} for every study present in a load_runs frame.
 """
@@ -74,10 +76,90 @@ def plot_communication(df: pd.DataFrame, benchmark: str):
     return fig
 
 
+SKETCH_ARGS = ["sketch_dim", "max_train_examples", "node_cnt", "B", "lr"]
+
+
+def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
+    """The sketching study's runs of `benchmark` and, as its baselines, the benchmark's exact CD-GraB and
+    D-RR runs elsewhere (its own runs, other studies) with the settings of a group of sketched runs (workers,
+    batch, learning rate, --max-train-examples), cut at that group's last epoch. One row per (run, epoch),
+    with `variant` ("D-RR", "CD-GraB exact", "CD-GraB, D = 64") and `full_data` (no --max-train-examples).
+    Empty without sketching runs."""
+    if not len(df):
+        return df
+    df = df[df["benchmark"] == benchmark]
+    if not (df["study"] == "sketching").any():
+        return df.iloc[:0]
+    df = df.merge(run_args(df, ["sketch_dim", "max_train_examples"]), on="run_dir")
+    df["examples"] = df["max_train_examples"].fillna(0)  # 0: the full data (NaN never matches in a merge)
+    key = ["node_cnt", "B", "lr", "examples"]
+    study = df[df["study"] == "sketching"]
+    groups = study.groupby(key)["epoch"].max().rename("last_epoch").reset_index()
+    baselines = df[(df["study"] != "sketching") & df["sorter"].isin(["CD-GraB", "D-RR"]) & (df["sketch_dim"] == 0)]
+    baselines = baselines.merge(groups, on=key)
+    baselines = baselines[baselines["epoch"] <= baselines["last_epoch"]].drop(columns="last_epoch")
+    runs = pd.concat([study, baselines], ignore_index=True)
+    runs["full_data"] = runs["examples"] == 0
+    runs["variant"] = [sorter if sorter != "CD-GraB" else "CD-GraB exact" if not dim else f"CD-GraB, D = {int(dim)}"
+                       for sorter, dim in zip(runs["sorter"], runs["sketch_dim"].fillna(0))]
+    return runs
+
+
+def _variant_order(variant: str) -> tuple:
+    """CD-GraB exact, then the sketches by decreasing D, then D-RR."""
+    if variant == "CD-GraB exact":
+        return (0, 0)
+    if variant.startswith("CD-GraB, D = "):
+        return (1, -int(variant.rsplit(" ", 1)[1]))
+    return (2, 0)
+
+
+def plot_sketching(df: pd.DataFrame, benchmark: str):
+    """Left: the herding bound of the real gradients per epoch under each variant's orders (the runs with
+    --log-herding), mean over seeds. Right: train loss per epoch on the full data, mean over seeds, sketched
+    against exact CD-GraB and D-RR. None without sketching runs."""
+    runs = sketching_runs(df, benchmark)
+    if not len(runs):
+        return None
+    herding = runs[runs["herding_bound"].notna()] if "herding_bound" in runs else runs.iloc[:0]
+    full = runs[runs["full_data"]]
+    panels = [(frame, column) for frame, column in ((herding, "herding_bound"), (full, "train_loss")) if len(frame)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    colours = {"CD-GraB exact": "tab:red", "D-RR": "tab:blue"}
+    shades = iter(["tab:orange", "tab:purple", "tab:green", "tab:brown", "tab:olive"])
+    for ax, (frame, column) in zip(axes[0], panels):
+        for variant in sorted(frame["variant"].unique(), key=_variant_order):
+            rows = frame[frame["variant"] == variant]
+            curve = rows.groupby("epoch")[column].agg(["mean", "std", "count"])
+            colour = colours.setdefault(variant, next(shades, "tab:gray"))
+            ax.plot(curve.index, curve["mean"], marker="o", markersize=3, color=colour,
+                    label=f"{variant} ({rows['run_dir'].nunique()} seeds)")
+            ax.fill_between(curve.index, curve["mean"] - curve["std"].fillna(0), curve["mean"] + curve["std"].fillna(0),
+                            color=colour, alpha=0.12, linewidth=0)
+        examples = frame["max_train_examples"].dropna()
+        data = f"first {int(examples.iloc[0]):,} training windows" if len(examples) else "the full training set"
+        ax.set_title(f"{'herding bound of the real gradients' if column == 'herding_bound' else 'train loss'} ({data})",
+                     fontsize=10)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("herding bound" if column == "herding_bound" else "train loss")
+        if column == "herding_bound":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    n, B = int(runs["node_cnt"].iloc[0]), int(runs["B"].iloc[0])
+    fig.suptitle(f"{benchmark}: CD-GraB on D-dimensional gradient sketches\n({n} workers, B {B}; band: std over seeds)",
+                 fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def study_figures(df: pd.DataFrame) -> dict:
     """{file stem: Figure} of every study with runs in df."""
     figs = {}
     if len(df) and (df["study"] == "communication").any():
         for benchmark in sorted(df.loc[df["study"] == "communication", "benchmark"].unique()):
             figs[f"communication-{benchmark}"] = plot_communication(df, benchmark)
+    if len(df) and (df["study"] == "sketching").any():
+        for benchmark in sorted(df.loc[df["study"] == "sketching", "benchmark"].unique()):
+            figs[f"sketching-{benchmark}"] = plot_sketching(df, benchmark)
     return {name: fig for name, fig in figs.items() if fig is not None}

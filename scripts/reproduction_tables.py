@@ -6,7 +6,7 @@ Prints Markdown: per benchmark, the paper's numbers (read off its figures, issue
 mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR gap, our training
 seconds per epoch, and the herding bound after the last round; then the heterogeneity and
 worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds, and
-the communication study (issue #9). Runs with fewer epochs than the paper's epoch are reported at their
+the communication study (issue #9) and the sketching study (issue #20). Runs with fewer epochs than the paper's epoch are reported at their
 last epoch and marked.
 """
 import argparse
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
-from analysis.studies import communication_table  # noqa: E402
+from analysis.studies import _variant_order, communication_table, sketching_runs  # noqa: E402
 
 
 def mean_std(values) -> str:
@@ -146,6 +146,41 @@ def communication_markdown(df) -> list[str]:
     return lines
 
 
+def sketching_markdown(df) -> list[str]:
+    """The sketching study (issue #20), per benchmark and group of runs (same workers, batch, learning rate
+    and data): per variant (exact CD-GraB, each D, D-RR) at the group's last epoch, the train loss and its
+    gain over D-RR as a share of exact CD-GraB's, the herding bound of the real gradients (last epoch and
+    mean over epochs 2 on) when logged, and the bytes sent per epoch against D-RR's."""
+    lines = []
+    for benchmark in sorted(df.loc[df["study"] == "sketching", "benchmark"].unique()) if len(df) else []:
+        runs = sketching_runs(df, benchmark)
+        for examples, group in runs.groupby("examples"):
+            last = int(group["epoch"].max())
+            data = f"first {int(examples):,} windows" if examples else "full data"
+            herding = group["herding_bound"].notna().any() if "herding_bound" in group else False
+            lines += [f"| {benchmark}, {data}, epoch {last} | train loss | gain over D-RR vs exact's | "
+                      + ("herding bound | herding, mean of epochs 2+ | " if herding else "")
+                      + "MB per epoch | bytes vs D-RR |",
+                      "|---|---|---|" + ("---|---|" if herding else "") + "---|---|"]
+            at_last = group[group["epoch"] == last]
+            loss = {v: rows["train_loss"] for v, rows in at_last.groupby("variant")}
+            mb = {v: rows["comm_bytes"].mean() / 1e6 for v, rows in group.groupby("variant")}
+            drr, exact = loss.get("D-RR"), loss.get("CD-GraB exact")
+            for variant in sorted(loss, key=_variant_order):
+                share = "-"
+                if drr is not None and exact is not None and variant != "D-RR":
+                    share = f"{(drr.mean() - loss[variant].mean()) / (drr.mean() - exact.mean()):.0%}"
+                cells = [variant, mean_std(loss[variant]), share]
+                if herding:
+                    rows = group[group["variant"] == variant]
+                    later = rows[rows["epoch"] >= 2].groupby("run_dir")["herding_bound"].mean()
+                    cells += [mean_std(rows.loc[rows["epoch"] == last, "herding_bound"]), mean_std(later)]
+                cells += [f"{mb[variant]:.1f}", f"{mb[variant] / mb['D-RR']:.2f}x" if "D-RR" in mb else "-"]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+    return lines
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """Reports a bad command line in one line, as the entry scripts do (argparse prints its usage first)."""
 
@@ -173,6 +208,7 @@ def main():
     print("\n".join(heterogeneity_table(everything)))
     print("\n".join(scaling_table(everything)))
     print("\n".join(communication_markdown(everything)))
+    print("\n".join(sketching_markdown(everything)))
 
 
 if __name__ == "__main__":
