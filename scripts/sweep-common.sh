@@ -33,9 +33,9 @@ Runs main-$1.py for every sorter x seed with the paper's settings ($2),
 skipping finished runs and resuming unfinished ones (--resume). Extra arguments go to every run
 after the defaults, so they override them (e.g. --max-train-examples 512 for a quick run). Each one
 that changes results adds a tag to the run names, as main-$1.py's default --out does
-(-max-train-examples512, -sketch-dim64), so the runs never mix with the paper's runs; the name
-parts, --epochs and the flags that do not change results (--progress, --data-dir, ...) add none.
-A bad extra argument stops the sweep before any run (exit 2).
+(-max-train-examples512, -sketch-dim64), so the runs never mix with the paper's runs; --lr,
+--node_cnt, --B (in the name already), --epochs and the flags that do not change results (--progress,
+--data-dir, ...) add none. A bad extra argument stops the sweep before any run (exit 2).
 
 environment:${3:+
 $3}
