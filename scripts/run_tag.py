@@ -18,7 +18,8 @@ from pathlib import Path
 
 def main(argv: list[str]) -> None:
     if "--" not in argv or "--" not in argv[argv.index("--") + 1:]:
-        sys.exit("usage: run_tag.py main-<BENCHMARK>.py [SORTER ...] -- FIXED_ARGS ... -- EXTRA_ARGS ...")
+        print("usage: run_tag.py main-<BENCHMARK>.py [SORTER ...] -- FIXED_ARGS ... -- EXTRA_ARGS ...", file=sys.stderr)
+        sys.exit(2)
     first = argv.index("--")
     second = argv.index("--", first + 1)
     (script, *sorters), fixed, extra = argv[:first], argv[first + 1:second], argv[second + 1:]
