@@ -182,6 +182,23 @@ def out_tags(args, defaults: dict) -> str:
     return "".join(f"-{tag}" for tag in tags).replace(":", "").replace(" ", "")
 
 
+def sweep_tags(parser, benchmark: str, fixed: list[str], extra: list[str], sorters=()) -> str:
+    """The run-name tag of a sweep's runs (scripts/sweep-common.sh): out_tags of the run's arguments
+    `fixed + extra` against `fixed` (the sweep's own: paper settings and benchmark flags), so every
+    result-changing setting the user's extra arguments change is named, e.g. -sketch-dim64 or
+    -max-train-examples512; "" when they change none. Before any run starts, the extra arguments are
+    parsed and checked as each of `sorters`' runs will be (after --sorter S --seed N, as the sweep
+    passes them): a bad one exits 2 with the entry script's one-line error."""
+    defaults = vars(parser.parse_args(fixed))
+    for sorter in sorters:
+        args = parser.parse_args(["--sorter", sorter, "--seed", "-1", *fixed, *extra])
+        if (args.sorter, args.seed) != (sorter, -1):  # the extra arguments override them
+            raise UserFacingError("the sweep sets --sorter and --seed of each run (and names the run by them): "
+                                  "drop them from the extra arguments and set SORTERS / SEEDS instead")
+        check_args(args, benchmark)
+    return out_tags(parser.parse_args([*fixed, *extra]), defaults)
+
+
 def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
     """Refuse bad settings with one line that says what to do; fill in the default --out (which names
     the settings that differ from `defaults`, the parser's defaults: out_tags)."""

@@ -1,10 +1,13 @@
 # Shared logic of scripts/sweep-<BENCHMARK>.sh; sourced, not run. One run per (sorter, seed):
 #
 #   <launcher> main-<BENCHMARK>.py --sorter S --seed N --lr LR --node_cnt N --B B --epochs E \
-#       [benchmark flags] [your extra args] --out $RESULTS/<BENCHMARK>/<S>-node<N>-B<B>-lr<LR>[-TAG]-seed<N> --resume
+#       [benchmark flags] [your extra args] \
+#       --out $RESULTS/<BENCHMARK>/<S>-node<N>-B<B>-lr<LR>[-TAG][-<tag>...]-seed<N> --resume
 #
 # TAG ($sweep_tag, set by a benchmark's script) names a variant the other run-name parts do not show
-# (the LSTM's hidden-state handling), so the variants never share a run directory.
+# (the LSTM's hidden-state handling), so the variants never share a run directory. -<tag>... names
+# each result-changing setting your extra args change (scripts/run_tag.py: the entry script's
+# out_tags, engine/cli.py), e.g. -sketch-dim64 or -max-train-examples512; none without extra args.
 #
 # A finished run (config.json asks for the requested epochs and metrics.csv has that many rows)
 # is skipped; any other run is (re)started with --resume, which continues from <out>/checkpoint.pt
@@ -28,7 +31,11 @@ usage: scripts/sweep-$1.sh [extra args for main-$1.py ...]
 
 Runs main-$1.py for every sorter x seed with the paper's settings ($2),
 skipping finished runs and resuming unfinished ones (--resume). Extra arguments go to every run
-after the defaults, so they override them (e.g. --max-train-examples 512 for a quick run).
+after the defaults, so they override them (e.g. --max-train-examples 512 for a quick run). Each one
+that changes results adds a tag to the run names, as main-$1.py's default --out does
+(-max-train-examples512, -sketch-dim64), so the runs never mix with the paper's runs; --lr,
+--node_cnt, --B (in the name already), --epochs and the flags that do not change results (--progress,
+--data-dir, ...) add none. A bad extra argument stops the sweep before any run (exit 2).
 
 environment:${3:+
 $3}
@@ -38,7 +45,8 @@ $3}
   EPOCHS    override the paper's epoch count        (default: the paper's)
   NPROC     processes per run; 1 runs \$PYTHON directly, >1 runs
             \$TORCHRUN --standalone --nproc_per_node=\$NPROC (node_cnt must be a multiple)  (default 1)
-  RESULTS   results root; runs go to \$RESULTS/$1/<sorter>-node<n>-B<B>-lr<lr>${4:+-$4}-seed<seed>  (default results)
+  RESULTS   results root; runs go to
+            \$RESULTS/$1/<sorter>-node<n>-B<B>-lr<lr>${4:+-$4}[-<tag>...]-seed<seed>  (default results)
   PYTHON    python interpreter                      (default python)
   TORCHRUN  torchrun command                        (default torchrun)
   DATA      data folder, passed as --data-dir       (default \$CDGRAB_DATA, else datasets)
@@ -90,6 +98,15 @@ sweep() {
   epochs=$(last_value --epochs "$epochs" "${all[@]}")
   lr=$(LC_ALL=C printf '%g' "$(last_value --lr "$lr" "${all[@]}")")  # as the entry scripts name it (f"{lr:g}"): 5e-3 -> 0.005, 5.0 -> 5
 
+  # extra arguments that change a result-changing setting (engine/flags.py) name it in the run's name,
+  # as the entry script's own default --out does (-sketch-dim64, -max-train-examples512): a variant or a
+  # quick run never lands in (or is skipped as) the sweep's run. One Python call per sweep; it also
+  # checks the extra arguments as every sorter's runs will take them (exit 2, one line, when bad).
+  local tag=""
+  if ((${#user[@]})); then
+    tag=$("$PYTHON" - "$script" $SORTERS -- "${defaults[@]}" -- "${user[@]}" <"$SWEEP_ROOT/scripts/run_tag.py") || return
+  fi
+
   local launcher=("$PYTHON")
   if ((NPROC > 1)); then
     if ((node_cnt % NPROC)); then
@@ -103,7 +120,7 @@ sweep() {
   local sorter seed name out log started=0 skipped=0
   for sorter in $SORTERS; do
     for seed in $SEEDS; do
-      name="$sorter-node$node_cnt-B$B-lr$lr${sweep_tag:+-$sweep_tag}-seed$seed"
+      name="$sorter-node$node_cnt-B$B-lr$lr${sweep_tag:+-$sweep_tag}$tag-seed$seed"
       out="$RESULTS/$bench/$name"
       if run_finished "$out" "$epochs"; then
         echo "[sweep-$bench] skip $name: finished ($epochs epochs)"

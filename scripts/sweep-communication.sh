@@ -21,7 +21,8 @@ usage: scripts/sweep-communication.sh [extra args for main-MLP-M4.py ...]
 The communication study: MLP-M4 (4 workers, B 16, lr 1e-3, 4 epochs, --lr-schedule cosine --warmup-epochs 0.5
 --min-lr 1e-5) for every strategy x reducer x sorter x seed, skipping finished runs and resuming unfinished
 ones. Runs go to \$RESULTS/communication/MLP-M4/<sorter>-node4-B16-lr0.001-<strategy>-<reducer>-seed<seed>;
-python -m analysis draws them. Extra arguments go to every run after the defaults.
+python -m analysis draws them. Extra arguments go to every run after the defaults;
+each that changes results adds a tag before -seed<seed> (as in scripts/sweep-LR-HMDA.sh --help).
   every-step  data-parallel: gradients averaged every step, the paper (--sync every-step)
   constant    local SGD, parameters averaged every 4 steps (--sync constant --H 4)
   qsr         local SGD, H = max(4, floor((0.002 / lr)^2)) (--sync qsr --H-base 4 --alpha 0.002)

@@ -15,7 +15,8 @@ usage: scripts/sweep-heterogeneity.sh [extra args for main-LR-HMDA.py ...]
 LR-HMDA (4 workers, B 16, lr 5e-3, --max-train-examples 20000, 8 epochs) for every partition x sorter x seed,
 skipping finished runs and resuming unfinished ones. Runs go to
 \$RESULTS/heterogeneity/LR-HMDA/<sorter>-node4-B16-lr0.005-<partition without ':'>-seed<seed>;
-python -m analysis draws them as heterogeneity.png. Extra arguments go to every run after the defaults.
+python -m analysis draws them as heterogeneity.png. Extra arguments go to every run after the defaults;
+each that changes results adds a tag before -seed<seed> (as in scripts/sweep-LR-HMDA.sh --help).
 
 environment:
   PARTITIONS  --partition values   (default "random dirichlet:1.0 dirichlet:0.1 label-sorted")

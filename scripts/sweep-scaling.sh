@@ -16,7 +16,8 @@ For every benchmark x worker count n x sorter x seed: main-<benchmark>.py --node
 --log-herding, LR-HMDA with lr 5e-3 and --max-train-examples 20000, MLP-M4 with lr 1e-3,
 --max-train-examples 8000 and --max-eval-examples 2000. Finished runs are skipped, unfinished ones resumed.
 Runs go to \$RESULTS/scaling/<benchmark>/<sorter>-node<n>-B<4n>-lr<lr>-seed<seed>; python -m analysis draws
-them as scaling.png. Extra arguments go to every run after the defaults.
+them as scaling.png. Extra arguments go to every run after the defaults;
+each that changes results adds a tag before -seed<seed> (as in scripts/sweep-LR-HMDA.sh --help).
 
 environment:
   WORKERS     worker counts        (default "4 16 64")

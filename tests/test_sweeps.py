@@ -98,7 +98,9 @@ def test_fresh_sweep_uses_paper_settings_and_layout(bench, env):
         assert (value(argv, "--lr"), value(argv, "--node_cnt"), value(argv, "--B")) == (lr, node_cnt, B)
         assert value(argv, "--epochs") == "2" and value(argv, "--max-train-examples") == "64"
         assert argv[-1] == "--resume"
-        name = f"{value(argv, '--sorter')}-node{node_cnt}-B{B}-lr{lr_name}{TAGS.get(bench, '')}-seed{value(argv, '--seed')}"
+        # --max-train-examples 64 changes results: the run name says so (not the paper run's folder)
+        name = (f"{value(argv, '--sorter')}-node{node_cnt}-B{B}-lr{lr_name}{TAGS.get(bench, '')}"
+                f"-max-train-examples64-seed{value(argv, '--seed')}")
         assert value(argv, "--out") == f"{env['RESULTS']}/{bench}/{name}"
     assert {(value(a, "--sorter"), value(a, "--seed")) for a in recorded} == {
         ("CD-GraB", "0"), ("CD-GraB", "1"), ("D-RR", "0"), ("D-RR", "1")}
@@ -108,6 +110,80 @@ def test_fresh_sweep_uses_paper_settings_and_layout(bench, env):
         assert not any("--train-file" in a for a in recorded)
     # the LSTM carries its hidden state, as the original code behind the paper's curves
     assert all(("--carry-hidden" in a) == (bench == "LSTM-Wiki2") for a in recorded)
+
+
+def dry_run_names(bench, env, *args, **extra):
+    """The run names a DRY_RUN=1 sweep prints, in order; nothing is run."""
+    proc = sweep(bench, env, *args, DRY_RUN="1", **extra)
+    assert calls(env) == []
+    return [line.split("] run  ", 1)[1].split(":", 1)[0] for line in proc.stdout.splitlines() if "] run  " in line]
+
+
+def test_extra_args_that_change_results_name_the_run(env):
+    one = {"SORTERS": "CD-GraB", "SEEDS": "0"}
+    assert dry_run_names("MLP-M4", env, **one) == ["CD-GraB-node4-B16-lr0.001-seed0"]  # no extra args: as before
+    assert dry_run_names("MLP-M4", env, "--sketch-dim", "64", **one) == ["CD-GraB-node4-B16-lr0.001-sketch-dim64-seed0"]
+    assert dry_run_names("MLP-M4", env, "--max-train-examples", "512") == [
+        "CD-GraB-node4-B16-lr0.001-max-train-examples512-seed0", "CD-GraB-node4-B16-lr0.001-max-train-examples512-seed1",
+        "D-RR-node4-B16-lr0.001-max-train-examples512-seed0", "D-RR-node4-B16-lr0.001-max-train-examples512-seed1"]
+    # a value-named setting first, then the others in the parser's order (as the entry script's default --out)
+    assert dry_run_names("MLP-M4", env, "--sketch-dim=64", "--reducer", "topk", "--density", "0.01",
+                         "--max-train-examples", "512", **one) == [
+        "CD-GraB-node4-B16-lr0.001-topk-max-train-examples512-sketch-dim64-density0.01-seed0"]
+    # the name's own parts, --epochs and settings that do not change results add nothing
+    assert dry_run_names("MLP-M4", env, "--progress", "off", "--data-dir", "/elsewhere", "--record-orders",
+                         "--lr", "2e-3", "--epochs", "3", "--log-herding", **one) == ["CD-GraB-node4-B16-lr0.002-seed0"]
+    # an extra argument equal to the sweep's own setting changes nothing
+    assert dry_run_names("MLP-M4", env, "--node_cnt", "4", "--momentum", "0.9", **one) == ["CD-GraB-node4-B16-lr0.001-seed0"]
+    # after the benchmark's variant tag; the sweep's own flags (--carry-hidden) are no extra tag
+    assert dry_run_names("LSTM-Wiki2", env, "--clip", "0.25", **one) == ["CD-GraB-node4-B16-lr5-carry-hidden-clip0.25-seed0"]
+    assert dry_run_names("heterogeneity", env, "--max-train-examples", "512", PARTITIONS="dirichlet:0.1", **one) == [
+        "CD-GraB-node4-B16-lr0.005-dirichlet0.1-max-train-examples512-seed0"]
+
+
+def test_variant_is_not_skipped_as_the_finished_paper_run(env):
+    one = {"SORTERS": "CD-GraB", "SEEDS": "0"}
+    sweep("MLP-M4", env, **one)
+    (argv,) = calls(env)
+    results = Path(env["RESULTS"]) / "MLP-M4"
+    assert value(argv, "--out") == str(results / "CD-GraB-node4-B16-lr0.001-seed0")
+    sweep("MLP-M4", env, "--sketch-dim", "64", **one)  # the exact run is finished: the sketched one still runs
+    (argv,) = calls(env)
+    assert value(argv, "--out") == str(results / "CD-GraB-node4-B16-lr0.001-sketch-dim64-seed0")
+    assert value(argv, "--sketch-dim") == "64"
+    sweep("MLP-M4", env, "--max-train-examples", "512", **one)  # the quick run: its own folder too
+    (argv,) = calls(env)
+    assert value(argv, "--out") == str(results / "CD-GraB-node4-B16-lr0.001-max-train-examples512-seed0")
+    proc = sweep("MLP-M4", env, "--progress", "off", **one)  # the full run again: finished, skipped
+    assert calls(env) == [] and "skip CD-GraB-node4-B16-lr0.001-seed0: finished" in proc.stdout
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--bogus", "1"], "error: unrecognized arguments: --bogus 1; see main-MLP-M4.py --help"),
+    (["--sketch-dim", "many"], "error: argument --sketch-dim: invalid int value: 'many'; see main-MLP-M4.py --help"),
+    (["--max-train-examples", "0"], "error: --max-train-examples must be >= 1, got 0"),
+    # checked for every sorter before any run: D-RR takes no sketch (not a failure after the CD-GraB runs)
+    (["--sketch-dim", "64"], "error: --sketch-dim applies to the sorters that balance gradients (CD-GraB, I-B, "
+                             "I-PB, KH-SGD, SBW); --sorter D-RR uses none: drop --sketch-dim"),
+    (["--seed", "3"], "error: the sweep sets --sorter and --seed of each run (and names the run by them): drop "
+                      "them from the extra arguments and set SORTERS / SEEDS instead"),
+])
+def test_bad_extra_args_stop_the_sweep_with_one_line(env, args, error):
+    for dry_run in ("1", "0"):
+        proc = sweep("MLP-M4", env, *args, check=False, DRY_RUN=dry_run)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [error]
+        assert "] run " not in proc.stdout and calls(env) == []
+
+
+def test_run_tag_prints_the_entry_scripts_tag():
+    def run_tag(*argv):
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "run_tag.py"), *argv], capture_output=True, text=True,
+                              timeout=60)
+        return proc.returncode, proc.stdout, proc.stderr
+    fixed = ["--lr", "5e-3", "--node_cnt", "4", "--B", "16", "--partition", "random"]
+    assert run_tag(str(REPO / "main-LR-HMDA.py"), "--", *fixed, "--") == (0, "\n", "")
+    assert run_tag(str(REPO / "main-LR-HMDA.py"), "D-RR", "--", *fixed, "--", "--partition", "label-sorted", "--tf32",
+                   "--weight-decay", "1e-4") == (0, "-label-sorted-weight-decay0.0001-tf32\n", "")
 
 
 def test_lstm_zero_state_variant_is_one_variable_away(env):
