@@ -22,7 +22,8 @@ def communication_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (benchmark, sorter, sync, reducer) of the communication study: the last epoch's
     train loss and headline metric (mean and std over seeds), the bytes and averaging steps of the whole run
     (summed over epochs, mean over seeds), mean_H = the run's steps per averaging, the achieved density
-    (mean over epochs), and the mean seconds per epoch with its ratio to every-step + dense of the same sorter."""
+    (mean over epochs), and the median seconds per epoch (over every epoch of every seed: robust to an epoch
+    slowed by other work on a shared machine) with its ratio to every-step + dense of the same sorter."""
     runs = df[df["study"] == "communication"] if len(df) else df
     if not len(runs):
         return pd.DataFrame()
@@ -39,7 +40,7 @@ def communication_table(df: pd.DataFrame) -> pd.DataFrame:
                      "metric": metric, "final": last[metric].mean(), "final_std": last[metric].std(),
                      "gigabytes": totals["comm_bytes"].mean() / 1e9, "syncs": totals["syncs"].mean(),
                      "mean_H": (steps / totals["syncs"]).mean(), "density": group["density"].mean(),
-                     "epoch_seconds": group["epoch_seconds"].mean()})
+                     "epoch_seconds": group["epoch_seconds"].median()})
     table = pd.DataFrame(rows)
     baseline = table[(table["sync"] == "every-step") & (table["reducer"] == "dense")].set_index(
         ["benchmark", "sorter"])["epoch_seconds"]

@@ -59,6 +59,25 @@ def test_shipped_communication_study_is_complete():
     assert list(qsr) == sorted(qsr) and qsr.iloc[-1] > 10 * qsr.iloc[0]
 
 
+def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
+    """Issue #20: sketched CD-GraB (D = 64, 256, 1024) x 3 seeds with --log-herding, 10 epochs on 8,000 MLP-M4
+    windows, drawn against the scaling study's exact CD-GraB and D-RR runs of the same settings. Bytes per
+    epoch from the documented formula, steps * 4 * (n k D + n d) for a sketch, steps * 4 * n k d exact and
+    steps * 4 * n d for D-RR (n = k = 4, d = 5,569, 500 steps)."""
+    from analysis.studies import sketching_runs
+
+    runs = sketching_runs(load_runs(SHIPPED, warn=False), "MLP-M4")
+    herding = runs[~runs["full_data"]]
+    assert herding.groupby("variant")["run_dir"].nunique().to_dict() == {
+        "CD-GraB exact": 3, "CD-GraB, D = 1024": 3, "CD-GraB, D = 256": 3, "CD-GraB, D = 64": 3, "D-RR": 3}
+    assert (herding.groupby("run_dir")["epoch"].max() == 10).all() and herding["herding_bound"].notna().all()
+    n = k = 4
+    d, steps = 5569, 500
+    expected = {"CD-GraB exact": steps * 4 * n * k * d, "D-RR": steps * 4 * n * d,
+                **{f"CD-GraB, D = {D}": steps * 4 * (n * k * D + n * d) for D in (64, 256, 1024)}}
+    assert herding.groupby("variant")["comm_bytes"].agg(set).to_dict() == {v: {b} for v, b in expected.items()}
+
+
 def test_analysis_defaults_to_the_shipped_runs_without_runs_of_ones_own(tmp_path, monkeypatch):
     monkeypatch.setattr(load, "REPO_ROOT", tmp_path)
     assert load.default_results_dir() == load.SHIPPED_RESULTS == SHIPPED
@@ -74,6 +93,6 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("LR-HMDA-vs-epoch", "MLP-M4-vs-epoch", "LSTM-Wiki2-vs-epoch", "GPT2-Wiki103-vs-epoch",
-                 "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4"):
+                 "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4", "sketching-MLP-M4"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()
