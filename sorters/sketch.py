@@ -46,22 +46,52 @@ class GradientSketch:
     Identity. With dim >= d the map is the identity (`is_identity`, `dim` = d): nothing is drawn and
     __call__ returns its input, so balancing on it is exact CD-GraB bit for bit. Also
     `GradientSketch.identity(d)`.
+
+    Tensor-sketched blocks. `blocks`: (offset, rows, cols) triples, each a (rows, cols) matrix stored
+    row-major at coordinates offset ... offset + rows * cols - 1 (a layer's weight). Inside a block the
+    hash and sign are not drawn per coordinate but per row and per column (TensorSketch, Pham & Pagh
+    2013): coordinate (i, j) goes to h1(i) + h2(j) mod D with sign s1(i) s2(j), h1 (rows,), h2 (cols,)
+    uniform on 0..D-1, s1, s2 uniform +-1, all independent (and drawn after the plain tables, from the
+    same generator). The map is still a CountSketch-shaped matrix (one +-1 per column), so `__call__` is
+    unchanged; but the sketch of a rank-one block u v^T is the circular convolution of the CountSketches
+    C1 u (rows -> D) and C2 v (cols -> D), so a layer's per-unit sketch sum_t P(u_t v_t^T) comes from its
+    inputs and output gradients without forming the matrix (`add_outer`, `add_rows`; docs/sketching.md).
+    Inner products stay unbiased; the variance gains terms from coordinates that share a row or a column
+    (docs/sketching.md gives the formula; tests/test_sketch_records.py checks it).
     """
 
-    family = "CountSketch"
-
-    def __init__(self, d: int, dim: int, seed: int = 0):
+    def __init__(self, d: int, dim: int, seed: int = 0, blocks=()):
         if d < 1 or dim < 1:
             raise ValueError(f"GradientSketch: need d >= 1 and dim >= 1, got d={d}, dim={dim}")
         self.d, self.seed = d, seed
         self.is_identity = dim >= d
         self.dim = d if self.is_identity else dim
         self._tables = {}  # (device, dtype) -> (buckets (d,) int64, signs (d,) dtype)
+        self.blocks = []   # TensorBlock per tensor-sketched matrix, in increasing offset
         if not self.is_identity:
             generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
             buckets = torch.randint(0, dim, (d,), generator=generator)
             signs = torch.randint(0, 2, (d,), generator=generator).mul_(2).sub_(1)
+            end = 0
+            for offset, rows, cols in sorted(blocks):
+                if offset < end or offset + rows * cols > d or rows < 1 or cols < 1:
+                    raise ValueError(f"GradientSketch: block ({offset}, {rows}, {cols}) overlaps another "
+                                     f"or leaves the {d} coordinates")
+                end = offset + rows * cols
+                block = TensorBlock(offset, rows, cols, dim, generator)
+                buckets[offset:end], signs[offset:end] = block.hash_and_sign()
+                self.blocks.append(block)
             self._tables[(torch.device("cpu"), None)] = (buckets, signs)
+
+    @property
+    def family(self) -> str:
+        if not self.blocks:
+            return "CountSketch"
+        return f"CountSketch with {len(self.blocks)} TensorSketch block(s)"
+
+    def block_at(self, offset: int):
+        """The TensorBlock starting at coordinate `offset`, or None."""
+        return next((block for block in self.blocks if block.offset == offset), None)
 
     @classmethod
     def identity(cls, d: int) -> "GradientSketch":
@@ -114,3 +144,63 @@ class GradientSketch:
         P[buckets, torch.arange(self.d)] = signs.to(dtype)
         return P
 
+
+
+class TensorBlock:
+    """One tensor-sketched (rows, cols) block of a GradientSketch: h1 (rows,), s1 (rows,) for the rows,
+    h2 (cols,), s2 (cols,) for the columns; coordinate (i, j) -> bucket (h1[i] + h2[j]) mod D, sign
+    s1[i] s2[j]. The per-unit sketches of sums of outer products are added with `add_outer` (dense
+    factors) and `add_rows` (one-hot rows: an embedding lookup)."""
+
+    def __init__(self, offset: int, rows: int, cols: int, dim: int, generator: torch.Generator):
+        self.offset, self.rows, self.cols, self.dim = offset, rows, cols, dim
+        self.h1 = torch.randint(0, dim, (rows,), generator=generator)
+        self.h2 = torch.randint(0, dim, (cols,), generator=generator)
+        self.s1 = torch.randint(0, 2, (rows,), generator=generator).mul_(2).sub_(1)
+        self.s2 = torch.randint(0, 2, (cols,), generator=generator).mul_(2).sub_(1)
+        self._moved = {}
+
+    def hash_and_sign(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's (rows * cols,) buckets and signs, row-major."""
+        return ((self.h1[:, None] + self.h2[None, :]) % self.dim).reshape(-1), (self.s1[:, None] * self.s2[None, :]).reshape(-1)
+
+    def _on(self, device, dtype):
+        key = (torch.device(device), dtype)
+        if key not in self._moved:
+            # signed buckets: index 2 h + (s < 0) of a (., 2 D) sum, so that the sign costs no pass over the input
+            self._moved[key] = tuple(2 * h.to(device) + (s.to(device) < 0) for h, s in ((self.h1, self.s1), (self.h2, self.s2))) \
+                + (self.h1.to(device), self.h2.to(device), self.s1.to(device=device, dtype=dtype), self.s2.to(device=device, dtype=dtype))
+        return self._moved[key]
+
+    def _countsketch(self, x: torch.Tensor, signed_buckets: torch.Tensor) -> torch.Tensor:
+        """x (N, n) -> (N, D): sum_i s_i x_i into bucket h_i (index_add adds in increasing i)."""
+        both = x.new_zeros(x.shape[0], 2 * self.dim).index_add_(1, signed_buckets, x)
+        return both[:, 0::2] - both[:, 1::2]
+
+    def add_outer(self, left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> None:
+        """out (U, D) += P(sum_t left[u, t] right[u, t]^T) for each unit u; left (U, T, rows), right (U, T, cols).
+
+        TensorSketch: P(u v^T) = C1 u (*) C2 v, the circular convolution of the rows' and columns'
+        CountSketches, so the sum over t is irfft(sum_t rfft(C1 u_t) rfft(C2 v_t)): the (rows, cols)
+        matrix is never formed."""
+        U, T = left.shape[:2]
+        rows1, rows2, *_ = self._on(left.device, left.dtype)
+        # the units in groups, so that the (tokens, D) spectra stay within about CHUNK_BYTES
+        per_group = max(1, CHUNK_BYTES // max(1, T * self.dim * 2 * left.element_size()))
+        for start in range(0, U, per_group):
+            units = slice(start, start + per_group)
+            n = left[units].shape[0]
+            a = torch.fft.rfft(self._countsketch(left[units].reshape(n * T, self.rows), rows1))
+            b = torch.fft.rfft(self._countsketch(right[units].reshape(n * T, self.cols), rows2))
+            spectrum = (a * b).view(n, T, -1).sum(1)
+            out[units] += torch.fft.irfft(spectrum, n=self.dim)
+
+    def add_rows(self, ids: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> None:
+        """out (U, D) += P(sum_t e_{ids[u, t]} right[u, t]^T); ids (U, T) row indices, right (U, T, cols)
+        (an embedding's per-unit gradient: right[u, t] scattered into row ids[u, t]). Each term is a
+        scatter of the cols values to buckets h1[id] + h2[j] mod D with signs s1[id] s2[j]."""
+        _, _, h1, h2, s1, s2 = self._on(right.device, right.dtype)
+        U = ids.shape[0]
+        buckets = (h1[ids][..., None] + h2) % self.dim          # (U, T, cols)
+        values = right * s1[ids][..., None] * s2                  # (U, T, cols)
+        out.scatter_add_(1, buckets.reshape(U, -1), values.reshape(U, -1))
