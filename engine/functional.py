@@ -148,33 +148,53 @@ class FlatModel:
                 blocks[id(weight)] = (self.offsets[id(weight)], *weight.shape)
         return sorted(blocks.values())
 
-    def outer_unit_sketches(self, unit_loss_fn, batch, sketch, grad_sum: torch.Tensor):
+    def outer_unit_sketches(self, unit_loss_fn, batch, sketch):
         """Per-unit sketches P g_u (U, D) from the layer records, without the (U, d) per-unit gradients.
 
-        The same recording forward and backward as outer_unit_gradients. The weights that are
-        tensor-sketched blocks of `sketch` (a sorters.GradientSketch with blocks) get their per-unit
-        sketches from the layer's inputs and output gradients (TensorBlock.add_outer; an Embedding's
-        lookups: add_rows); every other parameter's per-unit gradients are formed in a (U, d_rest)
-        buffer (d_rest: the parameters outside the blocks) and sketched with the map's own buckets and
-        signs. So the result is `sketch` applied to the per-unit gradients, up to rounding.
-        grad_sum (d,): the gradient of the summed unit losses is ADDED to it (the update's share).
+        One recording forward, then ONE ordinary backward of the summed unit losses: it ADDS their
+        gradient to `self.grad` (the update's share, as batch_gradient(accumulate=True) would), and hooks
+        on the layer outputs keep the output gradients (the outputs themselves are not kept, unlike
+        outer_unit_gradients: GPT-2's 50,257-way logits are freed as in a plain backward). The weights
+        that are tensor-sketched blocks of `sketch` (a sorters.GradientSketch) get their per-unit sketches
+        from the layer's inputs and output gradients (TensorBlock.add_outer; an Embedding's lookups:
+        add_rows); every other parameter's per-unit gradients are formed in a (U, d_rest) buffer (d_rest:
+        the parameters outside the blocks) and sketched with the map's own buckets and signs. So the
+        result is `sketch` applied to the per-unit gradients, up to rounding.
         Returns (sketches (U, D), losses (U,) detached).
         """
-        U, calls, losses = self._record_calls(unit_loss_fn, batch)
+        if not self.supports_outer:
+            raise ValueError("outer_unit_sketches needs a model made only of Linear, Conv1D, Embedding and LayerNorm layers")
+        records = []  # (module, its input, [its output gradient, once the backward has run])
+        for module in self.rules:
+            module.forward = _recording_forward(module, records, keep_grad=True)
+        try:
+            losses = unit_loss_fn(self.flat, batch)
+        finally:
+            for module in self.rules:
+                del module.forward
+        U = losses.shape[0]
+        losses.sum().backward()
         layout = self._rest_layout(sketch)
         with torch.no_grad():
+            calls = {}
+            for module, inputs, grad in records:
+                if not grad:  # the output got no gradient: this call adds nothing
+                    continue
+                if inputs.shape[0] != U or grad[0].shape[0] != U:
+                    raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for "
+                                     f"{U} units: per-unit sketches need the units on dim 0 of every layer input")
+                ins, outs = calls.setdefault(module, ([], []))
+                ins.append(inputs)
+                outs.append(grad[0])
+            del records
             rest = torch.empty(U, layout["numel"], dtype=self.flat.dtype, device=self.flat.device)
             slots = _Slots(self, rest, layout["offsets"])
-            summed = _Slots(self, grad_sum.view(1, -1), accumulate=True)
             out = torch.zeros(U, sketch.dim, dtype=self.flat.dtype, device=self.flat.device)
             for module, (ins, outs) in calls.items():
                 a, g = _calls_as_tokens(ins, module), _calls_as_tokens(outs)
-                rule = self.rules[module]
-                # all tokens as one unit: the summed gradient, as one plain backward would give it
-                rule(module, a.reshape(1, -1, *a.shape[2:]), g.reshape(1, -1, *g.shape[2:]), summed)
                 block = sketch.block_at(self.offsets[id(module.weight)]) if module in layout["structured"] else None
                 if block is None:
-                    rule(module, a, g, slots)
+                    self.rules[module](module, a, g, slots)
                     continue
                 kind = type(module).__name__
                 if kind == "Linear":        # weight (out, in): sum_t g_t a_t^T
@@ -215,9 +235,7 @@ class FlatModel:
 
         def tables(device, dtype):
             if (device, dtype) not in moved:
-                buckets, signs = sketch.tables(device, dtype)
-                where = index.to(buckets.device)
-                moved[device, dtype] = (buckets[where], signs[where])
+                moved[device, dtype] = sketch.tables_at(index, device, dtype)
             return moved[device, dtype]
 
         cache[id(sketch)] = {"sketch": sketch, "structured": structured, "offsets": offsets, "numel": numel,
@@ -226,13 +244,19 @@ class FlatModel:
 
 
 
-def _recording_forward(module, records: list):
-    """module's own forward, appending (module, input, output) to records at each call."""
+def _recording_forward(module, records: list, keep_grad: bool = False):
+    """module's own forward, appending (module, input, output) to records at each call; with keep_grad
+    (module, input, a list that a hook on the output fills with the output's gradient) instead."""
     forward = type(module).forward
 
     def recording(inputs, *args, **kwargs):
         output = forward(module, inputs, *args, **kwargs)
-        records.append((module, inputs, output))
+        if keep_grad:
+            grad = []
+            output.register_hook(grad.append)
+            records.append((module, inputs, grad))
+        else:
+            records.append((module, inputs, output))
         return output
 
     return recording

@@ -106,17 +106,18 @@ class Task:
     def unit_sketches(self, flat: torch.Tensor, batch, n_local: int, k: int, sketch):
         """Per-unit sketches without the (units, d) per-unit gradients (FlatModel.outer_unit_sketches),
         `grad_chunk` units per pass. Returns (sketches (n_local, k, D), mean gradient (d,) over the
-        local units, losses (n_local, k))."""
+        local units, losses (n_local, k)); the mean gradient is the model's buffer, as batch_grad's:
+        valid until the next gradient call."""
         units = n_local * k
         chunk = self.grad_chunk or units
         sketches = torch.empty(units, sketch.dim, dtype=flat.dtype, device=flat.device)
         losses = torch.empty(units, dtype=flat.dtype, device=flat.device)
-        grad_sum = torch.zeros_like(flat)
+        self.model.grad.zero_()  # each pass's backward adds its units' summed gradient
         for start in range(0, units, chunk):
             rows = slice(start, min(start + chunk, units))
             part = tree_map(lambda t: t[rows], batch)
-            sketches[rows], losses[rows] = self.model.outer_unit_sketches(self.unit_losses, part, sketch, grad_sum)
-        return sketches.view(n_local, k, -1), grad_sum.div_(units), losses.view(n_local, k)
+            sketches[rows], losses[rows] = self.model.outer_unit_sketches(self.unit_losses, part, sketch)
+        return sketches.view(n_local, k, -1), self.model.grad.div_(units), losses.view(n_local, k)
 
     def outer_products_apply(self, flat: torch.Tensor) -> bool:
         """True when per-unit gradients at `flat` may come from outer products: the model's own

@@ -35,8 +35,9 @@ class GradientSketch:
     (at most 2 ||x||^2 ||y||^2 / D; the same as a dense Gaussian map's (||x||^2 ||y||^2 + <x,y>^2) / D
     less the diagonal term): the error is about ||x|| ||y|| / sqrt(D), whatever d is.
 
-    Cost. Memory: the table h (int64) and the signs (in the input's dtype) on each device used,
-    12 bytes per input coordinate for float32 (GPT-2, d = 7.1M: 85 MB), plus a signed copy of at
+    Cost. Memory: h and s drawn and kept in 5 bytes per coordinate (int32, int8: GPT-2 34 MB); the
+    table h (int64) and the signs (in the input's dtype) on each device used by `__call__`,
+    12 bytes per input coordinate for float32 (GPT-2, d = 6.8M: 82 MB), plus a signed copy of at
     most CHUNK_BYTES of the input at a time. Time: one pass over the input, d multiplications and
     d additions per row. Deterministic: each output is the sum of its inputs in increasing order of
     i (CPU: index_add_; other devices: index_put_ with accumulate, which sorts stably), so a row's
@@ -81,7 +82,8 @@ class GradientSketch:
                 block = TensorBlock(offset, rows, cols, dim, generator)
                 buckets[offset:end], signs[offset:end] = block.hash_and_sign()
                 self.blocks.append(block)
-            self._tables[(torch.device("cpu"), None)] = (buckets, signs)
+            # kept compact (5 bytes per coordinate); `tables` makes the int64 / float copies on first use
+            self._drawn = (buckets.to(torch.int32), signs.to(torch.int8))
 
     @property
     def family(self) -> str:
@@ -109,9 +111,14 @@ class GradientSketch:
         device = torch.device(device or "cpu")
         key = (device, dtype)
         if key not in self._tables:
-            buckets, signs = self._tables[(torch.device("cpu"), None)]
-            self._tables[key] = (buckets.to(device), signs.to(device=device, dtype=dtype))
+            self._tables[key] = self.tables_at(None, device, dtype)
         return self._tables[key]
+
+    def tables_at(self, index, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buckets int64, signs in `dtype`) of the coordinates `index` (a (m,) LongTensor; None: all d),
+        on `device`, not kept (the records path needs only the coordinates outside the blocks)."""
+        buckets, signs = self._drawn if index is None else (self._drawn[0][index], self._drawn[1][index])
+        return buckets.to(device=device, dtype=torch.int64), signs.to(device=device, dtype=dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., d) -> (..., dim) in x's dtype and on x's device; x itself for the identity."""
@@ -139,9 +146,9 @@ class GradientSketch:
         """The map as a dense (dim, d) matrix (for tests and small d only)."""
         if self.is_identity:
             return torch.eye(self.d, dtype=dtype)
-        buckets, signs = self._tables[(torch.device("cpu"), None)]
+        buckets, signs = self._drawn
         P = torch.zeros(self.dim, self.d, dtype=dtype)
-        P[buckets, torch.arange(self.d)] = signs.to(dtype)
+        P[buckets.long(), torch.arange(self.d)] = signs.to(dtype)
         return P
 
 
