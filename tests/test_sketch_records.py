@@ -236,6 +236,7 @@ def test_the_step_uses_the_records_path_only_with_blocks():
     materialise path as before: exact CD-GraB gathers task.unit_grads' own tensor, bit for bit."""
     task = TinyGPT2Task()
     sketch = GradientSketch(task.model.d, 16, seed=0, blocks=task.model.sketch_blocks(0))
+    task.model.grad.fill_(7.0)  # what a previous step left in the gradient buffer must not reach the update
     every, update, loss, calls, sent = one_step(task, sketch)
     assert calls == ["unit_sketches"] and every.shape == (2, 2, 16)
     every_m, update_m, loss_m, calls_m, sent_m = one_step(task, sketch, records=False)
