@@ -208,7 +208,7 @@ class FlatModel:
             slots.zero_untouched()
             if layout["numel"]:
                 buckets, signs = layout["tables"](rest.device, rest.dtype)
-                out.index_add_(1, buckets, rest * signs)
+                out.index_add_(1, buckets, rest.mul_(signs))
         return out, losses.detach()
 
     def _rest_layout(self, sketch) -> dict:
@@ -221,15 +221,13 @@ class FlatModel:
         structured = {module for module in self.rules if type(module).__name__ in _STRUCTURED
                       and getattr(module, "weight", None) is not None and self.offsets[id(module.weight)] in starts}
         blocked = {id(module.weight) for module in structured}
+        rest = {id(p): p for module in self.rules for p in module.parameters(recurse=False) if id(p) not in blocked}
         offsets, pieces, numel = {}, [], 0
-        for module in self.rules:
-            for p in module.parameters(recurse=False):
-                if id(p) in blocked or id(p) in offsets:
-                    continue
-                offsets[id(p)] = numel
-                start = self.offsets[id(p)]
-                pieces.append(torch.arange(start, start + p.numel()))
-                numel += p.numel()
+        for key, p in sorted(rest.items(), key=lambda item: self.offsets[item[0]]):  # increasing coordinates
+            offsets[key] = numel
+            start = self.offsets[key]
+            pieces.append(torch.arange(start, start + p.numel()))
+            numel += p.numel()
         index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
         moved = {}
 

@@ -35,7 +35,8 @@ class GradientSketch:
     (at most 2 ||x||^2 ||y||^2 / D; the same as a dense Gaussian map's (||x||^2 ||y||^2 + <x,y>^2) / D
     less the diagonal term): the error is about ||x|| ||y|| / sqrt(D), whatever d is.
 
-    Cost. Memory: h and s drawn and kept in 5 bytes per coordinate (int32, int8: GPT-2 34 MB); the
+    Cost. Memory: h and s kept in 5 bytes per coordinate outside the blocks (int32, int8; inside a
+    block only its row and column draws: GPT-2's 6.4M-entry wte/lm_head block 0.8 MB); the
     table h (int64) and the signs (in the input's dtype) on each device used by `__call__`,
     12 bytes per input coordinate for float32 (GPT-2, d = 6.8M: 82 MB), plus a signed copy of at
     most CHUNK_BYTES of the input at a time. Time: one pass over the input, d multiplications and
@@ -69,6 +70,7 @@ class GradientSketch:
         self.dim = d if self.is_identity else dim
         self._tables = {}  # (device, dtype) -> (buckets (d,) int64, signs (d,) dtype)
         self.blocks = []   # TensorBlock per tensor-sketched matrix, in increasing offset
+        self.outside = None  # with blocks: the (d_rest,) coordinates outside them, increasing
         if not self.is_identity:
             generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
             buckets = torch.randint(0, dim, (d,), generator=generator)
@@ -82,8 +84,15 @@ class GradientSketch:
                 block = TensorBlock(offset, rows, cols, dim, generator)
                 buckets[offset:end], signs[offset:end] = block.hash_and_sign()
                 self.blocks.append(block)
-            # kept compact (5 bytes per coordinate); `tables` makes the int64 / float copies on first use
-            self._drawn = (buckets.to(torch.int32), signs.to(torch.int8))
+            # kept compact: the coordinates outside the blocks (5 bytes each, and their int64 index when
+            # there are blocks), the blocks as their row and column draws; `tables` rebuilds the whole
+            if self.blocks:
+                outside = torch.ones(d, dtype=torch.bool)
+                for block in self.blocks:
+                    outside[block.offset:block.offset + block.rows * block.cols] = False
+                self.outside = outside.nonzero().squeeze(1)  # (d_rest,) int64
+                buckets, signs = buckets[self.outside], signs[self.outside]
+            self._outside_tables = (buckets.to(torch.int32), signs.to(torch.int8))
 
     @property
     def family(self) -> str:
@@ -117,8 +126,24 @@ class GradientSketch:
     def tables_at(self, index, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(buckets int64, signs in `dtype`) of the coordinates `index` (a (m,) LongTensor; None: all d),
         on `device`, not kept (the records path needs only the coordinates outside the blocks)."""
-        buckets, signs = self._drawn if index is None else (self._drawn[0][index], self._drawn[1][index])
+        if index is not None and self.outside is not None and torch.equal(index, self.outside):
+            buckets, signs = self._outside_tables  # the records path's coordinates: nothing to rebuild
+        else:
+            buckets, signs = self._drawn()
+            if index is not None:
+                buckets, signs = buckets[index], signs[index]
         return buckets.to(device=device, dtype=torch.int64), signs.to(device=device, dtype=dtype)
+
+    def _drawn(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every coordinate's (bucket, sign), (d,) each, rebuilt from the outside tables and the blocks."""
+        if self.outside is None:
+            return self._outside_tables
+        buckets, signs = torch.empty(self.d, dtype=torch.int32), torch.empty(self.d, dtype=torch.int8)
+        buckets[self.outside], signs[self.outside] = self._outside_tables
+        for block in self.blocks:
+            end = block.offset + block.rows * block.cols
+            buckets[block.offset:end], signs[block.offset:end] = block.hash_and_sign()
+        return buckets, signs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., d) -> (..., dim) in x's dtype and on x's device; x itself for the identity."""
@@ -146,7 +171,7 @@ class GradientSketch:
         """The map as a dense (dim, d) matrix (for tests and small d only)."""
         if self.is_identity:
             return torch.eye(self.d, dtype=dtype)
-        buckets, signs = self._drawn
+        buckets, signs = self._drawn()
         P = torch.zeros(self.dim, self.d, dtype=dtype)
         P[buckets.long(), torch.arange(self.d)] = signs.to(dtype)
         return P

@@ -178,6 +178,8 @@ def test_records_and_materialise_paths_give_the_same_sketch(which):
     assert torch.allclose(got, want, rtol=0, atol=1e-12 * scale), (got - want).abs().max()
     assert torch.allclose(got_sum, want_sum, rtol=0, atol=1e-12 * want_sum.abs().max().item())
     assert torch.equal(got_losses, want_losses.detach())
+    if sketch.blocks:  # the coordinates formed per unit are exactly those outside the blocks
+        assert model._rest_layout(sketch)["numel"] == len(sketch.outside)
 
 
 # ------------------------------------------------------------------------------------------- the engine
