@@ -23,7 +23,7 @@ class GradientSketch:
 
         (P x)_c = sum_{i : h_i = c} s_i x_i,     x (..., d) -> P x (..., D).
 
-    The h_i (uniform) and s_i (uniform) are all independent, drawn on the CPU from a torch.Generator
+    The h_i (uniform) and s_i (uniform) are all independent (outside the tensor-sketched blocks, below), drawn on the CPU from a torch.Generator
     seeded with seed + SEED_OFFSET, so two constructions with the same (d, dim, seed) give the same
     map in every process and on every device. P is a linear map (a D x d matrix with exactly one
     +-1 per column), never formed.
