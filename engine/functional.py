@@ -94,6 +94,23 @@ class FlatModel:
         dim 0 (e.g. GPT-2 needs position_ids of shape (U, T), not a broadcast (1, T)).
         out: optional (U, d) buffer to write into. Returns (grads (U, d), losses (U,) detached).
         """
+        U, calls, losses = self._record_calls(unit_loss_fn, batch)
+        grads = out if out is not None else torch.empty(U, self.d, dtype=self.flat.dtype, device=self.flat.device)
+        with torch.no_grad():  # the products below need no autograd bookkeeping
+            slots = _Slots(self, grads)
+            # embeddings last: a tied weight's dense product (GPT-2's lm_head) is then copied into its slot
+            # first and the embedding's few rows are scattered onto it, instead of zeroing the slot, scattering,
+            # and adding the dense product (two more passes over a (U, V, C) slot)
+            in_order = sorted(calls.items(), key=lambda call: type(call[0]).__name__ == "Embedding")
+            for module, (ins, outs) in in_order:  # a layer used several times (the MLP's rollout): one call
+                self.rules[module](module, _calls_as_tokens(ins, module), _calls_as_tokens(outs), slots)
+            if len(slots.written) < len(self.offsets):
+                slots.zero_untouched()  # parameters the forward did not use have zero gradient
+        return grads, losses.detach()
+
+    def _record_calls(self, unit_loss_fn, batch):
+        """One recording forward and ONE backward of the summed unit losses to the layer outputs.
+        Returns (U, {module: ([inputs], [output grads]) one entry per call}, losses (U,) with graph)."""
         if not self.supports_outer:
             raise ValueError("outer_unit_gradients needs a model made only of Linear, Conv1D, Embedding "
                              "and LayerNorm layers; use unit_gradients (vmap)")
@@ -107,36 +124,137 @@ class FlatModel:
                 del module.forward  # the class's forward again
         U = losses.shape[0]
         output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
-        grads = out if out is not None else torch.empty(U, self.d, dtype=self.flat.dtype, device=self.flat.device)
-        with torch.no_grad():  # the products below need no autograd bookkeeping
-            calls = {}  # module -> ([inputs], [output grads]), one entry per call of the module
-            for (module, inputs, _), output_grad in zip(records, output_grads):
-                if inputs.shape[0] != U or output_grad.shape[0] != U:
+        calls = {}  # module -> ([inputs], [output grads]), one entry per call of the module
+        for (module, inputs, _), output_grad in zip(records, output_grads):
+            if inputs.shape[0] != U or output_grad.shape[0] != U:
+                raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for "
+                                 f"{U} units: per-unit gradients need the units on dim 0 of every layer input")
+            ins, outs = calls.setdefault(module, ([], []))
+            ins.append(inputs)
+            outs.append(output_grad)
+        return U, calls, losses
+
+    def sketch_blocks(self, min_numel: int) -> list:
+        """(offset, rows, cols) of every 2-D weight of a Linear, Conv1D or Embedding layer with at least
+        min_numel entries (a tied weight once): the matrices a GradientSketch may tensor-sketch so that
+        `outer_unit_sketches` never forms them per unit. Empty unless outer products apply to the model."""
+        if not self.supports_outer:
+            return []
+        blocks = {}
+        for module in self.rules:
+            weight = getattr(module, "weight", None)
+            if type(module).__name__ in _STRUCTURED and weight is not None and weight.dim() == 2 \
+                    and weight.numel() >= min_numel:
+                blocks[id(weight)] = (self.offsets[id(weight)], *weight.shape)
+        return sorted(blocks.values())
+
+    def outer_unit_sketches(self, unit_loss_fn, batch, sketch):
+        """Per-unit sketches P g_u (U, D) from the layer records, without the (U, d) per-unit gradients.
+
+        One recording forward, then ONE ordinary backward of the summed unit losses: it ADDS their
+        gradient to `self.grad` (the update's share, as batch_gradient(accumulate=True) would), and hooks
+        on the layer outputs keep the output gradients (the outputs themselves are not kept, unlike
+        outer_unit_gradients: GPT-2's 50,257-way logits are freed as in a plain backward). The weights
+        that are tensor-sketched blocks of `sketch` (a sorters.GradientSketch) get their per-unit sketches
+        from the layer's inputs and output gradients (TensorBlock.add_outer; an Embedding's lookups:
+        add_rows); every other parameter's per-unit gradients are formed in a (U, d_rest) buffer (d_rest:
+        the parameters outside the blocks) and sketched with the map's own buckets and signs. So the
+        result is `sketch` applied to the per-unit gradients, up to rounding.
+        Returns (sketches (U, D), losses (U,) detached).
+        """
+        if not self.supports_outer:
+            raise ValueError("outer_unit_sketches needs a model made only of Linear, Conv1D, Embedding and LayerNorm layers")
+        records = []  # (module, its input, [its output gradient, once the backward has run])
+        for module in self.rules:
+            module.forward = _recording_forward(module, records, keep_grad=True)
+        try:
+            losses = unit_loss_fn(self.flat, batch)
+        finally:
+            for module in self.rules:
+                del module.forward
+        U = losses.shape[0]
+        losses.sum().backward()
+        layout = self._rest_layout(sketch)
+        with torch.no_grad():
+            calls = {}
+            for module, inputs, grad in records:
+                if not grad:  # the output got no gradient: this call adds nothing
+                    continue
+                if inputs.shape[0] != U or grad[0].shape[0] != U:
                     raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for "
-                                     f"{U} units: per-unit gradients need the units on dim 0 of every layer input")
+                                     f"{U} units: per-unit sketches need the units on dim 0 of every layer input")
                 ins, outs = calls.setdefault(module, ([], []))
                 ins.append(inputs)
-                outs.append(output_grad)
-            slots = _Slots(self, grads)
-            # embeddings last: a tied weight's dense product (GPT-2's lm_head) is then copied into its slot
-            # first and the embedding's few rows are scattered onto it, instead of zeroing the slot, scattering,
-            # and adding the dense product (two more passes over a (U, V, C) slot)
-            in_order = sorted(calls.items(), key=lambda call: type(call[0]).__name__ == "Embedding")
-            for module, (ins, outs) in in_order:  # a layer used several times (the MLP's rollout): one call
-                self.rules[module](module, _calls_as_tokens(ins, module), _calls_as_tokens(outs), slots)
-            if len(slots.written) < len(self.offsets):
-                slots.zero_untouched()  # parameters the forward did not use have zero gradient
-        return grads, losses.detach()
+                outs.append(grad[0])
+            del records
+            rest = torch.empty(U, layout["numel"], dtype=self.flat.dtype, device=self.flat.device)
+            slots = _Slots(self, rest, layout["offsets"])
+            out = torch.zeros(U, sketch.dim, dtype=self.flat.dtype, device=self.flat.device)
+            for module, (ins, outs) in calls.items():
+                a, g = _calls_as_tokens(ins, module), _calls_as_tokens(outs)
+                block = sketch.block_at(self.offsets[id(module.weight)]) if module in layout["structured"] else None
+                if block is None:
+                    self.rules[module](module, a, g, slots)
+                    continue
+                kind = type(module).__name__
+                if kind == "Linear":        # weight (out, in): sum_t g_t a_t^T
+                    block.add_outer(g, a, out)
+                elif kind == "Conv1D":      # weight (in, out): sum_t a_t g_t^T
+                    block.add_outer(a, g, out)
+                else:                       # Embedding (rows, dim): g_t into row ids_t
+                    block.add_rows(a, g, out)
+                if getattr(module, "bias", None) is not None:
+                    slots.add(module.bias, g.sum(1))
+            slots.zero_untouched()
+            if layout["numel"]:
+                buckets, signs = layout["tables"](rest.device, rest.dtype)
+                out.index_add_(1, buckets, rest.mul_(signs))
+        return out, losses.detach()
+
+    def _rest_layout(self, sketch) -> dict:
+        """For outer_unit_sketches: the modules whose weight is a block of `sketch`, and the compact
+        (U, d_rest) layout of every other parameter with its coordinates' buckets and signs."""
+        cache = self.__dict__.setdefault("_layouts", {})
+        if id(sketch) in cache and cache[id(sketch)]["sketch"] is sketch:
+            return cache[id(sketch)]
+        starts = {block.offset for block in sketch.blocks}
+        structured = {module for module in self.rules if type(module).__name__ in _STRUCTURED
+                      and getattr(module, "weight", None) is not None and self.offsets[id(module.weight)] in starts}
+        blocked = {id(module.weight) for module in structured}
+        rest = {id(p): p for module in self.rules for p in module.parameters(recurse=False) if id(p) not in blocked}
+        offsets, pieces, numel = {}, [], 0
+        for key, p in sorted(rest.items(), key=lambda item: self.offsets[item[0]]):  # increasing coordinates
+            offsets[key] = numel
+            start = self.offsets[key]
+            pieces.append(torch.arange(start, start + p.numel()))
+            numel += p.numel()
+        index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        moved = {}
+
+        def tables(device, dtype):
+            if (device, dtype) not in moved:
+                moved[device, dtype] = sketch.tables_at(index, device, dtype)
+            return moved[device, dtype]
+
+        cache[id(sketch)] = {"sketch": sketch, "structured": structured, "offsets": offsets, "numel": numel,
+                             "tables": tables}
+        return cache[id(sketch)]
 
 
 
-def _recording_forward(module, records: list):
-    """module's own forward, appending (module, input, output) to records at each call."""
+def _recording_forward(module, records: list, keep_grad: bool = False):
+    """module's own forward, appending (module, input, output) to records at each call; with keep_grad
+    (module, input, a list that a hook on the output fills with the output's gradient) instead."""
     forward = type(module).forward
 
     def recording(inputs, *args, **kwargs):
         output = forward(module, inputs, *args, **kwargs)
-        records.append((module, inputs, output))
+        if keep_grad:
+            grad = []
+            output.register_hook(grad.append)
+            records.append((module, inputs, grad))
+        else:
+            records.append((module, inputs, output))
         return output
 
     return recording
@@ -148,11 +266,16 @@ class _Slots:
     weight, a layer used twice) are added. Writing into the strided views directly (baddbmm_ in
     place) costs several times a contiguous product plus one copy."""
 
-    def __init__(self, model: FlatModel, grads: torch.Tensor):
+    def __init__(self, model: FlatModel, grads: torch.Tensor, offsets: dict | None = None, accumulate: bool = False):
+        # offsets: id(parameter) -> its column in grads (default: the model's own, grads (U, d));
+        # accumulate: add to what grads holds already, also for a parameter's first contribution
         self.model, self.grads, self.written = model, grads, set()
+        self.offsets = model.offsets if offsets is None else offsets
+        if accumulate:
+            self.written = set(self.offsets)
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
-        offset = self.model.offsets[id(p)]
+        offset = self.offsets[id(p)]
         return self.grads[:, offset:offset + p.numel()].view(self.grads.shape[0], *p.shape)
 
     def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
@@ -174,7 +297,8 @@ class _Slots:
     def zero_untouched(self) -> None:
         for module in self.model.rules:
             for p in module.parameters(recurse=False):
-                self.zeroed(p)
+                if id(p) in self.offsets:
+                    self.zeroed(p)
 
 
 def _calls_as_tokens(tensors: list, module=None) -> torch.Tensor:
@@ -218,6 +342,8 @@ def _layer_norm_rule(module, a, g, slots):
     if module.bias is not None:
         slots.add(module.bias, g.sum(1))
 
+
+_STRUCTURED = ("Linear", "Conv1D", "Embedding")  # layers whose weight a TensorSketch block can take
 
 OUTER_PRODUCT_RULES = {"Linear": _linear_rule, "Conv1D": _conv1d_rule, "Embedding": _embedding_rule,
                        "LayerNorm": _layer_norm_rule}

@@ -8,6 +8,10 @@ sorters.GradientSketch(d, D, seed=--seed), the same in every process (docs/sketc
 from engine.errors import UserFacingError
 from sorters import SORTERS, GradientSketch
 
+# a layer weight with at least this many entries is tensor-sketched (its (units, out, in) per-unit
+# gradients are the cost the records path avoids); smaller ones are formed per unit and CountSketched
+STRUCTURED_MIN_NUMEL = 2**20
+
 
 def check_sketch_args(args) -> None:
     """One-line errors for --sketch-dim (before any data is loaded)."""
@@ -20,13 +24,21 @@ def check_sketch_args(args) -> None:
                               f"--sorter {args.sorter} uses none: drop --sketch-dim")
 
 
-def make_sketch(args, d: int):
+def make_sketch(args, d: int, model=None):
     """The run's GradientSketch, or None when there is none to apply (--sketch-dim 0, or D >= d,
-    where the sketch would be the identity: the run is then exact balancing, bit for bit)."""
+    where the sketch would be the identity: the run is then exact balancing, bit for bit).
+
+    model (an engine.functional.FlatModel, optional): its layer weights of at least STRUCTURED_MIN_NUMEL
+    entries (GPT-2: the tied 50,257 x 128 wte/lm_head) become TensorSketch blocks of the map, so that the
+    per-unit sketches come from the layer records without forming those weights' per-unit gradients
+    (Task.unit_sketches). Every other coordinate, and every model without such a weight (LR, MLP, LSTM),
+    keeps the plain CountSketch. The map depends only on (model structure, D, seed): every process and
+    every gradient path apply the same one."""
     dim = getattr(args, "sketch_dim", 0)
     if not dim:
         return None
-    sketch = GradientSketch(d, dim, seed=args.seed)
+    blocks = model.sketch_blocks(STRUCTURED_MIN_NUMEL) if model is not None and dim < d else []
+    sketch = GradientSketch(d, dim, seed=args.seed, blocks=blocks)
     return None if sketch.is_identity else sketch
 
 

@@ -29,6 +29,9 @@ class Task:
     # how many per-unit gradient buffers `_unit_grad_buffer` rotates: the engine raises it when step t's
     # gradients must survive later steps (a sorter running behind the loop, or keeping a reference)
     grad_buffers = 1
+    # --sketch-dim with tensor-sketched blocks: sketches straight from the layer records (unit_sketches)
+    sketch_records = True
+    grad_chunk: int | None = None     # units per records pass in unit_sketches (None: all at once)
     # worker_gradients: True = one torch.func.vmap over the workers' (parameters, units); False = a loop
     # over the workers, each a batch of one worker (what LSTM and GPT-2 need: see their docstrings)
     vmap_over_workers = False
@@ -92,6 +95,29 @@ class Task:
         else:
             grads, losses = unit_gradients(self.loss, flat, batch)
         return grads.view(n_local, k, -1), losses.view(n_local, k)
+
+    def sketches_from_records(self, flat: torch.Tensor, sketch) -> bool:
+        """True when `unit_sketches` may form the per-unit sketches straight from the layer records: a
+        sketch with tensor-sketched blocks (engine/sketching.py), outer products applying at `flat`,
+        and `sketch_records` on (the benchmarks of the materialise-then-sketch path turn it off)."""
+        return (sketch is not None and bool(sketch.blocks) and self.sketch_records
+                and self.outer_products_apply(flat))
+
+    def unit_sketches(self, flat: torch.Tensor, batch, n_local: int, k: int, sketch):
+        """Per-unit sketches without the (units, d) per-unit gradients (FlatModel.outer_unit_sketches),
+        `grad_chunk` units per pass. Returns (sketches (n_local, k, D), mean gradient (d,) over the
+        local units, losses (n_local, k)); the mean gradient is the model's buffer, as batch_grad's:
+        valid until the next gradient call."""
+        units = n_local * k
+        chunk = self.grad_chunk or units
+        sketches = torch.empty(units, sketch.dim, dtype=flat.dtype, device=flat.device)
+        losses = torch.empty(units, dtype=flat.dtype, device=flat.device)
+        self.model.grad.zero_()  # each pass's backward adds its units' summed gradient
+        for start in range(0, units, chunk):
+            rows = slice(start, min(start + chunk, units))
+            part = tree_map(lambda t: t[rows], batch)
+            sketches[rows], losses[rows] = self.model.outer_unit_sketches(self.unit_losses, part, sketch)
+        return sketches.view(n_local, k, -1), self.model.grad.div_(units), losses.view(n_local, k)
 
     def outer_products_apply(self, flat: torch.Tensor) -> bool:
         """True when per-unit gradients at `flat` may come from outer products: the model's own

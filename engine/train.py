@@ -195,7 +195,7 @@ def build_run(task, args, comm, device) -> Run:
         raise UserFacingError(f"{task.name}: {m} units per worker is not a multiple of {k} units per step")
     steps_per_epoch = m // k
     task.unit_grad_path = args.unit_grads
-    sketch = make_sketch(args, d)  # --sketch-dim: the sorter balances (n, k, D) sketches (engine/sketching.py)
+    sketch = make_sketch(args, d, task.model)  # --sketch-dim: the sorter balances (n, k, D) sketches (engine/sketching.py)
     sorter = build_sorter(args.sorter, n, m, sketch.dim if sketch else d, seed=args.seed, device=device,
                           epochs=args.epochs)
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
@@ -415,9 +415,13 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     herding_log (--log-herding): keeps this step's per-unit gradients (computed on the side for D-RR & co.)."""
     flat, (n_local, k) = task.model.flat, unit_ids.shape
     batch = task.units(exchange.comm.local_workers, unit_ids)
-    if sorter.uses_grads:
+    real_unit_grads = None  # this step's (n_local, k, d) per-unit gradients, where they were formed
+    if sorter.uses_grads and task.sketches_from_records(flat, exchange.sketch):  # --sketch-dim, no (units, d)
+        unit_grads, local_mean_grad, unit_losses = task.unit_sketches(flat, batch, n_local, k, exchange.sketch)
+        local_loss, aux = unit_losses.mean(), None
+    elif sorter.uses_grads:
         unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
-        local_mean_grad, local_loss, aux = None, unit_losses.mean(), None
+        local_mean_grad, local_loss, aux, real_unit_grads = None, unit_losses.mean(), None, unit_grads
     else:
         unit_grads = None
         local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)
@@ -426,11 +430,11 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     timer.lap("comm")
     if herding_log:  # the real gradients: not the sketches a --sketch-dim sorter gathered
         gathered = every_unit_grad if exchange.sketch is None else None
-        herding_log.record(positions.start // k, gathered, lambda: unit_grads if unit_grads is not None
+        herding_log.record(positions.start // k, gathered, lambda: real_unit_grads if real_unit_grads is not None
                            else task.unit_grads(flat, batch, n_local, k)[0])
         timer.lap("compute")
     sorter.step(every_unit_grad, positions)
-    del unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
+    del unit_grads, real_unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
     timer.lap("sorter")
     if task.clip_grad_norm:
         update = clip_to_norm(update, task.clip_grad_norm)

@@ -23,7 +23,7 @@ class GradientSketch:
 
         (P x)_c = sum_{i : h_i = c} s_i x_i,     x (..., d) -> P x (..., D).
 
-    The h_i (uniform) and s_i (uniform) are all independent, drawn on the CPU from a torch.Generator
+    The h_i (uniform) and s_i (uniform) are all independent (outside the tensor-sketched blocks, below), drawn on the CPU from a torch.Generator
     seeded with seed + SEED_OFFSET, so two constructions with the same (d, dim, seed) give the same
     map in every process and on every device. P is a linear map (a D x d matrix with exactly one
     +-1 per column), never formed.
@@ -35,8 +35,10 @@ class GradientSketch:
     (at most 2 ||x||^2 ||y||^2 / D; the same as a dense Gaussian map's (||x||^2 ||y||^2 + <x,y>^2) / D
     less the diagonal term): the error is about ||x|| ||y|| / sqrt(D), whatever d is.
 
-    Cost. Memory: the table h (int64) and the signs (in the input's dtype) on each device used,
-    12 bytes per input coordinate for float32 (GPT-2, d = 7.1M: 85 MB), plus a signed copy of at
+    Cost. Memory: h and s kept in 5 bytes per coordinate outside the blocks (int32, int8; inside a
+    block only its row and column draws: GPT-2's 6.4M-entry wte/lm_head block 0.8 MB); the
+    table h (int64) and the signs (in the input's dtype) on each device used by `__call__`,
+    12 bytes per input coordinate for float32 (GPT-2, d = 6.8M: 82 MB), plus a signed copy of at
     most CHUNK_BYTES of the input at a time. Time: one pass over the input, d multiplications and
     d additions per row. Deterministic: each output is the sum of its inputs in increasing order of
     i (CPU: index_add_; other devices: index_put_ with accumulate, which sorts stably), so a row's
@@ -46,22 +48,61 @@ class GradientSketch:
     Identity. With dim >= d the map is the identity (`is_identity`, `dim` = d): nothing is drawn and
     __call__ returns its input, so balancing on it is exact CD-GraB bit for bit. Also
     `GradientSketch.identity(d)`.
+
+    Tensor-sketched blocks. `blocks`: (offset, rows, cols) triples, each a (rows, cols) matrix stored
+    row-major at coordinates offset ... offset + rows * cols - 1 (a layer's weight). Inside a block the
+    hash and sign are not drawn per coordinate but per row and per column (TensorSketch, Pham & Pagh
+    2013): coordinate (i, j) goes to h1(i) + h2(j) mod D with sign s1(i) s2(j), h1 (rows,), h2 (cols,)
+    uniform on 0..D-1, s1, s2 uniform +-1, all independent (and drawn after the plain tables, from the
+    same generator). The map is still a CountSketch-shaped matrix (one +-1 per column), so `__call__` is
+    unchanged; but the sketch of a rank-one block u v^T is the circular convolution of the CountSketches
+    C1 u (rows -> D) and C2 v (cols -> D), so a layer's per-unit sketch sum_t P(u_t v_t^T) comes from its
+    inputs and output gradients without forming the matrix (`add_outer`, `add_rows`; docs/sketching.md).
+    Inner products stay unbiased; the variance gains terms from coordinates that share a row or a column
+    (docs/sketching.md gives the formula; tests/test_sketch_records.py checks it).
     """
 
-    family = "CountSketch"
-
-    def __init__(self, d: int, dim: int, seed: int = 0):
+    def __init__(self, d: int, dim: int, seed: int = 0, blocks=()):
         if d < 1 or dim < 1:
             raise ValueError(f"GradientSketch: need d >= 1 and dim >= 1, got d={d}, dim={dim}")
         self.d, self.seed = d, seed
         self.is_identity = dim >= d
         self.dim = d if self.is_identity else dim
         self._tables = {}  # (device, dtype) -> (buckets (d,) int64, signs (d,) dtype)
+        self.blocks = []   # TensorBlock per tensor-sketched matrix, in increasing offset
+        self.outside = None  # with blocks: the (d_rest,) coordinates outside them, increasing
         if not self.is_identity:
             generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
             buckets = torch.randint(0, dim, (d,), generator=generator)
             signs = torch.randint(0, 2, (d,), generator=generator).mul_(2).sub_(1)
-            self._tables[(torch.device("cpu"), None)] = (buckets, signs)
+            end = 0
+            for offset, rows, cols in sorted(blocks):
+                if offset < end or offset + rows * cols > d or rows < 1 or cols < 1:
+                    raise ValueError(f"GradientSketch: block ({offset}, {rows}, {cols}) overlaps another "
+                                     f"or leaves the {d} coordinates")
+                end = offset + rows * cols
+                block = TensorBlock(offset, rows, cols, dim, generator)
+                buckets[offset:end], signs[offset:end] = block.hash_and_sign()
+                self.blocks.append(block)
+            # kept compact: the coordinates outside the blocks (5 bytes each, and their int64 index when
+            # there are blocks), the blocks as their row and column draws; `tables` rebuilds the whole
+            if self.blocks:
+                outside = torch.ones(d, dtype=torch.bool)
+                for block in self.blocks:
+                    outside[block.offset:block.offset + block.rows * block.cols] = False
+                self.outside = outside.nonzero().squeeze(1)  # (d_rest,) int64
+                buckets, signs = buckets[self.outside], signs[self.outside]
+            self._outside_tables = (buckets.to(torch.int32), signs.to(torch.int8))
+
+    @property
+    def family(self) -> str:
+        if not self.blocks:
+            return "CountSketch"
+        return f"CountSketch with {len(self.blocks)} TensorSketch block(s)"
+
+    def block_at(self, offset: int):
+        """The TensorBlock starting at coordinate `offset`, or None."""
+        return next((block for block in self.blocks if block.offset == offset), None)
 
     @classmethod
     def identity(cls, d: int) -> "GradientSketch":
@@ -79,9 +120,30 @@ class GradientSketch:
         device = torch.device(device or "cpu")
         key = (device, dtype)
         if key not in self._tables:
-            buckets, signs = self._tables[(torch.device("cpu"), None)]
-            self._tables[key] = (buckets.to(device), signs.to(device=device, dtype=dtype))
+            self._tables[key] = self.tables_at(None, device, dtype)
         return self._tables[key]
+
+    def tables_at(self, index, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buckets int64, signs in `dtype`) of the coordinates `index` (a (m,) LongTensor; None: all d),
+        on `device`, not kept (the records path needs only the coordinates outside the blocks)."""
+        if index is not None and self.outside is not None and torch.equal(index, self.outside):
+            buckets, signs = self._outside_tables  # the records path's coordinates: nothing to rebuild
+        else:
+            buckets, signs = self._drawn()
+            if index is not None:
+                buckets, signs = buckets[index], signs[index]
+        return buckets.to(device=device, dtype=torch.int64), signs.to(device=device, dtype=dtype)
+
+    def _drawn(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every coordinate's (bucket, sign), (d,) each, rebuilt from the outside tables and the blocks."""
+        if self.outside is None:
+            return self._outside_tables
+        buckets, signs = torch.empty(self.d, dtype=torch.int32), torch.empty(self.d, dtype=torch.int8)
+        buckets[self.outside], signs[self.outside] = self._outside_tables
+        for block in self.blocks:
+            end = block.offset + block.rows * block.cols
+            buckets[block.offset:end], signs[block.offset:end] = block.hash_and_sign()
+        return buckets, signs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., d) -> (..., dim) in x's dtype and on x's device; x itself for the identity."""
@@ -109,8 +171,68 @@ class GradientSketch:
         """The map as a dense (dim, d) matrix (for tests and small d only)."""
         if self.is_identity:
             return torch.eye(self.d, dtype=dtype)
-        buckets, signs = self._tables[(torch.device("cpu"), None)]
+        buckets, signs = self._drawn()
         P = torch.zeros(self.dim, self.d, dtype=dtype)
-        P[buckets, torch.arange(self.d)] = signs.to(dtype)
+        P[buckets.long(), torch.arange(self.d)] = signs.to(dtype)
         return P
 
+
+
+class TensorBlock:
+    """One tensor-sketched (rows, cols) block of a GradientSketch: h1 (rows,), s1 (rows,) for the rows,
+    h2 (cols,), s2 (cols,) for the columns; coordinate (i, j) -> bucket (h1[i] + h2[j]) mod D, sign
+    s1[i] s2[j]. The per-unit sketches of sums of outer products are added with `add_outer` (dense
+    factors) and `add_rows` (one-hot rows: an embedding lookup)."""
+
+    def __init__(self, offset: int, rows: int, cols: int, dim: int, generator: torch.Generator):
+        self.offset, self.rows, self.cols, self.dim = offset, rows, cols, dim
+        self.h1 = torch.randint(0, dim, (rows,), generator=generator)
+        self.h2 = torch.randint(0, dim, (cols,), generator=generator)
+        self.s1 = torch.randint(0, 2, (rows,), generator=generator).mul_(2).sub_(1)
+        self.s2 = torch.randint(0, 2, (cols,), generator=generator).mul_(2).sub_(1)
+        self._moved = {}
+
+    def hash_and_sign(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's (rows * cols,) buckets and signs, row-major."""
+        return ((self.h1[:, None] + self.h2[None, :]) % self.dim).reshape(-1), (self.s1[:, None] * self.s2[None, :]).reshape(-1)
+
+    def _on(self, device, dtype):
+        key = (torch.device(device), dtype)
+        if key not in self._moved:
+            # signed buckets: index 2 h + (s < 0) of a (., 2 D) sum, so that the sign costs no pass over the input
+            self._moved[key] = tuple(2 * h.to(device) + (s.to(device) < 0) for h, s in ((self.h1, self.s1), (self.h2, self.s2))) \
+                + (self.h1.to(device), self.h2.to(device), self.s1.to(device=device, dtype=dtype), self.s2.to(device=device, dtype=dtype))
+        return self._moved[key]
+
+    def _countsketch(self, x: torch.Tensor, signed_buckets: torch.Tensor) -> torch.Tensor:
+        """x (N, n) -> (N, D): sum_i s_i x_i into bucket h_i (index_add adds in increasing i)."""
+        both = x.new_zeros(x.shape[0], 2 * self.dim).index_add_(1, signed_buckets, x)
+        return both[:, 0::2] - both[:, 1::2]
+
+    def add_outer(self, left: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> None:
+        """out (U, D) += P(sum_t left[u, t] right[u, t]^T) for each unit u; left (U, T, rows), right (U, T, cols).
+
+        TensorSketch: P(u v^T) = C1 u (*) C2 v, the circular convolution of the rows' and columns'
+        CountSketches, so the sum over t is irfft(sum_t rfft(C1 u_t) rfft(C2 v_t)): the (rows, cols)
+        matrix is never formed."""
+        U, T = left.shape[:2]
+        rows1, rows2, *_ = self._on(left.device, left.dtype)
+        # the units in groups, so that the (tokens, D) spectra stay within about CHUNK_BYTES
+        per_group = max(1, CHUNK_BYTES // max(1, T * self.dim * 2 * left.element_size()))
+        for start in range(0, U, per_group):
+            units = slice(start, start + per_group)
+            n = left[units].shape[0]
+            a = torch.fft.rfft(self._countsketch(left[units].reshape(n * T, self.rows), rows1))
+            b = torch.fft.rfft(self._countsketch(right[units].reshape(n * T, self.cols), rows2))
+            spectrum = (a * b).view(n, T, -1).sum(1)
+            out[units] += torch.fft.irfft(spectrum, n=self.dim)
+
+    def add_rows(self, ids: torch.Tensor, right: torch.Tensor, out: torch.Tensor) -> None:
+        """out (U, D) += P(sum_t e_{ids[u, t]} right[u, t]^T); ids (U, T) row indices, right (U, T, cols)
+        (an embedding's per-unit gradient: right[u, t] scattered into row ids[u, t]). Each term is a
+        scatter of the cols values to buckets h1[id] + h2[j] mod D with signs s1[id] s2[j]."""
+        _, _, h1, h2, s1, s2 = self._on(right.device, right.dtype)
+        U = ids.shape[0]
+        buckets = (h1[ids][..., None] + h2) % self.dim          # (U, T, cols)
+        values = right * s1[ids][..., None] * s2                  # (U, T, cols)
+        out.scatter_add_(1, buckets.reshape(U, -1), values.reshape(U, -1))

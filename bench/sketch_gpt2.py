@@ -1,0 +1,168 @@
+"""GPT2-Wiki103 on the CPU, one process: bytes per step, peak memory and step time of sketched CD-GraB
+(--sketch-dim D) by both gradient paths, against D-RR and exact CD-GraB.
+
+    OMP_NUM_THREADS=1 CDGRAB_DATA=../shared/data python bench/sketch_gpt2.py            # D 1024, 2 rounds
+    python bench/sketch_gpt2.py --dims 1024 4096 --rounds 3 --steps 8
+
+Variants: D-RR; exact CD-GraB; CD-GraB --sketch-dim D by the materialise-then-sketch path (the (64, d)
+per-block gradients formed, then the map applied; Task.sketch_records off) and by the records path
+(Task.unit_sketches: the tied wte/lm_head's sketch from its layer records, no (64, d) buffer). The two
+sketched paths apply the same map. Paper settings: 64 workers, one 128-token block each per step (B 64),
+AdamW 5e-4, the WikiText-2 stand-in training file; --steps steps of one epoch (--max-train-examples
+64 * steps).
+
+Each variant runs in a FRESH child process (this script with --child), so that its peak resident memory
+(getrusage ru_maxrss, read when the epoch's training ends, before any evaluation; evaluation is skipped)
+is its own: the model, the data and the training steps. Step time: per step, wall and CPU seconds between
+consecutive ends of steps (the first step is dropped: first-call allocations), median over the steps;
+single-threaded, CPU seconds are the wall time of an idle machine and barely move with other load.
+The variants are interleaved (A B C D, A B C D, ...) so that a change in the machine's load hits each
+alike; per variant the median over the rounds. Bytes per step: metrics.csv's comm_bytes / steps (the same
+in every round). Writes ONE JSON object to --out (and prints it), then a markdown table:
+    {"variants": {"<name>": {"bytes_per_step": b, "bytes_vs_drr": r, "peak_rss_mb": m, "peak_vs_drr": r,
+        "step_seconds": s, "step_vs_drr": r, "step_cpu_seconds": s, "step_cpu_vs_drr": r,
+        "rounds": [...]}, ...}, "settings": {...}}
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from anywhere
+
+SCRIPT = "main-GPT2-Wiki103.py"
+ARGS = ["--node_cnt", "64", "--B", "64", "--lr", "5e-4", "--epochs", "1", "--progress", "off",
+        "--max-eval-examples", "32"]
+
+
+def variants(dims) -> dict:
+    """name -> (sorter flags, records path on)."""
+    out = {"D-RR": (["--sorter", "D-RR"], True), "CD-GraB": (["--sorter", "CD-GraB"], True)}
+    for dim in dims:
+        out[f"CD-GraB D={dim} materialise"] = (["--sorter", "CD-GraB", "--sketch-dim", str(dim)], False)
+        out[f"CD-GraB D={dim} records"] = (["--sorter", "CD-GraB", "--sketch-dim", str(dim)], True)
+    return out
+
+
+def child(flags: list, records: bool, steps: int, train_file: str, out_dir: str) -> dict:
+    """One epoch of `steps` steps in this (fresh) process; returns the measurements."""
+    import torch
+    from bench.communication import entry_point
+    from engine.cli import check_args
+    from engine.comm import LocalCommunicator
+    from engine.train import train
+
+    torch.set_num_threads(1)
+    parser, build_task, benchmark = entry_point(SCRIPT)
+    args = parser.parse_args([*ARGS, *flags, "--max-train-examples", str(64 * steps), "--train-file", train_file,
+                              "--out", out_dir])
+    check_args(args, benchmark, defaults=vars(parser.parse_args([])))
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    task = build_task(args, device)
+    task.sketch_records = records
+    ends, seen = [], {}
+    end_step = task.end_step
+
+    def timed_end_step(aux):
+        result = end_step(aux)
+        ends.append((time.perf_counter(), time.process_time()))
+        return result
+
+    def no_evaluation(flat, comm):  # the peak of the training steps; evaluation is not what is measured
+        seen["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {key: math.nan for key in ("train_loss", "test_loss", *task.metric_columns)}
+
+    task.end_step, task.evaluate = timed_end_step, no_evaluation
+    row = train(task, args, LocalCommunicator(args.node_cnt, device), device)[-1]
+    walls = [b[0] - a[0] for a, b in zip(ends, ends[1:])]
+    cpus = [b[1] - a[1] for a, b in zip(ends, ends[1:])]
+    config = json.loads((Path(out_dir) / "config.json").read_text())
+    return {"steps": len(ends), "comm_bytes": int(row["comm_bytes"]), "bytes_per_step": int(row["comm_bytes"]) / len(ends),
+            "peak_rss_mb": seen["peak_rss_kb"] / 1024, "step_seconds": statistics.median(walls),
+            "step_cpu_seconds": statistics.median(cpus), "sketch": config["sorter"].get("sketch")}
+
+
+def summarise(rounds: dict) -> dict:
+    def median(name, key):
+        return statistics.median(r[key] for r in rounds[name])
+
+    base = {key: median("D-RR", key) for key in ("bytes_per_step", "peak_rss_mb", "step_seconds", "step_cpu_seconds")}
+    return {name: {"bytes_per_step": median(name, "bytes_per_step"),
+                   "bytes_vs_drr": round(median(name, "bytes_per_step") / base["bytes_per_step"], 4),
+                   "peak_rss_mb": round(median(name, "peak_rss_mb"), 1),
+                   "peak_vs_drr": round(median(name, "peak_rss_mb") / base["peak_rss_mb"], 3),
+                   "step_seconds": round(median(name, "step_seconds"), 3),
+                   "step_vs_drr": round(median(name, "step_seconds") / base["step_seconds"], 3),
+                   "step_cpu_seconds": round(median(name, "step_cpu_seconds"), 3),
+                   "step_cpu_vs_drr": round(median(name, "step_cpu_seconds") / base["step_cpu_seconds"], 3),
+                   "sketch": rounds[name][0]["sketch"], "rounds": rounds[name]} for name in rounds}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| variant | bytes / step | vs D-RR | peak RSS (MB) | vs D-RR | step s (wall) | vs D-RR | step s (CPU) | vs D-RR |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in result["variants"].items():
+        lines.append(f"| {name} | {m['bytes_per_step'] / 1e6:.2f} MB | {m['bytes_vs_drr']:.3f} | {m['peak_rss_mb']:.0f} | "
+                     f"{m['peak_vs_drr']:.2f} | {m['step_seconds']:.2f} | {m['step_vs_drr']:.2f} | "
+                     f"{m['step_cpu_seconds']:.2f} | {m['step_cpu_vs_drr']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", nargs="+", type=int, default=[1024], help="sketch dimensions D")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every variant")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (B 64 each)")
+    parser.add_argument("--train-file", default=None, help="default: $CDGRAB_DATA/wikitext-2/train.txt")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sketch-gpt2-cpu.json"))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON [flags, records]
+    args = parser.parse_args()
+    data = Path(os.environ.get("CDGRAB_DATA", REPO / "data"))
+    train_file = args.train_file or str(data / "wikitext-2" / "train.txt")
+    if args.child:
+        flags, records = json.loads(args.child)
+        with tempfile.TemporaryDirectory() as tmp:
+            print("RESULT " + json.dumps(child(flags, records, args.steps, train_file, tmp)), flush=True)
+        return
+    load_before = os.getloadavg()
+    rounds = {}
+    for round_ in range(args.rounds):
+        for name, (flags, records) in variants(args.dims).items():
+            command = [sys.executable, __file__, "--child", json.dumps([flags, records]), "--steps", str(args.steps),
+                       "--train-file", train_file]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+            line = [text for text in done.stdout.splitlines() if text.startswith("RESULT ")]
+            if done.returncode or not line:
+                sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+            rounds.setdefault(name, []).append(json.loads(line[-1][len("RESULT "):]))
+            print(f"round {round_ + 1} {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
+    import torch
+    result = {"variants": summarise(rounds),
+              "settings": {"script": SCRIPT, "args": ARGS, "steps_per_run": args.steps,
+                           "max_train_examples": 64 * args.steps, "train_file": "wikitext-2/train.txt",
+                           "rounds": args.rounds, "statistic": "median over steps (first dropped), then over rounds",
+                           "peak": "ru_maxrss of a fresh process at the end of training (evaluation skipped)",
+                           "process": "one (LocalCommunicator, 64 simulated workers)", "torch": torch.__version__,
+                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
+                           "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}}
+    text = json.dumps(result, indent=1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(text + "\n")
+    partial.replace(out)
+    print(text)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
