@@ -6,11 +6,15 @@
 
 `study_figures(df)` returns {file stem: Figure} for every study present in a load_runs frame.
 """
+import json
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import pandas as pd
 
 from analysis.aggregate import headline_metrics
 from analysis.load import run_args
+from engine.flags import RESUMABLE_FLAGS, with_added_defaults
 
 COMMUNICATION_ARGS = ["sync", "H", "alpha", "H_base", "reducer", "density", "lr_schedule"]
 STRATEGY_MARKERS = {"every-step": "o", "constant": "s", "qsr": "^", "linear": "v", "post-local": "D"}
@@ -80,26 +84,37 @@ def plot_communication(df: pd.DataFrame, benchmark: str):
 SKETCH_ARGS = ["sketch_dim", "max_train_examples", "node_cnt", "B", "lr"]
 
 
+def _comparable_settings(run_dir: str) -> str:
+    """A run's result-changing args (engine/flags.py) without those a sketching baseline may differ in:
+    the sorter, the seed, the sketch and the herding log (which does not change the run)."""
+    config = json.loads((Path(run_dir) / "config.json").read_text())
+    args = with_added_defaults(config["args"], config["benchmark"])
+    return json.dumps({key: value for key, value in args.items()
+                       if key not in RESUMABLE_FLAGS and key not in ("sorter", "seed", "sketch_dim", "log_herding")},
+                      sort_keys=True, default=str)
+
+
 def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
     """The sketching study's runs of `benchmark` and, as its baselines, the benchmark's exact CD-GraB and
-    D-RR runs elsewhere (its own runs, other studies) with the settings of a group of sketched runs (workers,
-    batch, learning rate, --max-train-examples), cut at that group's last epoch. One row per (run, epoch),
-    with `variant` ("D-RR", "CD-GraB exact", "CD-GraB, D = 64") and `full_data` (no --max-train-examples).
-    Empty without sketching runs."""
+    D-RR runs elsewhere (its own runs, other studies) whose settings equal a group of sketched runs' in
+    everything but the sorter, seed and sketch (workers, batch, learning rate and schedule, data,
+    synchronisation, ...), cut at that group's last epoch. One row per (run, epoch), with `variant`
+    ("D-RR", "CD-GraB exact", "CD-GraB, D = 64"), `full_data` (no --max-train-examples) and `examples`
+    (--max-train-examples, 0 for the full data). Empty without sketching runs."""
     if not len(df):
         return df
     df = df[df["benchmark"] == benchmark]
     if not (df["study"] == "sketching").any():
         return df.iloc[:0]
     df = df.merge(run_args(df, ["sketch_dim", "max_train_examples"]), on="run_dir")
-    df["examples"] = df["max_train_examples"].fillna(0)  # 0: the full data (NaN never matches in a merge)
-    key = ["node_cnt", "B", "lr", "examples"]
+    df["examples"] = df["max_train_examples"].fillna(0)
+    df["comparable"] = df["run_dir"].map({run: _comparable_settings(run) for run in df["run_dir"].unique()})
     study = df[df["study"] == "sketching"]
-    groups = study.groupby(key)["epoch"].max().rename("last_epoch").reset_index()
+    groups = study.groupby("comparable")["epoch"].max().rename("last_epoch").reset_index()
     baselines = df[(df["study"] != "sketching") & df["sorter"].isin(["CD-GraB", "D-RR"]) & (df["sketch_dim"] == 0)]
-    baselines = baselines.merge(groups, on=key)
+    baselines = baselines.merge(groups, on="comparable")
     baselines = baselines[baselines["epoch"] <= baselines["last_epoch"]].drop(columns="last_epoch")
-    runs = pd.concat([study, baselines], ignore_index=True)
+    runs = pd.concat([study, baselines], ignore_index=True).drop(columns="comparable")
     runs["full_data"] = runs["examples"] == 0
     runs["variant"] = [sorter if sorter != "CD-GraB" else "CD-GraB exact" if not dim else f"CD-GraB, D = {int(dim)}"
                        for sorter, dim in zip(runs["sorter"], runs["sketch_dim"].fillna(0))]
@@ -138,7 +153,7 @@ def plot_sketching(df: pd.DataFrame, benchmark: str):
             ax.fill_between(curve.index, curve["mean"] - curve["std"].fillna(0), curve["mean"] + curve["std"].fillna(0),
                             color=colour, alpha=0.12, linewidth=0)
         examples = frame["max_train_examples"].dropna()
-        data = f"first {int(examples.iloc[0]):,} training windows" if len(examples) else "the full training set"
+        data = f"first {int(examples.iloc[0]):,} training examples" if len(examples) else "the full training set"
         ax.set_title(f"{'herding bound of the real gradients' if column == 'herding_bound' else 'train loss'} ({data})",
                      fontsize=10)
         ax.set_xlabel("epoch")

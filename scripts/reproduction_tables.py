@@ -156,7 +156,7 @@ def sketching_markdown(df) -> list[str]:
         runs = sketching_runs(df, benchmark)
         for examples, group in runs.groupby("examples"):
             last = int(group["epoch"].max())
-            data = f"first {int(examples):,} windows" if examples else "full data"
+            data = f"first {int(examples):,} training examples" if examples else "full data"
             herding = group["herding_bound"].notna().any() if "herding_bound" in group else False
             lines += [f"| {benchmark}, {data}, epoch {last} | train loss | gain over D-RR vs exact's | "
                       + ("herding bound | herding, mean of epochs 2+ | " if herding else "")

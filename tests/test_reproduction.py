@@ -76,6 +76,14 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     expected = {"CD-GraB exact": steps * 4 * n * k * d, "D-RR": steps * 4 * n * d,
                 **{f"CD-GraB, D = {D}": steps * 4 * (n * k * D + n * d) for D in (64, 256, 1024)}}
     assert herding.groupby("variant")["comm_bytes"].agg(set).to_dict() == {v: {b} for v, b in expected.items()}
+    full = runs[runs["full_data"]]  # the paper figure's setting, 30 epochs: 6,711 steps per epoch
+    assert full.groupby("variant")["run_dir"].nunique().to_dict() == {"CD-GraB exact": 3, "CD-GraB, D = 64": 3, "D-RR": 3}
+    assert (full.groupby("run_dir")["epoch"].max() == 30).all()
+    assert set(full.loc[full["variant"] == "CD-GraB, D = 64", "comm_bytes"]) == {6711 * 4 * (n * k * 64 + n * d)}
+    lr = sketching_runs(load_runs(SHIPPED, warn=False), "LR-HMDA")  # d = 26: D = 8 and 16, 1,250 steps
+    assert lr.groupby("variant")["run_dir"].nunique().to_dict() == {
+        "CD-GraB exact": 3, "CD-GraB, D = 16": 3, "CD-GraB, D = 8": 3, "D-RR": 3}
+    assert set(lr.loc[lr["variant"] == "CD-GraB, D = 8", "comm_bytes"]) == {1250 * 4 * (n * k * 8 + n * 26)}
 
 
 def test_analysis_defaults_to_the_shipped_runs_without_runs_of_ones_own(tmp_path, monkeypatch):
@@ -93,6 +101,6 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("LR-HMDA-vs-epoch", "MLP-M4-vs-epoch", "LSTM-Wiki2-vs-epoch", "GPT2-Wiki103-vs-epoch",
-                 "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4", "sketching-MLP-M4"):
+                 "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4", "sketching-MLP-M4", "sketching-LR-HMDA"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()
