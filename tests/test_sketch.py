@@ -264,3 +264,32 @@ def test_the_default_out_names_the_sketch_dimension():
         args = parser.parse_args(argv)
         check_args(args, "MLP-M4", defaults=vars(parser.parse_args([])))
         assert args.out.endswith(tag), args.out
+
+
+# the other two benchmarks (MLP-M4 above, GPT-2 in test_sketch_records.py): 2 workers, D below d, so the
+# map is not the identity; bytes per step 4 (n k D + n d) with k = B / n units per worker per step
+OTHER_BENCHMARKS = {
+    "main-LR-HMDA.py": (["--B", "4", "--node_cnt", "2", "--max-train-examples", "64", "--max-eval-examples", "64",
+                         "--epochs", "2", "--record-orders", "--sketch-dim", "8"], 26, 8, ("train_loss", "test_loss")),
+    "main-LSTM-Wiki2.py": (["--B", "4", "--node_cnt", "2", "--bptt", "10", "--lr", "2", "--max-train-examples", "12",
+                            "--max-eval-examples", "2", "--epochs", "2", "--record-orders", "--sketch-dim", "64"],
+                           None, 64, ("train_loss", "valid_loss")),
+}
+
+
+@needs_data
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(OTHER_BENCHMARKS))
+def test_sketched_lr_and_lstm_send_sketches_and_one_process_equals_torchrun(script, tmp_path):
+    args, d, D, columns = OTHER_BENCHMARKS[script]
+    single = tmp_path / "one"
+    check_ok(run_script(script, "--out", single, *args))
+    config = json.loads((single / "config.json").read_text())
+    assert config["sorter"]["sketch"]["sketch_dim"] == D and config["sorter"]["sketch"]["applied"]
+    sizes = config["sizes"]
+    d = d or sizes["d"]
+    n, k = sizes["n_workers"], sizes["units_per_step"]
+    assert sizes["d"] == d and D < d
+    for row in read_metrics(single):
+        assert row["comm_bytes"] == sizes["steps_per_epoch"] * 4 * (n * k * D + n * d)
+    check_torchrun_agrees(script, single, tmp_path / "two", *args, columns=columns)
