@@ -55,6 +55,13 @@ def _study(run_dir: Path, results_dir: Path, benchmark: str) -> str:
     return "/".join(parts[:parts.index(benchmark)]) if benchmark in parts else ""
 
 
+def result_settings(config: dict) -> dict:
+    """A run's result-changing args from its parsed config.json: every arg but those that may change on
+    resume (engine/flags.py), with the values engine/flags.py gives the flags the run predates."""
+    args = with_added_defaults(config["args"], config["benchmark"])
+    return {key: value for key, value in args.items() if key not in RESUMABLE_ARGS}
+
+
 def _read_run(run_dir: Path, results_dir: Path, include_incomplete: bool):
     """(DataFrame of this run's epochs, problem or None); raises ValueError when unusable."""
     try:
@@ -89,7 +96,7 @@ def _read_run(run_dir: Path, results_dir: Path, include_incomplete: bool):
     metrics["cum_seconds"] = metrics["epoch_seconds"].cumsum()
     for key, value in reversed(list(info.items())):
         metrics.insert(0, key, value)
-    return metrics, {k: v for k, v in args.items() if k not in RESUMABLE_ARGS}, problem
+    return metrics, result_settings(config), problem
 
 
 def run_key(benchmark: str, settings: dict) -> str:

@@ -13,8 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from analysis.aggregate import headline_metrics
-from analysis.load import run_args
-from engine.flags import RESUMABLE_FLAGS, with_added_defaults
+from analysis.load import result_settings, run_args
 
 COMMUNICATION_ARGS = ["sync", "H", "alpha", "H_base", "reducer", "density", "lr_schedule"]
 STRATEGY_MARKERS = {"every-step": "o", "constant": "s", "qsr": "^", "linear": "v", "post-local": "D"}
@@ -87,11 +86,9 @@ SKETCH_ARGS = ["sketch_dim", "max_train_examples", "node_cnt", "B", "lr"]
 def _comparable_settings(run_dir: str) -> str:
     """A run's result-changing args (engine/flags.py) without those a sketching baseline may differ in:
     the sorter, the seed, the sketch and the herding log (which does not change the run)."""
-    config = json.loads((Path(run_dir) / "config.json").read_text())
-    args = with_added_defaults(config["args"], config["benchmark"])
-    return json.dumps({key: value for key, value in args.items()
-                       if key not in RESUMABLE_FLAGS and key not in ("sorter", "seed", "sketch_dim", "log_herding")},
-                      sort_keys=True, default=str)
+    settings = result_settings(json.loads((Path(run_dir) / "config.json").read_text()))
+    return json.dumps({key: value for key, value in settings.items()
+                       if key not in ("sorter", "seed", "sketch_dim", "log_herding")}, sort_keys=True, default=str)
 
 
 def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
@@ -121,7 +118,7 @@ def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
     return runs
 
 
-def _variant_order(variant: str) -> tuple:
+def variant_order(variant: str) -> tuple:
     """CD-GraB exact, then the sketches by decreasing D, then D-RR."""
     if variant == "CD-GraB exact":
         return (0, 0)
@@ -144,7 +141,7 @@ def plot_sketching(df: pd.DataFrame, benchmark: str):
     colours = {"CD-GraB exact": "tab:red", "D-RR": "tab:blue"}
     shades = iter(["tab:orange", "tab:purple", "tab:green", "tab:brown", "tab:olive"])
     for ax, (frame, column) in zip(axes[0], panels):
-        for variant in sorted(frame["variant"].unique(), key=_variant_order):
+        for variant in sorted(frame["variant"].unique(), key=variant_order):
             rows = frame[frame["variant"] == variant]
             curve = rows.groupby("epoch")[column].agg(["mean", "std", "count"])
             colour = colours.setdefault(variant, next(shades, "tab:gray"))

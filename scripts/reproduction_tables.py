@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
-from analysis.studies import _variant_order, communication_table, sketching_runs  # noqa: E402
+from analysis.studies import communication_table, sketching_runs, variant_order  # noqa: E402
 
 
 def mean_std(values) -> str:
@@ -166,7 +166,7 @@ def sketching_markdown(df) -> list[str]:
             loss = {v: rows["train_loss"] for v, rows in at_last.groupby("variant")}
             mb = {v: rows["comm_bytes"].mean() / 1e6 for v, rows in group.groupby("variant")}
             drr, exact = loss.get("D-RR"), loss.get("CD-GraB exact")
-            for variant in sorted(loss, key=_variant_order):
+            for variant in sorted(loss, key=variant_order):
                 share = "-"
                 if drr is not None and exact is not None and variant != "D-RR":
                     share = f"{(drr.mean() - loss[variant].mean()) / (drr.mean() - exact.mean()):.0%}"
