@@ -10,6 +10,13 @@ FlatModel.outer_unit_gradients; a layer's gradient is then the sum over its toke
 g (bias), the tokens grouped by worker (each worker's gradient) or by unit (per-unit gradients, for the
 balancing sorters).
 
+An nn.Sequential made only of Linear layers and elementwise activations (the MLP's body) runs as one
+chain: its input is read as (n, k * ..., in) once, every layer's batched matmul and every activation
+work on those blocks, and only its output is viewed back. A module call and a view each cost a Python
+call and an autograd node per layer and rollout step; the chain spends them once per Sequential call,
+which keeps this pass at the cost of the data-parallel step's one forward and backward
+(bench/communication.py).
+
 A task opts in with `linear_stack = True` (engine/task.py); its model must keep every parameter in
 nn.Linear layers (LR, the MLP), which may be called any number of times (the MLP's rollout).
 """
@@ -32,6 +39,10 @@ class LinearStack:
         self.order = sorted((p for layer in self.layers for p in layer.parameters(recurse=False)),
                             key=lambda p: model.offsets[id(p)])
         self._views = (None, None)  # (params (n, d), {layer: (weight^T (n, in, out), bias (n, 1, out))})
+        # Sequentials of Linear layers and elementwise activations, without hooks: run as chains
+        self.chains = [module for module in model.module.modules() if isinstance(module, torch.nn.Sequential)
+                       and all(isinstance(child, (torch.nn.Linear, *ELEMENTWISE)) and not _has_hooks(child)
+                               for child in module) and not _has_hooks(module)]
 
     def views(self, params: torch.Tensor) -> dict:
         """layer -> (weight^T (n, in, out), bias (n, 1, out) or None): views, no copy, of params (n, d);
@@ -60,13 +71,17 @@ class LinearStack:
         n = params.shape[0]
         calls = {layer: ([], []) for layer in self.layers}  # layer -> (inputs, outputs) of its calls, in order
         views = self.views(params)
-        for layer in self.layers:  # (object's setattr: nn.Module's checks cost more than the call)
+        # (object's setattr: nn.Module's checks cost more than the call); a layer may also be called
+        # outside its chain, so every layer gets the stacked forward
+        for layer in self.layers:
             object.__setattr__(layer, "forward", _stacked_forward(*views[layer], *calls[layer]))
+        for chain in self.chains:
+            object.__setattr__(chain, "forward", _chain_forward(chain, n, views, calls))
         try:
             unit_losses = unit_loss_fn(self.model.flat, batch)
         finally:
-            for layer in self.layers:
-                object.__delattr__(layer, "forward")  # the class's forward again
+            for module in (*self.layers, *self.chains):
+                object.__delattr__(module, "forward")  # the class's forward again
         losses = unit_losses.detach().view(n, k).mean(1)
         if not per_unit:  # row j sums worker j's tokens: the gradient of its mean loss
             return self.layer_gradients(unit_losses, 1 / k, calls, n), None, losses
@@ -95,33 +110,62 @@ class LinearStack:
                               for p in self.order], dim=1)
 
 
+# activations that act on every entry alone: a chain may apply them to (n, k * ..., features) blocks
+ELEMENTWISE = (torch.nn.ReLU, torch.nn.LeakyReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid,
+               torch.nn.Identity)
+
+
+def _has_hooks(module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+
+
+def _block_matmul(blocks, weight_t, bias, inputs_seen: list, outputs_seen: list):
+    """blocks (n, r, in) @ weight^T (n, in, out) (+ bias (n, 1, out)) -> (n, r, out), block j with worker
+    j's row; appends the call's blocks and output to inputs_seen and outputs_seen."""
+    out = torch.bmm(blocks, weight_t) if bias is None else torch.baddbmm(bias, blocks, weight_t)
+    if not out.requires_grad:  # no input needs a gradient (the parameters do not): the graph starts here
+        out.requires_grad_()
+    inputs_seen.append(blocks)
+    outputs_seen.append(out)
+    return out
+
+
 def _stacked_forward(weight_t, bias, inputs_seen: list, outputs_seen: list):
     """A Linear layer's forward with its weight^T (n, in, out) and bias (n, 1, out) stacks: inputs
-    (n * r, ..., in), worker-major, computed block j with worker j's row. Appends each call's input and
-    output to inputs_seen and outputs_seen."""
+    (n * r, ..., in), worker-major, computed block j with worker j's row. Records each call's
+    (n, r * ..., in) blocks and output in inputs_seen and outputs_seen."""
     n, in_features, out_features = weight_t.shape
 
     def forward(inputs):
-        rows = inputs.reshape(n, -1, in_features)  # worker j's units are block j
-        out = torch.bmm(rows, weight_t) if bias is None else torch.baddbmm(bias, rows, weight_t)
-        out = out.view(-1, out_features) if inputs.dim() == 2 else out.view(*inputs.shape[:-1], out_features)
-        if not out.requires_grad:  # no input needs a gradient (the parameters do not): the graph starts here
-            out.requires_grad_()
-        inputs_seen.append(inputs)
-        outputs_seen.append(out)
-        return out
+        out = _block_matmul(inputs.reshape(n, -1, in_features), weight_t, bias, inputs_seen, outputs_seen)
+        return out.view(*inputs.shape[:-1], out_features)
+
+    return forward
+
+
+def _chain_forward(chain, n: int, views: dict, calls: dict):
+    """A Sequential of Linear layers and ELEMENTWISE activations as one chain on (n, r, features) blocks:
+    inputs (n * r, ..., in) worker-major, as _stacked_forward, viewed once on the way in and once out."""
+    steps = [(*views[module], *calls[module]) if isinstance(module, torch.nn.Linear) else module.forward
+             for module in chain]
+
+    def forward(inputs):
+        x = inputs.reshape(n, -1, inputs.shape[-1])
+        for step in steps:
+            x = _block_matmul(x, *step) if type(step) is tuple else step(x)
+        return x.view(*inputs.shape[:-1], x.shape[-1])
 
     return forward
 
 
 def _tokens(tensors: list, rows: int) -> torch.Tensor:
-    """Every call's (U, ..., features) tensors as one (rows, tokens, features): the U units grouped into
-    `rows` blocks (worker-major), the calls' tokens side by side."""
+    """Every call's (n, r, features) blocks (worker j's units, in order, in block j) as one (rows,
+    tokens, features): the units grouped into `rows` blocks (worker-major), the calls' tokens side by side."""
     features = tensors[0].shape[-1]
     if len(tensors) == 1:
         return tensors[0].reshape(rows, -1, features)
-    try:  # calls of one shape (the MLP's rollout): one stack, the units still on dim 0
-        return torch.stack(tensors, dim=1).view(rows, -1, features)
+    try:  # calls of one shape (the MLP's rollout): one stack, each unit's tokens still together
+        return torch.stack(tensors, dim=2).view(rows, -1, features)
     except RuntimeError:  # calls of several shapes
         return torch.cat([t.reshape(rows, -1, features) for t in tensors], dim=1)
 

@@ -31,6 +31,21 @@ class TokensNet(torch.nn.Module):
         return self.second(torch.tanh(self.first(x))) + self.first(x[:, :2]).sum(1, keepdim=True)[..., :2]
 
 
+class ChainNet(torch.nn.Module):
+    """A Sequential of Linear layers and elementwise activations (run as one chain) on units of several
+    tokens, its first layer also called outside the chain, and a Sequential that is no chain (Softmax
+    mixes the features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LeakyReLU(0.1), torch.nn.Linear(6, 6),
+                                        torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        self.head = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Softmax(dim=-1))
+
+    def forward(self, x):
+        return self.head(self.body(x)) + self.body[0](x)[..., 1:3] * self.body(x[:, :2]).sum(1, keepdim=True)[..., :1]
+
+
 def mlp_loss(module, x, y):  # MLP-M4's loss: MSE of the autoregressive rollout, per unit
     return (module(x, y.shape[-1]) - y).square().mean(dim=1)
 
@@ -53,7 +68,7 @@ def make_case(name, generator):
         module, loss = torch.nn.Linear(6, 1), logistic_loss
         x, y = torch.randn(U, 6, generator=generator), torch.randint(0, 2, (U,), generator=generator).float()
     else:
-        module, loss = TokensNet(), tokens_loss
+        module, loss = (TokensNet(), tokens_loss) if name == "tokens" else (ChainNet(), tokens_loss)
         x, y = torch.randn(U, 5, 4, generator=generator), torch.randn(U, 5, 2, generator=generator)
     return module, loss, x, y
 
@@ -83,7 +98,7 @@ def reference(module, loss, params, x, y, k=K):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("case", ["mlp", "logistic", "tokens"])
+@pytest.mark.parametrize("case", ["mlp", "logistic", "tokens", "chain"])
 def test_worker_and_unit_gradients_equal_a_float64_reference(case, dtype):
     generator = torch.Generator().manual_seed(0)
     module, loss, x, y = make_case(case, generator)
@@ -109,6 +124,9 @@ def test_worker_and_unit_gradients_equal_a_float64_reference(case, dtype):
     close(losses, expected_losses)
     assert torch.equal(params, before)  # read, never written
     assert all("forward" not in layer.__dict__ for layer in stack.layers)  # the modules' own forward again
+    assert all("forward" not in chain.__dict__ for chain in stack.chains)
+    if case in ("mlp", "chain"):  # the MLP's body and ChainNet's body are chains, ChainNet's head is not
+        assert stack.chains == [model.module.net if case == "mlp" else model.module.body]
     if case == "tokens":  # the unused layer's columns are zero, the bias-free layer has no bias columns
         offset = model.offsets[id(model.module.unused.weight)]
         assert torch.all(unit_grads[..., offset:offset + 12] == 0) and torch.any(unit_grads[..., :offset] != 0)
