@@ -119,3 +119,22 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     fine = ["importlib.util.spec_from_file_location", "kernelspec", "the paper's section 6.1", "a specific case"]
     assert all(SPEC_CITATION.search(line) for line in cited)
     assert not any(SPEC_CITATION.search(line) for line in fine)
+
+
+def test_readme_local_step_table_is_the_shipped_bench_result():
+    """README's local-step cost table and docs/local-step-speed.md's full table state the ratios of
+    bench/results/communication-cpu.json (a rerun of the bench must update both)."""
+    import json
+
+    result = json.loads((REPO / "bench" / "results" / "communication-cpu.json").read_text())
+    columns = [("MLP-M4", "D-RR"), ("MLP-M4", "CD-GraB"), ("LR-HMDA", "D-RR"), ("LR-HMDA", "CD-GraB")]
+    rows = {"constant H = 4, dense": "constant+dense", "QSR, dense": "qsr+dense",
+            "constant H = 4, dense, through vmap (before)": "constant+dense (vmap)"}
+    readme = (REPO / "README.md").read_text()
+    for label, strategy in rows.items():
+        expected = " | ".join(f"{result[b][s][strategy]['ratio']:.2f}" for b, s in columns)
+        assert f"| {label} | {expected} |" in readme, label
+    page = (REPO / "docs" / "local-step-speed.md").read_text()
+    for benchmark, sorter in columns:
+        for strategy, m in result[benchmark][sorter].items():
+            assert f"| {benchmark} | {sorter} | {strategy} | {m['epoch_cpu_seconds']:.2f} | {m['ratio']:.2f} |" in page
