@@ -3,6 +3,8 @@
     communication   scripts/sweep-communication.sh: synchronisation rule x reducer x sorter (issue #9)
     sketching       --sketch-dim: CD-GraB balancing CountSketches of the gradients (issue #20); its
                     training curves are drawn against the benchmark's own exact CD-GraB and D-RR runs
+    reorderers      other coordinated reorderers (KH-SGD, SBW: issue #21), drawn against the
+                    benchmark's CD-GraB and D-RR runs of the same settings
 
 `study_figures(df)` returns {file stem: Figure} for every study present in a load_runs frame.
 """
@@ -18,7 +20,8 @@ from analysis.load import result_settings, run_args
 COMMUNICATION_ARGS = ["sync", "H", "alpha", "H_base", "reducer", "density", "lr_schedule"]
 STRATEGY_MARKERS = {"every-step": "o", "constant": "s", "qsr": "^", "linear": "v", "post-local": "D"}
 REDUCER_FILL = {"dense": "full", "topk": "left", "exdyna": "none"}
-SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange"}
+SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
+                 "KH-SGD": "tab:pink", "SBW": "tab:olive"}  # as analysis/plots.py colours them
 
 
 def communication_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -91,13 +94,25 @@ def _comparable_settings(run_dir: str) -> str:
                        if key not in ("sorter", "seed", "sketch_dim", "log_herding")}, sort_keys=True, default=str)
 
 
+def study_with_baselines(df: pd.DataFrame, study: str) -> pd.DataFrame:
+    """The runs of `study` and, as their baselines, the exact CD-GraB and D-RR runs elsewhere (the
+    benchmark's own runs, other studies) whose settings equal a group of the study's runs in everything
+    but the sorter, seed and sketch (workers, batch, learning rate and schedule, data, synchronisation,
+    ...), cut at that group's last epoch. df: a load_runs frame with the `sketch_dim` column of run_args."""
+    df = df.assign(comparable=df["run_dir"].map({run: _comparable_settings(run) for run in df["run_dir"].unique()}))
+    runs = df[df["study"] == study]
+    groups = runs.groupby("comparable")["epoch"].max().rename("last_epoch").reset_index()
+    baselines = df[(df["study"] != study) & df["sorter"].isin(["CD-GraB", "D-RR"]) & (df["sketch_dim"] == 0)]
+    baselines = baselines.merge(groups, on="comparable")
+    baselines = baselines[baselines["epoch"] <= baselines["last_epoch"]].drop(columns="last_epoch")
+    return pd.concat([runs, baselines], ignore_index=True).drop(columns="comparable")
+
+
 def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
-    """The sketching study's runs of `benchmark` and, as its baselines, the benchmark's exact CD-GraB and
-    D-RR runs elsewhere (its own runs, other studies) whose settings equal a group of sketched runs' in
-    everything but the sorter, seed and sketch (workers, batch, learning rate and schedule, data,
-    synchronisation, ...), cut at that group's last epoch. One row per (run, epoch), with `variant`
-    ("D-RR", "CD-GraB exact", "CD-GraB, D = 64"), `full_data` (no --max-train-examples) and `examples`
-    (--max-train-examples, 0 for the full data). Empty without sketching runs."""
+    """The sketching study's runs of `benchmark` with their baselines (study_with_baselines). One row per
+    (run, epoch), with `variant` ("D-RR", "CD-GraB exact", "CD-GraB, D = 64"), `full_data` (no
+    --max-train-examples) and `examples` (--max-train-examples, 0 for the full data). Empty without
+    sketching runs."""
     if not len(df):
         return df
     df = df[df["benchmark"] == benchmark]
@@ -105,17 +120,63 @@ def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
         return df.iloc[:0]
     df = df.merge(run_args(df, ["sketch_dim", "max_train_examples"]), on="run_dir")
     df["examples"] = df["max_train_examples"].fillna(0)
-    df["comparable"] = df["run_dir"].map({run: _comparable_settings(run) for run in df["run_dir"].unique()})
-    study = df[df["study"] == "sketching"]
-    groups = study.groupby("comparable")["epoch"].max().rename("last_epoch").reset_index()
-    baselines = df[(df["study"] != "sketching") & df["sorter"].isin(["CD-GraB", "D-RR"]) & (df["sketch_dim"] == 0)]
-    baselines = baselines.merge(groups, on="comparable")
-    baselines = baselines[baselines["epoch"] <= baselines["last_epoch"]].drop(columns="last_epoch")
-    runs = pd.concat([study, baselines], ignore_index=True).drop(columns="comparable")
+    runs = study_with_baselines(df, "sketching")
     runs["full_data"] = runs["examples"] == 0
     runs["variant"] = [sorter if sorter != "CD-GraB" else "CD-GraB exact" if not dim else f"CD-GraB, D = {int(dim)}"
                        for sorter, dim in zip(runs["sorter"], runs["sketch_dim"].fillna(0))]
     return runs
+
+
+def reorderer_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
+    """The reorderers study's runs of `benchmark` with their CD-GraB and D-RR baselines
+    (study_with_baselines): one row per (run, epoch). Empty without such runs."""
+    if not len(df):
+        return df
+    df = df[df["benchmark"] == benchmark]
+    if not (df["study"] == "reorderers").any():
+        return df.iloc[:0]
+    return study_with_baselines(df.merge(run_args(df, ["sketch_dim"]), on="run_dir"), "reorderers")
+
+
+REORDERER_ORDER = ("CD-GraB", "KH-SGD", "SBW", "D-RR")
+
+
+def plot_reorderers(df: pd.DataFrame, benchmark: str):
+    """Train loss and the benchmark's headline metric per epoch (mean over seeds, std band) of every
+    sorter of the reorderers study and its baselines; one row of panels per number of workers. None
+    without reorderer runs."""
+    runs = reorderer_runs(df, benchmark)
+    if not len(runs):
+        return None
+    metrics = ["train_loss", *headline_metrics(runs, benchmark)[:1]]
+    worker_counts = sorted(runs["node_cnt"].unique())
+    fig, axes = plt.subplots(len(worker_counts), len(metrics), figsize=(6 * len(metrics), 3.8 * len(worker_counts)),
+                             squeeze=False)
+    for row, n in zip(axes, worker_counts):
+        group = runs[runs["node_cnt"] == n]
+        sorters = sorted(group["sorter"].unique(), key=lambda s: (REORDERER_ORDER + (s,)).index(s))
+        for ax, metric in zip(row, metrics):
+            for sorter in sorters:
+                rows = group[group["sorter"] == sorter]
+                curve = rows.groupby("epoch")[metric].agg(["mean", "std"])
+                colour = SORTER_COLORS.get(sorter, "tab:gray")
+                ax.plot(curve.index, curve["mean"], color=colour, linewidth=1.4,
+                        label=f"{sorter} ({rows['run_dir'].nunique()} seeds)")
+                ax.fill_between(curve.index, curve["mean"] - curve["std"].fillna(0),
+                                curve["mean"] + curve["std"].fillna(0), color=colour, alpha=0.12, linewidth=0)
+            if metric == "train_loss":  # the late epochs are where the sorters differ
+                late = group[group["epoch"] >= group["epoch"].max() * 0.3].groupby(["sorter", "epoch"])[metric].mean()
+                spread = late.max() - late.min()
+                ax.set_ylim(late.min() - 0.1 * spread, late.max() + 0.1 * spread)
+            ax.set_title(f"{metric.replace('_', ' ')}, {n} worker{'s' if n > 1 else ''}", fontsize=10)
+            ax.set_xlabel("epoch")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    B, lr = int(runs["B"].iloc[0]), runs["lr"].iloc[0]
+    fig.suptitle(f"{benchmark}: KH-SGD and SBW, coordinated, against CD-GraB and D-RR\n(B {B}, lr {lr:g}; "
+                 f"band: std over seeds)", fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 def variant_order(variant: str) -> tuple:
@@ -175,4 +236,7 @@ def study_figures(df: pd.DataFrame) -> dict:
     if len(df) and (df["study"] == "sketching").any():
         for benchmark in sorted(df.loc[df["study"] == "sketching", "benchmark"].unique()):
             figs[f"sketching-{benchmark}"] = plot_sketching(df, benchmark)
+    if len(df) and (df["study"] == "reorderers").any():
+        for benchmark in sorted(df.loc[df["study"] == "reorderers", "benchmark"].unique()):
+            figs[f"reorderers-{benchmark}"] = plot_reorderers(df, benchmark)
     return {name: fig for name, fig in figs.items() if fig is not None}

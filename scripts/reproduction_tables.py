@@ -6,8 +6,8 @@ Prints Markdown: per benchmark, the paper's numbers (read off its figures, issue
 mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR gap, our training
 seconds per epoch, and the herding bound after the last round; then the heterogeneity and
 worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds, and
-the communication study (issue #9) and the sketching study (issue #20). Runs with fewer epochs than the paper's epoch are reported at their
-last epoch and marked.
+the communication study (issue #9), the sketching study (issue #20) and the reorderers study (issue #21).
+Runs with fewer epochs than the paper's epoch are reported at their last epoch and marked.
 """
 import argparse
 import sys
@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
-from analysis.studies import communication_table, sketching_runs, variant_order  # noqa: E402
+from analysis.aggregate import headline_metrics  # noqa: E402
+from analysis.studies import REORDERER_ORDER, communication_table, reorderer_runs, sketching_runs, variant_order  # noqa: E402
 
 
 def mean_std(values) -> str:
@@ -181,6 +182,48 @@ def sketching_markdown(df) -> list[str]:
     return lines
 
 
+def reorderers_markdown(df) -> list[str]:
+    """The reorderers study (issue #21), per benchmark and worker count: per sorter (the study's and the
+    CD-GraB and D-RR baselines of the same settings) the train loss and headline metric at the paper's
+    epochs and, when later, at the runs' last two epochs (mean per seed, then mean ± std over seeds), and
+    the median seconds per epoch; then each sorter's train loss minus CD-GraB's, seed by seed (the same
+    seed: the same data split, initial model and first order)."""
+    lines = []
+    for benchmark in sorted(df.loc[df["study"] == "reorderers", "benchmark"].unique()) if len(df) else []:
+        runs = reorderer_runs(df, benchmark)
+        metric = headline_metrics(runs, benchmark)[0]
+        last = int(runs["epoch"].max())
+        spans = [tuple(PAPER_VALUES[benchmark][0])]
+        if spans[0][-1] < last:
+            spans.append((last - 1, last))
+        names = ["-".join(map(str, span)) for span in spans]
+        lines += [f"| {benchmark} | workers | seeds | " + " | ".join(f"train loss, epochs {name} | {metric}, epochs {name}"
+                                                               for name in names) + " | s / epoch (median) |",
+                  "|---|---|---|" + "---|---|" * len(spans) + "---|"]
+        differences = []
+        for n, group in runs.groupby("node_cnt"):
+            sorters = sorted(group["sorter"].unique(), key=lambda s: (*REORDERER_ORDER, s).index(s))
+            at = {span: group[group["epoch"].isin(span)].groupby(["sorter", "seed"])[["train_loss", metric]].mean()
+                  for span in spans}
+            for sorter in sorters:
+                rows = group[group["sorter"] == sorter]
+                cells = [sorter, str(n), ",".join(str(int(seed)) for seed in sorted(rows["seed"].unique()))]
+                for span in spans:
+                    cells += [mean_std(at[span].loc[sorter, "train_loss"]), mean_std(at[span].loc[sorter, metric])]
+                cells.append(f"{rows['epoch_seconds'].median():.1f}")
+                lines.append("| " + " | ".join(cells) + " |")
+            final = at[spans[-1]]["train_loss"].unstack("sorter")
+            for sorter in sorters:
+                if sorter == "CD-GraB" or "CD-GraB" not in final:
+                    continue
+                gap = (final[sorter] - final["CD-GraB"]).dropna()
+                differences.append(f"| {n} | {sorter} | {', '.join(f'{v:+.5f}' for v in gap)} | "
+                                   f"{int((gap < 0).sum())} of {len(gap)} |")
+        lines += ["", f"| {benchmark}, workers | sorter | train loss minus CD-GraB's, epochs {names[-1]}, per seed | "
+                      "seeds where lower than CD-GraB |", "|---|---|---|---|", *differences, ""]
+    return lines
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """Reports a bad command line in one line, as the entry scripts do (argparse prints its usage first)."""
 
@@ -209,6 +252,7 @@ def main():
     print("\n".join(scaling_table(everything)))
     print("\n".join(communication_markdown(everything)))
     print("\n".join(sketching_markdown(everything)))
+    print("\n".join(reorderers_markdown(everything)))
 
 
 if __name__ == "__main__":
