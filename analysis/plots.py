@@ -6,6 +6,8 @@ Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and
     <out>/<benchmark>-time-breakdown.{png,pdf}  mean sorter/comm/compute/other seconds per epoch, stacked
     <out>/herding-bound.{png,pdf}               parallel herding bound per round (log y), one panel per n
     <out>/communication-<benchmark>.{png,pdf}   the communication study (analysis/studies.py)
+    <out>/sketching-<benchmark>.{png,pdf}       the sketching study (analysis/studies.py)
+    <out>/reorderers-<benchmark>.{png,pdf}      the reorderers study (analysis/studies.py)
     <out>/heterogeneity.{png,pdf}               final train loss and metric vs --partition (runs that differ in it)
     <out>/scaling.{png,pdf}                     final train loss and metric vs workers n, herding_bound per epoch
 

@@ -196,8 +196,8 @@ def reorderers_markdown(df) -> list[str]:
         spans = [tuple(PAPER_VALUES[benchmark][0])]
         if spans[0][-1] < last:
             spans.append((last - 1, last))
-        names = ["-".join(map(str, span)) for span in spans]
-        lines += [f"| {benchmark} | workers | seeds | " + " | ".join(f"train loss, epochs {name} | {metric}, epochs {name}"
+        names = [("epochs " if len(span) > 1 else "epoch ") + "-".join(map(str, span)) for span in spans]
+        lines += [f"| {benchmark} | workers | seeds | " + " | ".join(f"train loss, {name} | {metric}, {name}"
                                                                for name in names) + " | s / epoch (median) |",
                   "|---|---|---|" + "---|---|" * len(spans) + "---|"]
         differences = []
@@ -219,7 +219,7 @@ def reorderers_markdown(df) -> list[str]:
                 gap = (final[sorter] - final["CD-GraB"]).dropna()
                 differences.append(f"| {n} | {sorter} | {', '.join(f'{v:+.5f}' for v in gap)} | "
                                    f"{int((gap < 0).sum())} of {len(gap)} |")
-        lines += ["", f"| {benchmark}, workers | sorter | train loss minus CD-GraB's, epochs {names[-1]}, per seed | "
+        lines += ["", f"| {benchmark}, workers | sorter | train loss minus CD-GraB's, {names[-1]}, per seed | "
                       "seeds where lower than CD-GraB |", "|---|---|---|---|", *differences, ""]
     return lines
 

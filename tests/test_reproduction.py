@@ -86,6 +86,25 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     assert set(lr.loc[lr["variant"] == "CD-GraB, D = 8", "comm_bytes"]) == {1250 * 4 * (n * k * 8 + n * 26)}
 
 
+def test_shipped_reorderers_study_is_complete_and_matched_with_its_baselines():
+    """Issue #21: KH-SGD and SBW on LR-HMDA with 1 worker (seeds 1-5, with CD-GraB and D-RR of their own)
+    and 4 workers (seeds 0-4), and on MLP-M4 with 4 workers (seeds 0-2), each drawn against the CD-GraB and
+    D-RR runs of exactly its settings (the benchmark's own runs for 4 workers; not e.g. the scaling or
+    heterogeneity studies' runs of other worker counts or data), all 50 epochs."""
+    from analysis.studies import reorderer_runs
+
+    df = load_runs(SHIPPED, warn=False)
+    sorters = ["CD-GraB", "D-RR", "KH-SGD", "SBW"]
+    for benchmark, groups in {"LR-HMDA": {1: [1, 2, 3, 4, 5], 4: [0, 1, 2, 3, 4]}, "MLP-M4": {4: [0, 1, 2]}}.items():
+        runs = reorderer_runs(df, benchmark)
+        seeds = runs.groupby(["node_cnt", "sorter"])["seed"].agg(lambda s: sorted(set(s))).to_dict()
+        assert seeds == {(n, sorter): wanted for n, wanted in groups.items() for sorter in sorters}, benchmark
+        assert (runs.groupby("run_dir")["epoch"].max() == 50).all() and runs.groupby("run_dir").size().eq(50).all()
+        counts = runs.groupby(["node_cnt", "sorter"])["run_dir"].nunique().to_dict()
+        assert counts == {(n, sorter): len(wanted) for n, wanted in groups.items() for sorter in sorters}, benchmark
+        assert runs["lr"].nunique() == runs["B"].nunique() == runs["partition"].nunique() == 1, benchmark
+
+
 def test_analysis_defaults_to_the_shipped_runs_without_runs_of_ones_own(tmp_path, monkeypatch):
     monkeypatch.setattr(load, "REPO_ROOT", tmp_path)
     assert load.default_results_dir() == load.SHIPPED_RESULTS == SHIPPED
@@ -101,6 +120,7 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("LR-HMDA-vs-epoch", "MLP-M4-vs-epoch", "LSTM-Wiki2-vs-epoch", "GPT2-Wiki103-vs-epoch",
-                 "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4", "sketching-MLP-M4", "sketching-LR-HMDA"):
+                 "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4", "sketching-MLP-M4", "sketching-LR-HMDA",
+                 "reorderers-LR-HMDA", "reorderers-MLP-M4"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()
