@@ -25,25 +25,12 @@ from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding,
                                 time_breakdown)
 from analysis.paper_values import PAPER_VALUES, paper_epoch
 from analysis.studies import study_figures
+from analysis.style import SORTER_COLORS, metric_label as _label
 
-LABELS = {
-    "train_loss": "train loss", "test_loss": "test loss", "valid_loss": "validation loss",
-    "train_acc": "train accuracy", "test_acc": "test accuracy",
-    "train_ppl": "train perplexity", "valid_ppl": "validation perplexity", "test_ppl": "test perplexity",
-    "test_smape": "test sMAPE", "herding_bound": "herding bound of the epoch's gradients",
-}
-BENCHMARK_LABELS = {"MLP-M4": {"train_loss": "train MSE (standardised)"}}
-SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
-                 "D-SO": "tab:purple", "Fold": "tab:brown", "ALL": "tab:gray", "KH-SGD": "tab:pink",
-                 "SBW": "tab:olive"}
 PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
                "other_seconds": "tab:gray"}
 LOG_Y = ("_ppl",)  # perplexities span orders of magnitude in the first epochs
 SECONDS_LABEL = "training seconds (cumulative; evaluation excluded)"  # what cum_seconds sums: epoch_seconds
-
-
-def _label(metric, benchmark=None):
-    return BENCHMARK_LABELS.get(benchmark, {}).get(metric) or LABELS.get(metric, metric)
 
 
 def _curve_labels(groups):

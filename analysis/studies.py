@@ -16,12 +16,11 @@ import pandas as pd
 
 from analysis.aggregate import headline_metrics
 from analysis.load import result_settings, run_args
+from analysis.style import SORTER_COLORS, metric_label
 
 COMMUNICATION_ARGS = ["sync", "H", "alpha", "H_base", "reducer", "density", "lr_schedule"]
 STRATEGY_MARKERS = {"every-step": "o", "constant": "s", "qsr": "^", "linear": "v", "post-local": "D"}
 REDUCER_FILL = {"dense": "full", "topk": "left", "exdyna": "none"}
-SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
-                 "KH-SGD": "tab:pink", "SBW": "tab:olive"}  # as analysis/plots.py colours them
 
 
 def communication_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -141,6 +140,11 @@ def reorderer_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
 REORDERER_ORDER = ("CD-GraB", "KH-SGD", "SBW", "D-RR")
 
 
+def reorderer_order(sorter: str) -> int:
+    """CD-GraB, KH-SGD, SBW, D-RR, then any other sorter."""
+    return REORDERER_ORDER.index(sorter) if sorter in REORDERER_ORDER else len(REORDERER_ORDER)
+
+
 def plot_reorderers(df: pd.DataFrame, benchmark: str):
     """Train loss and the benchmark's headline metric per epoch (mean over seeds, std band) of every
     sorter of the reorderers study and its baselines; one row of panels per number of workers. None
@@ -154,7 +158,7 @@ def plot_reorderers(df: pd.DataFrame, benchmark: str):
                              squeeze=False)
     for row, n in zip(axes, worker_counts):
         group = runs[runs["node_cnt"] == n]
-        sorters = sorted(group["sorter"].unique(), key=lambda s: (REORDERER_ORDER + (s,)).index(s))
+        sorters = sorted(group["sorter"].unique(), key=reorderer_order)
         for ax, metric in zip(row, metrics):
             for sorter in sorters:
                 rows = group[group["sorter"] == sorter]
@@ -168,8 +172,7 @@ def plot_reorderers(df: pd.DataFrame, benchmark: str):
                 late = group[group["epoch"] >= group["epoch"].max() * 0.3].groupby(["sorter", "epoch"])[metric].mean()
                 spread = late.max() - late.min()
                 ax.set_ylim(late.min() - 0.1 * spread, late.max() + 0.1 * spread)
-            label = {"test_smape": "test sMAPE", "test_acc": "test accuracy"}.get(metric, metric.replace("_", " "))
-            ax.set_title(f"{label}, {n} worker{'s' if n > 1 else ''}", fontsize=10)
+            ax.set_title(f"{metric_label(metric, benchmark)}, {n} worker{'s' if n > 1 else ''}", fontsize=10)
             ax.set_xlabel("epoch")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

@@ -19,7 +19,7 @@ from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
 from analysis.aggregate import headline_metrics  # noqa: E402
-from analysis.studies import REORDERER_ORDER, communication_table, reorderer_runs, sketching_runs, variant_order  # noqa: E402
+from analysis.studies import communication_table, reorderer_order, reorderer_runs, sketching_runs, variant_order  # noqa: E402
 
 
 def mean_std(values) -> str:
@@ -202,7 +202,7 @@ def reorderers_markdown(df) -> list[str]:
                   "|---|---|---|" + "---|---|" * len(spans) + "---|"]
         differences = []
         for n, group in runs.groupby("node_cnt"):
-            sorters = sorted(group["sorter"].unique(), key=lambda s: (*REORDERER_ORDER, s).index(s))
+            sorters = sorted(group["sorter"].unique(), key=reorderer_order)
             at = {span: group[group["epoch"].isin(span)].groupby(["sorter", "seed"])[["train_loss", metric]].mean()
                   for span in spans}
             for sorter in sorters:
