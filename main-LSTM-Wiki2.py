@@ -71,6 +71,7 @@ class LSTMWiki2(Task):
         self.carry_hidden, self.order_unit = args.carry_hidden, args.order_unit
         self.clip_grad_norm = args.clip
         self.device = device
+        self.cudnn = args.cudnn == "on"  # see _gradient_kernels
 
         train = batchify(corpus.train, self.B)  # (rows, B)
         available = n_chunks(train.size(0), self.bptt)
@@ -148,7 +149,7 @@ class LSTMWiki2(Task):
         inputs, targets, h0, c0 = batch
         U, T, w = inputs.shape
         x = inputs.permute(1, 0, 2).reshape(T, U * w)                    # time-major, column = (unit, col)
-        state = tuple(s.permute(1, 0, 2, 3).reshape(LAYERS, U * w, HIDDEN) for s in (h0, c0))
+        state = tuple(s.permute(1, 0, 2, 3).reshape(LAYERS, U * w, HIDDEN).contiguous() for s in (h0, c0))  # cuDNN
         log_probs, (h, c) = self.model(flat, x, state)                   # (T * U * w, V)
         loss = F.nll_loss(log_probs, targets.permute(1, 0, 2).reshape(-1))
         if not self.carry_hidden:
@@ -181,7 +182,8 @@ class LSTMWiki2(Task):
         vmap tracer), where it fails (models.lstm.without_cudnn) and PyTorch's own kernels run. cuDNN
         computes in full float32: the suite turns its TF32 default off unless --tf32 (engine/device.py).
         Nothing changes on the CPU."""
-        return without_cudnn() if self.device.type == "cuda" and flat is not self.model.flat else nullcontext()
+        through_func = flat is not self.model.flat
+        return without_cudnn() if self.device.type == "cuda" and (through_func or not self.cudnn) else nullcontext()
 
     def start_epoch(self, epoch):
         if self.carry_hidden:
@@ -217,7 +219,8 @@ class LSTMWiki2(Task):
     def evaluate(self, flat, comm):
         metrics = {}
         for split in ("train", "valid", "test"):
-            loss = self._mean_nll(flat, *self.eval_matrices[split], comm)
+            with self._gradient_kernels(flat):  # only --cudnn off changes the kernels here
+                loss = self._mean_nll(flat, *self.eval_matrices[split], comm)
             metrics[f"{split}_loss"] = loss
             metrics[f"{split}_ppl"] = math.exp(loss) if loss < 700 else math.inf
         return metrics
@@ -238,6 +241,10 @@ def make_parser():
                         help="carry each worker's detached hidden state from step to step (zeros once per epoch), "
                              "as the original, although consecutive chunks are unrelated; without it every chunk "
                              "starts from zeros")
+    parser.add_argument("--cudnn", choices=("on", "off"), default="on",
+                        help="on CUDA, train and evaluate the LSTM with cuDNN's kernels (on), or with PyTorch's own "
+                             "(off: the fallback when cuDNN fails the CUDA-vs-CPU check of tests/test_cuda.py); "
+                             "through torch.func PyTorch's own run either way; no effect on the CPU")
     parser.add_argument("--order-unit", choices=("chunk", "example"), default="chunk",
                         help="ordering unit: one bptt chunk of the worker's B/n columns (the paper), or one "
                              "column of one chunk (B/n units per worker per step, zero initial state each; "

@@ -67,6 +67,7 @@ FLAGS = {
     "freq": Flag(), "in_len": Flag(), "hidden": Flag(), "layers": Flag(),
     # main-LSTM-Wiki2.py
     "bptt": Flag(), "clip": Flag(), "carry_hidden": Flag(), "order_unit": Flag(),
+    "cudnn": Flag(resumable=True, added="on", out="never"),  # cuDNN's or PyTorch's kernels: float32 rounding apart
     # main-GPT2-Wiki103.py
     "train_file": Flag(), "max_seq_length": Flag(), "cache_dir": RESUMABLE,
 }
