@@ -6,7 +6,8 @@ Per step t:  every local worker j takes its units orders[j, t:t+k]
              exchange   (all-gather unit gradients, or all-reduce the mean gradient)
              sorter.step(all workers' unit gradients, positions t..t+k-1)
              optimizer step with the global-batch gradient
-After epoch: evaluate, append a metrics row, save checkpoint.pt and metrics.csv.
+After epoch: evaluate, append a metrics row, save checkpoint.pt and metrics.csv; stop early when the
+             file $CDGRAB_STOP_FILE asks for it (stop_requested).
 
 With --sync other than every-step (engine/local_sgd.py) every worker keeps its own parameters and
 optimizer state and steps on its own gradient, and the workers average every H steps; with a
@@ -182,9 +183,34 @@ def train(task, args, comm, device) -> list[dict]:
         if args.record_orders:
             recorded_orders.append(orders.to(torch.int32).cpu())
         save_epoch(run, rows, recorded_orders)
+        if epoch < args.epochs and stop_requested(epoch, comm):
+            if run.writer:
+                print(f"{task.name}: stopped after epoch {epoch} ($CDGRAB_STOP_FILE); continue with --resume",
+                      file=sys.stderr, flush=True)
+            break
     if isinstance(run.sorter, BackgroundSorter):
         run.sorter.close()
     return rows
+
+
+def stop_requested(epoch: int, comm) -> bool:
+    """Whether to stop after this epoch, its checkpoint saved: the file named by $CDGRAB_STOP_FILE exists
+    and is empty (stop at the next epoch end) or holds an epoch number <= `epoch`. A scheduler (such
+    as scripts/gpu_session.py before a deadline) asks a run to stop cleanly this way. Every process
+    reads the file and the processes agree (any one seeing it stops all), so they never part ways."""
+    path = os.environ.get("CDGRAB_STOP_FILE")
+    wanted = 0.0
+    if path:
+        try:
+            text = Path(path).read_text().strip()
+            wanted = 1.0 if not text or int(text) <= epoch else 0.0
+        except FileNotFoundError:
+            pass
+        except ValueError:
+            wanted = 1.0  # not a number: a plain "stop"
+    if comm.world_size > 1:
+        wanted = comm.all_reduce_sum(torch.tensor([[wanted]], dtype=torch.float64, device=comm.device)).item()
+    return wanted > 0
 
 
 def build_run(task, args, comm, device) -> Run:

@@ -67,10 +67,12 @@ BENCHMARKS = {
                  "--max-eval-examples", "2", "--train-file", "{data}/wikitext-103/wiki.valid.tokens"],
     },
 }
-# most valuable first: both benchmarks' CD-GraB and D-RR at seed 0, the LSTM's Fold, then seeds 1 and 2
+# most valuable first: CD-GraB and D-RR at seed 0, the LSTM's Fold, then seeds 1 and 2. GPT-2 leads each
+# seed: its checkpoints (parameters and AdamW's two moments) are too large to travel between sessions,
+# so a GPT-2 run must finish on the machine it started on, while the LSTM's go on from session to session.
 QUEUE = [(benchmark, sorter, seed) for seed in (0, 1, 2)
-         for benchmark, sorter in (("LSTM-Wiki2", "CD-GraB"), ("LSTM-Wiki2", "D-RR"), ("GPT2-Wiki103", "CD-GraB"),
-                                   ("GPT2-Wiki103", "D-RR"), ("LSTM-Wiki2", "Fold"))]
+         for benchmark, sorter in (("GPT2-Wiki103", "CD-GraB"), ("GPT2-Wiki103", "D-RR"), ("LSTM-Wiki2", "CD-GraB"),
+                                   ("LSTM-Wiki2", "D-RR"), ("LSTM-Wiki2", "Fold"))]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_host_sync.py", "tests/test_overlap_cuda.py"]
 LSTM_CHECK = ["tests/test_cuda.py", "-k", "agree_with_the_cpu and LSTM-Wiki2"]
 TINY_EPOCHS = 6
@@ -137,7 +139,12 @@ class Run:
 
     def start(self, args, cudnn: str, threads: int) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        # the engine stops cleanly at the end of the epoch this file names (empty: the current one)
+        self.stop_file.unlink(missing_ok=True)
+        if args.stop_after_epochs:
+            self.stop_file.write_text(f"{self.epochs_done() + args.stop_after_epochs}\n")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+               "CDGRAB_STOP_FILE": str(self.stop_file)}
         env.setdefault("CDGRAB_CACHE", str(Path(args.work) / "cache"))
         logfile = open(self.dir / "log.txt", "a")
         logfile.write(f"\n# gpu_session {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.command(args, cudnn))}\n")
@@ -158,6 +165,14 @@ class Run:
         """The last epoch's length in this call (the first one includes start-up); None before one ended."""
         return self.epoch_ends[-1] - self.epoch_ends[-2] if len(self.epoch_ends) >= 2 else None
 
+    @property
+    def stop_file(self) -> Path:
+        return self.dir / "stop-after-epoch"
+
+    def stop_after_this_epoch(self) -> None:
+        if not self.stop_file.exists():
+            self.stop_file.write_text("")
+
     def stop(self) -> None:
         if self.process and self.process.poll() is None and not self.stopping:
             self.stopping = True
@@ -171,6 +186,21 @@ class Run:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def stop_decision(epoch_ends: list[float], now: float, stop_at: float) -> str | None:
+    """How to stop a run: "now" at stop_at, or when its current epoch, as long as its last one, would end
+    after stop_at (lost either way; its GPU share helps the others); "after this epoch" when the next
+    one would; else None. epoch_ends: the run's start in this call and the times its epochs ended since
+    (monotonic seconds)."""
+    if now >= stop_at:
+        return "now"
+    if len(epoch_ends) < 2:
+        return None  # no epoch ended yet in this call: no estimate
+    last = epoch_ends[-1] - epoch_ends[-2]
+    if epoch_ends[-1] + last > stop_at:
+        return "now"
+    return "after this epoch" if epoch_ends[-1] + 2 * last > stop_at else None
 
 
 def seed_from_shipped(run: Run, shipped: Path) -> str:
@@ -190,6 +220,8 @@ def seed_from_shipped(run: Run, shipped: Path) -> str:
         return "finished earlier"
     if not packed.exists():
         return "no shipped checkpoint"
+    if shipped_target != run.epochs:
+        return f"shipped checkpoint not used: its run asks for {shipped_target} epochs, this one for {run.epochs}"
     if (run.dir / "checkpoint.pt").exists() and run.epochs_done() >= shipped_epochs:
         return f"this machine's checkpoint (epoch {run.epochs_done()})"
     run.dir.mkdir(parents=True, exist_ok=True)
@@ -282,6 +314,9 @@ def slim_checkpoint(path: Path) -> bytes:
 
 def pack(runs, work: Path, out: Path, manifest: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    others = [p for p in out.iterdir() if p.name not in ("tests.log", "gpu-epochs.json", "runs.tar.gz")
+              and not p.name.startswith("ckpt-")]  # what the caller wrote there takes slots too
+    max_files = MAX_FILES - len(others)
     files = []
     for name in ("tests.log", "gpu-epochs.json"):
         if (work / name).exists() and (work / name).stat().st_size <= MAX_FILE_BYTES:
@@ -302,12 +337,12 @@ def pack(runs, work: Path, out: Path, manifest: dict) -> None:
         tar.addfile(info, io.BytesIO(data))
     (out / "runs.tar.gz").write_bytes(archive.getvalue())
     files.append("runs.tar.gz")
-    total = sum((out / name).stat().st_size for name in files)
+    total = sum((out / name).stat().st_size for name in files) + sum(p.stat().st_size for p in others if p.is_file())
     for run in runs:  # most valuable first
         if run.finished() or not (run.dir / "checkpoint.pt").exists():
             continue
         entry = manifest["runs"][run.key]
-        if len(files) >= MAX_FILES:
+        if len(files) >= max_files:
             entry["checkpoint"] = "left on this machine: no file slot left"
             continue
         data = slim_checkpoint(run.dir / "checkpoint.pt")
@@ -347,9 +382,27 @@ def device_description(device: str) -> str:
     return out.stdout.strip() or "cuda"
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+def source_tree() -> str | None:
+    """The git tree hash of the working tree as it is (tracked and unignored files): the device
+    machine's .git can be older than the tree that travelled, so --unpack finds the commit by this."""
+    index = Path("/tmp") / f"gpu_session-index-{os.getpid()}"
+    env = {**os.environ, "GIT_INDEX_FILE": str(index)}
+    try:
+        add = subprocess.run(["git", "add", "-A"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        tree = subprocess.run(["git", "write-tree"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        index.unlink(missing_ok=True)
+    return tree.stdout.strip() if add.returncode == 0 and tree.returncode == 0 else None
+
+
+def commit_of_tree(tree: str | None) -> str | None:
+    """The newest commit here whose tree is `tree` (None when none is)."""
+    if not tree:
+        return None
+    out = subprocess.run(["git", "log", "--all", "--format=%H %T"], cwd=ROOT, capture_output=True, text=True)
+    return next((line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == [tree]), None)
 
 
 def check_inputs(args) -> None:
@@ -374,13 +427,15 @@ def session(args) -> None:
     check_inputs(args)
     queue = [q for q in QUEUE if not args.only or f"{q[0]}/{q[1]}/{q[2]}" in args.only or q[0] in args.only]
     runs = [Run(*q, work, args) for q in queue]
-    manifest = {"commit": git_commit(), "device": device_description(args.device), "tiny": args.tiny,
-                "parallel": args.parallel, "deadline_s": args.deadline, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    manifest = {"tree": source_tree(), "device": device_description(args.device), "tiny": args.tiny,
+                "parallel": args.parallel, "queue": [f"{r.key}" for r in runs], "deadline_s": args.deadline, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "runs": {}}
 
     marker = work / "checks.json"
     tests = None
-    if marker.exists():
+    if args.skip_checks:
+        checks = {"lstm_cudnn": "on", "skipped": True}
+    elif marker.exists():
         checks = json.loads(marker.read_text())
         log(f"checks done on this machine earlier: {checks}")
     else:
@@ -393,8 +448,9 @@ def session(args) -> None:
         tests = start_tests(args, work)
     manifest["checks"] = checks
 
+    shipped = args.shipped or (None if args.tiny else ROOT / "reproduction")
     for run in runs:
-        manifest["runs"][run.key] = {"from": seed_from_shipped(run, Path(args.shipped))}
+        manifest["runs"][run.key] = {"from": seed_from_shipped(run, Path(shipped)) if shipped else "nothing shipped"}
 
     pending = [run for run in runs if not run.finished()]
     active, last_line = [], 0.0
@@ -409,10 +465,11 @@ def session(args) -> None:
                     run.failed = f"exit {run.process.returncode}"
                     log(f"{run.key} failed ({run.failed}); see its log.txt")
                 continue
-            seconds = run.epoch_seconds()
-            enough = args.stop_after_epochs and run.epochs_done() - run.epochs_at_start >= args.stop_after_epochs
-            if now >= stop_at or enough or (seconds is not None and run.epoch_ends[-1] + seconds > stop_at):
+            decision = stop_decision(run.epoch_ends, now, stop_at)
+            if decision == "now":
                 run.stop()
+            elif decision == "after this epoch":
+                run.stop_after_this_epoch()
         while pending and len(active) < args.parallel and stop_at - now > args.min_start_seconds:
             run = pending.pop(0)
             if run.finished():
@@ -483,6 +540,7 @@ def unpack(source: Path, into: Path, bench_json: Path, sessions: Path) -> None:
                 shutil.copy(packed, target / "checkpoint.pt.gz")
             state = "finished" if entry["finished"] else f"epoch {entry['epochs_done']}/{entry['epochs']}"
             print(f"{target}: {state}{', checkpoint kept' if (target / 'checkpoint.pt.gz').exists() else ''}")
+        manifest["commit"] = commit_of_tree(manifest.get("tree"))
         stamp = manifest["started"].replace(" ", "T").replace(":", "")
         session_dir = sessions / stamp
         session_dir.mkdir(parents=True, exist_ok=True)
@@ -490,9 +548,14 @@ def unpack(source: Path, into: Path, bench_json: Path, sessions: Path) -> None:
     if (source / "tests.log").exists():
         shutil.copy(source / "tests.log", session_dir / "tests.log")
     if (source / "gpu-epochs.json").exists():
+        report = json.loads((source / "gpu-epochs.json").read_text())
+        if manifest["commit"]:  # the machine's git saw an older HEAD: name the commit the tree is
+            report.update(git_commit=manifest["commit"], git_clean=True,
+                          git_note="the device machine's .git was older than the tree that travelled; "
+                                   "this commit's tree equals that tree (scripts/gpu_session.py source_tree)")
         bench_json.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(source / "gpu-epochs.json", bench_json)
-        print(f"{bench_json}: from {manifest['commit']}")
+        bench_json.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"{bench_json}: from {manifest['commit'] or 'a tree no commit here has'}")
 
 
 def main():
@@ -508,12 +571,14 @@ def main():
                              "else datasets)")
     parser.add_argument("--work", default="/tmp/cdgrab-gpu-session",
                         help="this machine's run directories and check marker (default /tmp/cdgrab-gpu-session)")
-    parser.add_argument("--shipped", default=str(ROOT / "reproduction"),
-                        help="where earlier sessions' packed checkpoints wait (default reproduction/)")
-    parser.add_argument("--parallel", type=int, default=6, help="runs side by side on the GPU (default 6)")
+    parser.add_argument("--shipped", help="where earlier sessions' runs and packed checkpoints wait (default "
+                                           "reproduction/; with --tiny none)")
+    parser.add_argument("--parallel", type=int, default=5, help="runs side by side on the GPU (default 5)")
     parser.add_argument("--only", nargs="+", metavar="BENCHMARK[/SORTER/SEED]",
                         help="run only these queue entries, e.g. GPT2-Wiki103 or LSTM-Wiki2/CD-GraB/0")
     parser.add_argument("--tests", nargs="*", help=f"test files for the first call (default: {' '.join(CUDA_TESTS)})")
+    parser.add_argument("--skip-checks", action="store_true",
+                        help="no LSTM check, bench or tests: straight to the queue (cuDNN on)")
     parser.add_argument("--bench-seconds", type=float, default=150, help="time limit of the bench (default 150)")
     parser.add_argument("--pack-seconds", type=float, default=40,
                         help="seconds kept at the end for stopping and packing (default 40)")
@@ -522,7 +587,7 @@ def main():
     parser.add_argument("--progress-every", type=float, default=60, help="seconds between progress lines")
     parser.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
     parser.add_argument("--stop-after-epochs", type=int, default=0,
-                        help="stop each run after this many epochs in this call, as at a deadline (the dry run's "
+                        help="stop each run cleanly after this many epochs in this call (the dry run's "
                              "deterministic stop; default 0: only the deadline)")
     parser.add_argument("--unpack", metavar="DIR", help="here: unpack the files a device call brought back")
     parser.add_argument("--into", default=str(ROOT / "reproduction"), help="with --unpack: runs go here")

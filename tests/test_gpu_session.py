@@ -1,0 +1,142 @@
+"""scripts/gpu_session.py, the GPU session kit, on the CPU: its run names are the sweeps', its stop rule,
+and a dry run of the whole path (checks, queue, stop at an epoch end, packing, unpacking, going on on the
+same machine and on a "new" one from a packed checkpoint) whose resumed LSTM CD-GraB run must equal an
+uninterrupted run of the entry script (the oracle) to the last bit."""
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from tests.helpers import DATA_DIR, REPO, error_lines, needs_data, read_metrics, run_script
+
+spec = importlib.util.spec_from_file_location("gpu_session", REPO / "scripts" / "gpu_session.py")
+gpu_session = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_session)
+
+KIT = REPO / "scripts" / "gpu_session.py"
+
+
+def kit(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CDGRAB_DATA": str(DATA_DIR)}
+    return subprocess.run([sys.executable, str(KIT), *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("bench_name", gpu_session.BENCHMARKS)  # not "benchmark": pytest-benchmark owns it
+def test_run_names_and_settings_are_the_sweeps(bench_name):
+    """The sweep script, dry, names every queued run as the kit does and passes the same settings."""
+    benchmark = bench_name
+    queued = [(sorter, seed) for b, sorter, seed in gpu_session.QUEUE if b == benchmark]
+    sorters = sorted({sorter for sorter, _ in queued})
+    env = {**os.environ, "DRY_RUN": "1", "SORTERS": " ".join(sorters), "SEEDS": "0 1 2", "DATA": "datasets"}
+    out = subprocess.run(["bash", str(REPO / "scripts" / f"sweep-{benchmark}.sh")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = re.findall(r"run  (\S+): (.*)", out.stdout + out.stderr)
+    commands = dict(lines)
+    for sorter, seed in queued:
+        name = gpu_session.run_name(benchmark, sorter, seed)
+        assert name in commands, (name, list(commands))
+        settings = [a.replace("{data}", "datasets") for a in gpu_session.BENCHMARKS[benchmark]["args"]]
+        assert " ".join(settings) in commands[name] or all(
+            f"{flag} {value}" in commands[name] for flag, value in zip(settings[::2], settings[1::2])
+            if flag.startswith("--") and not value.startswith("--")), commands[name]
+
+
+def test_stop_rule():
+    decide = gpu_session.stop_decision
+    assert decide([0.0], now=99.0, stop_at=100.0) is None                     # no epoch yet: run on
+    assert decide([0.0], now=100.0, stop_at=100.0) == "now"                   # the deadline
+    assert decide([0.0, 20.0, 40.0], now=41.0, stop_at=100.0) is None         # 40 + 2 x 20 <= 100
+    assert decide([0.0, 30.0, 60.0], now=61.0, stop_at=100.0) == "after this epoch"  # 60 + 30 <= 100 < 60 + 60
+    assert decide([0.0, 30.0, 75.0], now=76.0, stop_at=100.0) == "now"        # 75 + 45 > 100: it cannot end
+
+
+def test_unpack_refuses_a_dry_run_into_reproduction(tmp_path):
+    manifest = {"tiny": True, "runs": {}, "started": "2026-01-01 00:00:00"}
+    with tarfile.open(tmp_path / "runs.tar.gz", "w:gz") as tar:
+        data = json.dumps(manifest).encode()
+        info = tarfile.TarInfo("session.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    result = kit("--unpack", tmp_path)
+    assert result.returncode == 2
+    assert len(error_lines(result)) == 1 and "--into" in result.stderr
+    assert kit("--unpack", tmp_path / "nothing-here").returncode == 2
+
+
+def session_json(out):
+    with tarfile.open(out / "runs.tar.gz", "r:gz") as tar:
+        return json.loads(tar.extractfile("session.json").read())
+
+
+@pytest.mark.slow
+@needs_data("wikitext-2", "wikitext-103/wiki.valid.tokens", "gpt2-tokenizer/vocab.json", "gpt2-tokenizer/merges.txt",
+            "hmda/raw/hmda_train_preprocessed.zip")
+def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
+    lstm, gpt2 = "LSTM-Wiki2/CD-GraB/0", "GPT2-Wiki103/D-RR/0"
+    lstm_name = gpu_session.run_name("LSTM-Wiki2", "CD-GraB", 0)
+    gpt2_name = gpu_session.run_name("GPT2-Wiki103", "D-RR", 0)
+    box1, box2, into = tmp_path / "box1", tmp_path / "box2", tmp_path / "reproduction"
+    common = ["--device", "cpu", "--tiny", "--epochs", "3", "--data-dir", DATA_DIR, "--progress-every", "5",
+              "--min-start-seconds", "0", "--pack-seconds", "5", "--deadline", "240", "--parallel", "2"]
+    unpack_to = ["--into", into, "--bench-json", tmp_path / "bench.json", "--sessions", tmp_path / "sessions"]
+
+    # call 1: checks (the CUDA tests skip on the CPU), both runs stopped after 2 of their 3 epochs
+    first = kit(*common, "--work", box1, "--out", tmp_path / "out1", "--only", lstm, gpt2, "--stop-after-epochs", 2,
+                "--tests", "tests/test_cuda.py")
+    assert first.returncode == 0, first.stderr
+    out1 = tmp_path / "out1"
+    files = sorted(p.name for p in out1.iterdir())
+    assert files == sorted(["runs.tar.gz", "tests.log", "gpu-epochs.json",
+                            gpu_session.packed_checkpoint_name("LSTM-Wiki2", lstm_name)])
+    assert all(p.stat().st_size <= gpu_session.MAX_FILE_BYTES for p in out1.iterdir())
+    manifest = session_json(out1)
+    assert manifest["checks"]["lstm_cudnn"] == "on" and manifest["checks"]["bench_exit"] == 0
+    assert "skipped" in (out1 / "tests.log").read_text()
+    runs = manifest["runs"]
+    assert runs[f"LSTM-Wiki2/{lstm_name}"]["epochs_done"] == 2 and not runs[f"LSTM-Wiki2/{lstm_name}"]["finished"]
+    assert runs[f"GPT2-Wiki103/{gpt2_name}"]["epochs_done"] == 2
+    assert "does not fit" in runs[f"GPT2-Wiki103/{gpt2_name}"]["checkpoint"]  # 6.8M parameters and two moments
+    assert json.loads((out1 / "gpu-epochs.json").read_text())["benchmarks"]
+
+    result = kit("--unpack", out1, *unpack_to)
+    assert result.returncode == 0, result.stderr
+    shipped = into / "LSTM-Wiki2" / lstm_name
+    assert (shipped / "checkpoint.pt.gz").exists() and len(read_metrics(shipped)) == 2
+    assert not (into / "GPT2-Wiki103" / gpt2_name / "checkpoint.pt.gz").exists()
+    assert json.loads((tmp_path / "bench.json").read_text())["benchmarks"]
+
+    # call 2, same machine: no checks again; GPT-2 goes on from this machine's own checkpoint
+    second = kit(*common, "--work", box1, "--out", tmp_path / "out2", "--only", gpt2)
+    assert second.returncode == 0, second.stderr
+    assert "checks done on this machine earlier" in second.stderr
+    assert session_json(tmp_path / "out2")["runs"][f"GPT2-Wiki103/{gpt2_name}"]["finished"]
+    assert "resum" in (box1 / "runs" / "GPT2-Wiki103" / gpt2_name / "log.txt").read_text().lower()
+
+    # call 3, a new machine: the LSTM run goes on from the packed checkpoint shipped in "reproduction/"
+    third = kit(*common, "--work", box2, "--out", tmp_path / "out3", "--only", lstm, "--shipped", into, "--skip-checks")
+    assert third.returncode == 0, third.stderr
+    entry = session_json(tmp_path / "out3")["runs"][f"LSTM-Wiki2/{lstm_name}"]
+    assert entry["from"] == "shipped checkpoint (epoch 2)" and entry["finished"] and entry["epochs_this_call"] == 1
+    result = kit("--unpack", tmp_path / "out3", *unpack_to)
+    assert result.returncode == 0, result.stderr
+    assert not (shipped / "checkpoint.pt.gz").exists()  # finished: the checkpoint goes away
+
+    # the oracle: the same run, uninterrupted, straight from the entry script
+    spec = gpu_session.BENCHMARKS["LSTM-Wiki2"]
+    fill = lambda a: a.replace("{data}", str(DATA_DIR))
+    oracle = tmp_path / "oracle"
+    check = run_script(spec["script"], "--sorter", "CD-GraB", "--seed", "0", *map(fill, spec["args"]), "--epochs", "3",
+                       "--device", "cpu", "--data-dir", DATA_DIR, "--out", oracle, "--progress", "off",
+                       *map(fill, spec["tiny"]))
+    assert check.returncode == 0, check.stderr
+    keys = ("train_loss", "valid_loss", "test_loss")
+    assert [[row[k] for k in keys] for row in read_metrics(shipped)] == \
+           [[row[k] for k in keys] for row in read_metrics(oracle)]
