@@ -7,7 +7,8 @@ mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR
 seconds per epoch, and the herding bound after the last round; then the heterogeneity and
 worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds, and
 the communication study (issue #9), the sketching study (issue #20) and the reorderers study (issue #21).
-Runs with fewer epochs than the paper's epoch are reported at their last epoch and marked.
+Where a sorter has no run at the paper's epoch yet (partial runs), every sorter is reported at the last
+epoch each of them reached, over the runs that reached it, and the row is marked partial.
 """
 import argparse
 import sys
@@ -44,23 +45,29 @@ def benchmark_table(df, benchmark: str) -> list[str]:
         paper_cd, paper_drr = paper["CD-GraB"], paper["D-RR"]
         if metric not in runs or runs[metric].isna().all():
             continue
-        cells, short = [], set()  # short: last epochs of runs that stop before the paper's epoch
-        for sorter in sorted(runs["sorter"].unique()):
-            per_seed = []
-            for _, run in runs[runs["sorter"] == sorter].groupby("run_dir"):
-                at = run[run["epoch"].isin(epochs)]
-                if at.empty:  # a partial run: its last epoch
-                    at = run[run["epoch"] == run["epoch"].max()]
-                    short.add(int(at["epoch"].iloc[0]))
-                per_seed.append(at[metric].mean())
+        sorters = sorted(runs["sorter"].unique())
+        target = comparison_epochs(runs, epochs)
+        cells = []
+        for sorter in sorters:
+            per_seed = [run[run["epoch"].isin(target)][metric].mean()
+                        for _, run in runs[runs["sorter"] == sorter].groupby("run_dir")
+                        if set(target) <= set(run["epoch"])]
             cells.append(mean_std(per_seed))
         wanted = "-".join(str(e) for e in epochs)
-        epoch_cell = wanted if not short else f"{', '.join(map(str, sorted(short)))} (partial; paper: {wanted})"
+        epoch_cell = wanted if target == list(epochs) else f"{target[-1]} (partial; paper: {wanted})"
         lines.append(f"| {metric} | {epoch_cell} | {paper_cd} | {paper_drr} | " + " | ".join(cells) + " |")
     seconds = runs.groupby("sorter")["epoch_seconds"].mean()
     lines.append(f"| training s/epoch (mean over epochs) | | | | " +
                  " | ".join(f"{seconds[s]:.1f}" for s in sorted(runs["sorter"].unique())) + " |")
     return lines + [""]
+
+
+def comparison_epochs(runs, epochs) -> list[int]:
+    """The paper's epochs when every sorter has a run that reached them; else (partial runs) the last
+    epoch that every sorter reached in at least one run, so that no row mixes epochs. Each sorter's cell
+    then averages its runs that reached that epoch (n says how many)."""
+    reached = runs.groupby("sorter")["epoch"].max()
+    return list(epochs) if reached.min() >= max(epochs) else [int(reached.min())]
 
 
 def herding_table(hdf) -> list[str]:
