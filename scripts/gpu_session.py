@@ -405,6 +405,34 @@ def commit_of_tree(tree: str | None) -> str | None:
     return next((line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == [tree]), None)
 
 
+DATA_FOLDERS = ("wikitext-2", "wikitext-103", "gpt2-tokenizer", "hmda", "m4")  # the runs', the tests' and the bench's
+
+
+def pack_data(source: Path, archive: Path) -> None:
+    """Here: the data sets the session needs, as one gzipped tar (a third of their size), to carry."""
+    missing = [name for name in DATA_FOLDERS if not (source / name).is_dir()]
+    if missing:
+        fail(f"{source} lacks {', '.join(missing)}: pass the data folder (scripts/download_data.sh fills one)")
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in DATA_FOLDERS:
+            tar.add(source / name, arcname=name)
+    print(f"{archive}: {archive.stat().st_size / MIB:.1f} MiB; carry {archive.parent.name} and pass "
+          f"--data-archive {archive.relative_to(ROOT) if archive.is_relative_to(ROOT) else archive}")
+
+
+def unpack_data(archive: Path, data_dir: Path) -> None:
+    """On the machine: the carried archive into --data-dir, unless it holds the data already."""
+    if all((data_dir / name).is_dir() for name in DATA_FOLDERS):
+        return
+    if not archive.exists():
+        fail(f"no {archive}: make it here with --pack-data DATA and carry its folder")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "r:gz") as tar:
+        tar.extractall(data_dir, filter="data")
+    log(f"data sets unpacked from {archive} into {data_dir}")
+
+
 def check_inputs(args) -> None:
     data = Path(args.data_dir)
     needed = ["wikitext-2/train.txt", "wikitext-2/valid.txt", "wikitext-2/test.txt", "wikitext-103/wiki.valid.tokens",
@@ -424,6 +452,8 @@ def session(args) -> None:
     stop_at = started + args.deadline - args.pack_seconds
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
+    if args.data_archive:
+        unpack_data(Path(args.data_archive), Path(args.data_dir))
     check_inputs(args)
     queue = [q for q in QUEUE if not args.only or f"{q[0]}/{q[1]}/{q[2]}" in args.only or q[0] in args.only]
     runs = [Run(*q, work, args) for q in queue]
@@ -569,6 +599,10 @@ def main():
     parser.add_argument("--data-dir", default=os.environ.get("CDGRAB_DATA", "datasets"),
                         help="data folder, relative to the repository as it travels (default $CDGRAB_DATA, "
                              "else datasets)")
+    parser.add_argument("--data-archive", metavar="TAR_GZ",
+                        help="on the machine: unpack this carried archive (--pack-data) into --data-dir first")
+    parser.add_argument("--pack-data", metavar="DATA",
+                        help="here: pack DATA's data sets into gpu-data/datasets.tar.gz to carry, and exit")
     parser.add_argument("--work", default="/tmp/cdgrab-gpu-session",
                         help="this machine's run directories and check marker (default /tmp/cdgrab-gpu-session)")
     parser.add_argument("--shipped", help="where earlier sessions' runs and packed checkpoints wait (default "
@@ -596,6 +630,9 @@ def main():
     parser.add_argument("--sessions", default=str(ROOT / "reproduction" / "gpu-sessions"),
                         help="with --unpack: where each session's session.json and tests.log go")
     args = parser.parse_args()
+    if args.pack_data:
+        pack_data(Path(args.pack_data), ROOT / "gpu-data" / "datasets.tar.gz")
+        return
     if args.unpack:
         unpack(Path(args.unpack), Path(args.into), Path(args.bench_json), Path(args.sessions))
         return

@@ -140,3 +140,15 @@ def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
     keys = ("train_loss", "valid_loss", "test_loss")
     assert [[row[k] for k in keys] for row in read_metrics(shipped)] == \
            [[row[k] for k in keys] for row in read_metrics(oracle)]
+
+
+@needs_data("wikitext-2", "wikitext-103", "gpt2-tokenizer", "hmda", "m4")
+def test_data_travel_as_one_archive_and_arrive_whole(tmp_path):
+    archive = tmp_path / "carry" / "datasets.tar.gz"
+    gpu_session.pack_data(DATA_DIR, archive)
+    gpu_session.unpack_data(archive, tmp_path / "datasets")
+    for folder in gpu_session.DATA_FOLDERS:
+        here = {p.relative_to(DATA_DIR): p.stat().st_size for p in (DATA_DIR / folder).rglob("*") if p.is_file()}
+        there = {p.relative_to(tmp_path / "datasets"): p.stat().st_size
+                 for p in (tmp_path / "datasets" / folder).rglob("*") if p.is_file()}
+        assert here == there, folder
