@@ -71,7 +71,7 @@ class LSTMWiki2(Task):
         self.carry_hidden, self.order_unit = args.carry_hidden, args.order_unit
         self.clip_grad_norm = args.clip
         self.device = device
-        self.cudnn = args.cudnn == "on"  # see _gradient_kernels
+        self.cudnn = getattr(args, "cudnn", "on") == "on"  # see _gradient_kernels; callers may predate --cudnn
 
         train = batchify(corpus.train, self.B)  # (rows, B)
         available = n_chunks(train.size(0), self.bptt)

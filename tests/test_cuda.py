@@ -43,6 +43,8 @@ SLICES = {
                                     "--max-eval-examples", "64"]),
     "LSTM-Wiki2": ("main-LSTM-Wiki2.py", ["--node_cnt", "2", "--B", "4", "--bptt", "8", "--max-train-examples", "4",
                                           "--max-eval-examples", "2"]),
+    "LSTM-Wiki2-cudnn-off": ("main-LSTM-Wiki2.py", ["--node_cnt", "2", "--B", "4", "--bptt", "8", "--cudnn", "off",
+                                                    "--max-train-examples", "4", "--max-eval-examples", "2"]),
     "LSTM-Wiki2-example": ("main-LSTM-Wiki2.py", ["--node_cnt", "2", "--B", "4", "--bptt", "8", "--order-unit",
                                                   "example", "--max-train-examples", "4", "--max-eval-examples", "2"]),
     "MLP-M4": ("main-MLP-M4.py", ["--node_cnt", "2", "--B", "4", "--max-train-examples", "64",
