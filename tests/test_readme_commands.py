@@ -5,7 +5,9 @@ Which commands run (one rule, so a new README command cannot be skipped by accid
 - skipped: `pip ...` (the set-up), `... -m pytest` (the set-up's test command: this suite), `export ...`
   (the set-up's data line: the suite's $CDGRAB_DATA stands in for it), shell scripts (`scripts/*.sh`: sweeps
   of many full runs), `jupyter` (notebooks: tests/test_notebooks.py runs them) and `python -m analysis`
-  (tests/test_reproduction.py draws the figures with it; here it would add about a minute);
+  (tests/test_reproduction.py draws the figures with it; here it would add about a minute), `git` (the
+  developer's own bookkeeping) and `scripts/gpu_session.py` (the body of a lent GPU machine's call:
+  tests/test_gpu_session.py runs its whole path on the CPU);
 - every other `python` / `torchrun` command runs, in that order, in one fresh folder that sees the
   checkout's files (so `results/` and `figures/` land there), with the flags of TINY for its target
   appended (a tiny size: the last value of a repeated flag wins); a target TINY does not know fails the
@@ -24,7 +26,8 @@ from tests.helpers import DATA_DIR, REPO, needs_data
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]  # the order the commands run in
-SKIPPED_PROGRAMS = ("pip", "jupyter")
+SKIPPED_PROGRAMS = ("pip", "jupyter", "git")
+SKIPPED_SCRIPTS = ("scripts/gpu_session.py",)
 # appended to a command by the prefix of its target (the script, or `-m module`); {epochs} is 1, or past
 # the command's own --warmup-epochs (which must end before the last epoch)
 TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slowly, so they get less
@@ -74,7 +77,7 @@ def is_skipped(words: list[str]) -> bool:
     _, argv = split_env(words)
     module_run = argv[:2] == ["python", "-m"] and argv[2:3] in (["pytest"], ["analysis"])
     return (argv[0] in SKIPPED_PROGRAMS or argv[0] == "export" or module_run
-            or any(word.endswith(".sh") for word in argv[:1]))
+            or any(word.endswith(".sh") for word in argv[:1]) or any(word in SKIPPED_SCRIPTS for word in argv))
 
 
 def target_of(argv: list[str]) -> str:
