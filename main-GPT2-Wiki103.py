@@ -59,10 +59,12 @@ class GPT2Wiki103(Task):
         self.eval_blocks = {}
         for split in ("valid", "test"):  # the real WikiText-103 splits (the original reported valid as "test")
             self.eval_blocks[split] = splits[split][:args.max_eval_examples].to(device)
-        from models.gpt2 import build_gpt2, lm_loss  # imports transformers (seconds): only once the data is there
+        # imports transformers (seconds): only once the data is there
+        from models.gpt2 import build_gpt2, causal_mask, lm_loss
         self.lm_loss = lm_loss
         self.model = FlatModel(build_gpt2(n_positions=block)).to(device)
         self.positions = torch.arange(block, device=device)[None]  # (1, T)
+        self.mask = causal_mask(block, self.model.flat.dtype, device)  # (1, 1, T, T), made here: outside torch.func
         self.data_info = {
             "train_file": str(split_file(args.data_dir, "train", args.train_file)),
             "block_size": block, "tokenizer": "GPT-2 byte-level BPE (50,257 ids)",
@@ -75,12 +77,15 @@ class GPT2Wiki103(Task):
 
     def logits(self, flat, ids):
         """(U, T, V) logits of blocks ids (U, T); positions passed per block so that every layer input
-        has the blocks on dim 0 (what the outer-product gradients need), with an all-ones attention
-        mask: given position_ids and no mask, transformers reads them on the host to look for packed
-        sequences, which on a GPU waits for every kernel queued before it."""
-        positions = self.positions[:, :ids.shape[1]].expand(ids.shape[0], -1)
-        mask = ids.new_ones(ids.shape, dtype=torch.bool)
-        return self.model(flat, input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False).logits
+        has the blocks on dim 0 (what the outer-product gradients need), with a precomputed causal
+        mask (1, 1, T, T) (models.gpt2.causal_mask): without a mask, transformers reads position_ids
+        on the host to look for packed sequences, and from a 2-D mask it builds the 4-D one every
+        forward (transformers 5.17 with a host synchronisation); on a GPU either waits for every
+        kernel queued before it."""
+        T = ids.shape[1]
+        positions = self.positions[:, :T].expand(ids.shape[0], -1)
+        return self.model(flat, input_ids=ids, position_ids=positions, attention_mask=self.mask[:, :, :T, :T],
+                          use_cache=False).logits
 
     def loss(self, flat, ids):
         return self.lm_loss(self.logits(flat, ids), ids), None

@@ -28,6 +28,25 @@ def build_gpt2(vocab_size: int = 50257, n_embd: int = 128, n_layer: int = 2, n_h
     return model.eval()
 
 
+def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """The additive causal attention mask (1, 1, T, T) for T = length positions, to pass as
+    `attention_mask`: 0 where query i may attend to key j (j <= i), torch.finfo(dtype).min above the
+    diagonal. These are the values transformers' eager attention adds for a block without padding,
+    so the logits are the same as with an all-ones (b, T) mask. Its top-left (1, 1, t, t) corner is
+    the mask for t positions.
+
+    Given a 4-D mask, transformers uses it as it is: it builds no mask per forward (transformers 5.17
+    made a scalar tensor on the device there, a host synchronisation per forward on a GPU) and does
+    not read position_ids on the host to look for packed sequences. dtype: the model's (the mask is
+    added to its attention scores). Build it once, outside torch.func transforms (a tensor made
+    inside one belongs to that transform), and reuse it: it broadcasts over the batch and the heads,
+    so one mask serves batches of any size and single examples under torch.func.vmap.
+    """
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # (T, T): key j <= query i
+    mask = torch.zeros(length, length, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
 def lm_loss(model_or_logits, input_ids: torch.Tensor) -> torch.Tensor:
     """Causal-LM loss: cross-entropy of logits[:, :-1] against input_ids[:, 1:], mean over tokens.
 

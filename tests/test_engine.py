@@ -62,7 +62,7 @@ def test_flat_model_parameters_are_views_and_backward_fills_the_flat_gradient():
 
 def outer_cases():
     """(FlatModel, batch, mean loss, per-unit losses) for the model kinds of the benchmarks."""
-    from models.gpt2 import build_gpt2
+    from models.gpt2 import build_gpt2, causal_mask
     from models.mlp import AutoregressiveMLP
 
     torch.manual_seed(1)
@@ -77,9 +77,10 @@ def outer_cases():
     gpt2 = FlatModel(build_gpt2(vocab_size=97, n_embd=16, n_layer=2, n_head=2, n_positions=12))
     ids = torch.randint(0, 97, (5, 12))
     positions = torch.arange(12).expand(5, 12)
+    mask = causal_mask(12, gpt2.flat.dtype, "cpu")  # (1, 1, 12, 12), as the GPT-2 task passes it
 
     def gpt2_logits(f, b):
-        return gpt2(f, input_ids=b, position_ids=positions[:len(b)], use_cache=False).logits
+        return gpt2(f, input_ids=b, position_ids=positions[:len(b)], attention_mask=mask, use_cache=False).logits
 
     yield ("GPT-2", gpt2, ids,
            lambda f, b: F.cross_entropy(gpt2_logits(f, b)[:, :-1].flatten(0, 1), b[:, 1:].flatten()),

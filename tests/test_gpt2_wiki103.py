@@ -9,9 +9,10 @@ import json
 import math
 
 import pytest
+import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (DATA_DIR, assert_runs_agree, check_ok, check_run_files, error_lines,
+from tests.helpers import (DATA_DIR, assert_runs_agree, check_ok, check_run_files, entry_task, error_lines,
                            metrics_header, needs_data, read_metrics, run_script)
 
 SCRIPT = "main-GPT2-Wiki103.py"
@@ -77,6 +78,24 @@ def test_one_process_and_torchrun_give_the_same_orders_and_losses(runs, sorter):
     single, multi = runs(sorter), runs(sorter, nproc=2)
     assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == 2
     assert_runs_agree(single, multi, RESULT_COLUMNS)
+
+
+def test_the_tasks_precomputed_mask_gives_the_models_causal_logits(tmp_path, cache_dir):
+    """The task passes its causal mask (1, 1, T, T) (models.gpt2.causal_mask) with the positions: its logits
+    equal those of the model called on the ids alone (transformers makes its own causal mask), for whole
+    blocks and for shorter ones (the mask's corner), and position t does not see tokens after t."""
+    task, _ = entry_task(SCRIPT, torch.device("cpu"), "--train-file", TRAIN_FILE, "--cache-dir", cache_dir,
+                         "--out", tmp_path / "unused", *QUICK)
+    ids, flat = task.worker_blocks.flatten(0, 1)[:3], task.model.flat  # (3, 32)
+    changed = ids.clone()
+    changed[:, 20:] = (changed[:, 20:] + 1) % 50_257  # other tokens from position 20 on
+    with torch.no_grad():
+        for T in (32, 9):
+            torch.testing.assert_close(task.logits(flat, ids[:, :T]),
+                                       task.model.module(input_ids=ids[:, :T], use_cache=False).logits)
+        logits, logits_changed = task.logits(flat, ids), task.logits(flat, changed)
+    torch.testing.assert_close(logits_changed[:, :20], logits[:, :20])
+    assert not torch.allclose(logits_changed[:, 20:], logits[:, 20:])
 
 
 def test_missing_train_file_is_one_line_and_exit_2(tmp_path, cache_dir):

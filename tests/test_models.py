@@ -1,9 +1,9 @@
-"""LSTM, autoregressive MLP and tiny GPT-2: sizes, shapes, tying, rollout, per-example gradients."""
+"""LSTM, autoregressive MLP and tiny GPT-2: sizes, shapes, tying, rollout, per-example gradients, the causal mask."""
 import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
-from models.gpt2 import build_gpt2, lm_loss
+from models.gpt2 import build_gpt2, causal_mask, lm_loss
 from models.lstm import LSTMModel
 from models.mlp import AutoregressiveMLP
 
@@ -116,3 +116,73 @@ def test_gpt2_per_example_grads_with_vmap(gpt2):
         for name, p in gpt2.named_parameters():
             torch.testing.assert_close(per_example[name][i], p.grad, rtol=1e-4, atol=1e-6)
     gpt2.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- GPT-2's precomputed causal mask
+
+def tiny_gpt2_float64(T: int, n_layer: int):
+    """A tiny tied GPT-2 (vocabulary 50, width 8, n_layer layers of 2 heads, T positions) in float64, and ids (3, T)."""
+    torch.manual_seed(0)
+    model = build_gpt2(vocab_size=50, n_embd=8, n_layer=n_layer, n_head=2, n_positions=T).double()
+    return model, torch.randint(0, 50, (3, T), generator=torch.Generator().manual_seed(1))
+
+
+def test_causal_mask_values():
+    mask = causal_mask(5, torch.float64, "cpu")
+    assert mask.shape == (1, 1, 5, 5) and mask.dtype == torch.float64 and mask.device.type == "cpu"
+    below = torch.ones(5, 5, dtype=torch.bool).tril()  # key j <= query i
+    assert (mask[0, 0][below] == 0).all() and (mask[0, 0][~below] == torch.finfo(torch.float64).min).all()
+    assert torch.equal(causal_mask(3, torch.float64, "cpu"), mask[:, :, :3, :3])  # the corner serves shorter blocks
+    assert causal_mask(4, torch.float32, "cpu").dtype == torch.float32
+
+
+def test_gpt2_with_the_causal_mask_equals_unmasked_attention_over_each_prefix():
+    """Independent oracle: in a one-layer causal model position t sees tokens 0..t only, so its logits equal
+    the last position's of a run on the prefix ids[:, :t+1] with NO masking at all (an all-zero 4-D mask,
+    which transformers adds as it is; with one layer the keys and values are functions of single tokens,
+    so the last query sees exactly the prefix). Logits and the loss's gradient, float64. Fails if the mask
+    lets a query see a later key, hides its own or an earlier one, or is not applied."""
+    T = 7
+    model, ids = tiny_gpt2_float64(T, n_layer=1)
+    params = list(model.parameters())
+    logits = model(input_ids=ids, attention_mask=causal_mask(T, torch.float64, "cpu"), use_cache=False).logits
+    loss = lm_loss(logits, ids)
+    expected_grads = torch.autograd.grad(loss, params)
+    prefix_logits = []
+    for t in range(T):
+        unmasked = torch.zeros(1, 1, t + 1, t + 1, dtype=torch.float64)
+        prefix_logits.append(model(input_ids=ids[:, :t + 1], attention_mask=unmasked, use_cache=False).logits[:, -1])
+    oracle = torch.stack(prefix_logits, 1)  # (3, T, V)
+    torch.testing.assert_close(logits, oracle, rtol=1e-10, atol=1e-12)
+    oracle_loss = lm_loss(oracle, ids)
+    torch.testing.assert_close(loss, oracle_loss, rtol=1e-12, atol=0)
+    for got, want in zip(expected_grads, torch.autograd.grad(oracle_loss, params)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_gpt2_causal_mask_equals_transformers_own_mask_and_runs_under_vmap():
+    """The precomputed mask gives the logits and gradients of transformers' own causal mask (what a forward
+    without a mask, or with an all-ones (b, T) mask, builds), also per example through torch.func.vmap."""
+    T = 6
+    model, ids = tiny_gpt2_float64(T, n_layer=2)
+    mask = causal_mask(T, torch.float64, "cpu")
+    positions = torch.arange(T).expand(len(ids), -1)
+    all_ones = torch.ones_like(ids, dtype=torch.bool)  # (3, T): no padding
+    with torch.no_grad():
+        ours = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False).logits
+        for theirs in (model(input_ids=ids, use_cache=False).logits,
+                       model(input_ids=ids, attention_mask=all_ones, use_cache=False).logits):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, one_ids):  # one_ids (T,): one example; the mask (1, 1, T, T) is not batched
+        return lm_loss(functional_call(model, p, (), {"input_ids": one_ids[None], "attention_mask": mask,
+                                                      "use_cache": False}).logits, one_ids[None])
+
+    per_example = vmap(grad(loss_one), in_dims=(None, 0))(params, ids)
+    for i in range(len(ids)):
+        model.zero_grad()
+        lm_loss(model(input_ids=ids[i:i + 1], use_cache=False).logits, ids[i:i + 1]).backward()  # transformers' mask
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(per_example[name][i], p.grad, rtol=1e-10, atol=1e-12)
+    model.zero_grad(set_to_none=True)

@@ -135,15 +135,17 @@ def mlp_like():
 
 def tiny_gpt2():
     """A tiny tied GPT-2 (vocabulary 50, width 8, 1 layer), float64: wte is both an Embedding and the decoder."""
-    from models.gpt2 import build_gpt2
+    from models.gpt2 import build_gpt2, causal_mask
 
     torch.manual_seed(0)
     model = FlatModel(build_gpt2(vocab_size=50, n_embd=8, n_layer=1, n_head=2, n_positions=6).double())
     ids = torch.randint(0, 50, (5, 6), generator=torch.Generator().manual_seed(1))
+    mask = causal_mask(6, torch.float64, "cpu")  # (1, 1, 6, 6), as the GPT-2 task passes it
 
     def unit_losses(flat, ids):
-        positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-        logits = model(flat, input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids, dtype=torch.bool),
+        T = ids.shape[1]
+        positions = torch.arange(T)[None].expand(ids.shape[0], -1)
+        logits = model(flat, input_ids=ids, position_ids=positions, attention_mask=mask[:, :, :T, :T],
                        use_cache=False).logits
         per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
         return per_token.view(len(ids), -1).mean(1)
