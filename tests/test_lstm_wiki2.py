@@ -66,7 +66,7 @@ def load_script():
 
 def task_args(**changes):
     args = dict(data_dir=str(DATA_DIR), B=4, node_cnt=2, bptt=5, max_train_examples=6, max_eval_examples=3,
-                clip=None, carry_hidden=False, order_unit="chunk")
+                clip=None, carry_hidden=False, order_unit="chunk", cudnn="on")
     return argparse.Namespace(**{**args, **changes})
 
 
