@@ -24,9 +24,12 @@ Not with --carry-hidden: a worker's units are no longer one stream whose state c
 Evaluation after every epoch: mean per-token NLL (train_loss / valid_loss / test_loss) and
 perplexity exp(mean NLL) on the used training chunks, the validation and the test split. Like the
 original LM_test, each split is batchified with the same B columns, read in order with the hidden
-state carried from chunk to chunk (zeros at the start of the split). Columns are evaluated in blocks of
-B/n (one block per worker, split across processes); since the columns are independent streams, the
-numbers do not depend on the blocking, and one-process and torchrun runs give the same values.
+state carried from chunk to chunk (zeros at the start of the split). The columns form n fixed blocks of
+B/n (one per worker), split across processes; a process runs its blocks side by side in one forward
+(fewer when one chunk of them exceeds EVAL_TOKENS tokens), several chunks per forward up to
+EVAL_TOKENS. Per-token losses are summed in float64 on the device and read on the host once per
+evaluation (after the sum over processes); since the columns are independent streams, the numbers do
+not depend on the grouping, and one-process and torchrun runs give the same values (up to rounding).
 """
 import math
 from contextlib import nullcontext
@@ -48,7 +51,7 @@ BENCHMARK = "LSTM-Wiki2"
 # (momentum 0.9, weight decay 0, lr x0.1 after epochs 10, 20, 30, 40)
 DEFAULTS = dict(sorter="CD-GraB", seed=0, lr=5.0, momentum=0.9, weight_decay=0.0, B=16, node_cnt=4, epochs=50)
 EMBED, HIDDEN, LAYERS = 32, 32, 2
-EVAL_TOKENS = 1024  # tokens per evaluation forward (several chunks of one column block at a time)
+EVAL_TOKENS = 1024  # tokens per evaluation forward (one chunk of one column block when that is more)
 
 
 class LSTMWiki2(Task):
@@ -116,8 +119,9 @@ class LSTMWiki2(Task):
             "valid_chunks": self.eval_matrices["valid"][1], "test_chunks": self.eval_matrices["test"][1],
             "order_unit": self.order_unit, "hidden_state": "carried" if self.carry_hidden else "zero per chunk",
             "clip_grad_norm": self.clip_grad_norm,
-            "evaluation": f"B={self.B} columns, in order, hidden carried; blocks of {self.mb} columns; "
-                          "ppl = exp(mean NLL)",
+            "evaluation": f"B={self.B} columns, in order, hidden carried; a process's blocks of {self.mb} "
+                          f"columns side by side, up to {EVAL_TOKENS} tokens per forward; NLL summed in "
+                          "float64; ppl = exp(mean NLL)",
         }
 
     # ------------------------------------------------------------------ training units
@@ -200,27 +204,47 @@ class LSTMWiki2(Task):
             carried[self._local_workers] = new.detach()
 
     # ------------------------------------------------------------------ evaluation
-    def _mean_nll(self, flat, matrix, chunks, comm):
-        """Mean per-token NLL of chunks 0..chunks-1 of a (rows, B) matrix, hidden carried in order."""
-        per_forward = max(1, EVAL_TOKENS // (self.bptt * self.mb))  # chunks per forward
-        total = 0.0
-        for block in shard(self.n_workers, comm):  # a fixed blocking, whatever the world size
-            columns = matrix[:, block * self.mb:(block + 1) * self.mb]
-            state = self.model.module.init_hidden(self.mb)
+    def _eval_column_groups(self, comm) -> list[tuple[int, int]]:
+        """This process's columns as (first, stop) column ranges, evaluated one after the other: its
+        share of the n fixed blocks of B/n columns (shard), the blocks of a group side by side, as many
+        as one bptt chunk of EVAL_TOKENS tokens holds (at least one block)."""
+        mine = shard(self.n_workers, comm)
+        per_group = max(1, EVAL_TOKENS // (self.bptt * self.mb))
+        return [(first * self.mb, min(first + per_group, mine.stop) * self.mb)
+                for first in range(mine.start, mine.stop, per_group)]
+
+    def _nll_sum(self, flat, matrix, chunks, comm) -> torch.Tensor:
+        """Summed per-token NLL of chunks 0..chunks-1 of this process's columns of a (rows, B) matrix:
+        a 0-dim float64 tensor on flat's device, not read on the host here (evaluate reads it).
+
+        Each column group runs as one (T, b) input per forward, b its columns side by side (columns are
+        independent streams, so a column's result does not depend on its neighbours, up to rounding),
+        T = bptt * (chunks per forward), with the (layers, b, hidden) state carried from forward to
+        forward in chunk order. Per-token losses are summed in float64, so the total does not depend on
+        how tokens are grouped into forwards, groups or processes beyond float64 rounding."""
+        total = torch.zeros((), dtype=torch.float64, device=flat.device)
+        for first, stop in self._eval_column_groups(comm):
+            columns = matrix[:, first:stop]
+            width = stop - first
+            per_forward = max(1, EVAL_TOKENS // (self.bptt * width))  # bounds the (T * b, V) log-probs
+            state = self.model.module.init_hidden(width)
             state = tuple(s.to(device=flat.device, dtype=flat.dtype) for s in state)
             for start in range(0, chunks, per_forward):
-                stop = min(start + per_forward, chunks)
-                rows = columns[start * self.bptt: stop * self.bptt + 1]
+                stop_chunk = min(start + per_forward, chunks)
+                rows = columns[start * self.bptt: stop_chunk * self.bptt + 1]
                 log_probs, state = self.model(flat, rows[:-1], state)
-                total += F.nll_loss(log_probs, rows[1:].reshape(-1), reduction="sum").double().item()
-        (total,) = sum_over_processes([total], comm)
-        return total / (chunks * self.bptt * self.B)
+                token_nll = F.nll_loss(log_probs, rows[1:].reshape(-1), reduction="none")  # (T * b,)
+                total += token_nll.sum(dtype=torch.float64)
+        return total
 
     def evaluate(self, flat, comm):
+        splits = ("train", "valid", "test")
+        with self._gradient_kernels(flat):  # only --cudnn off changes the kernels here
+            sums = torch.stack([self._nll_sum(flat, *self.eval_matrices[split], comm) for split in splits])
+        totals = sum_over_processes(sums, comm)  # the evaluation's one host read
         metrics = {}
-        for split in ("train", "valid", "test"):
-            with self._gradient_kernels(flat):  # only --cudnn off changes the kernels here
-                loss = self._mean_nll(flat, *self.eval_matrices[split], comm)
+        for split, total in zip(splits, totals):
+            loss = total / (self.eval_matrices[split][1] * self.bptt * self.B)
             metrics[f"{split}_loss"] = loss
             metrics[f"{split}_ppl"] = math.exp(loss) if loss < 700 else math.inf
         return metrics

@@ -251,7 +251,11 @@ def eval_batches(n_items: int, batch: int, comm) -> list[slice]:
     return [slice(i * batch, min((i + 1) * batch, n_items)) for i in shard(-(-n_items // batch), comm)]
 
 
-def sum_over_processes(values: list[float], comm) -> list[float]:
-    """Element-wise sum of per-process float64 sums (evaluation metrics)."""
-    total = comm.all_reduce_sum(torch.tensor([values], dtype=torch.float64, device=comm.device))
-    return total.cpu().tolist()
+def sum_over_processes(values: list[float] | torch.Tensor, comm) -> list[float]:
+    """Element-wise sum of per-process float64 sums (evaluation metrics): a list of floats, or a (k,)
+    tensor on the device, which is read on the host once, after the reduction."""
+    if isinstance(values, torch.Tensor):
+        local = values.to(device=comm.device, dtype=torch.float64)
+    else:
+        local = torch.tensor(values, dtype=torch.float64, device=comm.device)
+    return comm.all_reduce_sum(local[None]).cpu().tolist()

@@ -66,7 +66,7 @@ def load_script():
 
 def task_args(**changes):
     args = dict(data_dir=str(DATA_DIR), B=4, node_cnt=2, bptt=5, max_train_examples=6, max_eval_examples=3,
-                clip=None, carry_hidden=False, order_unit="chunk")
+                clip=None, carry_hidden=False, order_unit="chunk", cudnn="on")
     return argparse.Namespace(**{**args, **changes})
 
 
@@ -96,10 +96,10 @@ def test_units_gradients_hidden_state_and_evaluation():
     mean_grad, _, _ = batch_gradient(task.loss, flat, (inputs, targets, h0, c0))
     torch.testing.assert_close(mean_grad, grads.mean((0, 1)), rtol=1e-4, atol=1e-7)
 
-    # evaluation in blocks of B/n columns = plain B-column evaluation, hidden carried chunk to chunk
+    # evaluation (blocks of B/n columns side by side) = plain B-column evaluation, hidden carried chunk to chunk
     valid, chunks = task.eval_matrices["valid"]
     with torch.no_grad():
-        blocked = task._mean_nll(flat, valid, chunks, LocalCommunicator(2))
+        blocked = task.evaluate(flat, LocalCommunicator(2))["valid_loss"]
         state, total = task.model.module.init_hidden(4), 0.0
         for i in range(chunks):
             log_probs, state = task.model(flat, valid[T * i:T * i + T], state)
