@@ -40,7 +40,8 @@ def run_script(script: str, *args, nproc: int | None = None, env: dict | None = 
     `<this interpreter> -m torch.distributed.run`) from the repo root.
 
     Returns the CompletedProcess (text mode). CDGRAB_DATA points at DATA_DIR; the progress
-    bar is off unless the caller passes --progress itself.
+    bar is off unless the caller passes --progress itself. The interpreters are forks of
+    tests/script_server.py (torch already imported) unless CDGRAB_TEST_FORK=0.
     """
     full_env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -52,7 +53,87 @@ def run_script(script: str, *args, nproc: int | None = None, env: dict | None = 
                script, *args]
     else:
         cmd = [sys.executable, script, *args]
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run_python(cmd, cwd=REPO, env=full_env, timeout=timeout)
+
+
+def run_python(cmd: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) for cmd = [sys.executable, ...], through the
+    script server where it runs (tests/script_server.py)."""
+    server = script_server()
+    if server is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return server.run(cmd, cwd, env, timeout)
+
+
+class ScriptServer:
+    """This test process's tests/script_server.py: started at the first run, ended with the process."""
+
+    def __init__(self):
+        import atexit
+        import tempfile
+
+        self.folder = tempfile.mkdtemp(prefix="cdgrab-scripts-")
+        self.socket_path = os.path.join(self.folder, "socket")
+        self.python = os.path.join(self.folder, "python")  # torchrun's PYTHON_EXEC: the shim, started lean
+        with open(self.python, "w") as f:
+            f.write(f"#!/bin/sh\nexec '{sys.executable}' -I -S '{REPO / 'tests' / 'script_shim.py'}' \"$@\"\n")
+        os.chmod(self.python, 0o755)
+        env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.script_server", self.socket_path], cwd=REPO,
+                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"tests/script_server.py did not start (exit {self.process.wait()})")
+        atexit.register(self.close)
+
+    def run(self, cmd: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        import json
+        import socket
+        import tempfile
+        import time
+
+        env = {**env, "PYTHON_EXEC": self.python, "CDGRAB_SCRIPT_SERVER": self.socket_path}
+        request = json.dumps({"argv": [str(word) for word in cmd[1:]], "cwd": str(cwd), "env": env}).encode()
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(self.socket_path)
+            socket.send_fds(conn, [request], [null.fileno(), out.fileno(), err.fileno()])
+            deadline = time.monotonic() + timeout
+            reply = {}
+            try:
+                while "returncode" not in reply:
+                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                    message = conn.recv(1 << 16)
+                    if not message:
+                        raise RuntimeError("tests/script_server.py went away during a run")
+                    reply.update(json.loads(message))
+            except socket.timeout:
+                conn.close()  # the server kills the run
+                raise subprocess.TimeoutExpired(cmd, timeout, output=read_back(out), stderr=read_back(err))
+            return subprocess.CompletedProcess(cmd, reply["returncode"], read_back(out), read_back(err))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+
+
+def read_back(file) -> str:
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
+_server = []
+_server_lock = __import__("threading").Lock()
+
+
+def script_server() -> ScriptServer | None:
+    """The shared ScriptServer, or None where runs are real subprocesses (CDGRAB_TEST_FORK=0, no fork)."""
+    if os.environ.get("CDGRAB_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    with _server_lock:
+        if not _server:
+            _server.append(ScriptServer())
+        return _server[0]
 
 
 def check_ok(result) -> None:

@@ -1,0 +1,158 @@
+"""A process that imports torch and the suite's modules once, then forks one child per script run.
+
+Most end-to-end tests run an entry script for a second or two of work, yet a fresh interpreter spends
+several seconds importing torch first. tests/helpers.py's run_script hands each run to this server
+instead: the server forks, and the child becomes what `python <argv>` would have been (argv, working
+directory, environment, standard streams, exit status, `__main__`), without the import. Under torchrun the
+launcher runs here too, and its workers (`PYTHON_EXEC`, see script_shim.py) are forked here as well, so a
+two-process run starts no new interpreter with torch at all.
+
+What differs from a fresh interpreter, and why it is safe here: the modules of PRELOAD are already
+imported (their import-time code ran once, under the server's environment: OMP_NUM_THREADS=1, as every
+test run has it), and sys.path keeps the checkout. tests/test_scripts_help.py and
+tests/test_readme_commands.py still start real interpreters, so an import that fails only in a fresh one
+is caught there. CDGRAB_TEST_FORK=0 turns the server off (every run a real subprocess).
+
+Protocol (one SOCK_SEQPACKET connection per run): the requester sends one JSON message
+{"argv": [...python's arguments...], "cwd": str, "env": {...}} with its stdin, stdout and stderr as
+three file descriptors; the server answers {"pid": int} at the fork and {"returncode": int} at the exit
+(-N: killed by signal N, as subprocess reports it). A requester that hangs up takes its run with it
+(SIGKILL): that is how a timeout ends a run.
+"""
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+PRELOAD = ("numpy", "pandas", "tqdm", "torch", "torch.distributed.run", "transformers", "sorters", "engine.train",
+           "data.hmda", "data.m4", "data.wikitext2", "data.wikitext103", "models")
+
+
+def serve(path: str) -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(256)
+    children = {}  # pid -> the requester's connection
+    print("ready", flush=True)
+    while True:
+        readable, _, _ = select.select([sys.stdin, listener, *children.values()], [], [], 0.02)
+        for ready in readable:
+            if ready is sys.stdin:  # the test process closed our stdin (or died): end every run, then us
+                if not os.read(sys.stdin.fileno(), 1):
+                    for pid in children:
+                        os.kill(pid, signal.SIGKILL)
+                    return
+            elif ready is listener:
+                start(listener, children)
+            else:  # a requester hung up before its run ended
+                pid = next(pid for pid, conn in children.items() if conn is ready)
+                os.kill(pid, signal.SIGKILL)
+        reap(children)
+
+
+def start(listener, children: dict) -> None:
+    conn, _ = listener.accept()
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
+    if len(fds) != 3:
+        conn.close()
+        return
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for other in children.values():
+            other.close()
+        run_child(json.loads(message), fds, conn)
+    for fd in fds:
+        os.close(fd)
+    conn.send(json.dumps({"pid": pid}).encode())
+    children[pid] = conn
+
+
+def reap(children: dict) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                pass
+            conn.close()
+
+
+def run_child(request: dict, fds: list, conn) -> None:
+    """Become `python <request argv>`; never returns."""
+    import atexit
+    import runpy
+    import threading
+
+    code = 1
+    try:
+        conn.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        argv = list(request["argv"])
+        while argv and argv[0] in ("-u", "-B"):  # torchrun starts its workers with -u
+            argv.pop(0)
+        if argv[:1] == ["-m"]:
+            module, rest = argv[1], argv[2:]
+            sys.argv = [module, *rest]
+            sys.path[0] = os.getcwd()
+            code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = [argv[0], *argv[1:]]
+            sys.path[0] = os.path.dirname(script)
+            code = exit_code(lambda: runpy.run_path(script, run_name="__main__"))
+        threading._shutdown()  # as the interpreter does at exit: wait for non-daemon threads
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 -- the child must reach os._exit whatever happened
+        sys.excepthook(*sys.exc_info())
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def exit_code(main) -> int:
+    """The exit status of the interpreter that ran main(), with what it prints at exit."""
+    try:
+        main()
+        return 0
+    except SystemExit as stop:
+        if stop.code is None:
+            return 0
+        if isinstance(stop.code, int):
+            return stop.code
+        print(stop.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        return 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
