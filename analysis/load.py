@@ -24,9 +24,11 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from analysis.paper_values import has_paper_settings
 from engine.flags import RESUMABLE_FLAGS, with_added_defaults  # plain Python: no torch for the notebooks
 
-RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir", "partition", "study"]
+RUN_COLUMNS = ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir", "partition", "study",
+               "paper_settings"]
 SETTING = ["node_cnt", "B", "lr", "setting"]  # runs of one benchmark and sorter that differ here are different curves
 # args that may differ on resume never change a run's results
 RESUMABLE_ARGS = RESUMABLE_FLAGS
@@ -72,7 +74,8 @@ def _read_run(run_dir: Path, results_dir: Path, include_incomplete: bool):
         info = {"benchmark": benchmark, "sorter": args["sorter"], "seed": int(args["seed"]),
                 "node_cnt": int(args["node_cnt"]), "B": int(args["B"]), "lr": float(args["lr"]),
                 "setting": "", "run_dir": str(run_dir), "partition": args.get("partition") or "",
-                "study": _study(run_dir, results_dir, benchmark)}
+                "study": _study(run_dir, results_dir, benchmark),
+                "paper_settings": has_paper_settings(benchmark, args)}
         epochs = int(args["epochs"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable config.json ({type(e).__name__}: {e})") from None
@@ -129,8 +132,9 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
     """Every run under results_dir (searched recursively) as one tidy DataFrame, one row per (run, epoch).
 
     Columns: benchmark, sorter, seed, node_cnt, B, lr, setting, run_dir, partition ("" where the
-    benchmark has none), study, epoch, <every metrics.csv column>, cum_seconds (running sum of
-    epoch_seconds within the run). Columns a benchmark lacks are NaN. `setting` labels what sets the
+    benchmark has none), study, paper_settings (the run has the paper's settings of its benchmark:
+    analysis.paper_values.has_paper_settings), epoch, <every metrics.csv column>, cum_seconds (running
+    sum of epoch_seconds within the run). Columns a benchmark lacks are NaN. `setting` labels what sets the
     run apart from the other runs of its benchmark and study (setting_labels).
 
     Runs that cannot be read, or are unfinished (fewer rows than args.epochs; kept when

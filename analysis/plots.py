@@ -4,7 +4,7 @@ Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and
     <out>/<benchmark>-vs-epoch.{png,pdf}        train loss + headline metric(s) vs epoch, band over seeds
     <out>/<benchmark>-vs-seconds.{png,pdf}      the same vs cumulative training seconds (mean over seeds)
     <out>/<benchmark>-time-breakdown.{png,pdf}  mean sorter/comm/compute/other seconds per epoch, stacked
-    <out>/herding-bound.{png,pdf}               parallel herding bound per round (log y), one panel per n
+    <out>/herding-bound.{png,pdf}               parallel herding bound per round, one panel per n
     <out>/communication-<benchmark>.{png,pdf}   the communication study (analysis/studies.py)
     <out>/sketching-<benchmark>.{png,pdf}       the sketching study (analysis/studies.py)
     <out>/reorderers-<benchmark>.{png,pdf}      the reorderers study (analysis/studies.py)
@@ -24,12 +24,11 @@ from matplotlib.ticker import MaxNLocator
 from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding, final_values, headline_metrics,
                                 time_breakdown)
 from analysis.paper_values import PAPER_VALUES, paper_epoch
-from analysis.studies import study_figures
-from analysis.style import SORTER_COLORS, metric_label as _label
+from analysis.studies import STUDIES_WITH_FIGURES, study_figures
+from analysis.style import curve_styles, metric_label as _label, scale_value_axis
 
 PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
                "other_seconds": "tab:gray"}
-LOG_Y = ("_ppl",)  # perplexities span orders of magnitude in the first epochs
 SECONDS_LABEL = "training seconds (cumulative; evaluation excluded)"  # what cum_seconds sums: epoch_seconds
 
 
@@ -43,13 +42,26 @@ def _curve_labels(groups):
     return labels
 
 
-def _color(sorter, i):
-    return SORTER_COLORS.get(sorter, f"C{i % 10}")
+def _sorter_styles(sorters) -> dict:
+    """{sorter: {"color", "linestyle"}} for figures with one curve (or point set) per sorter."""
+    return {sorter: style for (sorter, _), style in curve_styles((sorter, None) for sorter in sorters).items()}
+
+
+def paper_groups(df) -> set:
+    """The GROUP tuples (curves) of a load_runs frame whose runs all have the paper's settings of their
+    benchmark (load_runs' paper_settings column; none when the frame lacks it)."""
+    if df.empty or "paper_settings" not in df.columns:
+        return set()
+    flags = df.groupby(GROUP, sort=False)["paper_settings"].all()
+    return {tuple(g) for g, ok in flags.items() if ok}
 
 
 def plot_benchmark(df, benchmark, x="epoch", band="std", metrics=None):
     """One panel per metric (train_loss + the headline metrics), one curve per sorter (x setting),
-    mean over seeds with a shaded band. x: "epoch" or "seconds" (mean cumulative wall clock)."""
+    mean over seeds with a shaded band, each curve its own colour and legend entry (style.curve_styles).
+    x: "epoch" or "seconds" (mean cumulative wall clock). Against epochs, the paper's values are drawn
+    as stars beside the curves whose runs have the paper's settings (paper_groups), only for their sorters.
+    Each panel's y axis follows style.scale_value_axis."""
     if x not in ("epoch", "seconds"):
         raise ValueError(f"x must be 'epoch' or 'seconds', got {x!r}")
     bench = df[df["benchmark"] == benchmark]
@@ -59,42 +71,116 @@ def plot_benchmark(df, benchmark, x="epoch", band="std", metrics=None):
     agg = aggregate(bench, metrics, band=band)
     if agg.empty:
         return None
-    groups = sorted({tuple(g) for g in agg[GROUP].itertuples(index=False)})
+    paper = paper_groups(bench)
+    # a sorter's curve with the paper's settings first: it keeps the sorter's own colour, as its star does
+    groups = sorted({tuple(g) for g in agg[GROUP].itertuples(index=False)},
+                    key=lambda g: (g[1], g not in paper, g))
     labels = _curve_labels(groups)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.8 * len(metrics), 3.6), squeeze=False)
+    styles = curve_styles((g[1], g) for g in groups)
+    # + room for the legend beside the panels
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.8 * len(metrics) + 2.6, 3.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        for i, g in enumerate(groups):
+        means, lows, highs, star_colors = [], [], [], {}
+        for g in groups:
             rows = agg[(agg["metric"] == metric) & (agg[GROUP] == list(g)).all(axis=1)].sort_values("epoch")
             if rows.empty:
                 continue
-            xs, color = rows[x].to_numpy(float), _color(g[1], i)
-            seeds = int(rows["count"].max())
+            xs, style = rows[x].to_numpy(float), styles[(g[1], g)]
             # markers: a one-epoch run is a single point, which a line alone does not draw
-            ax.plot(xs, rows["mean"], color=color, marker="o", markersize=3,
-                    label=f"{labels[g]} ({seeds} seed{'s' * (seeds > 1)})")
-            ax.fill_between(xs, rows["lo"].to_numpy(float), rows["hi"].to_numpy(float), color=color, alpha=0.2, lw=0)
-        if x == "epoch":
-            _paper_points(ax, benchmark, metric)
+            ax.plot(xs, rows["mean"], marker="o", markersize=3, **style,
+                    label=f"{labels[g]} ({_seeds_text(rows)})")
+            ax.fill_between(xs, rows["lo"].to_numpy(float), rows["hi"].to_numpy(float), color=style["color"],
+                            alpha=0.2, lw=0)
+            means += rows["mean"].to_list()
+            lows += rows["lo"].to_list()
+            highs += rows["hi"].to_list()
+            if g in paper:
+                star_colors.setdefault(g[1], style["color"])
+        stars = _paper_values(benchmark, metric, star_colors) if x == "epoch" else []
+        near, far = _split_stars(stars, lows + means, highs + means)
+        for star in near:
+            _draw_star(ax, star)
+        scale_value_axis([ax], means + [star["value"] for star in near])
+        if far:
+            _draw_far_stars(ax, far)
         ax.set_xlabel("epoch" if x == "epoch" else SECONDS_LABEL)
         ax.set_ylabel(_label(metric, benchmark))
-        if metric.endswith(LOG_Y):
-            ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = {}  # every curve and star of every panel (a panel may lack some), once each
+    for ax in axes[0]:
+        handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+    # outside the panels: inside, it hid curves and the notes of paper values off the scale
+    axes[0][-1].legend(handles.values(), handles.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     band_text = "mean ± 1 std" if band == "std" else "mean, min–max"
-    fig.suptitle(f"{benchmark} vs {'epoch' if x == 'epoch' else 'training time'} ({band_text} over seeds)")
+    title = f"{benchmark} vs {'epoch' if x == 'epoch' else 'training time'} ({band_text} over seeds)"
+    if x == "epoch" and benchmark in PAPER_VALUES and not paper:
+        title += "\nno run has the paper's settings: its values are not drawn"
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
-def _paper_points(ax, benchmark, metric):
-    """The paper's reported value of this metric per sorter, as a star labelled "paper <sorter>"."""
+def _seeds_text(rows) -> str:
+    """How many seeds a curve's mean is over: "3 seeds", or, for runs that stopped at different epochs,
+    "2 seeds to epoch 7, 1 after" (the mean jumps where a seed ends, which the label then explains)."""
+    epochs, counts = rows["epoch"].astype(int).to_list(), rows["count"].astype(int).to_list()
+    most = max(counts)
+    plural = "s" * (most > 1)
+    if min(counts) == most:
+        return f"{most} seed{plural}"
+    if counts != sorted(counts, reverse=True):
+        return f"{min(counts)}-{most} seeds per epoch"
+    last = max(e for e, c in zip(epochs, counts) if c == most)
+    after = {c for e, c in zip(epochs, counts) if e > last}
+    return f"{most} seed{plural} to epoch {last}, {after.pop() if len(after) == 1 else 'fewer'} after"
+
+
+def _paper_values(benchmark, metric, colors) -> list:
+    """[{"sorter", "epoch", "value", "color"}]: the paper's value of `metric` for each sorter in
+    `colors` ({sorter: colour of its curve with the paper's settings}); none for the other sorters."""
     if benchmark not in PAPER_VALUES:
-        return
+        return []
     epoch, values = paper_epoch(benchmark), PAPER_VALUES[benchmark][1]  # LR-HMDA's epochs 49-50: at 49.5
-    for i, (sorter, value) in enumerate(values.get(metric, {}).items()):
-        ax.plot([epoch], [value], ls="none", marker="*", markersize=11, color=_color(sorter, i),
-                markeredgecolor="black", markeredgewidth=0.6, label=f"paper {sorter} (epoch {epoch:g})")
+    return [{"sorter": sorter, "epoch": epoch, "value": value, "color": colors[sorter]}
+            for sorter, value in values.get(metric, {}).items() if sorter in colors]
+
+
+def _split_stars(stars, lows, highs):
+    """(stars drawn among the curves, stars marked at the panel's edge): a paper value that would more
+    than double the y range the runs' curves and bands need goes to the edge, so that a paper value
+    measured on other data does not flatten the runs' differences into one line."""
+    finite = [v for v in lows + highs if v == v]
+    if not finite:
+        return stars, []
+    lo, hi = min(finite), max(finite)
+    span = hi - lo
+    near = [s for s in stars if lo - span <= s["value"] <= hi + span]
+    return near, [s for s in stars if s not in near]
+
+
+def _draw_star(ax, star, **kwargs):
+    ax.plot([star["epoch"]], [star["value"]], ls="none", marker="*", markersize=11, color=star["color"],
+            markeredgecolor="black", markeredgewidth=0.6,
+            label=f"paper {star['sorter']} (epoch {star['epoch']:g})", **kwargs)
+
+
+def _draw_far_stars(ax, stars):
+    """Stars off the curves' range: each keeps its Line2D at the paper's value (outside the view, in the
+    legend) and gets a note at the panel's top or bottom edge: an arrow pointing its way and the value."""
+    ax.autoscale_view()
+    bottom, top = ax.get_ylim()
+    for star in stars:
+        _draw_star(ax, star, scaley=False)
+    ax.set_ylim(bottom, top)  # the curves' range, fixed: the stars above must not stretch it
+    above = [s for s in stars if s["value"] > top]
+    below = [s for s in stars if s["value"] < bottom]
+    for side, group in ((1, above), (-1, below)):
+        for k, star in enumerate(group):
+            y = 0.97 - 0.08 * k if side > 0 else 0.03 + 0.08 * k
+            ax.annotate(f"{'↑' if side > 0 else '↓'} paper {star['sorter']}: {star['value']:g}",
+                        xy=(star["epoch"], y), xycoords=ax.get_xaxis_transform(), ha="right",
+                        va="top" if side > 0 else "bottom", fontsize=7, color=star["color"],
+                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
 
 
 def plot_time_breakdown(df, benchmark):
@@ -112,6 +198,8 @@ def plot_time_breakdown(df, benchmark):
         ax.bar([labels[g] for g in groups], heights, bottom=bottom, color=PART_COLORS[part],
                label=part.replace("_seconds", ""))
         bottom = [b + h for b, h in zip(bottom, heights)]
+    # headroom above the tallest bar: the empty "other" layer's bottom edge is sticky and leaves none
+    ax.set_ylim(0, 1.05 * max(bottom) if max(bottom) > 0 else 1)
     ax.set_ylabel("seconds per epoch (mean)")
     ax.set_title(f"{benchmark}: time per epoch")
     handles, names = ax.get_legend_handles_labels()  # top of the stack first, outside the bars
@@ -122,29 +210,31 @@ def plot_time_breakdown(df, benchmark):
 
 
 def plot_herding(hdf, band="std"):
-    """Parallel herding bound vs reorder round (log y), one panel per worker count, one curve per
-    method, mean over trials with a band. Titles use the suite's letters (n workers, m units each; the
-    paper swaps them)."""
+    """Parallel herding bound vs reorder round, one panel per worker count, one curve per method, mean
+    over trials with a band; one y scale for all panels (style.scale_value_axis: log when the bounds
+    span a factor of 10, as they do from the random start to a balancer's floor). Titles use the suite's
+    letters (n workers, m units each; the paper swaps them)."""
     agg = aggregate_herding(hdf, band=band)
     if agg.empty:
         return None
     panels = sorted(agg[["n_workers", "m"]].drop_duplicates().itertuples(index=False))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, sharey=True)
+    styles = _sorter_styles(sorted(agg["method"].unique()))
     for ax, (n, m) in zip(axes[0], panels):
         panel = agg[(agg["n_workers"] == n) & (agg["m"] == m)]
-        for i, method in enumerate(sorted(panel["method"].unique())):
+        for method in sorted(panel["method"].unique()):
             rows = panel[panel["method"] == method].sort_values("round")
-            color = _color(method, i)
+            color = styles[method]["color"]
             # ALL (centralised, one sequence of n*m vectors) is a reference, not a parallel bound: dashed
             ax.plot(rows["round"], rows["mean"], marker=".", color=color, ls="--" if method == "ALL" else "-",
                     label="ALL (centralised)" if method == "ALL" else method)
             ax.fill_between(rows["round"].to_numpy(float), rows["lo"].to_numpy(float), rows["hi"].to_numpy(float),
                             color=color, alpha=0.2, lw=0)
-        ax.set_yscale("log")
         ax.set_title(f"n={n} workers, m={m:g} units each", fontsize=9)
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3, which="both")
+    scale_value_axis(axes[0], agg["mean"].to_list())
     axes[0][0].set_ylabel("parallel herding bound")
     handles = {}  # every method of every panel (a method may be missing from some)
     for ax in axes[0]:
@@ -167,11 +257,13 @@ def partition_order(partition: str) -> tuple:
 
 
 def _study_groups(df, column):
-    """[(benchmark, study, runs)] for every benchmark and study whose runs take >= 2 values of `column`."""
+    """[(benchmark, study, runs)] for every benchmark and study whose runs take >= 2 values of `column`,
+    studies with a figure of their own (analysis/studies.py) aside: the reorderers study's 1- and
+    4-worker runs at one batch are no worker-scaling series."""
     if df.empty or column not in df.columns:
         return []
     return [(benchmark, study, runs) for (benchmark, study), runs in df.groupby(["benchmark", "study"], sort=True)
-            if runs[column].nunique() >= 2]
+            if runs[column].nunique() >= 2 and study not in STUDIES_WITH_FIGURES]
 
 
 def _final_points(ax, runs, metric, column, order):
@@ -179,13 +271,15 @@ def _final_points(ax, runs, metric, column, order):
     a list of its values), one line per sorter, sorters a little apart so the error bars do not overlap."""
     last = final_values(runs, metric)
     sorters = sorted(last["sorter"].unique())
+    styles = _sorter_styles(sorters)
     for i, sorter in enumerate(sorters):
         stats = last[last["sorter"] == sorter].groupby(column)["value"].agg(["mean", "std", "count"])
         stats = stats.reindex([v for v in order if v in stats.index])
         xs = [order.index(v) + 0.06 * (i - (len(sorters) - 1) / 2) for v in stats.index]
         seeds = int(stats["count"].max())
-        ax.errorbar(xs, stats["mean"], yerr=stats["std"].fillna(0), marker="o", capsize=3, color=_color(sorter, i),
-                    label=f"{sorter} ({seeds} seed{'s' * (seeds > 1)})")
+        ax.errorbar(xs, stats["mean"], yerr=stats["std"].fillna(0), marker="o", capsize=3,
+                    color=styles[sorter]["color"], label=f"{sorter} ({seeds} seed{'s' * (seeds > 1)})")
+    scale_value_axis([ax], last["value"].to_list())
     ax.set_ylabel(f"final {_label(metric, runs['benchmark'].iloc[0])}")
     ax.grid(alpha=0.3)
 
@@ -212,8 +306,8 @@ def plot_heterogeneity(df):
 
 def plot_scaling(df):
     """One row per benchmark and study whose runs differ in the worker count n: final train loss and
-    final headline metric vs n (log x), and, where logged, herding_bound per epoch (log y; colour: sorter,
-    line style: n)."""
+    final headline metric vs n, and, where logged, herding_bound per epoch (colour: sorter, line style: n;
+    y scale: style.scale_value_axis)."""
     groups = _study_groups(df, "node_cnt")
     if not groups:
         return None
@@ -231,13 +325,14 @@ def plot_scaling(df):
         ax = row[2]
         if "herding_bound" in runs.columns and runs["herding_bound"].notna().any():
             agg = aggregate(runs, ["herding_bound"], by=["sorter", "node_cnt"])
-            for i, sorter in enumerate(sorted(agg["sorter"].unique())):
+            colors = _sorter_styles(sorted(agg["sorter"].unique()))
+            for sorter in sorted(agg["sorter"].unique()):
                 for j, n in enumerate(order):
                     line = agg[(agg["sorter"] == sorter) & (agg["node_cnt"] == n)].sort_values("epoch")
                     if len(line):
                         ax.plot(line["epoch"], line["mean"], ls=styles[j % len(styles)], marker=".",
-                                color=_color(sorter, i), label=f"{sorter}, n={n}")
-            ax.set_yscale("log")
+                                color=colors[sorter]["color"], label=f"{sorter}, n={n}")
+            scale_value_axis([ax], agg["mean"].to_list())
             ax.set_xlabel("epoch")
             ax.set_ylabel("herding bound (mean over seeds)")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -16,8 +16,9 @@ import pandas as pd
 
 from analysis.aggregate import headline_metrics
 from analysis.load import result_settings, run_args
-from analysis.style import SORTER_COLORS, metric_label
+from analysis.style import curve_styles, metric_label, scale_value_axis
 
+STUDIES_WITH_FIGURES = ("communication", "sketching", "reorderers")  # study_figures draws these
 COMMUNICATION_ARGS = ["sync", "H", "alpha", "H_base", "reducer", "density", "lr_schedule"]
 STRATEGY_MARKERS = {"every-step": "o", "constant": "s", "qsr": "^", "linear": "v", "post-local": "D"}
 REDUCER_FILL = {"dense": "full", "topk": "left", "exdyna": "none"}
@@ -65,12 +66,16 @@ def plot_communication(df: pd.DataFrame, benchmark: str):
     table = table[table["benchmark"] == benchmark]
     metric = table["metric"].iloc[0]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    # colour: sorter; a sorter's settings (sync x reducer) have their own marker and fill instead
+    colors = {sorter: style["color"] for (sorter, _), style in
+              curve_styles((sorter, None) for sorter in sorted(table["sorter"].unique())).items()}
     for ax, column, label in zip(axes, ("train_loss", "final"), ("final train loss", f"final {metric}")):
         for row in table.itertuples():
             ax.plot(row.gigabytes, getattr(row, column), linestyle="none", marker=STRATEGY_MARKERS.get(row.sync, "x"),
                     fillstyle=REDUCER_FILL.get(row.reducer, "full"), markersize=9,
-                    color=SORTER_COLORS.get(row.sorter, "tab:gray"), label=f"{row.sorter}, {row.sync}, {row.reducer}")
-        ax.set_xscale("log")
+                    color=colors[row.sorter], label=f"{row.sorter}, {row.sync}, {row.reducer}")
+        ax.set_xscale("log")  # the strategies' bytes span orders of magnitude
+        scale_value_axis([ax], table[column].to_list())
         ax.set_xlabel("gigabytes communicated over the run (sum over workers)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -156,23 +161,31 @@ def plot_reorderers(df: pd.DataFrame, benchmark: str):
     worker_counts = sorted(runs["node_cnt"].unique())
     fig, axes = plt.subplots(len(worker_counts), len(metrics), figsize=(6 * len(metrics), 3.8 * len(worker_counts)),
                              squeeze=False)
+    styles = curve_styles((sorter, None) for sorter in sorted(runs["sorter"].unique(), key=reorderer_order))
     for row, n in zip(axes, worker_counts):
         group = runs[runs["node_cnt"] == n]
         sorters = sorted(group["sorter"].unique(), key=reorderer_order)
         for ax, metric in zip(row, metrics):
+            means = []
             for sorter in sorters:
                 rows = group[group["sorter"] == sorter]
                 curve = rows.groupby("epoch")[metric].agg(["mean", "std"])
-                colour = SORTER_COLORS.get(sorter, "tab:gray")
+                colour = styles[(sorter, None)]["color"]
+                means += curve["mean"].to_list()
                 ax.plot(curve.index, curve["mean"], color=colour, linewidth=1.4,
                         label=f"{sorter} ({rows['run_dir'].nunique()} seeds)")
                 ax.fill_between(curve.index, curve["mean"] - curve["std"].fillna(0),
                                 curve["mean"] + curve["std"].fillna(0), color=colour, alpha=0.12, linewidth=0)
+            scale_value_axis([ax], means)
+            title = f"{metric_label(metric, benchmark)}, {n} worker{'s' if n > 1 else ''}"
             if metric == "train_loss":  # the late epochs are where the sorters differ
                 late = group[group["epoch"] >= group["epoch"].max() * 0.3].groupby(["sorter", "epoch"])[metric].mean()
                 spread = late.max() - late.min()
                 ax.set_ylim(late.min() - 0.1 * spread, late.max() + 0.1 * spread)
-            ax.set_title(f"{metric_label(metric, benchmark)}, {n} worker{'s' if n > 1 else ''}", fontsize=10)
+                # the first epochs leave the panel: say so, or the cut curves read as a drawing fault
+                first = int(late.index.get_level_values("epoch").min())
+                title += f" (y range: epochs {first}-{int(group['epoch'].max())})"
+            ax.set_title(title, fontsize=10)
             ax.set_xlabel("epoch")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -206,9 +219,11 @@ def plot_sketching(df: pd.DataFrame, benchmark: str):
     colours = {"CD-GraB exact": "tab:red", "D-RR": "tab:blue"}
     shades = iter(["tab:orange", "tab:purple", "tab:green", "tab:brown", "tab:olive"])
     for ax, (frame, column) in zip(axes[0], panels):
+        means = []
         for variant in sorted(frame["variant"].unique(), key=variant_order):
             rows = frame[frame["variant"] == variant]
             curve = rows.groupby("epoch")[column].agg(["mean", "std", "count"])
+            means += curve["mean"].to_list()
             colour = colours.setdefault(variant, next(shades, "tab:gray"))
             ax.plot(curve.index, curve["mean"], marker="o", markersize=3, color=colour,
                     label=f"{variant} ({rows['run_dir'].nunique()} seeds)")
@@ -220,8 +235,7 @@ def plot_sketching(df: pd.DataFrame, benchmark: str):
                      fontsize=10)
         ax.set_xlabel("epoch")
         ax.set_ylabel("herding bound" if column == "herding_bound" else "train loss")
-        if column == "herding_bound":
-            ax.set_yscale("log")
+        scale_value_axis([ax], means)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     n, B = int(runs["node_cnt"].iloc[0]), int(runs["B"].iloc[0])

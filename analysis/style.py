@@ -1,4 +1,8 @@
-"""How the figures name metrics and colour sorters: one table for analysis/plots.py and analysis/studies.py."""
+"""How the figures name metrics, colour curves and scale value axes: one place for analysis/plots.py and
+analysis/studies.py."""
+import math
+
+from matplotlib.colors import to_hex, to_rgb
 
 LABELS = {
     "train_loss": "train loss", "test_loss": "test loss", "valid_loss": "validation loss",
@@ -10,8 +14,67 @@ BENCHMARK_LABELS = {"MLP-M4": {"train_loss": "train MSE (standardised)"}}
 SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
                  "D-SO": "tab:purple", "Fold": "tab:brown", "ALL": "tab:gray", "KH-SGD": "tab:pink",
                  "SBW": "tab:olive"}
+# for sorters without a colour of their own: tab10's one left over, then tab20's light tones
+SPARE_COLORS = ["tab:cyan", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2",
+                "#dbdb8d", "#9edae5"]
+# a sorter's second, third, ... setting: its colour darkened (< 0) or lightened (> 0) by this fraction,
+# and a line style of its own, so that a reader tells the settings apart in print too
+SHADES = [0.0, -0.45, 0.45, -0.7, 0.7]
+LINESTYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
+LOG_RATIO = 10.0  # a value axis is logarithmic only when its values span at least this factor
 
 
 def metric_label(metric: str, benchmark: str | None = None) -> str:
     """A metrics.csv column in words, as the benchmark's figures name it."""
     return BENCHMARK_LABELS.get(benchmark, {}).get(metric) or LABELS.get(metric, metric)
+
+
+def _shade(color, amount: float) -> str:
+    rgb = to_rgb(color)
+    target = 0.0 if amount < 0 else 1.0
+    return to_hex([c + abs(amount) * (target - c) for c in rgb])
+
+
+def curve_styles(curves) -> dict:
+    """{curve: {"color", "linestyle"}} for curves given as (sorter, anything that tells a sorter's
+    settings apart), every curve a colour of its own. A sorter's first curve (callers put the one with the
+    paper's settings first) gets the sorter's colour (SORTER_COLORS) and a solid line, as in every other
+    figure; its further settings get that colour darkened or lightened (SHADES) and their own line styles.
+    Sorters without a colour get SPARE_COLORS, never one a known sorter of these curves uses."""
+    curves = list(dict.fromkeys(curves))
+    taken = {SORTER_COLORS[s] for s, _ in curves if s in SORTER_COLORS}
+    spare = iter([c for c in SPARE_COLORS if c not in taken])
+    base, count, styles = {}, {}, {}
+    for sorter, key in curves:
+        if sorter not in base:
+            base[sorter] = SORTER_COLORS.get(sorter) or next(spare, "black")
+        i = count[sorter] = count.get(sorter, -1) + 1
+        color = _shade(base[sorter], SHADES[i % len(SHADES)]) if i else base[sorter]
+        if i >= len(SHADES):  # more settings than shades: a spare colour keeps every curve distinct
+            color = next(spare, "black")
+        styles[(sorter, key)] = {"color": color, "linestyle": LINESTYLES[i % len(LINESTYLES)]}
+    return styles
+
+
+def wants_log_scale(values) -> bool:
+    """True when the positive finite `values` span at least LOG_RATIO (an order of magnitude: the
+    early epochs of a perplexity, a herding bound falling from hundreds to units), where equal ratios are
+    the comparison that matters. Values within a factor of LOG_RATIO go on a linear axis, which draws a
+    difference at its size; a log axis over a narrow range magnifies small differences instead."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not finite or min(finite) <= 0:
+        return False
+    return max(finite) / min(finite) >= LOG_RATIO
+
+
+def scale_value_axis(axes, values) -> str:
+    """Put the y axis of every Axes in `axes` (panels sharing one scale) on the scale wants_log_scale
+    picks for `values`, the values drawn in them; a linear axis gets plain tick labels (no offset or
+    common factor beside the axis, which readers miss), so a difference of 1e-4 reads as 1e-4. Returns
+    the scale."""
+    scale = "log" if wants_log_scale(values) else "linear"
+    for ax in axes:
+        ax.set_yscale(scale)
+        if scale == "linear":
+            ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+    return scale

@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis import aggregate, final_table, format_table, load_runs, plots  # noqa: E402
 from analysis.load import RESUMABLE_ARGS  # noqa: E402
+from analysis.paper_values import PAPER_SETTINGS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -152,8 +153,9 @@ def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_pat
 
 def test_load_runs_columns_and_problems(results):
     df, problems = load_runs(results, with_problems=True, warn=False)
-    assert list(df.columns[:11]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir",
-                                     "partition", "study", "epoch"]
+    assert list(df.columns[:12]) == ["benchmark", "sorter", "seed", "node_cnt", "B", "lr", "setting", "run_dir",
+                                     "partition", "study", "paper_settings", "epoch"]
+    assert not df["paper_settings"].any()  # 3-epoch runs, without most of the paper's settings in their args
     paper, study = df[df["study"] == ""], df[df["study"] == "communication"]
     assert (paper["setting"] == "").all()  # every benchmark's runs share their settings
     # a study's runs are labelled among themselves, so the benchmark's own runs stay unlabelled
@@ -226,9 +228,10 @@ def test_runs_differing_in_any_setting_are_separate_curves(tmp_path):
 
 
 def test_figures_show_one_epoch_runs_the_paper_values_and_say_what_they_measure(tmp_path):
+    # the paper's settings, one of 50 epochs run: the paper's values are drawn beside them
     for sorter in ("CD-GraB", "D-RR"):
-        write_run(tmp_path, "LSTM-Wiki2", sorter, 0, epochs=1)
-    df = load_runs(tmp_path, warn=False)
+        write_run(tmp_path, "LSTM-Wiki2", sorter, 0, epochs=50, rows=1, args=PAPER_SETTINGS["LSTM-Wiki2"])
+    df = load_runs(tmp_path, include_incomplete=True, warn=False)
     fig = plots.plot_benchmark(df, "LSTM-Wiki2")
     curves = [line for line in fig.axes[0].get_lines() if not line.get_label().startswith("paper")]
     # one epoch is one point: drawn only as a marker
