@@ -56,13 +56,20 @@ def run_script(script: str, *args, nproc: int | None = None, env: dict | None = 
     return run_python(cmd, cwd=REPO, env=full_env, timeout=timeout)
 
 
-def run_python(cmd: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) for cmd = [sys.executable, ...], through the
-    script server where it runs (tests/script_server.py)."""
+def run_python(cmd: list, cwd=REPO, env: dict | None = None, timeout: float = 600,
+               check: bool = False) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
+    for cmd = [sys.executable, ...], through the script server where it runs (tests/script_server.py)."""
+    env = dict(os.environ if env is None else env)
+    cmd = [str(word) for word in cmd]
+    cwd = os.getcwd() if cwd is None else cwd
     server = script_server()
     if server is None:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    return server.run(cmd, cwd, env, timeout)
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
+    result = server.run(cmd, cwd, env, timeout)
+    if check and result.returncode:
+        raise subprocess.CalledProcessError(result.returncode, cmd, result.stdout, result.stderr)
+    return result
 
 
 class ScriptServer:

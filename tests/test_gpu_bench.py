@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import DATA_DIR, REPO, check_ok, error_lines, needs_data
+from tests.helpers import DATA_DIR, REPO, check_ok, error_lines, needs_data, run_python
 
 HMDA, M4 = "hmda/raw/hmda_train_preprocessed.zip", "m4/Weekly-train.csv"
 STEPS = {"LR-HMDA": 6, "MLP-M4": 100}  # MLP-M4: enough steps that their time is a good part of the run's
@@ -23,8 +23,7 @@ PER_RUN = ("seconds_per_epoch", "host_syncs_per_step", "peak_gpu_memory_gib", "s
 
 def run_bench(*args, timeout: float = 300):
     env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "bench/gpu_epochs.py", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python([sys.executable, "bench/gpu_epochs.py", *args], env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

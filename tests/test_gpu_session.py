@@ -13,7 +13,7 @@ import tarfile
 
 import pytest
 
-from tests.helpers import DATA_DIR, REPO, error_lines, needs_data, read_metrics, run_script
+from tests.helpers import DATA_DIR, REPO, error_lines, needs_data, read_metrics, run_python, run_script
 
 spec = importlib.util.spec_from_file_location("gpu_session", REPO / "scripts" / "gpu_session.py")
 gpu_session = importlib.util.module_from_spec(spec)
@@ -24,8 +24,7 @@ KIT = REPO / "scripts" / "gpu_session.py"
 
 def kit(*args, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CDGRAB_DATA": str(DATA_DIR)}
-    return subprocess.run([sys.executable, str(KIT), *map(str, args)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_python([sys.executable, KIT, *args], env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("bench_name", gpu_session.BENCHMARKS)  # not "benchmark": pytest-benchmark owns it

@@ -2,7 +2,6 @@
 import io
 import json
 import re
-import subprocess
 import sys
 import time
 
@@ -10,8 +9,8 @@ import pytest
 import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (REPO, assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header,
-                           needs_data, read_metrics, run_script)
+from tests.helpers import (assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header,
+                           needs_data, read_metrics, run_python, run_script)
 
 pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
 SCRIPT = "main-LR-HMDA.py"
@@ -200,7 +199,7 @@ def test_node_count_must_be_a_multiple_of_the_process_count(tmp_path):
 
 
 def test_help_explains_every_flag():
-    result = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=REPO, capture_output=True, text=True, check=True)
+    result = run_python([sys.executable, SCRIPT, "--help"], check=True)
     flags = re.findall(r"^  (--[\w-]+)", result.stdout, flags=re.M)
     assert {"--sorter", "--seed", "--lr", "--momentum", "--weight_decay", "--B", "--node_cnt", "--epochs",
             "--data-dir", "--out", "--device", "--backend", "--max-train-examples", "--resume",

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from analysis import aggregate, final_table, format_table, load_runs, plots  # noqa: E402
 from analysis.load import RESUMABLE_ARGS  # noqa: E402
 from analysis.paper_values import PAPER_SETTINGS  # noqa: E402
+from tests.helpers import run_python  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -269,8 +270,7 @@ def test_analysis_reads_the_engines_flag_table_without_torch():
 
 def test_cli(results, tmp_path):
     out = tmp_path / "figures"
-    proc = subprocess.run([sys.executable, "-m", "analysis", str(results), "--out", str(out), "--band", "minmax"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python([sys.executable, "-m", "analysis", results, "--out", out, "--band", "minmax"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "Final metric" in text and "test_smape" in text and "CD-GraB" in text and "D-RR" in text
@@ -282,14 +282,12 @@ def test_cli(results, tmp_path):
     assert (out / "herding-bound.png").exists() and (out / "herding-bound.pdf").exists()
     assert (out / "final-metrics.csv").read_text().count("\n") == 1 + 4 * 2 + 8  # + the communication study
     assert (out / "communication-MLP-M4.png").stat().st_size > 0
-    help_text = subprocess.run([sys.executable, "-m", "analysis", "--help"], cwd=REPO,
-                               capture_output=True, text=True).stdout
+    help_text = run_python([sys.executable, "-m", "analysis", "--help"]).stdout
     assert all(flag in help_text for flag in ("--out", "--band", "--herding-dir"))
 
 
 def test_cli_empty_results_is_not_fatal(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "analysis", str(tmp_path / "none"), "--out", str(tmp_path / "f")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = run_python([sys.executable, "-m", "analysis", tmp_path / "none", "--out", tmp_path / "f"], timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "no finished runs" in proc.stdout and "does not exist" in proc.stdout
 

@@ -10,7 +10,6 @@ difference, inner product and squared norm is exact in float32 and float64 alike
 import io
 import json
 import math
-import subprocess
 import sys
 
 import numpy as np
@@ -19,7 +18,8 @@ import torch
 
 from sorters import CDGraBSampler, build_sorter
 from sorters.randomized import KernelHalving, SelfBalancingWalk
-from tests.helpers import REPO, assert_runs_agree, check_ok, error_lines, needs_data, read_metrics, run_script
+from tests.helpers import (REPO, assert_runs_agree, check_ok, error_lines, needs_data, read_metrics, run_python,
+                           run_script)
 
 DELTA = 0.5
 RULES = ("KH-SGD", "SBW")
@@ -344,9 +344,9 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path):
 
 def test_herding_simulation_runs_them(tmp_path):
     out = tmp_path / "herding"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "herding_simulation.py"), "--scale", "0.0004",
-                    "--trials", "1", "--workers", "4", "--rounds", "3", "--methods", "CD-GraB KH-SGD SBW",
-                    "--out", str(out)], check=True, capture_output=True, timeout=120)
+    run_python([sys.executable, REPO / "scripts" / "herding_simulation.py", "--scale", "0.0004",
+                "--trials", "1", "--workers", "4", "--rounds", "3", "--methods", "CD-GraB KH-SGD SBW",
+                "--out", out], check=True, timeout=120)
     import pandas as pd
     df = pd.concat([pd.read_csv(p) for p in sorted(out.glob("*.csv"))])
     assert set(df["method"]) == {"CD-GraB", "KH-SGD", "SBW"} and len(df) == 3 * 4

@@ -1,13 +1,12 @@
 """The shipped full-scale results: what is in reproduction/, and that analysis reads it by default."""
 import json
-import subprocess
 import sys
 
 import pytest
 
 import analysis.load as load
 from analysis import load_herding, load_runs
-from tests.helpers import REPO, read_metrics
+from tests.helpers import REPO, read_metrics, run_python
 
 SHIPPED = REPO / "reproduction"
 
@@ -129,8 +128,7 @@ def test_analysis_defaults_to_the_shipped_runs_without_runs_of_ones_own(tmp_path
 
 @pytest.mark.slow
 def test_analysis_draws_the_reproduction_figures(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "analysis", str(SHIPPED), "--out", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = run_python([sys.executable, "-m", "analysis", SHIPPED, "--out", tmp_path], timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("LR-HMDA-vs-epoch", "MLP-M4-vs-epoch", "LSTM-Wiki2-vs-epoch", "GPT2-Wiki103-vs-epoch",
                  "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4", "sketching-MLP-M4", "sketching-LR-HMDA",

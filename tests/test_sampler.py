@@ -1,7 +1,6 @@
 """CDGraBSampler and PerExampleGrads: the sorters in an ordinary (DDP) training loop."""
 import io
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from sorters import SORTER_NAMES, CDGraBSampler, PerExampleGrads, build_sorter, per_example_grads
-from tests.helpers import REPO, DATA_DIR, needs_data
+from tests.helpers import DATA_DIR, REPO, needs_data, run_python
 
 EXAMPLE = "examples/ddp_lr_hmda.py"
 
@@ -306,9 +305,8 @@ def loop_of_linear(model, x, y):
 def run_example(*args, nproc=None):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
         if nproc else [sys.executable]
-    result = subprocess.run([*launcher, EXAMPLE, "--data-dir", str(DATA_DIR), *map(str, args)], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=300)
+    result = run_python([*launcher, EXAMPLE, "--data-dir", DATA_DIR, *args],
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -338,8 +336,8 @@ def test_example_one_process_equals_torchrun(tmp_path):
                  marks=needs_data("hmda/raw/hmda_train_preprocessed.zip")),
 ])
 def test_example_bad_input_gets_one_line_and_exit_2(tmp_path, args, message):
-    result = subprocess.run([sys.executable, REPO / EXAMPLE, *map(str, args)], cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    result = run_python([sys.executable, REPO / EXAMPLE, *args], cwd=tmp_path,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: ") and message in line, line

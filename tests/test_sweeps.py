@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_python
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 PAPER = {  # benchmark: (lr as passed, node_cnt, B, run-dir lr)
@@ -177,8 +179,7 @@ def test_bad_extra_args_stop_the_sweep_with_one_line(env, args, error):
 
 def test_run_tag_prints_the_entry_scripts_tag():
     def run_tag(*argv):
-        proc = subprocess.run([sys.executable, str(SCRIPTS / "run_tag.py"), *argv], capture_output=True, text=True,
-                              timeout=60)
+        proc = run_python([sys.executable, SCRIPTS / "run_tag.py", *argv], cwd=None, timeout=60)
         return proc.returncode, proc.stdout, proc.stderr
     fixed = ["--lr", "5e-3", "--node_cnt", "4", "--B", "16", "--partition", "random"]
     assert run_tag(str(REPO / "main-LR-HMDA.py"), "--", *fixed, "--") == (0, "\n", "")
@@ -321,19 +322,17 @@ def test_reproduce_all_chains_everything(env, tmp_path):
 
 
 def test_herding_simulation_runs_the_papers_five_trials(tmp_path):
-    subprocess.run([sys.executable, str(SCRIPTS / "herding_simulation.py"), "--scale", "0.0001", "--workers", "5",
-                    "--rounds", "1", "--methods", "D-RR", "--out", str(tmp_path)], check=True, capture_output=True,
-                   timeout=60)
+    run_python([sys.executable, SCRIPTS / "herding_simulation.py", "--scale", "0.0001", "--workers", "5",
+                "--rounds", "1", "--methods", "D-RR", "--out", tmp_path], cwd=None, check=True, timeout=60)
     assert sorted(p.name for p in tmp_path.glob("*.csv")) == [f"n5-m20-trial{t}-D-RR.csv" for t in range(5)]
 
 
 def test_herding_simulation_smallest_scale(tmp_path):
     """The real simulation at --scale 0.001: tidy CSVs, identical round-0 bounds across methods."""
     out = tmp_path / "herding"
-    subprocess.run([sys.executable, str(SCRIPTS / "herding_simulation.py"), "--scale", "0.001", "--trials", "1",
-                    "--workers", "5", "10", "--rounds", "3", "--methods", "CD-GraB I-B I-PB D-RR ALL",
-                    "--out", str(out)], check=True, capture_output=True,
-                   timeout=60)
+    run_python([sys.executable, SCRIPTS / "herding_simulation.py", "--scale", "0.001", "--trials", "1",
+                "--workers", "5", "10", "--rounds", "3", "--methods", "CD-GraB I-B I-PB D-RR ALL",
+                "--out", out], cwd=None, check=True, timeout=60)
     import pandas as pd
     df = pd.concat([pd.read_csv(p) for p in sorted(out.glob("*.csv"))])
     assert list(df.columns[:7]) == ["n_workers", "m", "d", "trial", "method", "round", "bound"]
