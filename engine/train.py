@@ -31,7 +31,7 @@ from engine import runlog
 from engine.cli import check_args, flag_name
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
-from engine.errors import UserFacingError, exit_with_error
+from engine.errors import UserFacingError, exit_with_error, tell_launcher
 from engine.flags import changed_on_resume
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
@@ -120,8 +120,10 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
             raise
         # under torchrun a failed collective almost always means a peer died; say so in one line
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        print(f"error: rank {comm.rank}: a collective failed ({first_line}); did another rank die? see its "
-              "output above. The last finished epoch is in checkpoint.pt (continue with --resume)", file=sys.stderr)
+        line = (f"error: rank {comm.rank}: a collective failed ({first_line}); did another rank die? see its "
+                f"output above. The last finished epoch is in {args.out}/checkpoint.pt (continue with --resume)")
+        print(line, file=sys.stderr)
+        tell_launcher(line)
         sys.exit(1)
     finally:
         if comm is not None:

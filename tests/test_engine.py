@@ -374,3 +374,26 @@ def test_a_torchrun_error_is_printed_at_once_by_rank_0_only(monkeypatch, capsys,
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: --B 15 is not divisible by --node_cnt 4\n"
     assert waits == ([] if rank == "0" else [errors.PEER_REPORT_DELAY_SECONDS])
+
+
+def test_the_launcher_summary_shows_our_line_as_the_root_cause(monkeypatch, tmp_path):
+    """exit_with_error writes $TORCHELASTIC_ERROR_FILE as torch's @record does, so that torchrun's
+    ChildFailedError summary (read here with torch's own classes) shows our line instead of a link;
+    without the variable (a plain python start, or torchrun's empty one) nothing is written."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from engine import errors
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit):
+        errors.exit_with_error("--B 15 is not divisible by --node_cnt 4")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    summary = ChildFailedError("main-LR-HMDA.py", {0: failure}).format_msg().strip().splitlines()
+    assert summary[-2] == "  traceback : error: --B 15 is not divisible by --node_cnt 4", summary
+    error_file.unlink()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "")
+    with pytest.raises(SystemExit):
+        errors.exit_with_error("--B 15 is not divisible by --node_cnt 4")
+    assert not error_file.exists() and list(tmp_path.iterdir()) == []
+

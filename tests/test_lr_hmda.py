@@ -144,7 +144,8 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
 ])
 def test_bad_input_under_torchrun_is_reported_once(tmp_path, args, message):
     """Every rank sees the error; rank 0 alone prints it, and exits 2. torchrun itself then exits 1 and
-    prints its ChildFailedError summary, whatever the ranks' status (docs/run-directory.md, "Bad input")."""
+    prints its ChildFailedError summary, whatever the ranks' status, whose root cause shows our line
+    (from $TORCHELASTIC_ERROR_FILE) in its next-to-last line (docs/run-directory.md, "Bad input")."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint\n")
@@ -154,6 +155,8 @@ def test_bad_input_under_torchrun_is_reported_once(tmp_path, args, message):
     assert result.returncode == 1
     root_cause = result.stderr.split("Root Cause")[-1]
     assert re.search(r"rank\s*:\s*0\b", root_cause) and re.search(r"exitcode\s*:\s*2\b", root_cause), result.stderr
+    *_, shown, border = result.stderr.strip().splitlines()
+    assert shown == f"  traceback : {line}" and set(border) == {"="}, result.stderr
 
 
 def test_a_dead_rank_stops_the_others_quickly(tmp_path):
