@@ -1,10 +1,12 @@
 """The command line shared by every entry script, and its checks."""
 import argparse
+import json
 import math
+from pathlib import Path
 
 from data.common import default_data_dir
 from engine.errors import UserFacingError, exit_with_error
-from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS
+from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS, changed_on_resume
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
 from engine.reducers import REDUCER_NAMES
@@ -220,6 +222,50 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
     if args.out is None:
         tags = out_tags(args, defaults) if defaults else ""
         args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags}-seed{args.seed}"
+
+
+def check_resume(args, benchmark: str, out_given: bool) -> None:
+    """--resume with the default --out (out_given False) and no such folder, while the folder above it
+    (results/<benchmark>/) holds runs with a checkpoint.pt: refuse in one line that names the folders looked at and
+    the settings in which the nearest of those runs (fewest differences, then the newest) differs, since
+    a changed setting names another folder and the user most likely meant to continue that run. With
+    no run there at all it is a first start, and --resume starts it (as with an --out of one's own:
+    the sweeps and scripts/gpu_session.py pass --resume on every start)."""
+    out = Path(args.out)
+    if not args.resume or out_given or out.exists() or not out.parent.is_dir():  # out: a run started before
+        return
+    runs = sorted(path for path in out.parent.iterdir() if (path / "checkpoint.pt").is_file())
+    if not runs:
+        return
+    nearest, changed = min(((run, settings_changed(run, vars(args), benchmark)) for run in runs),
+                           key=lambda pair: (len(pair[1]) if pair[1] is not None else math.inf,
+                                             -(pair[0] / "checkpoint.pt").stat().st_mtime))
+    looked = (f"--resume: no run to resume in {out} (no such folder); looked there and at the {len(runs)} "
+              f"run{'s' * (len(runs) > 1)} with a checkpoint in {out.parent}/")
+    if changed is None:
+        raise UserFacingError(f"{looked}, whose config.json files are unreadable; continue one with --out "
+                              f"{nearest}, or drop --resume to start a new run in {out}")
+    if not changed:
+        raise UserFacingError(f"{looked}: {nearest} has these settings (it was started with its own --out); "
+                              f"continue it with --out {nearest}, or drop --resume to start a new run in {out}")
+    raise UserFacingError(f"{looked}: the nearest, {nearest}, differs in {describe_changes(changed)}; to continue "
+                          f"it, pass its settings (or give it as --out), or drop --resume to start a new run")
+
+
+def settings_changed(run: Path, now: dict, benchmark: str) -> list | None:
+    """changed_on_resume between the args in run/config.json and `now`; None when it cannot be read."""
+    try:
+        saved = json.loads((run / "config.json").read_text())["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return changed_on_resume(saved, now, benchmark) if isinstance(saved, dict) else None
+
+
+def describe_changes(changed: list, most: int = 4) -> str:
+    """'--lr 0.005 (now 0.01), --seed 0 (now 1)' from changed_on_resume's (dest, saved, now) triples; the
+    first `most`, then how many more."""
+    shown = ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed[:most])
+    return shown + (f" and {len(changed) - most} more" if len(changed) > most else "")
 
 
 def check_communication_args(args) -> None:

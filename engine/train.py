@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from engine import runlog
-from engine.cli import check_args, flag_name
+from engine.cli import check_args, check_resume, describe_changes
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
 from engine.errors import UserFacingError, exit_with_error, tell_launcher
@@ -100,9 +100,12 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     build_task(args, device) -> Task. Exit status: 0 ok, 2 bad input / failed run, 1 lost a peer.
     """
     args = parser.parse_args()
-    comm = None
+    out_given, comm = args.out is not None, None
     try:
+        # every check that needs no data comes before the process group: a bad run fails before torchrun's
+        # rendezvous, and in every process alike
         check_args(args, benchmark, defaults=vars(parser.parse_args([])))
+        check_resume(args, benchmark, out_given)
         device, backend = setup_device(args.device, args.backend)
         set_tf32(args.tf32)
         comm = make_communicator(args.node_cnt, device, backend, args.dist_timeout)
@@ -555,7 +558,7 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
     changed = changed_on_resume(state["args"], arg_dict, benchmark, epochs_fixed=sorter.uses_total_epochs)
     if changed:
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
-                              + ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed))
+                              + describe_changes(changed, most=len(changed)))
     another_version = (f"cannot resume {checkpoint_path.parent}: {{}}; the checkpoint was written by another "
                        "version of the suite, so start a new run (or choose another --out)")
     if not torch.is_tensor(state["flat"]) or state["flat"].shape != flat.shape:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (REPO, assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header,
-                           needs_data, read_metrics, run_script)
+from tests.helpers import (REPO, assert_runs_agree, check_ok, check_run_files, entry_point, error_lines,
+                           metrics_header, needs_data, read_metrics, run_script)
 
 pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
 SCRIPT = "main-LR-HMDA.py"
@@ -135,6 +135,27 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
         (line,) = [line for line in result.stderr.splitlines() if line.strip()]
         assert line.startswith("error: cannot resume") and message in line and "another --out" in line, line
         assert {path.name: path.read_bytes() for path in out.iterdir()} == files
+
+
+def test_resume_refuses_to_start_over_when_the_default_out_names_no_run_but_others_exist(tmp_path):
+    """--resume with a changed setting and the default --out names a folder that does not exist: rather
+    than start a new run there, one line names the folders looked at and what differs from the nearest
+    run, exit 2, before the data are read; nothing is written."""
+    runs = tmp_path / "results" / "LR-HMDA"
+    _, parser, _ = entry_point(SCRIPT)
+    for name, argv in (("CD-GraB-node4-B16-lr0.005-seed0", []),
+                       ("CD-GraB-node4-B16-lr0.1-seed7", ["--lr", "0.1", "--seed", "7"])):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "checkpoint.pt").write_bytes(b"")  # only config.json is read
+        (runs / name / "config.json").write_text(json.dumps({"args": vars(parser.parse_args(argv))}))
+    before = sorted(runs.iterdir())
+    result = run_script(SCRIPT, "--lr", "0.01", "--resume", "--data-dir", tmp_path / "no-data", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: --resume: no run to resume in results/LR-HMDA/CD-GraB-node4-B16-lr0.01-seed0 ")
+    assert ("results/LR-HMDA/: the nearest, results/LR-HMDA/CD-GraB-node4-B16-lr0.005-seed0, differs in --lr 0.005 "
+            "(now 0.01);") in line and "drop --resume" in line, line
+    assert sorted(runs.iterdir()) == before
 
 
 @pytest.mark.parametrize("args,message", [
