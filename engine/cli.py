@@ -13,6 +13,12 @@ from engine.reducers import REDUCER_NAMES
 from engine.sketching import check_sketch_args
 from sorters import SORTER_NAMES
 
+# --progress auto without a terminal (nohup, sweeps' logs, CI): seconds between plain progress lines
+# (engine.train.ProgressLines). Under a minute, so that a log shows the run alive every minute while steps
+# take under 15 s; not much less, so that a day-long run's log stays short. $CDGRAB_PROGRESS_EVERY
+# overrides it (the tests use a tiny one).
+PROGRESS_EVERY_SECONDS = 45.0
+
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """Reports a bad command line in one line (argparse prints the whole usage block first)."""
@@ -93,7 +99,11 @@ def common_parser(benchmark: str, description: str, defaults: dict,
     p.add_argument("--record-orders", action="store_true",
                    help="also save every epoch's (n, m) orders to <out>/orders.pt")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                   help="tqdm progress bar on rank 0 (auto: only on a terminal)")
+                   help="progress within an epoch, shown by rank 0 on stderr. auto: a tqdm bar when stderr is a "
+                        f"terminal, else (nohup, a sweep's log, CI) a plain line every {PROGRESS_EVERY_SECONDS:g} s with the epoch, step, "
+                        "loss and estimated time left; on: the tqdm bar even when stderr is no terminal; off: "
+                        "neither. Every mode prints the run directory when the run starts and ends, and one line "
+                        "per epoch")
     p.add_argument("--unit-grads", choices=("auto", "vmap"), default="auto",
                    help="per-unit gradients for the balancing sorters: auto = one backward plus per-unit outer "
                         "products where the model allows it (Linear/Conv1D/Embedding/LayerNorm: LR, MLP, GPT-2), "

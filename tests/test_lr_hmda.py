@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (REPO, assert_runs_agree, check_ok, check_run_files, entry_point, error_lines,
-                           metrics_header, needs_data, read_metrics, run_script)
+from tests.helpers import (REPO, assert_runs_agree, check_ok, check_run_files, entry_point, entry_task,
+                           error_lines, metrics_header, needs_data, read_metrics, run_script)
 
 pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
 SCRIPT = "main-LR-HMDA.py"
@@ -135,6 +135,41 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
         (line,) = [line for line in result.stderr.splitlines() if line.strip()]
         assert line.startswith("error: cannot resume") and message in line and "another --out" in line, line
         assert {path.name: path.read_bytes() for path in out.iterdir()} == files
+
+
+TINY = ["--max-train-examples", "128", "--max-eval-examples", "32"]  # 8 steps of B = 16
+
+
+def test_a_run_says_where_it_writes_and_how_far_it_is(tmp_path, monkeypatch, capsys):
+    """A line with the run directory first and last (also with --progress off); with --progress auto
+    and stderr no terminal, plain progress lines (here every step: $CDGRAB_PROGRESS_EVERY=0) with the
+    epoch, step, loss and time left, and before an evaluation when the last one took the interval;
+    none with --progress off. In this process (engine.train.train, as run_entry_point calls it)."""
+    from engine.comm import LocalCommunicator
+    from engine.train import train
+
+    monkeypatch.chdir(tmp_path)  # the default --out lands here
+    monkeypatch.setenv("CDGRAB_PROGRESS_EVERY", "0")
+    cpu = torch.device("cpu")
+
+    def stderr_lines(*argv):
+        task, args = entry_task(SCRIPT, cpu, *TINY, *argv)
+        train(task, args, LocalCommunicator(args.node_cnt, cpu), cpu)
+        return capsys.readouterr().err.splitlines()
+
+    out = "results/LR-HMDA/CD-GraB-node4-B16-lr0.005-max-train-examples128-max-eval-examples32-seed0"
+    lines = stderr_lines("--epochs", "2", "--resume", "--progress", "auto")
+    assert lines[0] == f"LR-HMDA: no checkpoint in {out}, starting a new run (epochs 1-2)", lines
+    assert lines[-1] == f"LR-HMDA: done: {out} (after epoch 2)", lines
+    steps = [line for line in lines if " step " in line]
+    assert [re.search(r"epoch (\d)/2 step (\d+)/8 ", line).groups() for line in steps] == \
+        [(str(epoch), str(step)) for epoch in (1, 2) for step in range(1, 9)]
+    assert re.fullmatch(r"LR-HMDA CD-GraB epoch 2/2 step 8/8 \| loss 0\.\d{4} \| 0s left", steps[-1]), steps
+    assert [line for line in lines if "evaluating" in line] == [
+        "LR-HMDA CD-GraB epoch 2/2: evaluating (the last evaluation took 0s)"]  # none before the first
+    lines = stderr_lines("--epochs", "3", "--resume", "--progress", "off")
+    assert lines[0] == f"LR-HMDA: resuming {out} after epoch 2 (epochs 3-3)", lines
+    assert lines[-1] == f"LR-HMDA: done: {out} (after epoch 3)" and len(lines) == 3, lines  # and epoch 3's
 
 
 def test_resume_refuses_to_start_over_when_the_default_out_names_no_run_but_others_exist(tmp_path):
