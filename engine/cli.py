@@ -92,7 +92,10 @@ def common_parser(benchmark: str, description: str, defaults: dict,
     p.add_argument("--max-eval-examples", type=int, default=None, metavar="N",
                    help=texts.get("max_eval_examples", "cap the validation/test sets at N units (quick runs)"))
     p.add_argument("--resume", action="store_true",
-                   help="continue from <out>/checkpoint.pt when it exists (else start fresh); only these settings "
+                   help="continue from <out>/checkpoint.pt when it exists, else start the run; but with the default "
+                        f"--out, when that folder does not exist and results/{benchmark}/ holds other runs, name "
+                        "the nearest one and what differs, and exit 2 (a changed setting names another folder). "
+                        "Only these settings "
                         "may differ from the checkpoint's: "
                         + ", ".join(sorted(map(flag_name, RESUMABLE_FLAGS - {"out", "resume"})))
                         + " (--epochs not with --lr-schedule cosine/linear; --cache-dir: GPT-2)")
