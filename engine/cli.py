@@ -1,15 +1,23 @@
 """The command line shared by every entry script, and its checks."""
 import argparse
+import json
 import math
+from pathlib import Path
 
 from data.common import default_data_dir
 from engine.errors import UserFacingError, exit_with_error
-from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS
+from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS, changed_on_resume
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
 from engine.reducers import REDUCER_NAMES
 from engine.sketching import check_sketch_args
 from sorters import SORTER_NAMES
+
+# --progress auto without a terminal (nohup, sweeps' logs, CI): seconds between plain progress lines
+# (engine.train.ProgressLines). Under a minute, so that a log shows the run alive every minute while steps
+# take under 15 s; not much less, so that a day-long run's log stays short. $CDGRAB_PROGRESS_EVERY
+# overrides it (the tests use a tiny one).
+PROGRESS_EVERY_SECONDS = 45.0
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -84,14 +92,21 @@ def common_parser(benchmark: str, description: str, defaults: dict,
     p.add_argument("--max-eval-examples", type=int, default=None, metavar="N",
                    help=texts.get("max_eval_examples", "cap the validation/test sets at N units (quick runs)"))
     p.add_argument("--resume", action="store_true",
-                   help="continue from <out>/checkpoint.pt when it exists (else start fresh); only these settings "
+                   help="continue from <out>/checkpoint.pt when it exists, else start the run; but with the default "
+                        f"--out, when that folder does not exist and results/{benchmark}/ holds other runs, name "
+                        "the nearest one and what differs, and exit 2 (a changed setting names another folder). "
+                        "Only these settings "
                         "may differ from the checkpoint's: "
                         + ", ".join(sorted(map(flag_name, RESUMABLE_FLAGS - {"out", "resume"})))
                         + " (--epochs not with --lr-schedule cosine/linear; --cache-dir: GPT-2)")
     p.add_argument("--record-orders", action="store_true",
                    help="also save every epoch's (n, m) orders to <out>/orders.pt")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                   help="tqdm progress bar on rank 0 (auto: only on a terminal)")
+                   help="progress within an epoch, shown by rank 0 on stderr. auto: a tqdm bar when stderr is a "
+                        f"terminal, else (nohup, a sweep's log, CI) a plain line every {PROGRESS_EVERY_SECONDS:g} s with the epoch, step, "
+                        "loss and estimated time left; on: the tqdm bar even when stderr is no terminal; off: "
+                        "neither. Every mode prints the run directory when the run starts and ends, and one line "
+                        "per epoch")
     p.add_argument("--unit-grads", choices=("auto", "vmap"), default="auto",
                    help="per-unit gradients for the balancing sorters: auto = one backward plus per-unit outer "
                         "products where the model allows it (Linear/Conv1D/Embedding/LayerNorm: LR, MLP, GPT-2), "
@@ -220,6 +235,50 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
     if args.out is None:
         tags = out_tags(args, defaults) if defaults else ""
         args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags}-seed{args.seed}"
+
+
+def check_resume(args, benchmark: str, out_given: bool) -> None:
+    """--resume with the default --out (out_given False) and no such folder, while the folder above it
+    (results/<benchmark>/) holds runs with a checkpoint.pt: refuse in one line that names the folders looked at and
+    the settings in which the nearest of those runs (fewest differences, then the newest) differs, since
+    a changed setting names another folder and the user most likely meant to continue that run. With
+    no run there at all it is a first start, and --resume starts it (as with an --out of one's own:
+    the sweeps and scripts/gpu_session.py pass --resume on every start)."""
+    out = Path(args.out)
+    if not args.resume or out_given or out.exists() or not out.parent.is_dir():  # out: a run started before
+        return
+    runs = sorted(path for path in out.parent.iterdir() if (path / "checkpoint.pt").is_file())
+    if not runs:
+        return
+    nearest, changed = min(((run, settings_changed(run, vars(args), benchmark)) for run in runs),
+                           key=lambda pair: (len(pair[1]) if pair[1] is not None else math.inf,
+                                             -(pair[0] / "checkpoint.pt").stat().st_mtime))
+    looked = (f"--resume: no run to resume in {out} (no such folder); looked there and at the {len(runs)} "
+              f"run{'s' * (len(runs) > 1)} with a checkpoint in {out.parent}/")
+    if changed is None:
+        raise UserFacingError(f"{looked}, whose config.json files are unreadable; continue one with --out "
+                              f"{nearest}, or drop --resume to start a new run in {out}")
+    if not changed:
+        raise UserFacingError(f"{looked}: {nearest} has these settings (it was started with its own --out); "
+                              f"continue it with --out {nearest}, or drop --resume to start a new run in {out}")
+    raise UserFacingError(f"{looked}: the nearest, {nearest}, differs in {describe_changes(changed)}; to continue "
+                          f"it, pass its settings (or give it as --out), or drop --resume to start a new run")
+
+
+def settings_changed(run: Path, now: dict, benchmark: str) -> list | None:
+    """changed_on_resume between the args in run/config.json and `now`; None when it cannot be read."""
+    try:
+        saved = json.loads((run / "config.json").read_text())["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return changed_on_resume(saved, now, benchmark) if isinstance(saved, dict) else None
+
+
+def describe_changes(changed: list, most: int = 4) -> str:
+    """'--lr 0.005 (now 0.01), --seed 0 (now 1)' from changed_on_resume's (dest, saved, now) triples; the
+    first `most`, then how many more."""
+    shown = ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed[:most])
+    return shown + (f" and {len(changed) - most} more" if len(changed) > most else "")
 
 
 def check_communication_args(args) -> None:

@@ -1,5 +1,6 @@
 """The one exception type whose message is shown to the user as a single line (no traceback), and
 how that line is printed once per job."""
+import json
 import os
 import sys
 import time
@@ -28,4 +29,23 @@ def exit_with_error(message: str, status: int = 2):
         except KeyboardInterrupt:
             sys.exit(130)
     print(f"error: {message}", file=sys.stderr, flush=True)
+    tell_launcher(f"error: {message}")
     sys.exit(status)
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun, write `line` to this process's $TORCHELASTIC_ERROR_FILE, so that the launcher's
+    ChildFailedError summary, which it prints after all of the processes' output, shows it as the root
+    cause's "traceback" (else a link to the elastic docs). The layout is the one torch's @record writes
+    (torch.distributed.elastic.multiprocessing.errors.ErrorHandler); the summary shows
+    extraInfo.py_callstack. No-op outside torchrun or when the file cannot be written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    timestamp = str(int(time.time()))  # the summary's root cause is the failure with the earliest one
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": timestamp}}},
+                      file)
+    except OSError:
+        pass  # the line is on stderr already

@@ -15,6 +15,7 @@ sparsifying --reducer (engine/reducers.py) what is averaged (the gradient, or th
 since the last averaging) is compressed with error feedback. Both need each worker's own gradient,
 so their steps go through Task.worker_gradients.
 """
+import contextlib
 import math
 import os
 import random
@@ -28,10 +29,10 @@ import torch
 from tqdm import tqdm
 
 from engine import runlog
-from engine.cli import check_args, flag_name
+from engine.cli import PROGRESS_EVERY_SECONDS, check_args, check_resume, describe_changes
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
-from engine.errors import UserFacingError, exit_with_error
+from engine.errors import UserFacingError, exit_with_error, tell_launcher
 from engine.flags import changed_on_resume
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
@@ -100,9 +101,12 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     build_task(args, device) -> Task. Exit status: 0 ok, 2 bad input / failed run, 1 lost a peer.
     """
     args = parser.parse_args()
-    comm = None
+    out_given, comm = args.out is not None, None
     try:
+        # every check that needs no data comes before the process group: a bad run fails before torchrun's
+        # rendezvous, and in every process alike
         check_args(args, benchmark, defaults=vars(parser.parse_args([])))
+        check_resume(args, benchmark, out_given)
         device, backend = setup_device(args.device, args.backend)
         set_tf32(args.tf32)
         comm = make_communicator(args.node_cnt, device, backend, args.dist_timeout)
@@ -113,15 +117,18 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     except UserFacingError as error:
         exit_with_error(str(error))  # under torchrun: printed once (rank 0), every rank exits 2
     except KeyboardInterrupt:
-        print("interrupted; the last finished epoch is in checkpoint.pt (continue with --resume)", file=sys.stderr)
+        print(f"interrupted; the last finished epoch is in {args.out or '--out'}/checkpoint.pt (continue with "
+              "--resume)", file=sys.stderr)
         sys.exit(130)
     except (RuntimeError, ConnectionError) as error:
         if comm is None or comm.world_size == 1:
             raise
         # under torchrun a failed collective almost always means a peer died; say so in one line
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        print(f"error: rank {comm.rank}: a collective failed ({first_line}); did another rank die? see its "
-              "output above. The last finished epoch is in checkpoint.pt (continue with --resume)", file=sys.stderr)
+        line = (f"error: rank {comm.rank}: a collective failed ({first_line}); did another rank die? see its "
+                f"output above. The last finished epoch is in {args.out}/checkpoint.pt (continue with --resume)")
+        print(line, file=sys.stderr)
+        tell_launcher(line)
         sys.exit(1)
     finally:
         if comm is not None:
@@ -170,27 +177,120 @@ def train(task, args, comm, device) -> list[dict]:
     """
     run = build_run(task, args, comm, device)
     rows, recorded_orders, first_epoch = resume(run) if (run.out / "checkpoint.pt").exists() else ([], [], 1)
+    say(run, start_line(run, first_epoch))
     if first_epoch > args.epochs and (run.out / "config.json").exists():
+        say(run, f"{task.name}: done: {run.out} (after epoch {len(rows)})")
         return rows  # keep config.json: it describes the run that made these epochs
     if run.writer:
         runlog.write_config(run.out / "config.json", run_config(run))
+    progress = ProgressLines(run, first_epoch) if progress_mode(args, run.writer) == "lines" else None
+    end = f"{task.name}: done: {run.out} (after epoch {args.epochs})"
     for epoch in range(first_epoch, args.epochs + 1):
         bytes_before = run.comm_bytes()
-        orders, seconds = train_epoch(run, epoch, epochs_saved=bool(rows))
-        with torch.no_grad():
+        orders, seconds = train_epoch(run, epoch, epochs_saved=bool(rows), progress=progress)
+        with torch.no_grad(), (progress.evaluating(epoch) if progress else contextlib.nullcontext()):
             metrics = task.evaluate(task.model.flat, comm)
         rows.append(metrics_row(run, epoch, metrics, seconds, run.comm_bytes() - bytes_before))
         if args.record_orders:
             recorded_orders.append(orders.to(torch.int32).cpu())
         save_epoch(run, rows, recorded_orders)
+        if progress:
+            progress.printed()  # the epoch's line says where the run is
         if epoch < args.epochs and stop_requested(epoch, comm):
-            if run.writer:
-                print(f"{task.name}: stopped after epoch {epoch} ($CDGRAB_STOP_FILE); continue with --resume",
-                      file=sys.stderr, flush=True)
+            end = (f"{task.name}: stopped after epoch {epoch} of {args.epochs} ($CDGRAB_STOP_FILE): {run.out}; "
+                   "continue with --resume")
             break
     if isinstance(run.sorter, BackgroundSorter):
         run.sorter.close()
+    say(run, end)
     return rows
+
+
+def say(run: "Run", line: str) -> None:
+    """One line on stderr, by the writing rank (rank 0) only."""
+    if run.writer:
+        print(line, file=sys.stderr, flush=True)
+
+
+def start_line(run: "Run", first_epoch: int) -> str:
+    """The run's first line: where it writes, and whether it starts, resumes or is finished already."""
+    name, out, epochs = run.task.name, run.out, run.args.epochs
+    if first_epoch > epochs:
+        return f"{name}: {out} is finished: {first_epoch - 1} epochs done (--epochs {epochs}); nothing to resume"
+    if first_epoch > 1:
+        return f"{name}: resuming {out} after epoch {first_epoch - 1} (epochs {first_epoch}-{epochs})"
+    fresh = f"no checkpoint in {out}, starting a new run" if run.args.resume else f"new run in {out}"
+    return f"{name}: {fresh} (epochs 1-{epochs})"
+
+
+def progress_mode(args, writer: bool) -> str | None:
+    """How rank 0 shows progress within an epoch: "bar" (tqdm: --progress on, or auto on a terminal),
+    "lines" (auto off a terminal: ProgressLines), or None (--progress off, and every other rank)."""
+    if not writer or args.progress == "off":
+        return None
+    return "bar" if args.progress == "on" or sys.stderr.isatty() else "lines"
+
+
+class ProgressLines:
+    """Plain progress lines for logs (--progress auto when stderr is no terminal): at the first step that
+    ends PROGRESS_EVERY_SECONDS or more after the last line (or the epoch's line), one line with the
+    epoch, the step, the epoch's mean training loss so far (as of its last host read) and the time
+    left, estimated from the pace of this process's steps so far, evaluations included. Before an
+    evaluation that took that long the last time, a line that says it is evaluating."""
+
+    def __init__(self, run: "Run", first_epoch: int):
+        self.run, self.every = run, progress_interval()
+        self.start = self.last = time.monotonic()
+        self.steps_before = (first_epoch - 1) * run.steps_per_epoch  # done by earlier starts of the run
+        self.total_steps = run.args.epochs * run.steps_per_epoch
+        self.eval_seconds = None  # the last evaluation's, in this start
+
+    def step(self, epoch: int, step: int, loss: float | None) -> None:
+        """After 0-based step `step` of `epoch`; loss: the epoch's mean training loss so far (None: none read
+        yet)."""
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        spe, name = self.run.steps_per_epoch, f"{self.run.task.name} {self.run.sorter.name}"
+        done = (epoch - 1) * spe + step + 1
+        left = (now - self.start) / (done - self.steps_before) * (self.total_steps - done)
+        shown = "-" if loss is None else f"{loss:.4f}"
+        say(self.run, f"{name} epoch {epoch}/{self.run.args.epochs} step {step + 1}/{spe} | loss {shown} | "
+                      f"{duration(left)} left")
+        self.last = now
+
+    @contextlib.contextmanager
+    def evaluating(self, epoch: int):
+        """Around the evaluation after `epoch`: says so first when the last one took PROGRESS_EVERY_SECONDS
+        or more (the LSTM's and GPT-2's full evaluations take minutes), and times it."""
+        start = time.monotonic()
+        if self.eval_seconds is not None and self.eval_seconds >= self.every:
+            say(self.run, f"{self.run.task.name} {self.run.sorter.name} epoch {epoch}/{self.run.args.epochs}: "
+                          f"evaluating (the last evaluation took {duration(self.eval_seconds)})")
+            self.last = start
+        yield
+        self.eval_seconds = time.monotonic() - start
+
+    def printed(self) -> None:
+        """Another line (the epoch's) has just said where the run is."""
+        self.last = time.monotonic()
+
+
+def progress_interval() -> float:
+    """Seconds between ProgressLines' lines: PROGRESS_EVERY_SECONDS, or $CDGRAB_PROGRESS_EVERY."""
+    text = os.environ.get("CDGRAB_PROGRESS_EVERY", "")
+    try:
+        return float(text) if text else PROGRESS_EVERY_SECONDS
+    except ValueError:
+        raise UserFacingError(f"$CDGRAB_PROGRESS_EVERY must be a number of seconds, got {text!r}") from None
+
+
+def duration(seconds: float) -> str:
+    """'1h 02m', '3m 05s' or '42s'."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def stop_requested(epoch: int, comm) -> bool:
@@ -285,8 +385,6 @@ def resume(run: Run) -> tuple[list, list, int]:
         # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
         # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
         write_logs(out, rows, recorded_orders, run.task.metric_columns)
-        print(f"{out} is finished: {first_epoch - 1} epochs done (--epochs {args.epochs}); nothing to resume"
-              if first_epoch > args.epochs else f"resuming {out} after epoch {first_epoch - 1}", file=sys.stderr)
     return rows, recorded_orders, first_epoch
 
 
@@ -316,9 +414,10 @@ def run_config(run: Run) -> dict:
     }
 
 
-def train_epoch(run: Run, epoch: int, epochs_saved: bool) -> tuple[torch.Tensor, dict]:
+def train_epoch(run: Run, epoch: int, epochs_saved: bool, progress=None) -> tuple[torch.Tensor, dict]:
     """The epoch's orders, then its steps, then what the epoch's end owes (deferred unit gradients, the
-    local workers' last averaging). Returns (orders (n, m), seconds: per region and the whole epoch)."""
+    local workers' last averaging). progress: ProgressLines (rank 0, no bar), or None. Returns (orders
+    (n, m), seconds: per region and the whole epoch)."""
     task = run.task
     epoch_start = time.perf_counter()
     task.start_epoch(epoch)
@@ -328,7 +427,7 @@ def train_epoch(run: Run, epoch: int, epochs_saved: bool) -> tuple[torch.Tensor,
     # (n_local, m), on the device: each step's unit ids are then a slice, with no copy from the host
     local_orders = orders[workers[0]:workers[-1] + 1]
     timer.lap("sorter")
-    losses = LossCheck(run, epoch, epochs_saved)
+    losses = LossCheck(run, epoch, epochs_saved, progress)
     for step in range(run.steps_per_epoch):
         global_step = step + (epoch - 1) * run.steps_per_epoch
         run.fault.before_step(global_step)
@@ -368,22 +467,28 @@ def take_step(run: Run, local_orders, step: int, global_step: int, timer):
 
 class LossCheck:
     """The training loss, read on the host once every LOSS_CHECK_EVERY steps (and at the epoch's end),
-    summed over all workers: stops the run when it is not finite, feeds the progress bar (rank 0)."""
+    summed over all workers: stops the run when it is not finite, feeds the progress bar or the
+    progress lines (rank 0)."""
 
-    def __init__(self, run: Run, epoch: int, epochs_saved: bool):
-        self.run, self.epoch, self.epochs_saved = run, epoch, epochs_saved
+    def __init__(self, run: Run, epoch: int, epochs_saved: bool, progress=None):
+        self.run, self.epoch, self.epochs_saved, self.progress = run, epoch, epochs_saved, progress
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # local losses since the last check
         self.checked_step, self.epoch_loss = 0, 0.0
         args, name = run.args, run.task.name
-        show = run.writer and {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
+        show = progress_mode(args, run.writer) == "bar"
         self.bar = tqdm(total=run.steps_per_epoch, desc=f"{name} {run.sorter.name} epoch {epoch}/{args.epochs}",
                         disable=not show, leave=False, mininterval=0.5, file=sys.stderr)
 
     def add(self, local_loss: torch.Tensor, step: int) -> None:
         """local_loss: this process's mean loss of 0-based step `step` (a device scalar)."""
         self.loss_sum += local_loss
-        if (step + 1) % LOSS_CHECK_EVERY and step + 1 != self.run.steps_per_epoch:
-            return
+        if not (step + 1) % LOSS_CHECK_EVERY or step + 1 == self.run.steps_per_epoch:
+            self.check(step)
+        if self.progress:  # a clock read per step; the loss as of its last host read (no extra sync)
+            self.progress.step(self.epoch, step, self.epoch_loss / self.checked_step if self.checked_step else None)
+
+    def check(self, step: int) -> None:
+        """Read the loss summed since the last check (steps checked_step..step, 0-based) on the host."""
         # the only host read of the loss: all processes check the same steps, so they stop together
         comm, n_local = self.run.comm, len(self.run.comm.local_workers)
         window_loss = comm.all_reduce_sum((self.loss_sum * n_local).reshape(1, 1)).item() / self.run.task.n_workers
@@ -553,7 +658,7 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
     changed = changed_on_resume(state["args"], arg_dict, benchmark, epochs_fixed=sorter.uses_total_epochs)
     if changed:
         raise UserFacingError(f"cannot resume {checkpoint_path.parent}: these settings differ from the checkpoint: "
-                              + ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed))
+                              + describe_changes(changed, most=len(changed)))
     another_version = (f"cannot resume {checkpoint_path.parent}: {{}}; the checkpoint was written by another "
                        "version of the suite, so start a new run (or choose another --out)")
     if not torch.is_tensor(state["flat"]) or state["flat"].shape != flat.shape:

@@ -35,9 +35,11 @@ def require_data(*paths: str) -> None:
     pytest.skip(message)
 
 
-def run_script(script: str, *args, nproc: int | None = None, env: dict | None = None, timeout: float = 600):
+def run_script(script: str, *args, nproc: int | None = None, env: dict | None = None, timeout: float = 600,
+               cwd=None):
     """Run `<this interpreter> <script> args` (or torchrun with nproc processes, as
-    `<this interpreter> -m torch.distributed.run`) from the repo root.
+    `<this interpreter> -m torch.distributed.run`) from the repo root, or from `cwd` (where a default
+    --out's results/ lands).
 
     Returns the CompletedProcess (text mode). CDGRAB_DATA points at DATA_DIR; the progress
     bar is off unless the caller passes --progress itself. The interpreters are forks of
@@ -48,12 +50,13 @@ def run_script(script: str, *args, nproc: int | None = None, env: dict | None = 
     args = [str(a) for a in args]
     if "--progress" not in args:
         args += ["--progress", "off"]
+    script = script if cwd is None else str(REPO / script)
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                script, *args]
     else:
         cmd = [sys.executable, script, *args]
-    return run_python(cmd, cwd=REPO, env=full_env, timeout=timeout)
+    return run_python(cmd, cwd=cwd or REPO, env=full_env, timeout=timeout)
 
 
 def run_python(cmd: list, cwd=REPO, env: dict | None = None, timeout: float = 600,

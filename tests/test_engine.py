@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import random
+from pathlib import Path
 
 import numpy as np
 
@@ -374,3 +375,75 @@ def test_a_torchrun_error_is_printed_at_once_by_rank_0_only(monkeypatch, capsys,
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: --B 15 is not divisible by --node_cnt 4\n"
     assert waits == ([] if rank == "0" else [errors.PEER_REPORT_DELAY_SECONDS])
+
+
+def test_the_launcher_summary_shows_our_line_as_the_root_cause(monkeypatch, tmp_path):
+    """exit_with_error writes $TORCHELASTIC_ERROR_FILE as torch's @record does, so that torchrun's
+    ChildFailedError summary (read here with torch's own classes) shows our line instead of a link;
+    without the variable (a plain python start, or torchrun's empty one) nothing is written."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from engine import errors
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit):
+        errors.exit_with_error("--B 15 is not divisible by --node_cnt 4")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    summary = ChildFailedError("main-LR-HMDA.py", {0: failure}).format_msg().strip().splitlines()
+    assert summary[-2] == "  traceback : error: --B 15 is not divisible by --node_cnt 4", summary
+    error_file.unlink()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "")
+    with pytest.raises(SystemExit):
+        errors.exit_with_error("--B 15 is not divisible by --node_cnt 4")
+    assert not error_file.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_resume_with_the_default_out_refuses_only_when_it_would_start_over_beside_other_runs(tmp_path, monkeypatch):
+    """--resume whose default --out does not exist: a first start when results/<benchmark>/ holds no run
+    with a checkpoint; else one line naming the nearest run (fewest differing settings) and how it
+    differs. An --out of one's own (the sweeps, scripts/gpu_session.py), an --out that exists, or no
+    --resume: never refused here."""
+    from engine.cli import check_args, check_resume
+
+    monkeypatch.chdir(tmp_path)
+    benchmark, parser, _ = entry_point("main-LR-HMDA.py")
+
+    def checked(*argv):
+        args = parser.parse_args(list(argv))
+        out_given = args.out is not None
+        check_args(args, benchmark, defaults=vars(parser.parse_args([])))
+        return args, out_given
+
+    def resume(*argv):  # as run_entry_point checks a command line
+        args, out_given = checked(*argv)
+        check_resume(args, benchmark, out_given)
+
+    def started(*argv):  # a run of these settings with a checkpoint, in its default --out
+        args, _ = checked(*argv)
+        Path(args.out).mkdir(parents=True)
+        (Path(args.out) / "checkpoint.pt").write_bytes(b"")
+        runlog.write_config(Path(args.out) / "config.json", {"args": vars(args)})
+        return args.out
+
+    resume("--resume", "--lr", "0.01")  # nothing at all: a first start
+    started("--lr", "0.1", "--seed", "3")
+    nearest = started("--lr", "0.1")
+    with pytest.raises(UserFacingError) as refused:
+        resume("--resume", "--lr", "0.01")
+    assert str(refused.value) == (
+        "--resume: no run to resume in results/LR-HMDA/CD-GraB-node4-B16-lr0.01-seed0 (no such folder); looked "
+        "there and at the 2 runs with a checkpoint in results/LR-HMDA/: the nearest, "
+        f"{nearest}, differs in --lr 0.1 (now 0.01); to continue it, pass its settings (or give it "
+        "as --out), or drop --resume to start a new run")
+    for argv in (["--lr", "0.01"], ["--resume", "--lr", "0.01", "--out", "results/LR-HMDA/mine"],
+                 ["--resume", "--lr", "0.1", "--epochs", "60"]):  # the last: nearest itself (epochs may change)
+        resume(*argv)
+    Path("results/LR-HMDA/CD-GraB-node4-B16-lr0.01-seed0").mkdir()  # a run killed before its first epoch
+    resume("--resume", "--lr", "0.01")
+    # the same settings under another name (an --out of its own): say so
+    (Path("results/LR-HMDA/CD-GraB-node4-B16-lr0.01-seed0")).rmdir()
+    Path(nearest).rename("results/LR-HMDA/renamed")
+    with pytest.raises(UserFacingError, match=r"results/LR-HMDA/renamed has these settings .* continue it "
+                                              r"with --out results/LR-HMDA/renamed"):
+        resume("--resume", "--lr", "0.1")

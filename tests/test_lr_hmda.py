@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (assert_runs_agree, check_ok, check_run_files, error_lines, metrics_header,
-                           needs_data, read_metrics, run_python, run_script)
+from tests.helpers import (assert_runs_agree, check_ok, check_run_files, entry_point, entry_task,
+                           error_lines, metrics_header, needs_data, read_metrics, run_python, run_script)
 
 pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
 SCRIPT = "main-LR-HMDA.py"
@@ -136,6 +136,62 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
         assert {path.name: path.read_bytes() for path in out.iterdir()} == files
 
 
+TINY = ["--max-train-examples", "128", "--max-eval-examples", "32"]  # 8 steps of B = 16
+
+
+def test_a_run_says_where_it_writes_and_how_far_it_is(tmp_path, monkeypatch, capsys):
+    """A line with the run directory first and last (also with --progress off); with --progress auto
+    and stderr no terminal, plain progress lines (here every step: $CDGRAB_PROGRESS_EVERY=0) with the
+    epoch, step, loss and time left, and before an evaluation when the last one took the interval;
+    none with --progress off. In this process (engine.train.train, as run_entry_point calls it)."""
+    from engine.comm import LocalCommunicator
+    from engine.train import train
+
+    monkeypatch.chdir(tmp_path)  # the default --out lands here
+    monkeypatch.setenv("CDGRAB_PROGRESS_EVERY", "0")
+    cpu = torch.device("cpu")
+
+    def stderr_lines(*argv):
+        task, args = entry_task(SCRIPT, cpu, *TINY, *argv)
+        train(task, args, LocalCommunicator(args.node_cnt, cpu), cpu)
+        return capsys.readouterr().err.splitlines()
+
+    out = "results/LR-HMDA/CD-GraB-node4-B16-lr0.005-max-train-examples128-max-eval-examples32-seed0"
+    lines = stderr_lines("--epochs", "2", "--resume", "--progress", "auto")
+    assert lines[0] == f"LR-HMDA: no checkpoint in {out}, starting a new run (epochs 1-2)", lines
+    assert lines[-1] == f"LR-HMDA: done: {out} (after epoch 2)", lines
+    steps = [line for line in lines if " step " in line]
+    assert [re.search(r"epoch (\d)/2 step (\d+)/8 ", line).groups() for line in steps] == \
+        [(str(epoch), str(step)) for epoch in (1, 2) for step in range(1, 9)]
+    assert re.fullmatch(r"LR-HMDA CD-GraB epoch 2/2 step 8/8 \| loss 0\.\d{4} \| 0s left", steps[-1]), steps
+    assert [line for line in lines if "evaluating" in line] == [
+        "LR-HMDA CD-GraB epoch 2/2: evaluating (the last evaluation took 0s)"]  # none before the first
+    lines = stderr_lines("--epochs", "3", "--resume", "--progress", "off")
+    assert lines[0] == f"LR-HMDA: resuming {out} after epoch 2 (epochs 3-3)", lines
+    assert lines[-1] == f"LR-HMDA: done: {out} (after epoch 3)" and len(lines) == 3, lines  # and epoch 3's
+
+
+def test_resume_refuses_to_start_over_when_the_default_out_names_no_run_but_others_exist(tmp_path):
+    """--resume with a changed setting and the default --out names a folder that does not exist: rather
+    than start a new run there, one line names the folders looked at and what differs from the nearest
+    run, exit 2, before the data are read; nothing is written."""
+    runs = tmp_path / "results" / "LR-HMDA"
+    _, parser, _ = entry_point(SCRIPT)
+    for name, argv in (("CD-GraB-node4-B16-lr0.005-seed0", []),
+                       ("CD-GraB-node4-B16-lr0.1-seed7", ["--lr", "0.1", "--seed", "7"])):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "checkpoint.pt").write_bytes(b"")  # only config.json is read
+        (runs / name / "config.json").write_text(json.dumps({"args": vars(parser.parse_args(argv))}))
+    before = sorted(runs.iterdir())
+    result = run_script(SCRIPT, "--lr", "0.01", "--resume", "--data-dir", tmp_path / "no-data", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: --resume: no run to resume in results/LR-HMDA/CD-GraB-node4-B16-lr0.01-seed0 ")
+    assert ("results/LR-HMDA/: the nearest, results/LR-HMDA/CD-GraB-node4-B16-lr0.005-seed0, differs in --lr 0.005 "
+            "(now 0.01);") in line and "drop --resume" in line, line
+    assert sorted(runs.iterdir()) == before
+
+
 @pytest.mark.parametrize("args,message", [
     (["--epochs", "0"], "--epochs must be >= 1"),  # engine.cli.check_args, before the process group
     (["--sorter", "GraB"], "invalid choice: 'GraB'"),  # argparse
@@ -143,7 +199,8 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
 ])
 def test_bad_input_under_torchrun_is_reported_once(tmp_path, args, message):
     """Every rank sees the error; rank 0 alone prints it, and exits 2. torchrun itself then exits 1 and
-    prints its ChildFailedError summary, whatever the ranks' status (docs/run-directory.md, "Bad input")."""
+    prints its ChildFailedError summary, whatever the ranks' status, whose root cause shows our line
+    (from $TORCHELASTIC_ERROR_FILE) in its next-to-last line (docs/run-directory.md, "Bad input")."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint\n")
@@ -153,6 +210,8 @@ def test_bad_input_under_torchrun_is_reported_once(tmp_path, args, message):
     assert result.returncode == 1
     root_cause = result.stderr.split("Root Cause")[-1]
     assert re.search(r"rank\s*:\s*0\b", root_cause) and re.search(r"exitcode\s*:\s*2\b", root_cause), result.stderr
+    *_, shown, border = result.stderr.strip().splitlines()
+    assert shown == f"  traceback : {line}" and set(border) == {"="}, result.stderr
 
 
 def test_a_dead_rank_stops_the_others_quickly(tmp_path):
