@@ -325,8 +325,12 @@ def test_notebook_runs(path, results, study_results, monkeypatch, kernel_specs):
     monkeypatch.setenv("CDGRAB_HERDING", str(results / "herding"))
     nb = nbformat.read(path, as_version=4)
     kernel = KernelManager(kernel_name="python3", kernel_spec_manager=kernel_specs)
-    NotebookClient(nb, km=kernel, timeout=120,
-                   resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()  # raises on a cell error
+    try:  # a client handed its kernel manager leaves the kernel running: shut it down here
+        NotebookClient(nb, km=kernel, timeout=120,
+                       resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()  # raises on a cell error
+    finally:
+        if kernel.has_kernel:
+            kernel.shutdown_kernel(now=True)
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
