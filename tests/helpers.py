@@ -101,7 +101,7 @@ class ScriptServer:
         import tempfile
         import time
 
-        env = {**env, "PYTHON_EXEC": self.python, "CDGRAB_SCRIPT_SERVER": self.socket_path}
+        env = {**env, "PYTHON_EXEC": self.python, "CDGRAB_SCRIPT_SERVER": self.socket_path}  # torchrun's workers
         request = json.dumps({"argv": [str(word) for word in cmd[1:]], "cwd": str(cwd), "env": env}).encode()
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
@@ -134,6 +134,13 @@ def read_back(file) -> str:
 
 _server = []
 _server_lock = __import__("threading").Lock()
+
+
+def python_exec_env() -> dict:
+    """Environment variables that make `$PYTHON_EXEC` (tests/script_shim.py) a python that runs in the
+    script server; {} where runs are real subprocesses. For shell scripts under test that start python."""
+    server = script_server()
+    return {} if server is None else {"PYTHON_EXEC": server.python, "CDGRAB_SCRIPT_SERVER": server.socket_path}
 
 
 def script_server() -> ScriptServer | None:

@@ -9,9 +9,10 @@ two-process run starts no new interpreter with torch at all.
 
 What differs from a fresh interpreter, and why it is safe here: the modules of PRELOAD are already
 imported (their import-time code ran once, under the server's environment: OMP_NUM_THREADS=1, as every
-test run has it), and sys.path keeps the checkout. tests/test_scripts_help.py and
-tests/test_readme_commands.py still start real interpreters, so an import that fails only in a fresh one
-is caught there. CDGRAB_TEST_FORK=0 turns the server off (every run a real subprocess).
+test run has it), and sys.path keeps the checkout. tests/test_device.py (every entry script's --help),
+tests/test_scripts_help.py and tests/test_notebooks.py (analysis imports no torch) still start real
+interpreters, so an import that fails only in a fresh one is caught there. CDGRAB_TEST_FORK=0 turns the
+server off (every run a real subprocess).
 
 Protocol (one SOCK_SEQPACKET connection per run): the requester sends one JSON message
 {"argv": [...python's arguments...], "cwd": str, "env": {...}} with its stdin, stdout and stderr as
@@ -111,7 +112,12 @@ def run_child(request: dict, fds: list, conn) -> None:
         argv = list(request["argv"])
         while argv and argv[0] in ("-u", "-B"):  # torchrun starts its workers with -u
             argv.pop(0)
-        if argv[:1] == ["-m"]:
+        if argv[:1] in (["-"], ["-c"]):  # the program on stdin, or in the next argument
+            source = sys.stdin.read() if argv[0] == "-" else argv[1]
+            sys.argv = ["-", *argv[1:]] if argv[0] == "-" else ["-c", *argv[2:]]
+            sys.path[0] = ""
+            code = exit_code(lambda: run_source(source, "<stdin>" if argv[0] == "-" else "<string>"))
+        elif argv[:1] == ["-m"]:
             module, rest = argv[1], argv[2:]
             sys.argv = [module, *rest]
             sys.path[0] = os.getcwd()
@@ -132,6 +138,19 @@ def run_child(request: dict, fds: list, conn) -> None:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def run_source(source: str, filename: str) -> None:
+    """Run program text as the __main__ module, as `python -` and `python -c` do."""
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__builtins__ = __builtins__
+    saved, sys.modules["__main__"] = sys.modules["__main__"], main
+    try:
+        exec(compile(source, filename, "exec"), main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def exit_code(main) -> int:

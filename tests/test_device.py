@@ -6,6 +6,7 @@ torch.distributed are replaced by recorders where a rule needs them.
 import argparse
 import json
 import re
+import subprocess
 import sys
 import warnings
 
@@ -25,7 +26,7 @@ from engine.optim import Optimizer, LRSchedule
 from engine.task import Task
 from engine.train import RegionTimer, restore, train
 from sorters import build_sorter
-from tests.helpers import check_ok, error_lines, needs_data, run_python, run_script
+from tests.helpers import REPO, check_ok, error_lines, needs_data, run_script
 
 CPU, GPU = torch.device("cpu"), lambda index: torch.device("cuda", index)
 
@@ -177,7 +178,9 @@ def test_tf32_is_off_unless_asked_for_and_config_json_records_it(tmp_path):
 
 @pytest.mark.parametrize("script", ["main-LR-HMDA.py", "main-LSTM-Wiki2.py", "main-MLP-M4.py", "main-GPT2-Wiki103.py"])
 def test_every_entry_script_explains_tf32(script):
-    result = run_python([sys.executable, script, "--help"], check=True, timeout=120)
+    # a fresh interpreter on purpose (not the script server): each entry script imports from scratch
+    result = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                            check=True, timeout=120)
     words = " ".join(result.stdout.split())
     assert re.search(r"--tf32 allow TensorFloat-32 in CUDA .{0,200}default off: full float32", words), result.stdout
 

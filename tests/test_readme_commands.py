@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DATA_DIR, REPO, needs_data
+from tests.helpers import DATA_DIR, REPO, needs_data, run_python
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]  # the order the commands run in
@@ -101,7 +101,7 @@ def tiny_flags(argv: list[str]) -> list[str]:
 
 def run_command(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run one README command in cwd with its tiny flags: `python` is this interpreter, `torchrun` is
-    `<this interpreter> -m torch.distributed.run` (as everywhere in the tests), $VARS expand from the
+    `<this interpreter> -m torch.distributed.run` (as everywhere in the tests, through the script server), $VARS expand from the
     environment, whose CDGRAB_DATA is the suite's data folder (the README's set-up line)."""
     assignments, argv = split_env(words)
     env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -109,7 +109,7 @@ def run_command(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
     expanded = [re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: env[m.group(1) or m.group(2)], word) for word in argv]
     launcher = [sys.executable] if expanded[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
     cmd = launcher + expanded[1:] + tiny_flags(argv)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return run_python(cmd, cwd=cwd, env=env, timeout=300)
 
 
 def checkout_view(folder: Path) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_python
+from tests.helpers import python_exec_env, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -29,8 +29,9 @@ FAKE = r'''#!{python}
 import json, os, sys
 from pathlib import Path
 argv = sys.argv[1:]
-if argv[:1] in (["-"], ["-c"]):
-    os.execv(sys.executable, [sys.executable, *argv])
+if argv[:1] in (["-"], ["-c"]):  # run_tag.py fed on stdin: a real python (the script server's, if any)
+    python = os.environ.get("PYTHON_EXEC") or sys.executable
+    os.execv(python, [python, *argv])
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(argv) + "\n")
 scripts = [a for a in argv if Path(a).name.startswith("main-") and a.endswith(".py")]
@@ -65,7 +66,7 @@ def env(tmp_path):
     fake.chmod(0o755)
     data = tmp_path / "data"
     data.mkdir()
-    return {**os.environ, "PYTHON": str(fake), "TORCHRUN": f"{fake} torchrun", "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+    return {**os.environ, **python_exec_env(), "PYTHON": str(fake), "TORCHRUN": f"{fake} torchrun", "FAKE_LOG": str(tmp_path / "calls.jsonl"),
             "RESULTS": str(tmp_path / "results"), "DATA": str(data), "SEEDS": "0 1", "EPOCHS": "2"}
 
 
