@@ -63,8 +63,9 @@ def test_no_test_starts_python_or_torchrun_from_path():
 
 
 def run_pytest(test_file: str, **env) -> subprocess.CompletedProcess:
-    """pytest on one test file in a fresh interpreter, with these environment variables."""
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test_file],
+    """pytest on one test file in a fresh interpreter, in one process (-n 0), with these environment
+    variables."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", test_file],
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
                           capture_output=True, text=True, timeout=300)
 
