@@ -14,6 +14,7 @@ machine's cores and its load average before and after.
 import argparse
 import csv
 import datetime
+import functools
 import json
 import os
 import platform
@@ -37,15 +38,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
-def timed(argv: list[str], env: dict, out: Path | None = None) -> dict:
-    """Run argv from the checkout; its wall and CPU seconds, and its run's epoch_seconds when out is given."""
+def timed_in(argv: list[str], env: dict, out: Path | None = None, tmp: str = "") -> dict:
+    """Run argv from the checkout; its wall and CPU seconds, and its run's epoch_seconds when out is given
+    (argv is reported with `python` for this interpreter and TMP for the temporary folder `tmp`)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(argv, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    result = {"argv": [Path(argv[0]).name, *argv[1:]], "wall_seconds": round(wall, 2), "cpu_seconds": round(cpu, 2)}
+    shown = ["python", *(word.replace(tmp, "TMP") if tmp else word for word in argv[1:])]
+    result = {"argv": " ".join(shown), "wall_seconds": round(wall, 2), "cpu_seconds": round(cpu, 2)}
     if out is not None:
         with open(out / "metrics.csv") as f:
             epochs = [float(row["epoch_seconds"]) for row in csv.DictReader(f)]
@@ -78,6 +81,7 @@ def main():
     }
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp) / "results" / "LR-HMDA"
+        timed = functools.partial(timed_in, tmp=tmp)
         report["pip_install_requirements"] = timed(
             [python, "-m", "pip", "install", "-q", "-r", "requirements.txt"], one_thread)
         report["smoke_run"] = timed([python, *SMOKE, "--out", str(runs / "smoke")], one_thread, runs / "smoke")
@@ -89,6 +93,9 @@ def main():
             report["torchrun"] = timed([python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                                         *FULL, "--epochs", str(args.torchrun_epochs), "--out",
                                         str(runs / "torchrun")], one_thread, runs / "torchrun")
+            # the full 50 epochs, estimated: the cut run's wall time per epoch, start-up included
+            report["torchrun"]["estimated_50_epoch_wall_seconds"] = round(
+                report["torchrun"]["wall_seconds"] * 50 / args.torchrun_epochs)
         report["analysis"] = timed([python, "-m", "analysis", str(runs.parent), "--out", str(Path(tmp) / "figures")],
                                    one_thread)
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
