@@ -138,3 +138,43 @@ def test_readme_local_step_table_is_the_shipped_bench_result():
     for benchmark, sorter in columns:
         for strategy, m in result[benchmark][sorter].items():
             assert f"| {benchmark} | {sorter} | {strategy} | {m['epoch_cpu_seconds']:.2f} | {m['ratio']:.2f} |" in page
+
+
+def quickstart_claims(result: dict) -> list[str]:
+    """The README's times of its set-up and quick-start commands, as bench/results/quickstart-cpu.json's
+    numbers print there."""
+    smoke, threads, full = result["smoke_run"], result["smoke_run_default_threads"], result["full_run"]
+    torchrun, analysis, pip = result["torchrun"], result["analysis"], result["pip_install_requirements"]
+    return [
+        f"again, with everything installed, {pip['cpu_seconds']:.1f} s of CPU, {pip['wall_seconds']:.1f} s of wall time",
+        f"| smoke run | {smoke['wall_seconds']:.1f} s |",
+        f"| one process, 50 epochs | {full['wall_seconds'] / 60:.1f} min (training epochs: median "
+        f"{full['median_epoch_seconds']:.1f} s) |",
+        f"| torchrun, 4 processes | about {torchrun['estimated_50_epoch_wall_seconds'] / 60:.0f} min (estimate: "
+        f"{len(torchrun['epoch_seconds'])} epochs took {torchrun['wall_seconds']:.0f} s, "
+        f"{torchrun['median_epoch_seconds']:.0f} s each) |",
+        f"| `python -m analysis` | {analysis['wall_seconds']:.1f} s |",
+        f"(load average {result['load_average_before'][0]:.1f} before, {result['load_average_after'][0]:.1f} after)",
+        f"({threads['epoch_seconds'][0]:.2f} s against {smoke['epoch_seconds'][0]:.2f} s, the same",
+        f"first epoch {threads['epoch_seconds'][0] / smoke['epoch_seconds'][0]:.0f} times slower",
+    ]
+
+
+def test_readme_quickstart_times_are_their_named_measurements():
+    """README.md's times of its set-up and quick-start commands (and docs/benchmarks.md's LR-HMDA epoch) are
+    bench/results/quickstart-cpu.json's (a rerun of bench/quickstart.py must update them), and the shipped
+    runs' epoch time it compares them with is the median of their metrics.csv."""
+    import csv
+    import json
+    import statistics
+
+    result = json.loads((REPO / "bench" / "results" / "quickstart-cpu.json").read_text())
+    flat = " ".join((REPO / "README.md").read_text().split())  # claims may wrap across lines
+    missing = [claim for claim in quickstart_claims(result) if " ".join(claim.split()) not in flat]
+    assert not missing, "README.md does not state bench/results/quickstart-cpu.json's times:\n" + "\n".join(missing)
+    shipped = [float(row["epoch_seconds"]) for path in (REPO / "reproduction" / "LR-HMDA").glob("CD-GraB-*/metrics.csv")
+               for row in csv.DictReader(path.open())]
+    assert f"took {statistics.median(shipped):.2f} s per CD-GraB training epoch" in flat
+    benchmarks = " ".join((REPO / "docs" / "benchmarks.md").read_text().split())
+    assert f"LR-HMDA (CD-GraB: median {result['full_run']['median_epoch_seconds']:.1f} s," in benchmarks
+
