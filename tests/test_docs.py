@@ -178,3 +178,57 @@ def test_readme_quickstart_times_are_their_named_measurements():
     benchmarks = " ".join((REPO / "docs" / "benchmarks.md").read_text().split())
     assert f"LR-HMDA (CD-GraB: median {result['full_run']['median_epoch_seconds']:.1f} s," in benchmarks
 
+
+def bench_result(name: str) -> dict:
+    import json
+
+    return json.loads((REPO / "bench" / "results" / name).read_text())
+
+
+def test_performance_and_gpu_pages_state_their_bench_results():
+    """The epoch times of docs/performance.md (CPU and GPU tables) and docs/gpus.md's training seconds per
+    epoch are bench/results/cpu-epochs.json's and gpu-epochs.json's, and docs/sketching.md's GPT-2 step
+    times are sketch-gpt2-cpu.json's (a rerun of a bench must update its page)."""
+    performance = (REPO / "docs" / "performance.md").read_text()
+    cpu = bench_result("cpu-epochs.json")["runs"]
+    rows = {"LR-HMDA, 64,000 examples (4,000 steps), epoch 2": "LR-HMDA --max-train-examples 64000",
+            "MLP-M4 (32 workers, B 32), 32,000 windows, epoch 2": "MLP-M4 --max-train-examples 32000 (32 workers, B 32)",
+            "MLP-M4 (4 workers, B 16), 32,000 windows, epoch 2": "MLP-M4 --max-train-examples 32000 --node_cnt 4 --B 16"}
+    for label, run in rows.items():
+        seconds = cpu[run]["seconds"]
+        row = (f"| {label} | {seconds['D-RR']['epoch_seconds']:.2f} s | {seconds['CD-GraB']['epoch_seconds']:.2f} s "
+               f"| {cpu[run]['CD-GraB/D-RR']:.2f} |")
+        assert row in performance, row
+    gpu = bench_result("gpu-epochs.json")["benchmarks"]
+    gpus = (REPO / "docs" / "gpus.md").read_text()
+    for benchmark, result in gpu.items():
+        times = result["seconds_per_epoch"]
+        row = f"| {benchmark} | {times['textbook']:#.3g} | {times['D-RR']:#.3g} | {times['CD-GraB']:#.3g} |"
+        assert row in performance, row
+        if benchmark in ("LSTM-Wiki2", "GPT2-Wiki103"):
+            for sorter in ("CD-GraB", "D-RR"):
+                assert f"| {benchmark} {sorter} | {times[sorter]:.1f} |" in gpus, (benchmark, sorter)
+    sketching = (REPO / "docs" / "sketching.md").read_text()
+    sketching = sketching[sketching.index("| GPT-2, CPU, one process |"):]
+    sketching = sketching[:sketching.index("\n\n")]  # that table
+    variants = bench_result("sketch-gpt2-cpu.json")["variants"]
+    for label, variant in {"D-RR": "D-RR", "exact CD-GraB": "CD-GraB", "D = 1024, materialise then sketch":
+                           "CD-GraB D=1024 materialise", "D = 1024, from layer records": "CD-GraB D=1024 records"}.items():
+        v = variants[variant]
+        wall, cpu_step = f"{v['step_seconds']:.1f} s", f"{v['step_cpu_seconds']:.1f} s"
+        (row,) = [line for line in sketching.splitlines() if line.startswith(f"| {label} |")]
+        assert [cell.strip() for cell in row.split("|")[6:10:2]] == [wall, cpu_step], (row, wall, cpu_step)
+
+
+def test_herding_time_is_the_shipped_csvs_sum():
+    """docs/figures.md's time of the shipped herding run is the sum of its CSVs' `seconds` at the last round,
+    over the four methods it names."""
+    import csv
+
+    total = 0.0
+    for path in (REPO / "reproduction" / "herding").glob("*.csv"):
+        rows = list(csv.DictReader(path.open()))
+        if rows[-1]["method"] in ("CD-GraB", "I-B", "I-PB", "D-RR"):
+            total += float(rows[-1]["seconds"])
+    page = " ".join((REPO / "docs" / "figures.md").read_text().split())
+    assert f"adds up to {total / 60:.1f} min for the four methods" in page
