@@ -103,10 +103,38 @@ def require_setuptools_that_builds_wheels():
                     "pip install -r requirements.txt (torch 2.13.0 brings setuptools >= 77.0.3)", pytrace=False)
 
 
+def documented_install() -> list[list[str]]:
+    """docs/sampler.md's install commands, as `pip install` argument lists: the ```bash block under
+    '## Install' (torch first, then the package), then the offline command its text gives."""
+    import re
+    import shlex
+
+    page = (REPO / "docs" / "sampler.md").read_text()
+    section = page[page.index("## Install\n"):page.index("\n## ", page.index("## Install\n") + 1)]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    lines = [shlex.split(line, comments=True) for line in block.splitlines()]
+    block_pips = [words[2:] for words in lines if words[:2] == ["pip", "install"]]
+    offline = re.findall(r"`pip install (--no-index --no-build-isolation \.)`", section)
+    assert len(offline) == 1, "docs/sampler.md: the offline command `pip install --no-index --no-build-isolation .`"
+    return block_pips + [offline[0].split()]
+
+
+def test_the_documented_install_puts_torch_first():
+    """`pip install .` given no torch takes the newest from the index (on Linux the CUDA build, GBs), so
+    the documented commands install the pinned torch before the package (test_the_documented_install_...
+    cannot see the order: its venv has torch either way)."""
+    steps = documented_install()
+    torch_steps = [i for i, step in enumerate(steps) if any(word.startswith("torch==") for word in step)]
+    package_steps = [i for i, step in enumerate(steps) if step[-1:] == ["."]]
+    assert torch_steps and package_steps and torch_steps[0] < package_steps[0], steps
+    assert any(word == "torch==2.13.0" for word in steps[torch_steps[0]]), "the version requirements.txt pins"
+
+
 def test_the_documented_install_in_a_fresh_venv(tmp_path):
-    """docs/sampler.md's commands in a fresh virtual environment, offline: `pip install torch==2.13.0`, the
-    offline `pip install --no-index --no-build-isolation .`, then `pip install .` (build isolation on, as
-    documented), and `sorters` imports from the venv's site-packages, not from the checkout.
+    """docs/sampler.md's commands (read from the page) in a fresh virtual environment, offline, in their
+    order: `pip install torch==2.13.0`, `pip install .` (build isolation on), then the offline
+    `pip install --no-index --no-build-isolation .`; `sorters` imports from the venv's site-packages, not
+    from the checkout.
 
     What running them offline needs, and nothing more:
     - torch, numpy and numba already there, so that pip fetches none: the venv sees this suite's
@@ -123,6 +151,7 @@ def test_the_documented_install_in_a_fresh_venv(tmp_path):
       suite runs with (torch 2.13.0's requirement again), so the test needs no wheel cache of the
       machine's, and no network."""
     require_setuptools_that_builds_wheels()
+    steps = documented_install()
     source, venv, wheels, elsewhere = (tmp_path / name for name in ("source", "venv", "wheels", "elsewhere"))
     copy_of_the_checkout(source)
     wheels.mkdir(), elsewhere.mkdir()
@@ -136,7 +165,7 @@ def test_the_documented_install_in_a_fresh_venv(tmp_path):
     ours = [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
     (site / "the-suites-packages.pth").write_text("".join(f"{path}\n" for path in ours))
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONNOUSERSITE": "1"}
-    for step in (["torch==2.13.0"], ["--no-build-isolation", "."], ["."]):  # the documented order
+    for step in steps:
         pip = subprocess.run([str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), *step],
                              cwd=source, env=env, capture_output=True, text=True, timeout=300)
         assert pip.returncode == 0, f"pip install {' '.join(step)}:\n{pip.stdout}{pip.stderr}"
