@@ -138,3 +138,104 @@ def test_readme_local_step_table_is_the_shipped_bench_result():
     for benchmark, sorter in columns:
         for strategy, m in result[benchmark][sorter].items():
             assert f"| {benchmark} | {sorter} | {strategy} | {m['epoch_cpu_seconds']:.2f} | {m['ratio']:.2f} |" in page
+
+
+def quickstart_claims(result: dict) -> list[str]:
+    """The README's times of its set-up and quick-start commands, as bench/results/quickstart-cpu.json's
+    numbers print there."""
+    smoke, threads, full = result["smoke_run"], result["smoke_run_default_threads"], result["full_run"]
+    torchrun, analysis, pip = result["torchrun"], result["analysis"], result["pip_install_requirements"]
+    return [
+        f"again, with everything installed, {pip['cpu_seconds']:.1f} s of CPU, {pip['wall_seconds']:.1f} s of wall time",
+        f"| smoke run | {smoke['wall_seconds']:.1f} s |",
+        f"| one process, 50 epochs | {full['wall_seconds'] / 60:.1f} min (training epochs: median "
+        f"{full['median_epoch_seconds']:.1f} s) |",
+        f"| torchrun, 4 processes | about {torchrun['estimated_50_epoch_wall_seconds'] / 60:.0f} min (estimate: "
+        f"{len(torchrun['epoch_seconds'])} epochs took {torchrun['wall_seconds']:.0f} s, "
+        f"{torchrun['median_epoch_seconds']:.0f} s each) |",
+        f"| `python -m analysis` | {analysis['wall_seconds']:.1f} s |",
+        f"(load average {result['load_average_before'][0]:.1f} before, {result['load_average_after'][0]:.1f} after)",
+        f"({threads['epoch_seconds'][0]:.2f} s against {smoke['epoch_seconds'][0]:.2f} s, the same",
+        f"first epoch {threads['epoch_seconds'][0] / smoke['epoch_seconds'][0]:.0f} times slower",
+    ]
+
+
+def test_readme_quickstart_times_are_their_named_measurements():
+    """README.md's times of its set-up and quick-start commands (and docs/benchmarks.md's LR-HMDA epoch) are
+    bench/results/quickstart-cpu.json's (a rerun of bench/quickstart.py must update them), and the shipped
+    runs' epoch time it compares them with is the median of their metrics.csv."""
+    import csv
+    import json
+    import statistics
+
+    result = json.loads((REPO / "bench" / "results" / "quickstart-cpu.json").read_text())
+    flat = " ".join((REPO / "README.md").read_text().split())  # claims may wrap across lines
+    missing = [claim for claim in quickstart_claims(result) if " ".join(claim.split()) not in flat]
+    assert not missing, "README.md does not state bench/results/quickstart-cpu.json's times:\n" + "\n".join(missing)
+    shipped = [float(row["epoch_seconds"]) for path in (REPO / "reproduction" / "LR-HMDA").glob("CD-GraB-*/metrics.csv")
+               for row in csv.DictReader(path.open())]
+    assert f"took {statistics.median(shipped):.2f} s per CD-GraB training epoch" in flat
+    benchmarks = " ".join((REPO / "docs" / "benchmarks.md").read_text().split())
+    assert f"LR-HMDA (CD-GraB: median {result['full_run']['median_epoch_seconds']:.1f} s," in benchmarks
+
+
+def bench_result(name: str) -> dict:
+    import json
+
+    return json.loads((REPO / "bench" / "results" / name).read_text())
+
+
+def test_performance_and_gpu_pages_state_their_bench_results():
+    """The epoch times of docs/performance.md (CPU and GPU tables) and docs/gpus.md's training seconds per
+    epoch are bench/results/cpu-epochs.json's and gpu-epochs.json's, and docs/sketching.md's GPT-2 step
+    times are sketch-gpt2-cpu.json's (a rerun of a bench must update its page)."""
+    performance = (REPO / "docs" / "performance.md").read_text()
+    cpu = bench_result("cpu-epochs.json")["runs"]
+    rows = {"LR-HMDA, 64,000 examples (4,000 steps), epoch 2": "LR-HMDA --max-train-examples 64000",
+            "MLP-M4 (32 workers, B 32), 32,000 windows, epoch 2": "MLP-M4 --max-train-examples 32000 (32 workers, B 32)",
+            "MLP-M4 (4 workers, B 16), 32,000 windows, epoch 2": "MLP-M4 --max-train-examples 32000 --node_cnt 4 --B 16"}
+    for label, run in rows.items():
+        seconds = cpu[run]["seconds"]
+        row = (f"| {label} | {seconds['D-RR']['epoch_seconds']:.2f} s | {seconds['CD-GraB']['epoch_seconds']:.2f} s "
+               f"| {cpu[run]['CD-GraB/D-RR']:.2f} |")
+        assert row in performance, row
+    gpu = bench_result("gpu-epochs.json")["benchmarks"]
+    gpus = (REPO / "docs" / "gpus.md").read_text()
+    for benchmark, result in gpu.items():
+        times = result["seconds_per_epoch"]
+        row = f"| {benchmark} | {times['textbook']:#.3g} | {times['D-RR']:#.3g} | {times['CD-GraB']:#.3g} |"
+        assert row in performance, row
+        if benchmark in ("LSTM-Wiki2", "GPT2-Wiki103"):
+            for sorter in ("CD-GraB", "D-RR"):
+                assert f"| {benchmark} {sorter} | {times[sorter]:.1f} |" in gpus, (benchmark, sorter)
+    sketching = (REPO / "docs" / "sketching.md").read_text()
+    sketching = sketching[sketching.index("| GPT-2, CPU, one process |"):]
+    sketching = sketching[:sketching.index("\n\n")]  # that table
+    variants = bench_result("sketch-gpt2-cpu.json")["variants"]
+    for label, variant in {"D-RR": "D-RR", "exact CD-GraB": "CD-GraB", "D = 1024, materialise then sketch":
+                           "CD-GraB D=1024 materialise", "D = 1024, from layer records": "CD-GraB D=1024 records"}.items():
+        v = variants[variant]
+        wall, cpu_step = f"{v['step_seconds']:.1f} s", f"{v['step_cpu_seconds']:.1f} s"
+        (row,) = [line for line in sketching.splitlines() if line.startswith(f"| {label} |")]
+        assert [cell.strip() for cell in row.split("|")[6:10:2]] == [wall, cpu_step], (row, wall, cpu_step)
+
+
+def test_herding_time_is_the_shipped_csvs_sum():
+    """docs/figures.md's time of the shipped herding run is the sum of its CSVs' `seconds` at the last round,
+    over the four methods it names."""
+    import csv
+
+    total = 0.0
+    for path in (REPO / "reproduction" / "herding").glob("*.csv"):
+        rows = list(csv.DictReader(path.open()))
+        if rows[-1]["method"] in ("CD-GraB", "I-B", "I-PB", "D-RR"):
+            total += float(rows[-1]["seconds"])
+    page = " ".join((REPO / "docs" / "figures.md").read_text().split())
+    assert f"adds up to {total / 60:.1f} min for the four methods" in page
+
+
+def test_run_directory_states_the_peer_report_delay_the_code_uses():
+    """docs/run-directory.md's delay before other ranks report bad input is engine/errors.py's setting."""
+    setting = re.search(r"^PEER_REPORT_DELAY_SECONDS = ([\d.]+)$", (REPO / "engine" / "errors.py").read_text(), flags=re.M)
+    page = " ".join((REPO / "docs" / "run-directory.md").read_text().split())
+    assert f"by those ranks after {float(setting.group(1)):g} s: `PEER_REPORT_DELAY_SECONDS`" in page

@@ -1,7 +1,9 @@
 """pyproject.toml: `pip install .` gives a `sorters` package that works outside the checkout, and only that."""
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -10,16 +12,32 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.slow  # a pip build, and numba compiling CD-GraB's sign loop in a fresh folder
 
 
-def test_pip_install_gives_the_sorters_package_alone(tmp_path):
-    """Built from a copy of the checkout (the build writes build/ and *.egg-info beside its source), offline:
-    --no-build-isolation uses the installed setuptools instead of fetching one. Then imported from another
-    folder with the checkout off sys.path."""
+def copy_of_the_checkout(folder):
+    """The checkout's files in `folder`, to build from (a build writes build/ and *.egg-info beside its
+    source): without git's folder, caches, run outputs, the shipped runs (4 MB the build never reads), and
+    any virtual environment (a folder holding pyvenv.cfg, such as the .venv that .gitignore lists)."""
     import shutil
 
+    skipped = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "build", "*.egg-info", "results",
+                                     "figures", "datasets", "reproduction")
+
+    def ignore(directory, names):
+        return set(skipped(directory, names)) | {name for name in names
+                                                 if (Path(directory) / name / "pyvenv.cfg").exists()}
+
+    shutil.copytree(REPO, folder, ignore=ignore)
+    return folder
+
+
+def test_pip_install_gives_the_sorters_package_alone(tmp_path):
+    """Built from a copy of the checkout, offline: --no-build-isolation uses the installed setuptools
+    instead of fetching one. Then imported from another folder, with the checkout's own folder off sys.path:
+    `sorters` must come from the install, not from the checkout's sorters/. (sys.path may hold other folders
+    inside the checkout: a virtual environment made there, `python -m venv .venv`, puts its site-packages on
+    it; that is where torch comes from, and it holds no `sorters` of the checkout's.)"""
+    require_setuptools_that_builds_wheels()
     source, target, elsewhere = tmp_path / "source", tmp_path / "installed", tmp_path / "elsewhere"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", "__pycache__", ".pytest_cache", "build", "*.egg-info", "results", "figures", "datasets",
-        "reproduction"))  # (the shipped runs: 4 MB the build never reads)
+    copy_of_the_checkout(source)
     elsewhere.mkdir()
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation",
                           "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
@@ -32,8 +50,9 @@ def test_pip_install_gives_the_sorters_package_alone(tmp_path):
 
     check = textwrap.dedent(f"""
         import importlib.util, sys
+        from pathlib import Path
         sys.path.insert(0, {str(target)!r})
-        assert not any(p.startswith({str(REPO)!r}) for p in sys.path), sys.path
+        assert {str(REPO)!r} not in [str(Path(p).resolve()) for p in sys.path], sys.path  # -I and cwd elsewhere
         import torch
         import sorters
         from sorters import CDGraBSampler, PerExampleGrads, build_sorter
@@ -44,6 +63,9 @@ def test_pip_install_gives_the_sorters_package_alone(tmp_path):
         second = sorter.sort()
         assert sorted(second[0].tolist()) == [0, 1, 2, 3] and second.shape == (2, 4)
         assert importlib.util.find_spec("engine") is None  # the engine stays in the checkout
+        where = Path(sorters.__file__).resolve()
+        assert where.is_relative_to(Path({str(target)!r}).resolve()), where  # the install's sorters
+        assert not where.is_relative_to(Path({str(REPO / "sorters")!r}).resolve()), where  # not the checkout's
         print(sorters.__file__)
     """)
     # -I: no PYTHONPATH, no user site-packages, no script folder on sys.path
@@ -51,3 +73,115 @@ def test_pip_install_gives_the_sorters_package_alone(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(target / "sorters" / "__init__.py")
+
+
+def wheel_of_the_installed(name: str, folder: Path) -> Path:
+    """A wheel of distribution `name` as installed in this interpreter, written to `folder`: a wheel is a
+    zip of the installed files with their .dist-info (METADATA, WHEEL, RECORD), so the files listed in its
+    RECORD, bytecode caches left out, make one."""
+    import importlib.metadata
+    import zipfile
+
+    dist = importlib.metadata.distribution(name)
+    tag = f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}-py3-none-any.whl"
+    with zipfile.ZipFile(folder / tag, "w", zipfile.ZIP_DEFLATED) as wheel:
+        for file in dist.files:
+            if "__pycache__" not in file.parts and not file.name.endswith(".pyc"):
+                wheel.write(file.locate(), str(file))
+    return folder / tag
+
+
+def require_setuptools_that_builds_wheels():
+    """Fail in one line unless this interpreter's setuptools makes wheels by itself (>= 70.1; an older one
+    needs the `wheel` package, which a fresh venv lacks: "invalid command 'bdist_wheel'"). torch 2.13.0
+    requires setuptools >= 77.0.3, so the README's set-up brings one."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("setuptools")
+    if tuple(int(part) for part in version.split(".")[:2]) < (70, 1):
+        pytest.fail(f"setuptools {version} here, older than 70.1 (no bdist_wheel of its own): "
+                    "pip install -r requirements.txt (torch 2.13.0 brings setuptools >= 77.0.3)", pytrace=False)
+
+
+def documented_install() -> list[list[str]]:
+    """docs/sampler.md's install commands, as `pip install` argument lists: the ```bash block under
+    '## Install' (torch first, then the package), then the offline command its text gives."""
+    import re
+    import shlex
+
+    page = (REPO / "docs" / "sampler.md").read_text()
+    section = page[page.index("## Install\n"):page.index("\n## ", page.index("## Install\n") + 1)]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    lines = [shlex.split(line, comments=True) for line in block.splitlines()]
+    block_pips = [words[2:] for words in lines if words[:2] == ["pip", "install"]]
+    offline = re.findall(r"`pip install (--no-index --no-build-isolation \.)`", section)
+    assert len(offline) == 1, "docs/sampler.md: the offline command `pip install --no-index --no-build-isolation .`"
+    return block_pips + [offline[0].split()]
+
+
+def test_the_documented_install_puts_torch_first():
+    """`pip install .` given no torch takes the newest from the index (on Linux the CUDA build, GBs), so
+    the documented commands install the pinned torch before the package (test_the_documented_install_...
+    cannot see the order: its venv has torch either way)."""
+    steps = documented_install()
+    torch_steps = [i for i, step in enumerate(steps) if any(word.startswith("torch==") for word in step)]
+    package_steps = [i for i, step in enumerate(steps) if step[-1:] == ["."]]
+    assert torch_steps and package_steps and torch_steps[0] < package_steps[0], steps
+    assert any(word == "torch==2.13.0" for word in steps[torch_steps[0]]), "the version requirements.txt pins"
+
+
+def test_the_documented_install_in_a_fresh_venv(tmp_path):
+    """docs/sampler.md's commands (read from the page) in a fresh virtual environment, offline, in their
+    order: `pip install torch==2.13.0`, `pip install .` (build isolation on), then the offline
+    `pip install --no-index --no-build-isolation .`; `sorters` imports from the venv's site-packages, not
+    from the checkout.
+
+    What running them offline needs, and nothing more:
+    - torch, numpy and numba already there, so that pip fetches none: the venv sees this suite's
+      site-packages through a .pth file, as `--system-site-packages` would see the base interpreter's
+      (which lacks torch when the suite itself runs from a venv). Without torch present, `pip install .`
+      would fetch one: on PyPI, the CUDA build.
+    - one wheel, of setuptools >= 77.0.3, in a folder given with --no-index --find-links. The venv's own
+      pip and setuptools come first on its path: the ones venv bundles (ensurepip), a new user's; on
+      Python 3.11 that setuptools is 65.5, which satisfies neither torch 2.13.0's requirement
+      `setuptools>=77.0.3` (so `pip install torch==2.13.0` installs the wheel into the venv: what a user
+      gets from the index) nor makes wheels by itself (>= 70.1; hence "invalid command 'bdist_wheel'" when
+      `--no-build-isolation .` comes before torch). The isolated build of `pip install .` takes
+      `setuptools>=64` (pyproject.toml) from the same folder. The wheel is made from the setuptools this
+      suite runs with (torch 2.13.0's requirement again), so the test needs no wheel cache of the
+      machine's, and no network."""
+    require_setuptools_that_builds_wheels()
+    steps = documented_install()
+    source, venv, wheels, elsewhere = (tmp_path / name for name in ("source", "venv", "wheels", "elsewhere"))
+    copy_of_the_checkout(source)
+    wheels.mkdir(), elsewhere.mkdir()
+    wheel_of_the_installed("setuptools", wheels)
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    where = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                           capture_output=True, text=True, check=True)
+    site = Path(where.stdout.strip())
+    ours = [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
+    (site / "the-suites-packages.pth").write_text("".join(f"{path}\n" for path in ours))
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONNOUSERSITE": "1"}
+    for step in steps:
+        pip = subprocess.run([str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), *step],
+                             cwd=source, env=env, capture_output=True, text=True, timeout=300)
+        assert pip.returncode == 0, f"pip install {' '.join(step)}:\n{pip.stdout}{pip.stderr}"
+    assert (site / "sorters" / "__init__.py").is_file()
+    assert not list(site.glob("torch*")) and not list(site.glob("nvidia*")), "pip installed a torch of its own"
+    check = textwrap.dedent(f"""
+        from pathlib import Path
+        import sorters, torch
+        from sorters import CDGraBSampler, PerExampleGrads, build_sorter
+        where = Path(sorters.__file__).resolve()
+        assert where.is_relative_to(Path({str(site)!r}).resolve()), where
+        assert not where.is_relative_to(Path({str(REPO / "sorters")!r}).resolve()), where
+        assert sorted(build_sorter("D-RR", 2, 4, 3).sort()[1].tolist()) == [0, 1, 2, 3]
+        print(where)
+    """)
+    result = subprocess.run([str(python), "-I", "-c", check], cwd=elsewhere, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str((site / "sorters" / "__init__.py").resolve())

@@ -3,7 +3,9 @@ top to bottom (README.md first, then the docs pages by name).
 
 Which commands run (one rule, so a new README command cannot be skipped by accident):
 - skipped: `pip ...` (the set-up), `... -m pytest` (the set-up's test command: this suite), `export ...`
-  (the set-up's data line: the suite's $CDGRAB_DATA stands in for it), shell scripts (`scripts/*.sh`: sweeps
+  (the set-up's data line: the suite's $CDGRAB_DATA stands in for it), `python -m venv ...` and
+  `. <venv>/bin/activate` (making and entering a virtual environment: the suite runs in the environment it
+  was started in; tests/test_packaging.py installs into a fresh venv the documented way), shell scripts (`scripts/*.sh`: sweeps
   of many full runs), `jupyter` (notebooks: tests/test_notebooks.py runs them) and `python -m analysis`
   (tests/test_reproduction.py draws the figures with it; here it would add about a minute), `git` (the
   developer's own bookkeeping) and `scripts/gpu_session.py` (the body of a lent GPU machine's call:
@@ -75,8 +77,8 @@ def split_env(words: list[str]) -> tuple[dict, list[str]]:
 
 def is_skipped(words: list[str]) -> bool:
     _, argv = split_env(words)
-    module_run = argv[:2] == ["python", "-m"] and argv[2:3] in (["pytest"], ["analysis"])
-    return (argv[0] in SKIPPED_PROGRAMS or argv[0] == "export" or module_run
+    module_run = argv[:2] == ["python", "-m"] and argv[2:3] in (["pytest"], ["analysis"], ["venv"])
+    return (argv[0] in SKIPPED_PROGRAMS or argv[0] in ("export", ".", "source") or module_run
             or any(word.endswith(".sh") for word in argv[:1]) or any(word in SKIPPED_SCRIPTS for word in argv))
 
 
@@ -127,6 +129,7 @@ def test_readme_commands_are_found_and_the_rule_picks_them():
     skipped = [" ".join(words) for words in commands if is_skipped(words)]
     assert any(c.startswith("pip install") for c in skipped) and any("-m pytest" in c for c in skipped)
     assert any(c.startswith("export CDGRAB_DATA=") for c in skipped)
+    assert any(c.startswith("python -m venv ") for c in skipped) and any(c.startswith(". ") for c in skipped)
     assert any("sweep-LR-HMDA.sh" in c for c in skipped) and any("reproduce-all.sh" in c for c in skipped)
     # the Quick start, in order (the smoke run, the full run, then the same run under torchrun), and one
     # command of every other benchmark and of the example
