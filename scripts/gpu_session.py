@@ -262,6 +262,11 @@ def run_logged(argv, logpath: Path, timeout: float, env=None) -> int | None:
             return None
 
 
+# in one process, beside the training runs: pytest.ini's addopts (-n auto, pytest-xdist) replaced, since the
+# box has no pytest-xdist and its test processes would compete with the runs for the cores
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra"]
+
+
 def checks_env(args) -> dict:
     return {**os.environ, "CDGRAB_DATA": str(Path(args.data_dir).resolve()), "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
@@ -269,7 +274,7 @@ def checks_env(args) -> dict:
 
 def lstm_cudnn_check(args, work: Path, budget: float) -> str:
     """'on' when the CUDA-vs-CPU LSTM check passes with cuDNN (or is skipped: no GPU), else 'off'."""
-    status = run_logged([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *LSTM_CHECK],
+    status = run_logged([*PYTEST, *LSTM_CHECK],
                         work / "tests.log", budget, checks_env(args))
     return "off" if status not in (0, 5, None) else "on"  # 5: nothing collected; None: out of time, undecided
 
@@ -287,7 +292,7 @@ def start_tests(args, work: Path):
     if not tests:
         return None
     f = open(work / "tests.log", "a")
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *tests]
+    argv = [*PYTEST, "-rfEs", *tests]
     f.write(f"$ {' '.join(argv)}\n")
     f.flush()
     process = subprocess.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,

@@ -57,6 +57,14 @@ def test_stop_rule():
     assert decide([0.0, 30.0, 75.0], now=76.0, stop_at=100.0) == "now"        # 75 + 45 > 100: it cannot end
 
 
+def test_the_kits_pytest_runs_where_pytest_xdist_is_missing():
+    """The GPU box has no pytest-xdist, which pytest.ini's addopts (-n auto) need: the kit's pytest command
+    must collect there (-p no:xdist stands in for the missing plugin; exit 4 would be a usage error)."""
+    collect = [*gpu_session.PYTEST, "-p", "no:xdist", "--collect-only", "tests/test_partition.py"]
+    result = subprocess.run(collect, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "test_partition_names_are_canonical" in result.stdout, result.stdout + result.stderr
+
+
 def test_unpack_refuses_a_dry_run_into_reproduction(tmp_path):
     manifest = {"tiny": True, "runs": {}, "started": "2026-01-01 00:00:00"}
     with tarfile.open(tmp_path / "runs.tar.gz", "w:gz") as tar:
