@@ -239,3 +239,16 @@ def test_run_directory_states_the_peer_report_delay_the_code_uses():
     setting = re.search(r"^PEER_REPORT_DELAY_SECONDS = ([\d.]+)$", (REPO / "engine" / "errors.py").read_text(), flags=re.M)
     page = " ".join((REPO / "docs" / "run-directory.md").read_text().split())
     assert f"by those ranks after {float(setting.group(1)):g} s: `PEER_REPORT_DELAY_SECONDS`" in page
+
+
+def test_readme_states_the_test_suites_measured_time():
+    """README.md's set-up times are bench/results/test-suite-cpu.json's (bench/test_suite.py: a fresh clone,
+    an in-checkout venv, the two set-up commands), and that run passed."""
+    import json
+
+    result = json.loads((REPO / "bench" / "results" / "test-suite-cpu.json").read_text())
+    assert result["test_exit_status"] == 0 and result["counts"]["passed"] > 0 and "failed" not in result["counts"]
+    flat = " ".join((REPO / "README.md").read_text().split())
+    claim = (f"the first command took {result['install_seconds']:.1f} s and the second "
+             f"{result['test_seconds'] / 60:.1f} min on this 2-core CPU")
+    assert claim in flat and "bench/results/test-suite-cpu.json" in flat, claim
