@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -98,10 +99,14 @@ class RegionTimer:
 def run_entry_point(benchmark: str, parser, build_task) -> None:
     """Parse, check, set up workers, build the task, train; turn failures into one-line errors.
 
-    build_task(args, device) -> Task. Exit status: 0 ok, 2 bad input / failed run, 1 lost a peer.
+    build_task(args, device) -> Task. Exit status: 0 ok, 2 bad input / failed run, 1 lost a peer, 130
+    interrupted (Ctrl-C), 143 stopped by SIGTERM.
     """
     args = parser.parse_args()
     out_given, comm = args.out is not None, None
+    # torchrun stops every process with SIGTERM when one fails or its node loses the rendezvous: say so
+    # in one line rather than vanish without a word
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         # every check that needs no data comes before the process group: a bad run fails before torchrun's
         # rendezvous, and in every process alike
@@ -120,6 +125,12 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         print(f"interrupted; the last finished epoch is in {args.out or '--out'}/checkpoint.pt (continue with "
               "--resume)", file=sys.stderr)
         sys.exit(130)
+    except Terminated:
+        rank = f"rank {comm.rank}: " if comm is not None and comm.world_size > 1 else ""
+        print(f"error: {rank}stopped by SIGTERM (torchrun stops every process when one fails or a node is lost: see "
+              f"the output above); the last finished epoch is in {args.out or '--out'}/checkpoint.pt (continue "
+              "with --resume)", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except (RuntimeError, ConnectionError) as error:
         if comm is None or comm.world_size == 1:
             raise
@@ -133,6 +144,14 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     finally:
         if comm is not None:
             comm.close()
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (raise_terminated, run_entry_point's handler)."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """LR-HMDA end to end on the real data: modes agree, resume is exact, bad input fails cleanly."""
 import io
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import time
 
@@ -9,7 +12,7 @@ import pytest
 import torch
 
 from sorters import SORTER_NAMES
-from tests.helpers import (assert_runs_agree, check_ok, check_run_files, entry_point, entry_task,
+from tests.helpers import (DATA_DIR, REPO, assert_runs_agree, check_ok, check_run_files, entry_point, entry_task,
                            error_lines, metrics_header, needs_data, read_metrics, run_python, run_script)
 
 pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
@@ -233,6 +236,27 @@ def test_non_finite_loss_stops_and_keeps_the_finished_epochs(tmp_path):
     diverged = run_script(SCRIPT, "--epochs", "1", "--lr", "1e38", "--out", tmp_path / "diverged", *QUICK)
     assert diverged.returncode == 2 and "nothing was saved" in error_lines(diverged)[0]
     assert not (tmp_path / "diverged" / "metrics.csv").exists()
+
+
+def test_sigterm_stops_a_run_with_one_line(tmp_path):
+    """SIGTERM (how torchrun stops every process when one fails) mid-run: one line that says so and where
+    the last finished epoch is, exit status 143, no traceback; the finished epochs stay."""
+    out = tmp_path / "run"
+    env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, SCRIPT, "--epochs", "50", "--out", str(out), *QUICK, "--progress", "off"]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: stopped by SIGTERM") and f"{out}/checkpoint.pt (continue with --resume)" in line
+    assert len(read_metrics(out)) >= 1
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,0 +1,105 @@
+"""Two torchrun launchers on this host stand for two nodes (`--nnodes 2 --nproc-per-node 2`, a c10d
+rendezvous on 127.0.0.1, gloo): a benchmark and the own-loop sampler give the orders and losses of one
+process with 4 workers; the run directory and the start line come from global rank 0 alone; a node that
+dies stops the other within a minute, and the run resumes from its last checkpoint in one process."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.helpers import DATA_DIR, REPO, assert_runs_agree, check_ok, needs_data, read_metrics, run_python, run_script
+
+pytestmark = [needs_data("hmda/raw/hmda_train_preprocessed.zip"), pytest.mark.slow]
+SCRIPT = "main-LR-HMDA.py"
+QUICK = ["--max-train-examples", "800", "--max-eval-examples", "400", "--record-orders", "--progress", "off"]
+COLUMNS = ("train_loss", "test_loss", "train_acc", "test_acc")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher(port: int, *script_and_args) -> list:
+    """One node's torchrun command: 2 of the job's 4 processes, meeting the other node at 127.0.0.1:port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
+            *map(str, script_and_args)]
+
+
+def two_nodes(*script_and_args, env=None, timeout=240) -> list:
+    """Both nodes' launchers at once; their CompletedProcesses."""
+    env = {**os.environ, "CDGRAB_DATA": str(DATA_DIR), "OMP_NUM_THREADS": "1", **(env or {})}
+    command = launcher(free_port(), *script_and_args)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda _: run_python(command, env=env, timeout=timeout), range(2)))
+
+
+def test_two_nodes_equal_one_process_and_only_global_rank_0_writes(tmp_path):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    check_ok(run_script(SCRIPT, "--epochs", "2", "--out", single, *QUICK))
+    nodes = two_nodes(SCRIPT, "--epochs", "2", "--out", multi, *QUICK)
+    for node in nodes:
+        check_ok(node)
+    assert_runs_agree(single, multi, COLUMNS)
+    config = (multi / "config.json").read_text()
+    assert '"world_size": 4' in config and '"workers_per_process": 1' in config
+    # the writer is global rank 0, not each node's local rank 0: one start line and one end line in all
+    output = "".join(node.stdout + node.stderr for node in nodes)
+    assert output.count(f"new run in {multi}") == 1 and output.count(f"done: {multi}") == 1, output
+
+
+def test_the_own_loop_sampler_on_two_nodes_equals_one_process(tmp_path):
+    example = REPO / "examples" / "ddp_lr_hmda.py"
+    common = ["--data-dir", DATA_DIR, "--epochs", "2", "--max-train-examples", "400", "--sorter", "CD-GraB"]
+    check_ok(run_python([sys.executable, example, *common, "--replicas", "4", "--save-orders", tmp_path / "one.pt"]))
+    for node in two_nodes(example, *common, "--save-orders", tmp_path / "two.pt"):
+        check_ok(node)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert len(one["orders"]) == len(two["orders"]) == 2 and one["orders"][0].shape == (4, 100)
+    assert all(torch.equal(a, b) for a, b in zip(one["orders"], two["orders"]))
+    for column in ("train_loss", "test_loss"):
+        assert two[column] == pytest.approx(one[column], rel=1e-5)
+
+
+def test_a_dead_node_stops_the_other_and_the_run_resumes_in_one_process(tmp_path):
+    """Node B (its launcher and both its processes) is killed after epoch 1's checkpoint: node A exits
+    within a minute, its processes saying in one line that a peer died; --resume then finishes the run in
+    one process (4 workers), equal to a run that was never interrupted."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    args = ["--epochs", "3", *QUICK, "--max-train-examples", "8000"]  # epochs of a few seconds: B dies mid-run
+    check_ok(run_script(SCRIPT, *args, "--out", straight))
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHON_EXEC", "CDGRAB_SCRIPT_SERVER")}
+    env.update(CDGRAB_DATA=str(DATA_DIR), OMP_NUM_THREADS="1")
+    command = launcher(free_port(), SCRIPT, *args, "--out", crashed)
+    # real processes, each launcher in a session of its own, so that node B dies whole (killpg)
+    nodes = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while not (crashed / "checkpoint.pt").exists():
+            assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "epoch 1 never ended"
+            time.sleep(0.05)
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = nodes[0].communicate(timeout=60)
+        assert time.monotonic() - killed < 60 and nodes[0].returncode != 0
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    # each of node A's processes says in one line why it stopped: its collective failed (a peer died), or
+    # its launcher, which lost the rendezvous when node B hosted it, stopped it with SIGTERM
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, output
+    assert all("did another rank die?" in line or "stopped by SIGTERM" in line for line in errors), output
+    assert [row["epoch"] for row in read_metrics(crashed)] in ([1], [1, 2])  # killed before the run ended
+    check_ok(run_script(SCRIPT, *args, "--out", crashed, "--resume"))
+    assert_runs_agree(straight, crashed, COLUMNS)
