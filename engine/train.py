@@ -120,18 +120,22 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         train(task, args, comm, device)
         comm.close(finished=True)
     except UserFacingError as error:
+        quiet_sigterm()  # a rank waiting in exit_with_error while rank 0 reports: torchrun's SIGTERM ends it
         exit_with_error(str(error))  # under torchrun: printed once (rank 0), every rank exits 2
     except KeyboardInterrupt:
+        quiet_sigterm()
         print(f"interrupted; the last finished epoch is in {args.out or '--out'}/checkpoint.pt (continue with "
               "--resume)", file=sys.stderr)
         sys.exit(130)
     except Terminated:
+        quiet_sigterm()
         rank = f"rank {comm.rank}: " if comm is not None and comm.world_size > 1 else ""
         print(f"error: {rank}stopped by SIGTERM (torchrun stops every process when one fails or a node is lost: see "
               f"the output above); the last finished epoch is in {args.out or '--out'}/checkpoint.pt (continue "
               "with --resume)", file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
     except (RuntimeError, ConnectionError) as error:
+        quiet_sigterm()
         if comm is None or comm.world_size == 1:
             raise
         # under torchrun a failed collective almost always means a peer died; say so in one line
@@ -142,6 +146,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         tell_launcher(line)
         sys.exit(1)
     finally:
+        quiet_sigterm()
         if comm is not None:
             comm.close()
 
@@ -152,6 +157,12 @@ class Terminated(Exception):
 
 def raise_terminated(signum, frame):
     raise Terminated()
+
+
+def quiet_sigterm() -> None:
+    """SIGTERM's default again: once a run is on its way out (an error said, or the end), a SIGTERM ends
+    it without a second line or a traceback from inside the exit path."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @dataclass
