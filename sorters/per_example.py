@@ -116,8 +116,8 @@ class PerExampleGrads:
         about 'randomness' that does not say what to do; name the module and the fix instead."""
         for name, module in self.model.named_modules():
             if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-                raise ValueError(f"{type(self).__name__}: module {name or 'model'!r} is {type(module).__name__}(p={module.p}) "
-                                 "in training mode; per-example gradients need a model without randomness: "
+                raise ValueError(f"{type(self).__name__}: module {name or 'model'!r} is "
+                                 f"{type(module).__name__}(p={module.p}) in training mode; per-example gradients need a model without randomness: "
                                  "set its p to 0, or call model.eval() while computing them")
 
 
