@@ -52,8 +52,8 @@ def build_sorter(name: str, n_workers: int, m: int, d: int, seed: int = 0, devic
 
 
 # imported after build_sorter, which the sampler uses
-from sorters.per_example import PerExampleGrads, per_example_grads  # noqa: E402
+from sorters.per_example import PerExampleGrads, PerExampleLossGrads, per_example_grads  # noqa: E402
 from sorters.sampler import CDGraBSampler  # noqa: E402
 
 __all__ = ["SORTER_NAMES", "SORTERS", "Sorter", "build_sorter", "parallel_herding_bound", "CDGraBSampler",
-           "GradientSketch", "PerExampleGrads", "per_example_grads"]
+           "GradientSketch", "PerExampleGrads", "PerExampleLossGrads", "per_example_grads"]

@@ -4,6 +4,8 @@ r"""Per-example gradients of an ordinary nn.Module, flattened to (batch, d), for
     grads_of = PerExampleGrads(model, loss_fn, params=r"^head\.")  # a cheaper subset: names matching
     g = grads_of(inputs, targets)                                # (B, grads_of.d)
     sketched = PerExampleGrads(model, loss_fn, sketch_dim=256)     # (B, 256): CountSketches of them
+    grads_of = PerExampleLossGrads(hf_model, chunk_size=8)         # the model's own loss, a dict batch:
+    g = grads_of({"input_ids": ids, "attention_mask": mask, "labels": labels})   # (B, grads_of.d)
 
 One torch.func pass: `vmap(grad(loss of one example))` over the batch, with the module run through
 `functional_call` at its current parameters (read at every call, so optimizer steps are seen). It is
@@ -25,10 +27,10 @@ use GroupNorm / LayerNorm or eval-mode BatchNorm), and no dropout in training mo
 random operations): call it with the model in eval mode, i.e. order by the gradients without dropout.
 """
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
 from sorters.sketch import GradientSketch
@@ -101,10 +103,7 @@ class PerExampleGrads:
         except RuntimeError as error:  # random ops the module check cannot see (F.dropout in a forward)
             if "randomness" not in str(error):
                 raise
-            raise ValueError(f"PerExampleGrads: the model draws random numbers in its forward ({error}); "
-                             "per-example gradients need a model that is a pure function of its parameters: "
-                             "turn the random op off (e.g. dropout p = 0, or model.eval()) while computing them") \
-                from None
+            raise _randomness_error(type(self).__name__, error) from None
         batch = targets.shape[0]
         if self.sketch is None or self.sketch.is_identity:
             return torch.cat([grads[name].reshape(batch, -1) for name in self.names], dim=1, out=out)
@@ -117,11 +116,150 @@ class PerExampleGrads:
         about 'randomness' that does not say what to do; name the module and the fix instead."""
         for name, module in self.model.named_modules():
             if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-                raise ValueError(f"PerExampleGrads: module {name or 'model'!r} is {type(module).__name__}(p={module.p}) "
-                                 "in training mode; per-example gradients need a model without randomness: "
+                raise ValueError(f"{type(self).__name__}: module {name or 'model'!r} is "
+                                 f"{type(module).__name__}(p={module.p}) in training mode; per-example gradients need a model without randomness: "
                                  "set its p to 0, or call model.eval() while computing them")
+
+
+def _randomness_error(owner: str, error: RuntimeError) -> ValueError:
+    return ValueError(f"{owner}: the model draws random numbers in its forward ({error}); "
+                      "per-example gradients need a model that is a pure function of its parameters: "
+                      "turn the random op off (e.g. dropout p = 0, or model.eval()) while computing them")
 
 
 def per_example_grads(model: torch.nn.Module, loss_fn, inputs, targets, params=None) -> torch.Tensor:
     """One-off form of PerExampleGrads(model, loss_fn, params)(inputs, targets): (B, d)."""
     return PerExampleGrads(model, loss_fn, params)(inputs, targets)
+
+
+class PerExampleLossGrads(PerExampleGrads):
+    r"""Callable: a dict batch -> per-example gradients (B, d) of the loss the model computes itself,
+    `model(**example).loss`, as a `transformers` model does when called with `labels`:
+
+        grads_of = PerExampleLossGrads(model, params=r"\.h\.11\.", chunk_size=8)
+        g = grads_of({"input_ids": ids, "attention_mask": mask, "labels": labels})  # (B, grads_of.d)
+        g, losses = grads_of(batch, return_losses=True)                             # and (B,)
+
+    Each example is run as a batch of one (its row of every tensor, at the padded length T), so its loss
+    is exactly what `model(**{k: v[i:i+1]}).loss` gives: for a causal LM with labels = -100 at the pads,
+    the mean over that example's own labelled tokens (an example with none has loss nan and gradient nan).
+
+    model, params, chunk_size, sketch_dim, sketch_seed: as for PerExampleGrads (there is no loss_fn).
+    chunk_size bounds the examples per vmap call; the chunks are written straight into the result's rows,
+    so the result equals the unchunked one and peak memory is the (B, d) result plus one chunk's
+    per-example intermediates.
+
+    The model must be traceable by torch.func; with transformers that means (each refused with a one-line
+    ValueError, before any work where the model's attributes tell, else when torch.func fails):
+      - `attn_implementation="eager"` when the batch has an `attention_mask`: sdpa reads the mask's
+        values in Python (to skip an all-ones mask), which vmap cannot do (`model.set_attn_implementation
+        ("eager")` switches a loaded model); sdpa without a mask is traced fine;
+      - no gradient checkpointing (`model.activation_checkpointing_disable()`, before transformers 5
+        `gradient_checkpointing_disable()`): its hook on the input embeddings calls `requires_grad_` inside
+        the transform, in eval mode too;
+      - no dropout in training mode (p > 0), as for PerExampleGrads.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None,
+                 chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0):
+        super().__init__(model, None, params, chunk_size, sketch_dim, sketch_seed)
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"PerExampleLossGrads: chunk_size must be >= 1 (None: the whole batch), got {chunk_size}")
+
+    def __call__(self, batch: Mapping[str, torch.Tensor], out: torch.Tensor | None = None,
+                 return_losses: bool = False):
+        """batch: keyword arguments of the model; every tensor's dim 0 is the examples (B, ...), e.g.
+        input_ids, attention_mask, labels (B, T); other values are passed unchanged to every example.
+        Returns the (B, d) gradients (B, dim when sketched), detached, in the parameters' dtype, or with
+        return_losses the pair (gradients, the (B,) per-example losses, detached, in the loss's dtype:
+        transformers computes a causal LM's loss in float32 even for a float64 model).
+
+        out: optional (B, dim) buffer to write into and return (see PerExampleGrads)."""
+        tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
+        constants = {key: value for key, value in batch.items() if key not in tensors}
+        sizes = {key: value.shape[0] if value.dim() else None for key, value in tensors.items()}
+        if not tensors or len(set(sizes.values())) != 1 or None in sizes.values():
+            raise ValueError(f"PerExampleLossGrads: the batch needs tensors with one common dim 0 (the examples); "
+                             f"got dim 0 sizes {sizes}")
+        self._refuse_untraceable("attention_mask" in tensors)
+        size = next(iter(sizes.values()))
+        selected = set(self.names)
+        named = dict(self.model.named_parameters())
+        differentiated = {name: named[name].detach() for name in self.names}
+        fixed = {name: p.detach() for name, p in named.items() if name not in selected}
+        buffers = dict(self.model.named_buffers())
+        dtype, device = differentiated[self.names[0]].dtype, differentiated[self.names[0]].device
+        if out is None:
+            out = torch.empty(size, self.dim, dtype=dtype, device=device)
+        elif out.shape != (size, self.dim):
+            raise ValueError(f"PerExampleLossGrads: out must have shape ({size}, {self.dim}), got {tuple(out.shape)}")
+        losses = []
+
+        def one_example_loss(differentiated, example):
+            as_batch = {key: value.unsqueeze(0) for key, value in example.items()}
+            outputs = functional_call(self.model, ({**fixed, **differentiated}, buffers), (),
+                                      {**as_batch, **constants})
+            return _loss_of(outputs)
+
+        per_example = vmap(grad_and_value(one_example_loss), in_dims=(None, 0))
+        step = self.chunk_size or size
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            chunk = {key: value[start:stop] for key, value in tensors.items()}
+            try:
+                grads, chunk_losses = per_example(differentiated, chunk)
+            except RuntimeError as error:
+                raise self._untraceable_error(error) from None
+            rows = [grads[name].reshape(stop - start, -1) for name in self.names]
+            if self.sketch is None or self.sketch.is_identity:
+                torch.cat(rows, dim=1, out=out[start:stop])  # straight into the rows: no (B, d) copy
+            else:
+                out[start:stop] = self.sketch(torch.cat(rows, dim=1))
+            losses.append(chunk_losses.detach())
+            del grads, rows  # one chunk's gradients alive at a time
+        return (out, torch.cat(losses)) if return_losses else out
+
+    def _refuse_untraceable(self, has_attention_mask: bool) -> None:
+        """The failures the model's attributes predict, refused before any work (each observed with
+        transformers 5.23's GPT-2 under torch 2.13: see the class docstring)."""
+        self._refuse_dropout()
+        # transformers 5 names it activation checkpointing; the older name is deprecated there (it warns)
+        checkpointing = getattr(self.model, "is_activation_checkpointing", None)
+        if checkpointing is None:
+            checkpointing = getattr(self.model, "is_gradient_checkpointing", False)
+        if checkpointing:
+            raise ValueError("PerExampleLossGrads: the model has gradient checkpointing on, which torch.func cannot "
+                             "trace; call model.gradient_checkpointing_disable() (transformers 5: "
+                             "model.activation_checkpointing_disable()) while computing them")
+        attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if has_attention_mask and attention == "sdpa":
+            raise ValueError("PerExampleLossGrads: sdpa attention with an attention_mask cannot be traced by "
+                             "torch.func (it reads the mask's values); load the model with "
+                             "attn_implementation=\"eager\" or call model.set_attn_implementation(\"eager\")")
+
+    def _untraceable_error(self, error: RuntimeError) -> Exception:
+        """torch.func's error for what the up-front checks could not see, as one line that says what to change."""
+        message = str(error)
+        if "randomness" in message:
+            return _randomness_error("PerExampleLossGrads", error)
+        if "requires_grad_" in message:
+            return ValueError("PerExampleLossGrads: the model calls requires_grad_ in its forward (gradient "
+                              "checkpointing does), which torch.func cannot trace; turn it off "
+                              "(model.gradient_checkpointing_disable(), transformers 5: "
+                              "model.activation_checkpointing_disable()) while computing them")
+        if "data-dependent control flow" in message or ".item()" in message:
+            return ValueError("PerExampleLossGrads: the model's forward branches on tensor values, which torch.func "
+                              "cannot trace; with transformers, use attn_implementation=\"eager\" "
+                              "(model.set_attn_implementation(\"eager\")): sdpa does with an attention_mask")
+        return error
+
+
+def _loss_of(outputs) -> torch.Tensor:
+    """The scalar loss of a model's outputs: `outputs.loss` (a transformers ModelOutput, or any mapping
+    with "loss"), or the first element of a tuple (transformers with return_dict=False)."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else (
+        outputs[0] if isinstance(outputs, tuple) else getattr(outputs, "loss", None))
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError("PerExampleLossGrads: the model must return its scalar loss (`outputs.loss`): "
+                         "pass the labels in the batch")
+    return loss
