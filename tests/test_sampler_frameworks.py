@@ -67,6 +67,20 @@ def test_global_view_through_accelerate_prepare_gives_each_rank_its_engine_order
             assert torch.equal(seen, expected[r]), (epoch, r)
 
 
+def test_global_view_in_each_rank_process_deals_each_rank_its_engine_order():
+    """As under a process group: every rank builds its own sampler with its rank (D-RR: no gradients,
+    so no group is needed here); each yields all ranks' batches and prepare deals them out."""
+    engine_sorter = build_sorter("D-RR", W, M, 1, seed=5)
+    samplers = [CDGraBSampler(W * M, batch_size=K, sorter="D-RR", num_replicas=W, rank=r, seed=5, view="global")
+                for r in range(W)]
+    loaders = [prepared(sampler)[r] for r, sampler in enumerate(samplers)]
+    for epoch in range(3):
+        expected = run_engine_epoch(engine_sorter, None, K)
+        for r, (sampler, loader) in enumerate(zip(samplers, loaders)):
+            loader.set_epoch(epoch)  # no step(): set_epoch completes the epoch for D-RR
+            assert torch.equal(torch.cat([indices for (indices,) in loader]), expected[r]), (epoch, r)
+
+
 def test_the_per_rank_view_through_accelerate_prepare_loses_examples():
     """The failure mode view="global" exists for: accelerate re-shards a rank's own batches, so each
     rank sees only every other batch of its block (the rest are lost, silently)."""
