@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from sorters import CDGraBSampler, build_sorter
-from tests.helpers import DATA_DIR, needs_data, run_python
+from tests.helpers import DATA_DIR, REPO, needs_data, run_python
 from tests.test_sampler import example_grads, one_line_error, run_engine_epoch, run_sampler_epoch
 
 accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
@@ -189,3 +189,62 @@ def test_a_part_way_epoch_without_a_resume_is_still_an_error():
     assert "drop_last=True" in message
     with pytest.raises(TypeError):
         sampler.load_state_dict(sampler.state_dict(), replay_from_epoch_start="yes")
+
+
+# ------------------------------------------------------------------------------------------- the example, end to end
+
+ACCELERATE_EXAMPLE = "examples/accelerate_loop.py"
+COMMON = ["--data-dir", DATA_DIR, "--epochs", "2", "--max-train-examples", "400", "--sorter", "CD-GraB"]
+
+
+def run_launch(script, *args, nproc=None):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc else [sys.executable]
+    result = run_python([*launcher, script, *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+@pytest.mark.slow
+@needs_data("hmda/raw/hmda_train_preprocessed.zip")
+def test_accelerate_example_under_two_gloo_processes_equals_the_ddp_example_and_resumes(tmp_path):
+    """2 processes through accelerator.prepare, epoch 1, accelerator.save_state; then 2 new processes,
+    load_state, epoch 2. In each epoch each process trains on exactly its replica's order, which equals
+    the per-rank sampler's (the DDP example hosting both replicas in one process, 2 epochs straight), and
+    every process holds the same sampler state."""
+    checkpoint = tmp_path / "checkpoint"
+    run_launch(ACCELERATE_EXAMPLE, *COMMON, "--epochs", "1", "--checkpoint", checkpoint,
+               "--save-orders", tmp_path / "first.pt", nproc=2)  # the last --epochs wins
+    resumed = run_launch(ACCELERATE_EXAMPLE, *COMMON, "--resume", checkpoint, "--save-orders", tmp_path / "second.pt",
+                         nproc=2)
+    assert "epoch 1/2" not in resumed.stdout and "epoch 2/2" in resumed.stdout
+    run_launch("examples/ddp_lr_hmda.py", *COMMON, "--replicas", "2", "--save-orders", tmp_path / "ddp.pt")
+    ddp = torch.load(tmp_path / "ddp.pt")
+    assert not torch.equal(ddp["orders"][0], ddp["orders"][1])
+    for epoch, name in enumerate(["first.pt", "second.pt"]):
+        (orders,), (batches,), (states,), (loss,) = torch.load(tmp_path / name).values()
+        assert torch.equal(orders, ddp["orders"][epoch]), epoch
+        for r, used in enumerate(batches):
+            assert torch.equal(used, orders[r]), (epoch, r)
+            assert torch.equal(used.sort().values, torch.arange(r * 200, (r + 1) * 200)), (epoch, r)
+        assert same_state(states[0], states[1]), epoch
+        assert loss == pytest.approx(ddp["train_loss"][epoch], rel=1e-5)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data-dir", "no-such-folder"], "no HMDA data in no-such-folder/hmda"),
+    pytest.param(["--data-dir", DATA_DIR, "--max-train-examples", "3"], "3 examples are too few",
+                 marks=needs_data("hmda/raw/hmda_train_preprocessed.zip")),
+])
+def test_accelerate_example_bad_input_gets_one_line_and_exit_2(tmp_path, args, message):
+    result = run_python([sys.executable, REPO / ACCELERATE_EXAMPLE, *args], cwd=tmp_path,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: ") and message in line, line
