@@ -3,7 +3,9 @@
     python examples/accelerate_loop.py --epochs 2                                  # one process
     torchrun --standalone --nproc_per_node=2 examples/accelerate_loop.py --epochs 2  # two gloo processes
 
-(`accelerate launch --cpu --num_processes 2 examples/accelerate_loop.py` starts the same two processes.)
+(`accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py` starts the same two processes
+through torchrun; Accelerator(cpu=True) below keeps them on the CPU with gloo. `accelerate launch --cpu
+--num_processes 2` starts one process: accelerate 1.15 launches several CPU processes through mpirun only.)
 The sampler yields every process's batch of each step, process 0's first (view="global"); the loader
 that accelerator.prepare makes deals process r its own batches. step() all-gathers the per-example
 gradients, so every process holds the same sampler state, and accelerator.save_state (rank 0 writes it)
