@@ -191,8 +191,9 @@ class CDGraBSampler(Sampler[int]):
         without load_state_dict and an epoch without step() calls. Accepted: e (again and again); e - 1
         before any step() of epoch e (frameworks that call set_epoch from two places, one lagging);
         e + 1 after an epoch without any step() for sorters that ignore gradients (it completes epoch e)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
+        if isinstance(epoch, bool) or not hasattr(epoch, "__index__"):  # numpy and torch integers are fine
             raise TypeError(f"set_epoch takes the epoch as an int (counting from 0), got {epoch!r}")
+        epoch = epoch.__index__()
         if epoch < 0:
             raise ValueError(f"set_epoch({epoch}): epochs count from 0")
         current = self.epoch

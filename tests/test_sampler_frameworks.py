@@ -100,6 +100,7 @@ def test_set_epoch_tolerates_repeated_and_lagging_calls_and_refuses_skips():
     assert "epochs count from 0" in one_line_error(fresh.set_epoch, -1)
     with pytest.raises(TypeError):
         fresh.set_epoch("1")
+    fresh.set_epoch(torch.tensor(0))  # integer types other than int are fine (Lightning's counters, numpy)
     for epoch in range(3):
         # the HF Trainer's set_epoch, then accelerate's (same value, or the previous epoch in versions
         # whose loader counter lags), then the same again: none may change the orders
