@@ -173,6 +173,8 @@ def test_mid_epoch_resume_gives_the_orders_of_an_uninterrupted_run(style):
     resumed = make_global("CD-GraB")
     resumed.load_state_dict(state, replay_from_epoch_start=style == "replay")
     loaders = prepared(resumed)
+    # the loader's length (what the frameworks count steps by) is what the next iteration yields
+    assert [len(loader) for loader in loaders] == [M // K - k if style == "rest" else M // K] * W
     rest = run_prepared_epoch(resumed, loaders, table, 1, skip=k if style == "replay" else 0)
     for r in range(W):
         assert [b.tolist() for b in rest[r]] == [b.tolist() for b in expected[1][r][k:]], r
