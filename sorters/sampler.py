@@ -28,6 +28,20 @@ Sketched balancing (sketch_dim=D > 0, balancing sorters only): step() maps each 
 D numbers with `GradientSketch(d, D, seed)` (sorters/sketch.py) BEFORE the all-gather, so each step
 gathers world size * batch_size * D floats and the sorter balances the sketches (docs/sketching.md).
 step() also takes gradients already sketched by `PerExampleGrads(..., sketch_dim=D, sketch_seed=seed)`.
+
+view="global" (for Accelerate's `prepare` and the HF Trainer, which shard a sampler's batches over the
+processes themselves): every process yields ALL replicas' indices, each step replica 0's batch_size
+examples, then replica 1's, ..., so that batching by batch_size and dealing batch i to process
+i % world size (accelerate's BatchSamplerShard, split_batches=False) hands each process its own replica's
+batch. step() still takes this process's (batch_size, d) gradients and all-gathers them, so every
+process keeps the same state. view="rank" (the default) yields this process's replica only, for a
+DataLoader that is not re-sharded (a plain DDP loop).
+
+Frameworks: set_epoch tolerates what they do (the same epoch twice; the previous epoch again before
+any step() of the new one); a sorter that ignores gradients (D-RR, D-SO, Fold) may skip step() when
+set_epoch is called every epoch. A state_dict saved mid-epoch resumes mid-epoch: the next iteration
+yields the rest of the epoch, or, with load_state_dict(state, replay_from_epoch_start=True), the whole
+epoch for a loader that skips the batches already used itself (accelerate's skip_first_batches).
 """
 import math
 
@@ -40,6 +54,9 @@ from sorters.sketch import GradientSketch
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+VIEWS = ("rank", "global")
 
 
 class CDGraBSampler(Sampler[int]):
@@ -65,17 +82,27 @@ class CDGraBSampler(Sampler[int]):
                   it (sorters/randomized.py), ignored by the others.
     sketch_dim:   0 (the default): balance the gradients themselves. D > 0 (balancing sorters only):
                   balance their D-dimensional sketches (see above); D >= d is the identity (exact).
+    view:         "rank" (the default): yield the replicas whose gradients step() takes. "global": yield
+                  every replica's examples, step by step in replica order, for loaders that Accelerate
+                  re-shards (see above); every batch must be full (m a multiple of batch_size).
 
-    Epochs: call step() once for every batch, with every sorter (the sampler counts positions with it).
-    An iteration over the sampler (a DataLoader epoch) after a complete epoch starts the next epoch, whose
-    order depends on every earlier epoch's gradients, so epochs are never skipped or replayed. An
-    iteration in which step() was never called does not count: the next one yields the same epoch again
-    (peeking at a batch with next(iter(loader)) changes nothing). Ending an epoch part-way is an error.
+    Epochs: call step() once for every batch (the sampler counts positions with it); sorters that ignore
+    gradients may instead have no step() at all in an epoch, if set_epoch(next epoch) is called before
+    the next one (as Accelerate, the HF Trainer and Lightning do). An iteration over the sampler (a
+    DataLoader epoch) after a complete epoch starts the next epoch, whose order depends on every earlier
+    epoch's gradients, so epochs are never skipped or replayed. An iteration in which step() was never
+    called does not count: the next one yields the same epoch again (peeking at a batch with
+    next(iter(loader)) changes nothing). Ending an epoch part-way is an error, except right after
+    load_state_dict of a state saved part-way (the resume, see load_state_dict).
     """
 
     def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
-                 drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0):
+                 drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0,
+                 view: str = "rank"):
+        if view not in VIEWS:
+            raise ValueError(f"view must be 'rank' (this process's replica; plain DDP loops) or 'global' (every "
+                             f"replica's batches, for Accelerate's prepare / the HF Trainer), got {view!r}")
         if sorter not in SORTER_NAMES:
             raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
         if sketch_dim < 0 or (sketch_dim and not SORTERS[sorter].uses_grads):
@@ -102,6 +129,10 @@ class CDGraBSampler(Sampler[int]):
                                  f"({n_examples % num_replicas} left over); pass drop_last=True or trim the dataset")
         if m == 0:
             raise ValueError(f"{n_examples} examples are too few for {num_replicas} replicas x batch_size {batch_size}")
+        if view == "global" and m % batch_size:
+            # a short last step would shift the loader's batch_size chunks off the replica boundaries
+            raise ValueError(f"view='global' needs every batch full, but {m} examples per replica leave a last batch "
+                             f"of {m % batch_size}: pass drop_last=True (or a batch_size that divides {m})")
 
         if SORTERS[sorter].uses_grads:
             if d is None or d < 1:
@@ -127,10 +158,14 @@ class CDGraBSampler(Sampler[int]):
         self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d
         self.gathers = self.sorter.uses_grads and distributed  # step() all-gathers over the process group
-        # the replicas whose examples this process yields (and whose gradients step() receives)
+        self.view = view
+        # the replicas whose gradients step() receives (all of them when no process group spreads them)
         self.replicas_here = list(range(num_replicas)) if rank is None else [rank]
+        # the replicas whose examples this process yields: global view, all (the loader deals them out)
+        self.replicas_yielded = list(range(num_replicas)) if view == "global" else self.replicas_here
         self.position = 0          # examples per replica passed to step() in the current epoch
         self.started = False       # whether the current epoch's orders were drawn (by __iter__)
+        self.resume = None         # after a mid-epoch load_state_dict, until the next step(): "rest" / "replay"
 
     # ------------------------------------------------------------------ what a DataLoader sees
 
@@ -141,20 +176,45 @@ class CDGraBSampler(Sampler[int]):
 
     @property
     def loader_batch_size(self) -> int:
-        """The DataLoader batch size that makes one batch one step: batch_size per replica hosted here."""
-        return len(self.replicas_here) * self.batch_size
+        """The DataLoader batch size that makes one batch one replica-step: batch_size per replica hosted
+        here (view="rank"), or batch_size (view="global": the loader is dealt out batch by batch)."""
+        return self.batch_size if self.view == "global" else len(self.replicas_here) * self.batch_size
 
     def __len__(self) -> int:
-        return len(self.replicas_here) * self.m
+        """Indices the next iteration yields: the whole epoch, or its rest after a mid-epoch resume."""
+        first = self.position if self.resume == "rest" else 0
+        return len(self.replicas_yielded) * (self.m - first)
 
     def set_epoch(self, epoch: int) -> None:
-        """Optional, for DistributedSampler loops; changes nothing, but checks: `epoch` (counting from 0)
-        must be the epoch the next iteration yields, which catches a resume without load_state_dict and
-        an epoch without step() calls."""
-        if epoch != self.epoch:
-            raise ValueError(f"set_epoch({epoch}): this sampler's next epoch is {self.epoch} (counting from 0; "
-                             "an epoch counts once step() has seen it); its orders depend on every earlier epoch, "
-                             "so to resume, load the state_dict saved after the previous epoch")
+        """Optional, for DistributedSampler loops; the sampler's orders do not depend on it, but it checks
+        `epoch` (counting from 0) against the epoch the next iteration yields, e, which catches a resume
+        without load_state_dict and an epoch without step() calls. Accepted: e (again and again); e - 1
+        before any step() of epoch e (frameworks that call set_epoch from two places, one lagging);
+        e + 1 after an epoch without any step() for sorters that ignore gradients (it completes epoch e)."""
+        if isinstance(epoch, bool) or not hasattr(epoch, "__index__"):  # numpy and torch integers are fine
+            raise TypeError(f"set_epoch takes the epoch as an int (counting from 0), got {epoch!r}")
+        epoch = epoch.__index__()
+        if epoch < 0:
+            raise ValueError(f"set_epoch({epoch}): epochs count from 0")
+        current = self.epoch
+        drawn = 0 < self.position < self.m  # step() has seen part of the current epoch
+        if epoch == current or (epoch == current - 1 and not drawn):
+            return
+        if epoch == current + 1 and self.started and self.position == 0 and not self.uses_grads:
+            self._complete_epoch_without_steps()
+            return
+        if epoch == current + 1 and self.started and self.position == 0:
+            raise ValueError(f"set_epoch({epoch}): epoch {current} ended without step() calls, but {self.sorter.name} "
+                             "orders by gradients: call sampler.step(per-example grads) after every batch")
+        raise ValueError(f"set_epoch({epoch}): this sampler's next epoch is {current} (counting from 0; "
+                         f"{'part-way, ' if drawn else ''}an epoch counts once step() has seen it); its orders depend "
+                         "on every earlier epoch, so to resume, load the state_dict saved with the checkpoint")
+
+    def _complete_epoch_without_steps(self) -> None:
+        """Count the started epoch's every position as stepped (sorters that ignore gradients only)."""
+        for t in range(0, self.m, self.batch_size):
+            self.sorter.step(None, range(t, min(t + self.batch_size, self.m)))
+        self.position, self.resume = self.m, None
 
     @property
     def epoch(self) -> int:
@@ -164,17 +224,19 @@ class CDGraBSampler(Sampler[int]):
         return self.sorter.epoch
 
     def __iter__(self):
-        """Start the next epoch; the indices of the replicas hosted here, step by step: for each step,
-        replica after replica, its next batch_size (or fewer, at the epoch's end) examples."""
-        if 0 < self.position < self.m:
+        """Start the next epoch; the indices of the replicas yielded here, step by step: for each step,
+        replica after replica, its next batch_size (or fewer, at the epoch's end) examples. After a
+        mid-epoch load_state_dict: the rest of that epoch (or all of it, replay_from_epoch_start=True)."""
+        if 0 < self.position < self.m and self.resume is None:
             raise ValueError(f"the previous epoch ended after step() saw {self.position} of {self.m} examples per "
                              "replica; call step() for every batch (a DataLoader with drop_last=True skips the "
                              "last, short batch: pass drop_last=True to the sampler instead)")
-        if not self.started or self.position == self.m:  # else no step() yet: the same epoch again
+        if not self.started or self.position == self.m:  # else no step() yet, or a resume: the same epoch
             self.sorter.sort()
             self.position, self.started = 0, True
-        indices = self.all_indices()[self.replicas_here]  # (R, m)
-        steps = [indices[:, t:t + self.batch_size].reshape(-1) for t in range(0, self.m, self.batch_size)]
+        first = self.position if self.resume == "rest" else 0
+        indices = self.all_indices()[self.replicas_yielded]  # (R, m)
+        steps = [indices[:, t:t + self.batch_size].reshape(-1) for t in range(first, self.m, self.batch_size)]
         return iter(torch.cat(steps).tolist())
 
     def all_indices(self) -> torch.Tensor:
@@ -215,6 +277,7 @@ class CDGraBSampler(Sampler[int]):
                 grads = every.view(self.num_replicas, b, width)
         self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
         self.position += b
+        self.resume = None  # the resumed epoch goes on; from here on a part-way end is an error again
 
     def _check_shape(self, grads, R: int, b: int) -> torch.Tensor:
         d = self.d if self.d is not None else "d"
@@ -233,12 +296,22 @@ class CDGraBSampler(Sampler[int]):
 
     def state_dict(self) -> dict:
         """Everything needed to continue with the same orders: the sorter's state and the position.
-        Save it between epochs (after the epoch's last step()); plain tensors and numbers only, so
-        torch.load(weights_only=True) reads it."""
+        Save it between epochs or mid-epoch (after some step() calls: load_state_dict then resumes at
+        the next batch); plain tensors and numbers only, so torch.load(weights_only=True) reads it.
+        It holds no rank or view: every process's state is the same (the gradients are all-gathered),
+        so rank 0's checkpoint restores every process, in either view."""
         return {"sorter": self.sorter.state_dict(), "position": self.position, "started": self.started,
                 "config": self._config()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, replay_from_epoch_start: bool = False) -> None:
+        """Restore a state_dict. Saved mid-epoch (after k of its steps), the next iteration yields the rest
+        of that epoch, from step k on: for loaders that continue where they stopped (Lightning, or a
+        plain loop). replay_from_epoch_start=True yields the whole epoch again instead, for loaders that
+        replay it and drop the first k batches themselves without step() (the HF Trainer, through
+        accelerate's skip_first_batches); either way the orders are those of an uninterrupted run.
+        Saved between epochs, both give the next epoch."""
+        if not isinstance(replay_from_epoch_start, bool):
+            raise TypeError(f"replay_from_epoch_start must be True or False, got {replay_from_epoch_start!r}")
         saved, now = {"sketch_dim": 0, **state["config"]}, self._config()  # states saved before sketch_dim
         if saved != now:
             differ = {key: (saved.get(key), now.get(key)) for key in saved.keys() | now.keys()
@@ -247,6 +320,8 @@ class CDGraBSampler(Sampler[int]):
                 f"{key} {was} (this sampler: {is_now})" for key, (was, is_now) in sorted(differ.items())))
         self.sorter.load_state_dict(state["sorter"])
         self.position, self.started = state["position"], state["started"]
+        mid_epoch = self.started and 0 < self.position < self.m
+        self.resume = ("replay" if replay_from_epoch_start else "rest") if mid_epoch else None
 
     def _config(self) -> dict:
         config = {"sorter": self.sorter.name, "num_replicas": self.num_replicas, "m": self.m,
