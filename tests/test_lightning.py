@@ -1,17 +1,21 @@
 """CDGraBCallback (sorters/lightning.py): CD-GraB orders from a PyTorch Lightning Trainer."""
+import runpy
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from sorters import PerExampleGrads, build_sorter
-from tests.helpers import DATA_DIR, check_ok, needs_data, run_script
+from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_script
 
 L = pytest.importorskip("lightning.pytorch")
 from sorters.lightning import CDGraBCallback, ResumableCDGraBSampler  # noqa: E402
 
 REPLICAS, BATCH, N, FEATURES, EPOCHS = 2, 2, 24, 3, 3  # m = 12 per replica: 6 steps per epoch
 STEPS = N // (REPLICAS * BATCH)
+EXAMPLE = "examples/lightning_mlp.py"
 
 
 def mse(out, y):
@@ -123,3 +127,54 @@ def test_use_distributed_sampler_is_refused_before_the_first_step():
     with pytest.raises(ValueError, match="use_distributed_sampler=False"):
         trainer(use_distributed_sampler=True).fit(model)
     assert model.grads == [] and model.losses == []
+
+
+def test_sampler_state_is_checked_on_load_for_a_plain_sampler_mid_epoch(tmp_path):
+    """A plain CDGraBSampler cannot start part-way through an epoch: the callback says what to use."""
+    from sorters import CDGraBSampler
+
+    callback = CDGraBCallback(sampler=CDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS))
+    resumable = ResumableCDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS)
+    list(resumable)
+    resumable.step(None)
+    with pytest.raises(ValueError, match="ResumableCDGraBSampler"):
+        callback.load_state_dict({"sampler": resumable.state_dict()})
+
+
+@needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")
+def test_two_gloo_processes_equal_one_process_and_hold_the_same_state(tmp_path, monkeypatch):
+    """examples/lightning_mlp.py under torchrun (Lightning joins the 2 processes: DDP over gloo) against
+    the same run with both replicas in one process: the same orders, losses to rounding, and both ranks
+    end with the same sampler state. The one-process run runs here (runpy): Lightning is imported in this
+    process already, and each fresh process spends seconds importing it."""
+    tiny = ["--max-train-examples", "64", "--batch-size", "8", "--epochs", "2", "--progress", "off"]
+    multi = run_script(EXAMPLE, *tiny, "--save-orders", tmp_path / "ddp.pt", nproc=2)
+    check_ok(multi)
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", [EXAMPLE, *tiny, "--replicas", "2", "--save-orders", str(tmp_path / "one.pt"),
+                                    "--data-dir", str(DATA_DIR)])
+        patch.setattr(sys, "path", list(sys.path))  # the example adds the repo root
+        runpy.run_path(str(REPO / EXAMPLE), run_name="__main__")
+    a, b = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "one.pt")
+    assert len(a["orders"]) == 2 and all(torch.equal(x, y) for x, y in zip(a["orders"], b["orders"]))
+    assert not torch.equal(a["orders"][0], a["orders"][1])
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    states = [torch.load(tmp_path / f"ddp.pt.rank{r}") for r in (0, 1)]
+    assert states[0]["position"] == states[0]["config"]["m"] == 32  # the whole last epoch stepped
+    assert_same(states[0], states[1])
+
+
+def assert_same(a, b, where="state"):
+    """Nested dicts / lists of tensors and plain values are equal, tensors exactly."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and torch.equal(a, b), where
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
