@@ -104,8 +104,9 @@ class CrashAt(L.Callback):
             raise Crash()
 
 
-@pytest.mark.parametrize("crash_step", [STEPS + 2])  # epoch 1, after its 2nd of STEPS batches
-def test_mid_epoch_resume_gives_the_uninterrupted_orders_and_losses(uninterrupted, crash_step, tmp_path):
+# epoch 1 after its 2nd of STEPS batches (Lightning restarts mid-epoch); after epoch 0's last batch
+@pytest.mark.parametrize("crash_step", [STEPS + 2, STEPS])
+def test_resume_mid_epoch_or_at_epoch_end_gives_the_uninterrupted_orders_and_losses(uninterrupted, crash_step, tmp_path):
     saver = L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=crash_step, save_top_k=-1,
                                         save_last=False, filename="mid")
     first = TinyModel()
@@ -113,7 +114,7 @@ def test_mid_epoch_resume_gives_the_uninterrupted_orders_and_losses(uninterrupte
         trainer(CrashAt(crash_step), saver, enable_checkpointing=True).fit(first)
     checkpoint = torch.load(tmp_path / "mid.ckpt", weights_only=False)
     state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("CDGraBCallback"))["sampler"]
-    assert state["position"] == 2 * BATCH  # part-way through epoch 1: a mid-epoch resume
+    assert state["position"] == ((crash_step - 1) % STEPS + 1) * BATCH  # examples per replica stepped this epoch
 
     resumed = TinyModel()
     trainer().fit(resumed, ckpt_path=tmp_path / "mid.ckpt")
