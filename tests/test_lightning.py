@@ -4,74 +4,25 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
-from sorters import PerExampleGrads, build_sorter
+from sorters import build_sorter
 from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_script
-
-L = pytest.importorskip("lightning.pytorch")
-from sorters.lightning import CDGraBCallback, ResumableCDGraBSampler  # noqa: E402
 
 REPLICAS, BATCH, N, FEATURES, EPOCHS = 2, 2, 24, 3, 3  # m = 12 per replica: 6 steps per epoch
 STEPS = N // (REPLICAS * BATCH)
 EXAMPLE = "examples/lightning_mlp.py"
 
 
-def mse(out, y):
-    """out (B, 1), y (B,) -> mean squared error."""
-    return F.mse_loss(out.squeeze(-1), y)
-
-
-class TinyModel(L.LightningModule):
-    """Linear regression on a fixed random data set, one process hosting REPLICAS replicas; records
-    every step's per-example gradients and loss, and every epoch's orders."""
-
-    def __init__(self, sorter="CD-GraB"):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Linear(FEATURES, 1)
-        generator = torch.Generator().manual_seed(1)
-        x = torch.randn(N, FEATURES, generator=generator)
-        self.train_set = TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(N, generator=generator))
-        self.sorter_name, self.grads_of = sorter, PerExampleGrads(self.net, mse)
-        self.grads, self.losses, self.orders = [], [], []
-
-    def setup(self, stage):
-        self.sampler = ResumableCDGraBSampler(self.train_set, batch_size=BATCH, d=self.grads_of.d,
-                                              sorter=self.sorter_name, num_replicas=REPLICAS, epochs=EPOCHS)
-
-    def train_dataloader(self):
-        return DataLoader(self.train_set, batch_size=self.sampler.loader_batch_size, sampler=self.sampler)
-
-    def per_example_grads(self, batch):
-        x, y = batch
-        self.grads.append(self.grads_of(x, y))  # (REPLICAS * BATCH, d)
-        return self.grads[-1]
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = mse(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def on_train_epoch_end(self):
-        self.orders.append(self.sampler.all_indices())  # (REPLICAS, m)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-
-def trainer(*callbacks, **kwargs):
-    settings = dict(max_epochs=EPOCHS, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    return L.Trainer(callbacks=[CDGraBCallback(), *callbacks], **{**settings, **kwargs})
+@pytest.fixture(scope="module")
+def lit():
+    """tests/lightning_tiny.py (the test is skipped where Lightning is not installed)."""
+    return pytest.importorskip("tests.lightning_tiny")
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
-    model = TinyModel()
-    trainer().fit(model)
+def uninterrupted(lit):
+    model = lit.TinyModel()
+    lit.trainer().fit(model)
     return model
 
 
@@ -89,53 +40,38 @@ def test_orders_equal_the_library_sorter_fed_the_same_gradients(uninterrupted):
     assert not torch.equal(model.orders[1], model.orders[2])
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashAt(L.Callback):
-    """Raises when batch `step` (counting from 0 over the run) starts: the run dies after a checkpoint."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            raise Crash()
-
-
 # epoch 1 after its 2nd of STEPS batches (Lightning restarts mid-epoch); after epoch 0's last batch
 @pytest.mark.parametrize("crash_step", [STEPS + 2, STEPS])
-def test_resume_mid_epoch_or_at_epoch_end_gives_the_uninterrupted_orders_and_losses(uninterrupted, crash_step, tmp_path):
-    saver = L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=crash_step, save_top_k=-1,
+def test_resume_mid_epoch_or_at_epoch_end_gives_the_uninterrupted_orders_and_losses(lit, uninterrupted, crash_step, tmp_path):
+    saver = lit.L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=crash_step, save_top_k=-1,
                                         save_last=False, filename="mid")
-    first = TinyModel()
-    with pytest.raises(Crash):
-        trainer(CrashAt(crash_step), saver, enable_checkpointing=True).fit(first)
+    first = lit.TinyModel()
+    with pytest.raises(lit.Crash):
+        lit.trainer(lit.CrashAt(crash_step), saver, enable_checkpointing=True).fit(first)
     checkpoint = torch.load(tmp_path / "mid.ckpt", weights_only=False)
     state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("CDGraBCallback"))["sampler"]
     assert state["position"] == ((crash_step - 1) % STEPS + 1) * BATCH  # examples per replica stepped this epoch
 
-    resumed = TinyModel()
-    trainer().fit(resumed, ckpt_path=tmp_path / "mid.ckpt")
+    resumed = lit.TinyModel()
+    lit.trainer().fit(resumed, ckpt_path=tmp_path / "mid.ckpt")
     assert len(resumed.losses) == EPOCHS * STEPS - crash_step  # no batch replayed or skipped
     assert first.losses[:crash_step] + resumed.losses == pytest.approx(uninterrupted.losses, rel=1e-6)
     assert [o.tolist() for o in first.orders + resumed.orders] == [o.tolist() for o in uninterrupted.orders]
 
 
-def test_use_distributed_sampler_is_refused_before_the_first_step():
-    model = TinyModel()
+def test_use_distributed_sampler_is_refused_before_the_first_step(lit):
+    model = lit.TinyModel()
     with pytest.raises(ValueError, match="use_distributed_sampler=False"):
-        trainer(use_distributed_sampler=True).fit(model)
+        lit.trainer(use_distributed_sampler=True).fit(model)
     assert model.grads == [] and model.losses == []
 
 
-def test_sampler_state_is_checked_on_load_for_a_plain_sampler_mid_epoch(tmp_path):
+def test_sampler_state_is_checked_on_load_for_a_plain_sampler_mid_epoch(lit):
     """A plain CDGraBSampler cannot start part-way through an epoch: the callback says what to use."""
     from sorters import CDGraBSampler
 
-    callback = CDGraBCallback(sampler=CDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS))
-    resumable = ResumableCDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS)
+    callback = lit.CDGraBCallback(sampler=CDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS))
+    resumable = lit.ResumableCDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS)
     list(resumable)
     resumable.step(None)
     with pytest.raises(ValueError, match="ResumableCDGraBSampler"):
@@ -143,7 +79,7 @@ def test_sampler_state_is_checked_on_load_for_a_plain_sampler_mid_epoch(tmp_path
 
 
 @needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")
-def test_two_gloo_processes_equal_one_process_and_hold_the_same_state(tmp_path, monkeypatch):
+def test_two_gloo_processes_equal_one_process_and_hold_the_same_state(lit, tmp_path, monkeypatch):
     """examples/lightning_mlp.py under torchrun (Lightning joins the 2 processes: DDP over gloo) against
     the same run with both replicas in one process: the same orders, losses to rounding, and both ranks
     end with the same sampler state. The one-process run runs here (runpy): Lightning is imported in this
