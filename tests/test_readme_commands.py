@@ -40,6 +40,7 @@ TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slow
                              "--progress", "off"],  # 64 workers x 1 block: two steps at least
     "main-": ["--max-train-examples", "128", "--max-eval-examples", "32", "--epochs", "{epochs}",
               "--progress", "off"],
+    "examples/lightning_mlp.py": ["--max-train-examples", "64", "--epochs", "1", "--progress", "off"],
     "examples/": ["--max-train-examples", "128", "--epochs", "1"],
     "scripts/herding_simulation.py": ["--scale", "0.0005", "--trials", "1", "--rounds", "2", "--workers", "5",
                                       "--out", "results/herding"],  # 500 vectors: a second or two per method

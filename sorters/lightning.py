@@ -1,0 +1,143 @@
+"""CD-GraB example ordering for PyTorch Lightning: `CDGraBCallback` feeds a `CDGraBSampler`.
+
+    class LitModel(L.LightningModule):
+        def setup(self, stage):       # every rank, after Lightning set up DDP: the sampler sees the process group
+            self.sampler = ResumableCDGraBSampler(train_set, batch_size=16, d=self.grads_of.d)
+        def train_dataloader(self):
+            return DataLoader(train_set, batch_size=self.sampler.loader_batch_size, sampler=self.sampler)
+        def per_example_grads(self, batch):  # (B, d): the gradients of this batch's examples
+            x, y = batch
+            return self.grads_of(x, y)       # grads_of = PerExampleGrads(self.net, loss_fn)
+
+    trainer = L.Trainer(use_distributed_sampler=False, callbacks=[CDGraBCallback()], strategy="ddp", devices=2)
+
+What the callback does:
+- setup: refuses `Trainer(use_distributed_sampler=True)` (Lightning would wrap the sampler in a
+  DistributedSampler and every rank would see other examples than the sampler chose);
+- on_train_batch_start: `sampler.step(pl_module.per_example_grads(batch))` (`step(None)` for sorters that
+  need no gradients: D-RR, D-SO, Fold). At batch start the parameters are those the batch's optimizer
+  step starts from, as in the own-loop example where step() comes before optimizer.step(); the hook also
+  sees the batch, which on_before_optimizer_step does not, and runs once per batch under gradient
+  accumulation;
+- state_dict / load_state_dict: the sampler's state goes into the checkpoint under the callback. Every
+  rank holds the same state (each runs the same sorter on the same all-gathered gradients), so rank 0's
+  copy, the one Lightning writes, restores every rank.
+Lightning calls `set_epoch` on the DataLoader's sampler itself, with its epoch count; the sampler checks
+that it is the epoch it yields next.
+
+Mid-epoch resume. Lightning 2.6 saves and restores a DataLoader's position only when the DataLoader
+itself has state_dict/load_state_dict (a sampler's are not looked at); for any other loader it starts a
+fresh iterator after a mid-epoch checkpoint and takes the first (remaining count) batches from it,
+warning that the loader is "not resumable". A plain CDGraBSampler refuses to start an iteration part-way
+through an epoch. `ResumableCDGraBSampler` instead yields the rest of the interrupted epoch, in that
+epoch's order, exactly once after a mid-epoch load_state_dict; Lightning's count of remaining batches
+then matches and the run continues with the orders of an uninterrupted run (Lightning's warning still
+appears: it looks at the loader, not the sampler).
+
+Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
+"""
+import torch
+
+from sorters.sampler import CDGraBSampler
+
+try:
+    from lightning.pytorch import Callback
+except ImportError as error:  # the package depends on torch, numpy and numba only
+    raise ImportError("sorters.lightning needs PyTorch Lightning: pip install 'lightning>=2.4' "
+                      "(or the package's extra: pip install '.[lightning]')") from error
+
+
+class ResumableCDGraBSampler(CDGraBSampler):
+    """A CDGraBSampler (same arguments) that also resumes part-way through an epoch: after a
+    load_state_dict of a state saved mid-epoch, the next iteration yields the remaining examples of
+    that epoch (the same indices, in the same step-by-step layout, that the interrupted iteration would
+    have yielded next), and the one after it starts the next epoch as usual."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.resume_part_way = False  # set by load_state_dict when the state is from inside an epoch
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.resume_part_way = self.started and 0 < self.position < self.m
+
+    def __iter__(self):
+        if not (self.resume_part_way and 0 < self.position < self.m):
+            self.resume_part_way = False
+            return super().__iter__()
+        self.resume_part_way = False  # once: a later part-way iteration is the error the parent reports
+        indices = self.all_indices()[self.replicas_here][:, self.position:]  # (R, m - position)
+        steps = [indices[:, t:t + self.batch_size].reshape(-1) for t in range(0, indices.shape[1], self.batch_size)]
+        return iter(torch.cat(steps).tolist())
+
+
+class CDGraBCallback(Callback):
+    """Drives a CDGraBSampler from a Lightning Trainer: one step() per training batch, set-up checks,
+    and the sampler's state in the checkpoint.
+
+    sampler:  the CDGraBSampler the training DataLoader uses, or None (the default): the LightningModule's
+              (else the DataModule's) attribute `sampler`, looked up at on_fit_start. Under DDP build it in
+              their `setup()`: Lightning has started the process group by then (the sampler reads its world
+              size and rank from it), and setup() runs before on_fit_start. Use ResumableCDGraBSampler to resume
+              checkpoints saved mid-epoch.
+    grads_fn: grads_fn(pl_module, batch) -> (B, d) per-example gradients of the batch's B examples (B =
+              sampler.loader_batch_size; rows in the order the sampler yielded them; d = the sampler's d,
+              or its sketch_dim). None (the default): `pl_module.per_example_grads(batch)`. Called only
+              for sorters that balance gradients (`sampler.uses_grads`).
+    """
+
+    def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None):
+        self.sampler, self.grads_fn = sampler, grads_fn
+        self._pending_state = None  # a checkpoint's sampler state loaded before the sampler was found
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
+            raise ValueError("CDGraBCallback: pass Trainer(use_distributed_sampler=False): the CDGraBSampler "
+                             "already gives each rank its examples, and Lightning would replace it")
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.sampler is None:
+            for owner in (pl_module, trainer.datamodule):
+                if isinstance(getattr(owner, "sampler", None), CDGraBSampler):
+                    self.sampler = owner.sampler
+                    break
+            else:
+                raise ValueError("CDGraBCallback: no sampler: pass CDGraBCallback(sampler=...) or set "
+                                 "self.sampler = CDGraBSampler(...) in the LightningModule's setup()")
+        if self._pending_state is not None:
+            self.load_state_dict({"sampler": self._pending_state})
+        if self.sampler.uses_grads and self.grads_fn is None and not hasattr(pl_module, "per_example_grads"):
+            raise ValueError(f"CDGraBCallback: {self.sampler.sorter.name} balances per-example gradients: define "
+                             "per_example_grads(self, batch) -> (B, d) in the LightningModule, or pass grads_fn")
+
+    # ------------------------------------------------------------------ per batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if not self.sampler.uses_grads:
+            self.sampler.step(None)
+            return
+        grads = self.grads_fn(pl_module, batch) if self.grads_fn else pl_module.per_example_grads(batch)
+        self.sampler.step(grads)  # balancing sorters all-gather here: every rank calls it at the same batch
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        if self.sampler is None:
+            return {} if self._pending_state is None else {"sampler": self._pending_state}
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "sampler" not in state_dict:
+            return
+        if self.sampler is None:  # Lightning restores callbacks before on_fit_start: keep it until then
+            self._pending_state = state_dict["sampler"]
+            return
+        self._pending_state = None
+        state = state_dict["sampler"]
+        if (0 < state["position"] < self.sampler.m and state["started"]
+                and not isinstance(self.sampler, ResumableCDGraBSampler)):
+            raise ValueError("CDGraBCallback: the checkpoint was saved part-way through an epoch; build the "
+                             "sampler as sorters.lightning.ResumableCDGraBSampler to resume it")
+        self.sampler.load_state_dict(state)

@@ -1,0 +1,76 @@
+"""The Lightning side of tests/test_lightning.py, imported by its `lit` fixture: importing Lightning takes
+seconds, and every pytest-xdist worker collects every test module, so the test module itself does not."""
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from sorters import PerExampleGrads
+from sorters.lightning import CDGraBCallback, ResumableCDGraBSampler  # noqa: F401 (the tests use them from here)
+
+from tests.test_lightning import BATCH, EPOCHS, FEATURES, N, REPLICAS  # the sizes, in one place
+
+
+def mse(out, y):
+    """out (B, 1), y (B,) -> mean squared error."""
+    return F.mse_loss(out.squeeze(-1), y)
+
+
+class TinyModel(L.LightningModule):
+    """Linear regression on a fixed random data set, one process hosting REPLICAS replicas; records
+    every step's per-example gradients and loss, and every epoch's orders."""
+
+    def __init__(self, sorter="CD-GraB"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(FEATURES, 1)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(N, FEATURES, generator=generator)
+        self.train_set = TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(N, generator=generator))
+        self.sorter_name, self.grads_of = sorter, PerExampleGrads(self.net, mse)
+        self.grads, self.losses, self.orders = [], [], []
+
+    def setup(self, stage):
+        self.sampler = ResumableCDGraBSampler(self.train_set, batch_size=BATCH, d=self.grads_of.d,
+                                              sorter=self.sorter_name, num_replicas=REPLICAS, epochs=EPOCHS)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.sampler.loader_batch_size, sampler=self.sampler)
+
+    def per_example_grads(self, batch):
+        x, y = batch
+        self.grads.append(self.grads_of(x, y))  # (REPLICAS * BATCH, d)
+        return self.grads[-1]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = mse(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_epoch_end(self):
+        self.orders.append(self.sampler.all_indices())  # (REPLICAS, m)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def trainer(*callbacks, **kwargs):
+    settings = dict(max_epochs=EPOCHS, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(callbacks=[CDGraBCallback(), *callbacks], **{**settings, **kwargs})
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(L.Callback):
+    """Raises when batch `step` (counting from 0 over the run) starts: the run dies after a checkpoint."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise Crash()

@@ -1,0 +1,117 @@
+"""CDGraBCallback (sorters/lightning.py): CD-GraB orders from a PyTorch Lightning Trainer."""
+import runpy
+import sys
+
+import pytest
+import torch
+
+from sorters import build_sorter
+from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_script
+
+REPLICAS, BATCH, N, FEATURES, EPOCHS = 2, 2, 24, 3, 3  # m = 12 per replica: 6 steps per epoch
+STEPS = N // (REPLICAS * BATCH)
+EXAMPLE = "examples/lightning_mlp.py"
+
+
+@pytest.fixture(scope="module")
+def lit():
+    """tests/lightning_tiny.py (the test is skipped where Lightning is not installed)."""
+    return pytest.importorskip("tests.lightning_tiny")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(lit):
+    model = lit.TinyModel()
+    lit.trainer().fit(model)
+    return model
+
+
+def test_orders_equal_the_library_sorter_fed_the_same_gradients(uninterrupted):
+    model = uninterrupted
+    assert len(model.orders) == EPOCHS and len(model.grads) == EPOCHS * STEPS
+    sorter = build_sorter("CD-GraB", REPLICAS, N // REPLICAS, model.grads_of.d, seed=0)
+    grads = iter(model.grads)
+    for epoch in range(EPOCHS):
+        orders = sorter.sort()  # (REPLICAS, m)
+        assert torch.equal(orders + torch.arange(REPLICAS)[:, None] * (N // REPLICAS), model.orders[epoch])
+        for t in range(0, N // REPLICAS, BATCH):
+            sorter.step(next(grads).reshape(REPLICAS, BATCH, -1), range(t, t + BATCH))
+    # the orders change from epoch to epoch (so the comparison above compares something)
+    assert not torch.equal(model.orders[1], model.orders[2])
+
+
+# epoch 1 after its 2nd of STEPS batches (Lightning restarts mid-epoch); after epoch 0's last batch
+@pytest.mark.parametrize("crash_step", [STEPS + 2, STEPS])
+def test_resume_mid_epoch_or_at_epoch_end_gives_the_uninterrupted_orders_and_losses(lit, uninterrupted, crash_step, tmp_path):
+    saver = lit.L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=crash_step, save_top_k=-1,
+                                        save_last=False, filename="mid")
+    first = lit.TinyModel()
+    with pytest.raises(lit.Crash):
+        lit.trainer(lit.CrashAt(crash_step), saver, enable_checkpointing=True).fit(first)
+    checkpoint = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("CDGraBCallback"))["sampler"]
+    assert state["position"] == ((crash_step - 1) % STEPS + 1) * BATCH  # examples per replica stepped this epoch
+
+    resumed = lit.TinyModel()
+    lit.trainer().fit(resumed, ckpt_path=tmp_path / "mid.ckpt")
+    assert len(resumed.losses) == EPOCHS * STEPS - crash_step  # no batch replayed or skipped
+    assert first.losses[:crash_step] + resumed.losses == pytest.approx(uninterrupted.losses, rel=1e-6)
+    assert [o.tolist() for o in first.orders + resumed.orders] == [o.tolist() for o in uninterrupted.orders]
+
+
+def test_use_distributed_sampler_is_refused_before_the_first_step(lit):
+    model = lit.TinyModel()
+    with pytest.raises(ValueError, match="use_distributed_sampler=False"):
+        lit.trainer(use_distributed_sampler=True).fit(model)
+    assert model.grads == [] and model.losses == []
+
+
+def test_sampler_state_is_checked_on_load_for_a_plain_sampler_mid_epoch(lit):
+    """A plain CDGraBSampler cannot start part-way through an epoch: the callback says what to use."""
+    from sorters import CDGraBSampler
+
+    callback = lit.CDGraBCallback(sampler=CDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS))
+    resumable = lit.ResumableCDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS)
+    list(resumable)
+    resumable.step(None)
+    with pytest.raises(ValueError, match="ResumableCDGraBSampler"):
+        callback.load_state_dict({"sampler": resumable.state_dict()})
+
+
+@needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")
+def test_two_gloo_processes_equal_one_process_and_hold_the_same_state(lit, tmp_path, monkeypatch):
+    """examples/lightning_mlp.py under torchrun (Lightning joins the 2 processes: DDP over gloo) against
+    the same run with both replicas in one process: the same orders, losses to rounding, and both ranks
+    end with the same sampler state. The one-process run runs here (runpy): Lightning is imported in this
+    process already, and each fresh process spends seconds importing it."""
+    tiny = ["--max-train-examples", "64", "--batch-size", "8", "--epochs", "2", "--progress", "off"]
+    multi = run_script(EXAMPLE, *tiny, "--save-orders", tmp_path / "ddp.pt", nproc=2)
+    check_ok(multi)
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", [EXAMPLE, *tiny, "--replicas", "2", "--save-orders", str(tmp_path / "one.pt"),
+                                    "--data-dir", str(DATA_DIR)])
+        patch.setattr(sys, "path", list(sys.path))  # the example adds the repo root
+        runpy.run_path(str(REPO / EXAMPLE), run_name="__main__")
+    a, b = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "one.pt")
+    assert len(a["orders"]) == 2 and all(torch.equal(x, y) for x, y in zip(a["orders"], b["orders"]))
+    assert not torch.equal(a["orders"][0], a["orders"][1])
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    states = [torch.load(tmp_path / f"ddp.pt.rank{r}") for r in (0, 1)]
+    assert states[0]["position"] == states[0]["config"]["m"] == 32  # the whole last epoch stepped
+    assert_same(states[0], states[1])
+
+
+def assert_same(a, b, where="state"):
+    """Nested dicts / lists of tensors and plain values are equal, tensors exactly."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and torch.equal(a, b), where
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
