@@ -28,7 +28,7 @@ from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding,
                                 time_breakdown)
 from analysis.paper_values import PAPER_VALUES, paper_epoch
 from analysis.studies import STUDIES_WITH_FIGURES, study_figures
-from analysis.style import SORTER_COLORS, curve_styles, metric_label as _label, scale_value_axis
+from analysis.style import LINESTYLES, SORTER_COLORS, curve_styles, metric_label as _label, scale_value_axis
 
 PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
                "other_seconds": "tab:gray"}
@@ -350,11 +350,12 @@ def plot_scaling(df):
     return fig
 
 
-def plot_worker_scaling(cost: dict, hdf):
+def plot_worker_scaling(cost: dict, herding: dict):
     """Two panels against the worker count n (log axes): left, the modelled step time of exact (solid) and
     sketched (dashed) CD-GraB as a multiple of D-RR's, one marker per benchmark (cost: bench/scaling_cost.py's
     JSON); right, the last round's parallel herding bound of CD-GraB and D-RR (mean over trials, band: min-max;
-    hdf: load_herding of scripts/herding_simulation.py's CSVs). Colours: style.SORTER_COLORS."""
+    herding: {setting label: load_herding frame of scripts/herding_simulation.py's CSVs}, one line style per
+    setting). Colours: style.SORTER_COLORS."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     sketched = curve_styles([("CD-GraB", "exact"), ("CD-GraB", "sketched")])[("CD-GraB", "sketched")]["color"]
     markers = dict(zip(cost["benchmarks"], "osD^v"))
@@ -374,21 +375,25 @@ def plot_worker_scaling(cost: dict, hdf):
     left.set_title(f"ring model, {cost['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gb/s, bandwidth only", fontsize=9)
     left.grid(alpha=0.3, which="both")
     left.legend(fontsize=6, ncol=2)
-    final = hdf[hdf["round"] == hdf["round"].max()]
-    stats = final.groupby(["method", "n_workers"])["bound"].agg(["mean", "min", "max", "count"]).reset_index()
-    for method in sorted(stats["method"].unique()):
-        rows = stats[stats["method"] == method].sort_values("n_workers")
-        color = SORTER_COLORS.get(method, "black")
-        right.plot(rows["n_workers"], rows["mean"], marker=".", color=color, label=method)
-        right.fill_between(rows["n_workers"].to_numpy(float), rows["min"].to_numpy(float),
-                           rows["max"].to_numpy(float), color=color, alpha=0.2, lw=0)
+    last_round, trials = 0, 0
+    for (setting, hdf), ls in zip(herding.items(), LINESTYLES):
+        last_round = int(hdf["round"].max())
+        final = hdf[hdf["round"] == last_round]
+        stats = final.groupby(["method", "n_workers"])["bound"].agg(["mean", "min", "max", "count"]).reset_index()
+        trials = max(trials, int(stats["count"].max()))
+        for method in sorted(stats["method"].unique()):
+            rows = stats[stats["method"] == method].sort_values("n_workers")
+            color = SORTER_COLORS.get(method, "black")
+            right.plot(rows["n_workers"], rows["mean"], marker=".", color=color, ls=ls, label=f"{method}, {setting}")
+            right.fill_between(rows["n_workers"].to_numpy(float), rows["min"].to_numpy(float),
+                               rows["max"].to_numpy(float), color=color, alpha=0.15, lw=0)
     right.set_xscale("log", base=2)
-    scale_value_axis([right], stats["mean"].to_list())
-    right.set_xlabel("workers n (same vectors in all: m = total / n)")
-    right.set_ylabel(f"herding bound after round {int(hdf['round'].max())}")
-    right.set_title(f"simulation, {int(stats['count'].max())} trials (band: min-max)", fontsize=9)
+    right.set_yscale("log")  # the two methods' bounds differ by two orders of magnitude
+    right.set_xlabel("workers n")
+    right.set_ylabel(f"herding bound after round {last_round}")
+    right.set_title(f"simulation, d 16, mean of {trials} trials (band: min-max)", fontsize=9)
     right.grid(alpha=0.3, which="both")
-    right.legend(fontsize=8)
+    right.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "scaling-cost.json"
 sys.path.insert(0, str(REPO))  # run from anywhere (the figure imports analysis)
 HERDING = REPO / "reproduction" / "herding-scaling"  # scripts/herding_simulation.py's CSVs for the figure
+HERDING_SETTINGS = {"fixed-total": "N = 300,000 (m = N / n)", "fixed-m": "m = 292 (N = 292 n)"}
 BENCHMARKS = ("LR-HMDA", "MLP-M4", "LSTM-Wiki2", "GPT2-Wiki103")
 WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 SKETCH_DIM = 128  # the D of the bytes / memory table (the docs' example --sketch-dim)
@@ -188,7 +189,8 @@ def main(argv=None):
                    help="skip the torchrun runs; keep the check already in the JSON")
     p.add_argument("--json", default=str(RESULTS), help=f"where to write the result (default {RESULTS.relative_to(REPO)})")
     p.add_argument("--figure", default=None,
-                   help="also draw analysis.plots.plot_worker_scaling to this PNG (needs --herding-dir's CSVs)")
+                   help="also draw analysis.plots.plot_worker_scaling to this PNG (needs the CSVs in --herding-dir's "
+                        "fixed-total/ and fixed-m/)")
     p.add_argument("--herding-dir", default=str(HERDING), help=f"default {HERDING.relative_to(REPO)}")
     args = p.parse_args(argv)
     path = Path(args.json)
@@ -207,7 +209,8 @@ def main(argv=None):
         matplotlib.use("Agg")
         from analysis import load_herding
         from analysis.plots import plot_worker_scaling
-        fig = plot_worker_scaling(result, load_herding(args.herding_dir))
+        herding = {label: load_herding(Path(args.herding_dir) / folder) for folder, label in HERDING_SETTINGS.items()}
+        fig = plot_worker_scaling(result, herding)
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.figure, dpi=100, bbox_inches="tight")  # dpi 100: a small PNG for the docs
     print(json.dumps(result))
