@@ -11,6 +11,9 @@ Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and
     <out>/heterogeneity.{png,pdf}               final train loss and metric vs --partition (runs that differ in it)
     <out>/scaling.{png,pdf}                     final train loss and metric vs workers n, herding_bound per epoch
 
+plot_worker_scaling (not in draw_all: it reads bench/scaling_cost.py's model, not runs) draws docs/scaling.md's
+figure: modelled step time vs n, and the simulated herding bound vs n.
+
 The benchmarks' own figures use the runs outside study folders (load_runs' `study` == ""); the
 heterogeneity and scaling figures find their runs by what varies within one benchmark and study.
 
@@ -25,7 +28,7 @@ from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding,
                                 time_breakdown)
 from analysis.paper_values import PAPER_VALUES, paper_epoch
 from analysis.studies import STUDIES_WITH_FIGURES, study_figures
-from analysis.style import curve_styles, metric_label as _label, scale_value_axis
+from analysis.style import LINESTYLES, SORTER_COLORS, curve_styles, metric_label as _label, scale_value_axis
 
 PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
                "other_seconds": "tab:gray"}
@@ -343,6 +346,54 @@ def plot_scaling(df):
                     transform=ax.transAxes)
             ax.set_axis_off()
     fig.suptitle("Worker scaling, same batch per worker: final values vs n (mean ± 1 std over seeds)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_worker_scaling(cost: dict, herding: dict):
+    """Two panels against the worker count n (log axes): left, the modelled step time of exact (solid) and
+    sketched (dashed) CD-GraB as a multiple of D-RR's, one marker per benchmark (cost: bench/scaling_cost.py's
+    JSON); right, the last round's parallel herding bound of CD-GraB and D-RR (mean over trials, band: min-max;
+    herding: {setting label: load_herding frame of scripts/herding_simulation.py's CSVs}, one line style per
+    setting). Colours: style.SORTER_COLORS."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    sketched = curve_styles([("CD-GraB", "exact"), ("CD-GraB", "sketched")])[("CD-GraB", "sketched")]["color"]
+    markers = dict(zip(cost["benchmarks"], "osD^v"))
+    for benchmark, entry in cost["benchmarks"].items():
+        ns = [row["n"] for row in entry["rows"]]
+        for method, color, ls in (("CD-GraB", SORTER_COLORS["CD-GraB"], "-"), ("sketched", sketched, "--")):
+            if method == "sketched" and entry["sketch_is_identity"]:
+                continue  # D >= d: the sketch is the identity, i.e. exact CD-GraB
+            ratio = [row[method]["step_seconds"] / row["D-RR"]["step_seconds"] for row in entry["rows"]]
+            setting = "exact" if method == "CD-GraB" else f"D={entry['sketch_dim']}"
+            left.plot(ns, ratio, color=color, ls=ls, marker=markers[benchmark], ms=4, label=f"{benchmark}, {setting}")
+    left.axhline(cost["slowdown"], color="black", lw=0.8, ls=":")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("workers n")
+    left.set_ylabel("modelled step time / D-RR's")
+    left.set_title(f"ring model, {cost['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gb/s, bandwidth only", fontsize=9)
+    left.grid(alpha=0.3, which="both")
+    left.legend(fontsize=6, ncol=2)
+    last_round, trials = 0, 0
+    for (setting, hdf), ls in zip(herding.items(), LINESTYLES):
+        last_round = int(hdf["round"].max())
+        final = hdf[hdf["round"] == last_round]
+        stats = final.groupby(["method", "n_workers"])["bound"].agg(["mean", "min", "max", "count"]).reset_index()
+        trials = max(trials, int(stats["count"].max()))
+        for method in sorted(stats["method"].unique()):
+            rows = stats[stats["method"] == method].sort_values("n_workers")
+            color = SORTER_COLORS.get(method, "black")
+            right.plot(rows["n_workers"], rows["mean"], marker=".", color=color, ls=ls, label=f"{method}, {setting}")
+            right.fill_between(rows["n_workers"].to_numpy(float), rows["min"].to_numpy(float),
+                               rows["max"].to_numpy(float), color=color, alpha=0.15, lw=0)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")  # the two methods' bounds differ by two orders of magnitude
+    right.set_xlabel("workers n")
+    right.set_ylabel(f"herding bound after round {last_round}")
+    right.set_title(f"simulation, d 16, mean of {trials} trials (band: min-max)", fontsize=9)
+    right.grid(alpha=0.3, which="both")
+    right.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
