@@ -4,7 +4,7 @@
     python examples/lightning_mlp.py --epochs 3 --devices 2      # Lightning DDP: 2 CPU processes (gloo)
     python examples/lightning_mlp.py --epochs 3 --replicas 2     # both replicas in one process
 
-An ordinary LightningModule and Trainer; the additions are CDGraBCallback, a ResumableCDGraBSampler built
+An ordinary LightningModule and Trainer; the additions are CDGraBCallback, a LightningCDGraBSampler built
 in setup(), `per_example_grads(batch)` and `Trainer(use_distributed_sampler=False)` (sorters/lightning.py).
 The data and model are the MLP-M4 benchmark's (main-MLP-M4.py): windows of 20 standardised values of the
 M4 Weekly series (data/m4.py), a 3-layer MLP that forecasts the next 6 values autoregressively, MSE loss;
@@ -29,7 +29,7 @@ from sorters import SORTER_NAMES, PerExampleGrads  # noqa: E402
 
 try:
     import lightning.pytorch as L
-    from sorters.lightning import CDGraBCallback, ResumableCDGraBSampler
+    from sorters.lightning import CDGraBCallback, LightningCDGraBSampler
 except ImportError as error:  # lightning is an optional dependency of the package
     exit_with_error(str(error))
 
@@ -84,7 +84,7 @@ class Forecaster(L.LightningModule):
         # takes its world size and rank from it (CDGraBCallback finds it as self.sampler)
         try:
             # drop_last: each replica gets a whole number of batches, the tail of the data set is not used
-            self.sampler = ResumableCDGraBSampler(
+            self.sampler = LightningCDGraBSampler(
                 train_set, batch_size=args.batch_size, d=self.grads_of.d, sorter=args.sorter,
                 num_replicas=None if devices > 1 else args.replicas, seed=args.seed, drop_last=True,
                 epochs=args.epochs)  # KH-SGD's and SBW's thresholds depend on the run's length

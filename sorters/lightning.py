@@ -2,7 +2,7 @@
 
     class LitModel(L.LightningModule):
         def setup(self, stage):       # every rank, after Lightning set up DDP: the sampler sees the process group
-            self.sampler = ResumableCDGraBSampler(train_set, batch_size=16, d=self.grads_of.d)
+            self.sampler = LightningCDGraBSampler(train_set, batch_size=16, d=self.grads_of.d, drop_last=True)
         def train_dataloader(self):
             return DataLoader(train_set, batch_size=self.sampler.loader_batch_size, sampler=self.sampler)
         def per_example_grads(self, batch):  # (B, d): the gradients of this batch's examples
@@ -28,16 +28,14 @@ that it is the epoch it yields next.
 Mid-epoch resume. Lightning 2.6 saves and restores a DataLoader's position only when the DataLoader
 itself has state_dict/load_state_dict (a sampler's are not looked at); for any other loader it starts a
 fresh iterator after a mid-epoch checkpoint and takes the first (remaining count) batches from it,
-warning that the loader is "not resumable". A plain CDGraBSampler refuses to start an iteration part-way
-through an epoch. `ResumableCDGraBSampler` instead yields the rest of the interrupted epoch, in that
-epoch's order, exactly once after a mid-epoch load_state_dict; Lightning's count of remaining batches
-then matches and the run continues with the orders of an uninterrupted run (Lightning's warning still
-appears: it looks at the loader, not the sampler).
+warning that the loader is "not resumable". CDGraBSampler's iteration after a mid-epoch load_state_dict
+yields the rest of the interrupted epoch, in that epoch's order, and its len() says so; Lightning,
+though, counts the batches left itself (the loader's len() less the batches done), so
+`LightningCDGraBSampler` keeps len() at the whole epoch's. The run then continues with the orders of an
+uninterrupted run (Lightning's warning still appears: it looks at the loader, not the sampler).
 
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
-import torch
-
 from sorters.sampler import CDGraBSampler
 
 try:
@@ -47,28 +45,14 @@ except ImportError as error:  # the package depends on torch, numpy and numba on
                       "(or the package's extra: pip install '.[lightning]')") from error
 
 
-class ResumableCDGraBSampler(CDGraBSampler):
-    """A CDGraBSampler (same arguments) that also resumes part-way through an epoch: after a
-    load_state_dict of a state saved mid-epoch, the next iteration yields the remaining examples of
-    that epoch (the same indices, in the same step-by-step layout, that the interrupted iteration would
-    have yielded next), and the one after it starts the next epoch as usual."""
+class LightningCDGraBSampler(CDGraBSampler):
+    """A CDGraBSampler (same arguments) for Lightning: len() is the whole epoch's, also in the epoch after a
+    mid-epoch load_state_dict, whose iteration yields only its rest. Lightning takes len() less the
+    batches it had done from a resumed epoch's fresh iterator; the plain sampler's len() (the rest) would
+    make it stop that many batches short."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.resume_part_way = False  # set by load_state_dict when the state is from inside an epoch
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.resume_part_way = self.started and 0 < self.position < self.m
-
-    def __iter__(self):
-        if not (self.resume_part_way and 0 < self.position < self.m):
-            self.resume_part_way = False
-            return super().__iter__()
-        self.resume_part_way = False  # once: a later part-way iteration is the error the parent reports
-        indices = self.all_indices()[self.replicas_here][:, self.position:]  # (R, m - position)
-        steps = [indices[:, t:t + self.batch_size].reshape(-1) for t in range(0, indices.shape[1], self.batch_size)]
-        return iter(torch.cat(steps).tolist())
+    def __len__(self) -> int:
+        return len(self.replicas_yielded) * self.m
 
 
 class CDGraBCallback(Callback):
@@ -78,8 +62,7 @@ class CDGraBCallback(Callback):
     sampler:  the CDGraBSampler the training DataLoader uses, or None (the default): the LightningModule's
               (else the DataModule's) attribute `sampler`, looked up at on_fit_start. Under DDP build it in
               their `setup()`: Lightning has started the process group by then (the sampler reads its world
-              size and rank from it), and setup() runs before on_fit_start. Use ResumableCDGraBSampler to resume
-              checkpoints saved mid-epoch.
+              size and rank from it), and setup() runs before on_fit_start.
     grads_fn: grads_fn(pl_module, batch) -> (B, d) per-example gradients of the batch's B examples (B =
               sampler.loader_batch_size; rows in the order the sampler yielded them; d = the sampler's d,
               or its sketch_dim). None (the default): `pl_module.per_example_grads(batch)`. Called only
@@ -136,8 +119,9 @@ class CDGraBCallback(Callback):
             return
         self._pending_state = None
         state = state_dict["sampler"]
-        if (0 < state["position"] < self.sampler.m and state["started"]
-                and not isinstance(self.sampler, ResumableCDGraBSampler)):
-            raise ValueError("CDGraBCallback: the checkpoint was saved part-way through an epoch; build the "
-                             "sampler as sorters.lightning.ResumableCDGraBSampler to resume it")
-        self.sampler.load_state_dict(state)
+        if state["started"] and 0 < state["position"] < self.sampler.m and not isinstance(self.sampler,
+                                                                                     LightningCDGraBSampler):
+            raise ValueError("CDGraBCallback: the checkpoint was saved part-way through an epoch, which Lightning "
+                             "resumes by counting batches itself: build the sampler as "
+                             "sorters.lightning.LightningCDGraBSampler (same arguments)")
+        self.sampler.load_state_dict(state)  # mid-epoch: its next iteration is the rest of that epoch

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from sorters import PerExampleGrads
-from sorters.lightning import CDGraBCallback, ResumableCDGraBSampler  # noqa: F401 (the tests use them from here)
+from sorters.lightning import CDGraBCallback, LightningCDGraBSampler  # noqa: F401 (the tests use them from here)
 
 from tests.test_lightning import BATCH, EPOCHS, FEATURES, N, REPLICAS  # the sizes, in one place
 
@@ -31,7 +31,7 @@ class TinyModel(L.LightningModule):
         self.grads, self.losses, self.orders = [], [], []
 
     def setup(self, stage):
-        self.sampler = ResumableCDGraBSampler(self.train_set, batch_size=BATCH, d=self.grads_of.d,
+        self.sampler = LightningCDGraBSampler(self.train_set, batch_size=BATCH, d=self.grads_of.d,
                                               sorter=self.sorter_name, num_replicas=REPLICAS, epochs=EPOCHS)
 
     def train_dataloader(self):

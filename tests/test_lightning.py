@@ -66,16 +66,21 @@ def test_use_distributed_sampler_is_refused_before_the_first_step(lit):
     assert model.grads == [] and model.losses == []
 
 
-def test_sampler_state_is_checked_on_load_for_a_plain_sampler_mid_epoch(lit):
-    """A plain CDGraBSampler cannot start part-way through an epoch: the callback says what to use."""
+def test_a_mid_epoch_state_needs_the_lightning_sampler(lit):
+    """Loaded through the callback, a mid-epoch state makes the next iteration the rest of that epoch while
+    len() stays the whole epoch's (Lightning subtracts the batches done itself); a plain CDGraBSampler,
+    whose len() is the rest, is refused in one line that names the class to use."""
     from sorters import CDGraBSampler
 
-    callback = lit.CDGraBCallback(sampler=CDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS))
-    resumable = lit.ResumableCDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS)
-    list(resumable)
-    resumable.step(None)
-    with pytest.raises(ValueError, match="ResumableCDGraBSampler"):
-        callback.load_state_dict({"sampler": resumable.state_dict()})
+    interrupted = CDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS)
+    epoch = list(interrupted)  # step by step: each step is REPLICAS x BATCH indices
+    interrupted.step(None)
+    resumed = lit.LightningCDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS)
+    lit.CDGraBCallback(sampler=resumed).load_state_dict({"sampler": interrupted.state_dict()})
+    assert len(resumed) == len(epoch) and list(resumed) == epoch[REPLICAS * BATCH:]
+    plain = lit.CDGraBCallback(sampler=CDGraBSampler(N, batch_size=BATCH, sorter="D-RR", num_replicas=REPLICAS))
+    with pytest.raises(ValueError, match="LightningCDGraBSampler"):
+        plain.load_state_dict({"sampler": interrupted.state_dict()})
 
 
 @needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")

@@ -46,7 +46,11 @@ def test_pip_install_gives_the_sorters_package_alone(tmp_path):
     (metadata,) = target.glob("*.dist-info/METADATA")
     requires = [line.split(":", 1)[1].strip() for line in metadata.read_text().splitlines()
                 if line.startswith("Requires-Dist:")]
-    assert sorted(requirement.split(">")[0] for requirement in requires) == ["numba", "numpy", "torch"]
+    # what `pip install .` pulls in: torch, numpy, numba; the frameworks only through the extras
+    base = sorted(requirement.split(">")[0] for requirement in requires if "extra ==" not in requirement)
+    assert base == ["numba", "numpy", "torch"], requires
+    extras = {requirement.split("extra ==")[1].strip().strip("'\"") for requirement in requires if "extra ==" in requirement}
+    assert extras == {"hf", "lightning"}, requires
 
     check = textwrap.dedent(f"""
         import importlib.util, sys
