@@ -69,6 +69,7 @@ def main() -> None:
             "test_seconds": round(test_seconds, 1),
             "test_exit_status": tested.returncode,
             "summary": summary,
+            "failed_tests": [line for line in tested.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))],
             "counts": counts,
             "cpu_count": os.cpu_count(),
             "load_average_before": [round(x, 2) for x in load_before],
