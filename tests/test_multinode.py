@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,33 @@ def test_the_own_loop_sampler_on_two_nodes_equals_one_process(tmp_path):
         assert two[column] == pytest.approx(one[column], rel=1e-5)
 
 
+def descendants(pid: int) -> list:
+    """pid's child processes, theirs, and so on (from /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass  # a process that ended meanwhile
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def kill_node(launcher: subprocess.Popen) -> None:
+    """SIGKILL a node: its launcher and every process under it (torchrun starts each worker in a session
+    of its own, so the launcher's process group does not hold them)."""
+    for pid in [launcher.pid, *descendants(launcher.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_dead_node_stops_the_other_and_the_run_resumes_in_one_process(tmp_path):
     """Node B (its launcher and both its processes) is killed after epoch 1's checkpoint: node A exits
     within a minute, its processes saying in one line that a peer died; --resume then finishes the run in
@@ -79,22 +107,23 @@ def test_a_dead_node_stops_the_other_and_the_run_resumes_in_one_process(tmp_path
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHON_EXEC", "CDGRAB_SCRIPT_SERVER")}
     env.update(CDGRAB_DATA=str(DATA_DIR), OMP_NUM_THREADS="1")
     command = launcher(free_port(), SCRIPT, *args, "--out", crashed)
-    # real processes, each launcher in a session of its own, so that node B dies whole (killpg)
+    # real processes (no script server), so that node B's launcher and workers are all its descendants
     nodes = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for _ in range(2)]
+                              text=True) for _ in range(2)]
     try:
         deadline = time.monotonic() + 180
         while not (crashed / "checkpoint.pt").exists():
             assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "epoch 1 never ended"
             time.sleep(0.05)
-        os.killpg(nodes[1].pid, signal.SIGKILL)
+        kill_node(nodes[1])
         killed = time.monotonic()
         output, _ = nodes[0].communicate(timeout=60)
         assert time.monotonic() - killed < 60 and nodes[0].returncode != 0
     finally:
         for node in nodes:
             if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+                kill_node(node)
+                node.wait()
     # each of node A's processes says in one line why it stopped: its collective failed (a peer died), or
     # its launcher, which lost the rendezvous when node B hosted it, stopped it with SIGTERM
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
