@@ -130,7 +130,8 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     except Terminated:
         quiet_sigterm()
         rank = f"rank {comm.rank}: " if comm is not None and comm.world_size > 1 else ""
-        print(f"error: {rank}stopped by SIGTERM (torchrun stops every process when one fails or a node is lost: see "
+        # no "error:" prefix: under torchrun the error is another rank's (reported by it), or a lost node
+        print(f"{rank}stopped by SIGTERM (torchrun stops every process when one fails or a node is lost: see "
               f"the output above); the last finished epoch is in {args.out or '--out'}/checkpoint.pt (continue "
               "with --resume)", file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
