@@ -329,14 +329,16 @@ def test_example_one_process_equals_torchrun(tmp_path):
     assert "epoch 2/2 | train loss" in single.stdout
 
 
+@pytest.mark.parametrize("example", [EXAMPLE, "examples/accelerate_loop.py"])
 @pytest.mark.parametrize("args,message", [
     (["--data-dir", "no-such-folder"], "no HMDA data in no-such-folder/hmda"),  # the data set: load_hmda
     (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),  # argparse
     pytest.param(["--data-dir", DATA_DIR, "--max-train-examples", "3"], "3 examples are too few",  # the sampler
                  marks=needs_data("hmda/raw/hmda_train_preprocessed.zip")),
 ])
-def test_example_bad_input_gets_one_line_and_exit_2(tmp_path, args, message):
-    result = run_python([sys.executable, REPO / EXAMPLE, *args], cwd=tmp_path,
+def test_example_bad_input_gets_one_line_and_exit_2(tmp_path, example, args, message):
+    """The own-loop DDP example and the Accelerate one alike."""
+    result = run_python([sys.executable, REPO / example, *args], cwd=tmp_path,
                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
     (line,) = result.stderr.splitlines()

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from sorters import CDGraBSampler, build_sorter
-from tests.helpers import DATA_DIR, REPO, needs_data, run_python
+from tests.helpers import DATA_DIR, needs_data, run_python
 from tests.test_sampler import example_grads, one_line_error, run_engine_epoch, run_sampler_epoch
 
 accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
@@ -238,16 +238,3 @@ def test_accelerate_example_under_two_gloo_processes_equals_the_ddp_example_and_
             assert torch.equal(used.sort().values, torch.arange(r * 200, (r + 1) * 200)), (epoch, r)
         assert same_state(states[0], states[1]), epoch
         assert loss == pytest.approx(ddp["train_loss"][epoch], rel=1e-5)
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--data-dir", "no-such-folder"], "no HMDA data in no-such-folder/hmda"),
-    pytest.param(["--data-dir", DATA_DIR, "--max-train-examples", "3"], "3 examples are too few",
-                 marks=needs_data("hmda/raw/hmda_train_preprocessed.zip")),
-])
-def test_accelerate_example_bad_input_gets_one_line_and_exit_2(tmp_path, args, message):
-    result = run_python([sys.executable, REPO / ACCELERATE_EXAMPLE, *args], cwd=tmp_path,
-                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
-    (line,) = result.stderr.splitlines()
-    assert line.startswith("error: ") and message in line, line
