@@ -1,0 +1,276 @@
+"""CD-GraB example ordering inside the Hugging Face `Trainer`: `CDGraBTrainer` and `CDGraBTrainerMixin`.
+
+    from sorters.hf import CDGraBTrainer
+    trainer = CDGraBTrainer(model=model, args=TrainingArguments(..., dataloader_drop_last=True),
+                            train_dataset=train_set, sorter="CD-GraB")
+    trainer.train()                                   # or train(resume_from_checkpoint=True)
+
+    class CDGraBSFTTrainer(CDGraBTrainerMixin, SFTTrainer):   # any Trainer subclass (TRL's): mixin first
+        pass
+
+What the mixin changes in the Trainer, and why:
+- the train sampler is a `CDGraBSampler` (sorters/sampler.py) with view="global": every process yields
+  every replica's batch of each step, replica 0's first, so that Accelerate's re-sharding of the loader
+  (batch i to process i mod world size) hands each process its own replica's batch. A sampler yielding
+  only this rank's indices would lose half of them there, silently (docs/sampler.md#accelerate);
+- `training_step` also computes the batch's per-example gradients (`PerExampleLossGrads`: a torch.func
+  pass over the dict batch, of the loss the model computes from its `labels`) with the parameters the
+  optimizer step starts from, and hands them to `sampler.step()`. One micro-batch is one sampler step,
+  so gradient accumulation changes nothing in the orders. Sorters that ignore gradients (D-RR, D-SO,
+  Fold) get `step(None)` and cost nothing;
+- the sampler's state is saved in every `checkpoint-N/` (as `cdgrab_sampler.pt`, by the main process:
+  every process holds the same state) and restored by `train(resume_from_checkpoint=...)` before the
+  first batch. The Trainer replays a resumed epoch and drops the batches already done
+  (`skip_first_batches`), so the state is loaded with `replay_from_epoch_start=True`; the orders are an
+  uninterrupted run's;
+- what it cannot honour is refused with one line when `train()` starts, before the first step (see
+  `CDGraBTrainerMixin.check_settings`).
+
+One process can also host several replicas (`num_replicas=R` when not launched by torchrun): each
+micro-batch is then every replica's `per_device_train_batch_size` examples side by side, and the orders
+equal those of R processes (the sampler's one-process mode).
+
+transformers and accelerate are imported here only, so `import sorters` never needs them (pip extra:
+`cdgrab-sorters[hf]`). Checked against transformers 5.23 (the Trainer's private `_get_dataloader`,
+`_get_output_dir` and `_save_checkpoint` are used, as documented subclassing points are not enough:
+the loader's batch size and the checkpoint folder).
+"""
+import importlib.metadata
+import importlib.util
+import math
+import os
+
+import torch
+
+from sorters import SORTERS, CDGraBSampler, PerExampleLossGrads
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as error:  # the package depends on torch, numpy and numba only
+    raise ImportError("sorters.hf needs transformers and accelerate: pip install 'transformers>=5.17' "
+                      "'accelerate>=1.15' (or the package's extra: pip install '.[hf]')") from error
+
+SAMPLER_FILE = "cdgrab_sampler.pt"
+
+
+def _ignore_a_datasets_folder() -> None:
+    """Our data folder's default name, ./datasets, shadows the Hugging Face `datasets` package where that is
+    not installed: run from the checkout, `import datasets` finds the folder as a namespace package, the
+    Trainer's is_datasets_available() (a find_spec test) says yes, and its loader fails on
+    `datasets.Dataset`. Accelerate checks the package's metadata instead; do the same for the Trainer."""
+    import transformers.trainer
+
+    if importlib.util.find_spec("datasets") is None:
+        return
+    try:
+        importlib.metadata.version("datasets")
+    except importlib.metadata.PackageNotFoundError:
+        transformers.trainer.is_datasets_available = lambda: False
+
+
+_ignore_a_datasets_folder()
+
+
+class CDGraBTrainerMixin:
+    """Mix into a `transformers.Trainer` (sub)class, first in the bases, to train on CD-GraB's orders.
+
+    Keyword arguments (the rest go to the Trainer):
+    sorter:          one of sorters.SORTER_NAMES (default "CD-GraB").
+    sorter_seed:     seeds the sorter and the sketch; default `args.seed`. The same in every process.
+    grad_params:     which parameters' per-example gradients are balanced: None (all trainable), a regular
+                     expression or a list of them, matched with re.search against `named_parameters()`
+                     names (PerExampleGrads' `params`). Fewer coordinates cost less.
+    grad_chunk_size: examples per torch.func call (None: the whole micro-batch); bounds memory.
+    sketch_dim:      0: balance the gradients; D > 0: balance their D-dimensional sketches
+                     (docs/sketching.md); recorded in the checkpoint with the other settings.
+    num_replicas:    replicas (workers) the data is split over; default the number of processes. In one
+                     process, R > 1 hosts R replicas: each micro-batch holds R x per_device_train_batch_size
+                     examples, as R processes would together.
+
+    After `train()` starts: `cdgrab_sampler` (the CDGraBSampler) and `cdgrab_grads` (the
+    PerExampleLossGrads, None for sorters that ignore gradients).
+    """
+
+    def __init__(self, *args, sorter: str = "CD-GraB", sorter_seed: int | None = None,
+                 grad_params=None, grad_chunk_size: int | None = None, sketch_dim: int = 0,
+                 num_replicas: int | None = None, **kwargs):
+        if sorter not in SORTERS:
+            raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTERS)}")
+        super().__init__(*args, **kwargs)
+        self.cdgrab_settings = dict(sorter=sorter, seed=self.args.seed if sorter_seed is None else sorter_seed,
+                                    grad_params=grad_params, grad_chunk_size=grad_chunk_size,
+                                    sketch_dim=sketch_dim, num_replicas=num_replicas)
+        self.cdgrab_sampler: CDGraBSampler | None = None
+        self.cdgrab_grads: PerExampleLossGrads | None = None
+        self._cdgrab_resume_from: str | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def _uses_grads(self) -> bool:
+        return SORTERS[self.cdgrab_settings["sorter"]].uses_grads
+
+    @property
+    def _replicas(self) -> tuple[int, int]:
+        """(replicas in all, replicas hosted by this process)."""
+        world = self.args.world_size
+        wanted = self.cdgrab_settings["num_replicas"] or world
+        return wanted, (wanted if world == 1 else 1)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """Trainer.train, after check_settings(); resuming also restores the sampler's state."""
+        if resume_from_checkpoint is True:  # the Trainer's own rule: the last checkpoint in output_dir
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint-N folder in output_dir {self.args.output_dir} to resume from")
+        self._cdgrab_resume_from = resume_from_checkpoint or None
+        self.check_settings()
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def check_settings(self) -> None:
+        """Refuse, in one line each, what would give other orders than CD-GraB's or lose examples silently."""
+        args, name = self.args, type(self).__name__
+        dataset = self.train_dataset
+        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(f"{name} orders the examples of a map-style train_dataset (with __len__ and "
+                             f"indexing); got {type(dataset).__name__}")
+        if args.train_sampling_strategy != "random":
+            raise ValueError(f"{name}: train_sampling_strategy={args.train_sampling_strategy!r} would replace the "
+                             "sorter's order; leave it at 'random' (the sorter's sampler takes its place)")
+        if args.auto_find_batch_size:
+            raise ValueError(f"{name}: auto_find_batch_size changes the batch size mid-run, and with it the "
+                             "sorter's steps; set per_device_train_batch_size yourself")
+        if args.n_gpu > 1:
+            raise ValueError(f"{name}: {args.n_gpu} GPUs in one process (DataParallel) split every batch; start "
+                             "one process per GPU with torchrun instead")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(f"{name}: DeepSpeed and FSDP shard the parameters, which the per-example gradients "
+                             "need whole; use plain DDP (torchrun)")
+        config = args.accelerator_config
+        if config.split_batches or config.dispatch_batches:
+            raise ValueError(f"{name}: accelerator_config split_batches / dispatch_batches change how the loader's "
+                             "batches reach the processes; leave both off (the default)")
+        if self._cdgrab_resume_from is not None and args.ignore_data_skip:
+            raise ValueError(f"{name}: ignore_data_skip=True replays a resumed epoch from its first batch, out of "
+                             "step with the sorter; leave it False to resume")
+        world, _ = self._replicas
+        if args.world_size > 1 and world != args.world_size:
+            raise ValueError(f"{name}: num_replicas={world} under {args.world_size} processes; each process is "
+                             "one replica (leave num_replicas unset)")
+        batch = args.per_device_train_batch_size
+        if len(dataset) % (world * batch) and not args.dataloader_drop_last:
+            raise ValueError(f"{name}: {len(dataset)} examples do not split into full batches of "
+                             f"{world} replicas x {batch}; pass dataloader_drop_last=True (the last "
+                             f"{len(dataset) % (world * batch)} examples are never used) or trim the dataset")
+        if self._uses_grads:
+            self._check_gradients_can_be_formed()
+
+    def _check_gradients_can_be_formed(self) -> None:
+        args, name = self.args, type(self).__name__
+        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+            raise ValueError(f"{name}: gradient checkpointing cannot be traced by torch.func, which forms the "
+                             f"per-example gradients {self.cdgrab_settings['sorter']} balances; turn it off")
+        if args.neftune_noise_alpha is not None:
+            raise ValueError(f"{name}: NEFTune adds random noise in the forward, which per-example gradients cannot "
+                             "replay; leave neftune_noise_alpha unset")
+        if args.label_smoothing_factor > 0 or self.compute_loss_func is not None:
+            raise ValueError(f"{name}: the sorter balances the gradients of the model's own loss (outputs.loss), "
+                             "not of a label-smoothed or custom compute_loss_func one; drop those, or use a "
+                             "sorter that ignores gradients (D-RR)")
+
+    # ------------------------------------------------------------------ the loader and its sampler
+
+    def get_train_dataloader(self):
+        """The Trainer's loader, with a batch of every replica hosted here (one, under torchrun)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        _, here = self._replicas
+        return self._get_dataloader(dataset=self.train_dataset, description="Training",
+                                    batch_size=here * self.args.per_device_train_batch_size,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
+
+    def _get_train_sampler(self, train_dataset=None) -> CDGraBSampler:
+        """A fresh CDGraBSampler (and per-example gradients) for this train() call, with the checkpoint's
+        state when resuming."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        settings, args = self.cdgrab_settings, self.args
+        world, here = self._replicas
+        if self._uses_grads and self.cdgrab_grads is None:
+            self.cdgrab_grads = PerExampleLossGrads(self.model, params=settings["grad_params"],
+                                                    chunk_size=settings["grad_chunk_size"],
+                                                    sketch_dim=settings["sketch_dim"], sketch_seed=settings["seed"])
+            self._first_gradients_dry_run(dataset)
+        self.cdgrab_sampler = CDGraBSampler(
+            len(dataset), batch_size=args.per_device_train_batch_size,
+            d=self.cdgrab_grads.d if self.cdgrab_grads else None, sorter=settings["sorter"],
+            num_replicas=world, seed=settings["seed"], drop_last=args.dataloader_drop_last,
+            epochs=self._total_epochs(len(dataset) // world), sketch_dim=settings["sketch_dim"],
+            view="rank" if here > 1 else "global")
+        if self._cdgrab_resume_from is not None:
+            self.cdgrab_sampler.load_state_dict(self._saved_sampler_state(), replay_from_epoch_start=True)
+        return self.cdgrab_sampler
+
+    def _total_epochs(self, per_replica: int) -> int:
+        """The run's epochs (KH-SGD's and SBW's thresholds depend on it): num_train_epochs, or max_steps'."""
+        args = self.args
+        if args.max_steps > 0:
+            micro_batches = per_replica // args.per_device_train_batch_size
+            updates_per_epoch = max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
+            return math.ceil(args.max_steps / updates_per_epoch)
+        return max(math.ceil(args.num_train_epochs), 1)
+
+    def _first_gradients_dry_run(self, dataset) -> None:
+        """Form one example's gradient now, so that a model torch.func cannot trace (sdpa with a mask,
+        dropout, a forward without labels) is refused before the first step, in PerExampleLossGrads' line."""
+        collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        batch = self._prepare_inputs(collate([dataset[0]]))
+        was_training = self.model.training
+        self.model.train()
+        try:
+            self.cdgrab_grads(batch)
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}: {error}") from None
+        finally:
+            self.model.train(was_training)
+
+    # ------------------------------------------------------------------ each micro-batch
+
+    def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        """The Trainer's step, and the sampler's: per-example gradients of this micro-batch (rows in the
+        sampler's order) with the parameters before the optimizer step, all-gathered by step()."""
+        grads = None
+        if self._uses_grads:
+            self.model.train()
+            grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
+        loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        self.cdgrab_sampler.step(grads)
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save and self.cdgrab_sampler is not None:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            path = os.path.join(folder, SAMPLER_FILE)
+            torch.save(self.cdgrab_sampler.state_dict(), path + ".tmp")
+            os.replace(path + ".tmp", path)  # never a half-written state beside a complete checkpoint
+
+    def _saved_sampler_state(self) -> dict:
+        path = os.path.join(self._cdgrab_resume_from, SAMPLER_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(f"{type(self).__name__}: {self._cdgrab_resume_from} has no {SAMPLER_FILE}, so its "
+                             "sorter state is lost (a checkpoint of a plain Trainer?); resume from a "
+                             "checkpoint this trainer wrote, or start a new run")
+        try:
+            state = torch.load(path, weights_only=True)
+            return state
+        except Exception as error:
+            raise ValueError(f"{type(self).__name__}: cannot read {path} ({error}); resume from another "
+                             "checkpoint") from None
+
+
+class CDGraBTrainer(CDGraBTrainerMixin, Trainer):
+    """A `transformers.Trainer` that trains on the orders of a sorter (CD-GraB by default); see the module
+    docstring and CDGraBTrainerMixin for its arguments."""

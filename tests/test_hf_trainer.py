@@ -1,0 +1,197 @@
+"""CDGraBTrainer (sorters/hf.py): CD-GraB orders inside the Hugging Face Trainer, checked against the library
+sorter fed the same gradients, an ordinary backward pass, an uninterrupted run, and a plain Trainer."""
+import runpy
+import shutil
+import sys
+
+import pytest
+import torch
+
+from sorters import build_sorter
+from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_script
+from tests.test_lightning import assert_same
+
+EXAMPLE = "examples/hf_trainer_gpt2.py"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """tests/hf_trainer_tiny.py (the tests are skipped where transformers is not installed)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import tests.hf_trainer_tiny as tiny
+    return tiny
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(hf, tmp_path_factory):
+    """3 epochs of CD-GraB, 2 replicas in one process, 2 micro-batches per optimizer step, a checkpoint
+    every 2 optimizer steps (mid-epoch at 2 and 4, at epoch 1's end at 6)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(out, save_strategy="steps", save_steps=2),
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+    trainer.train()
+    return trainer
+
+
+def epoch_orders(hf, batches) -> list[torch.Tensor]:
+    """Micro-batches of example indices (replica 0's BATCH, then replica 1's) -> each epoch's (REPLICAS, m)."""
+    per_epoch = []
+    for e in range(0, len(batches), hf.MICRO_BATCHES):
+        steps = torch.tensor(batches[e:e + hf.MICRO_BATCHES]).view(hf.MICRO_BATCHES, hf.REPLICAS, hf.BATCH)
+        per_epoch.append(steps.permute(1, 0, 2).reshape(hf.REPLICAS, -1))
+    return per_epoch
+
+
+def test_orders_equal_the_library_sorter_fed_the_same_gradients(hf, uninterrupted):
+    orders = assert_orders_are_the_sorters(hf, uninterrupted, hf.EPOCHS)
+    assert not torch.equal(orders[1], orders[2])  # the orders follow the gradients, epoch by epoch
+
+
+def assert_orders_are_the_sorters(hf, trainer, epochs) -> list[torch.Tensor]:
+    """Every epoch's orders are CD-GraB's for the gradients step() got, each example used once per epoch, and
+    those gradients are the examples' own (an ordinary backward pass at the same parameters)."""
+    m = hf.N // hf.REPLICAS
+    assert len(trainer.batches) == len(trainer.grads) == epochs * hf.MICRO_BATCHES  # one step() per micro-batch
+    orders = epoch_orders(hf, trainer.batches)
+    sorter = build_sorter("CD-GraB", hf.REPLICAS, m, trainer.cdgrab_grads.d, seed=0)
+    grads = iter(trainer.grads)
+    for epoch, used in enumerate(orders):
+        assert sorted(used.reshape(-1).tolist()) == list(range(hf.N))  # each example once: none lost, none twice
+        assert torch.equal(sorter.sort() + torch.arange(hf.REPLICAS)[:, None] * m, used), f"epoch {epoch}"
+        for t in range(0, m, hf.BATCH):
+            sorter.step(next(grads).view(hf.REPLICAS, hf.BATCH, -1), range(t, t + hf.BATCH))
+    for step, first in enumerate(trainer.first_grads):
+        torch.testing.assert_close(trainer.grads[step][0], first, rtol=1e-4, atol=1e-6)
+    return orders
+
+
+def test_under_bf16_autocast_the_gradients_are_the_examples_own(hf, uninterrupted, tmp_path):
+    """Mixed precision (Accelerate's autocast around the model's forward) reaches the per-example pass too:
+    its gradients are an ordinary backward pass's under the same autocast, to bfloat16's precision (the
+    batched kernels round differently once the biases are no longer 0), and not float32's."""
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path, bf16=True, max_steps=2),
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+    trainer.train()
+    assert len(trainer.first_grads) == 2 * hf.ACCUM
+    for step, first in enumerate(trainer.first_grads):
+        bf16_resolution = 2 ** -7 * first.abs().max().item()
+        torch.testing.assert_close(trainer.grads[step][0], first, rtol=0, atol=bf16_resolution)
+    float32 = uninterrupted.grads[0][0]  # the same first micro-batch at the same initial weights
+    assert trainer.batches[0] == uninterrupted.batches[0] and (trainer.grads[0][0] - float32).abs().max() > 1e-4
+
+
+def test_the_mixin_composes_with_trl_sft_trainer(hf, tmp_path):
+    """TRL's SFTTrainer (its own collator, compute_loss and training_step) with the mixin first in the bases."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+
+    class CDGraBSFTTrainer(hf.Recording, hf.CDGraBTrainerMixin, trl.SFTTrainer):
+        pass
+
+    args = hf.training_args(tmp_path, cls=trl.SFTConfig, num_train_epochs=2, activation_checkpointing=False, bf16=False,
+                            dataset_kwargs={"skip_prepare_dataset": True})  # the rows are token ids already
+    trainer = CDGraBSFTTrainer(model=hf.tiny_gpt2(), args=args, processing_class=hf.gpt2_tokenizer(DATA_DIR),
+                               train_dataset=datasets.Dataset.from_dict({"input_ids": hf.token_rows().tolist()}),
+                               num_replicas=hf.REPLICAS)
+    trainer.train()
+    assert_orders_are_the_sorters(hf, trainer, 2)
+
+
+# optimizer step 4: epoch 1 after 1 of its 3 steps (the Trainer replays it and skips 2 micro-batches);
+# step 6: epoch 1's end
+@pytest.mark.parametrize("checkpoint", [4, 6])
+def test_resume_gives_the_uninterrupted_orders_losses_and_state(hf, uninterrupted, checkpoint, tmp_path):
+    saved = tmp_path / f"checkpoint-{checkpoint}"
+    shutil.copytree(uninterrupted.args.output_dir + f"/checkpoint-{checkpoint}", saved)
+    state = torch.load(saved / hf.SAMPLER_FILE)
+    assert state["position"] == (checkpoint * hf.ACCUM * hf.BATCH - 1) % (hf.N // hf.REPLICAS) + 1
+    resumed = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "out"),
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+    resumed.train(resume_from_checkpoint=str(saved))
+    done = checkpoint * hf.ACCUM  # micro-batches before the checkpoint
+    assert resumed.batches == uninterrupted.batches[done:]
+    assert resumed.losses == uninterrupted.losses[done:]  # bit for bit
+    assert_same(resumed.cdgrab_sampler.state_dict(), uninterrupted.cdgrab_sampler.state_dict())
+
+
+def test_a_fixed_order_is_bitwise_a_plain_trainer_on_the_data_in_that_order(hf, tmp_path):
+    """D-SO draws one permutation per replica; a plain Trainer reading the data sequentially in the order
+    the sampler yields it must give the same losses and weights, bit for bit: the mixin adds no
+    arithmetic and draws no random numbers."""
+    m = hf.N // hf.REPLICAS
+    orders = build_sorter("D-SO", hf.REPLICAS, m, 1, seed=0).sort() + torch.arange(hf.REPLICAS)[:, None] * m
+    steps = orders.view(hf.REPLICAS, -1, hf.BATCH).permute(1, 0, 2).reshape(-1)  # the sampler's yield order
+    rows = hf.token_rows()
+    ours = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "a"),
+                               train_dataset=hf.examples(rows), sorter="D-SO", num_replicas=hf.REPLICAS)
+    ours.train()
+    plain = hf.RecordingPlainTrainer(model=hf.tiny_gpt2(), train_dataset=hf.examples(rows[steps]),
+                                     args=hf.training_args(tmp_path / "b", train_sampling_strategy="sequential",
+                                                           per_device_train_batch_size=hf.REPLICAS * hf.BATCH))
+    plain.train()
+    assert ours.batches == plain.batches and len(ours.batches) == hf.EPOCHS * hf.MICRO_BATCHES
+    assert ours.losses == plain.losses
+    for a, b in zip(ours.model.parameters(), plain.model.parameters()):
+        assert torch.equal(a, b)
+
+
+REFUSALS = {  # a setting the trainer cannot honour -> what its one line says
+    "activation checkpointing": (dict(args=dict(activation_checkpointing=True)), "gradient checkpointing"),
+    "group_by_length": (dict(args=dict(train_sampling_strategy="group_by_length")), "train_sampling_strategy"),
+    "ragged tail": (dict(n=25), "dataloader_drop_last=True"),
+    "iterable dataset": (dict(iterable=True, args=dict(max_steps=4)), "map-style"),  # the Trainer's own need
+    "sdpa with a mask": (dict(model=dict(attn_implementation="sdpa"), mask=True), "eager"),
+    "dropout": (dict(model=dict(dropout=0.1)), "Dropout"),
+    "label smoothing": (dict(args=dict(label_smoothing_factor=0.1)), "model's own loss"),
+    "no labels": (dict(no_labels=True), "labels"),
+    "ignore_data_skip": (dict(args=dict(ignore_data_skip=True), resume=True), "ignore_data_skip"),
+    "auto batch size": (dict(args=dict(auto_find_batch_size=True)), "auto_find_batch_size"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_what_it_cannot_honour_is_refused_in_one_line_before_the_first_step(hf, case, tmp_path):
+    setting, says = REFUSALS[case]
+    rows = hf.token_rows(setting.get("n", hf.N))
+    data = hf.examples(rows, mask=setting.get("mask", False))
+    if setting.get("no_labels"):
+        data = [{"input_ids": example["input_ids"]} for example in data]
+    if setting.get("iterable"):
+        data = ListStream(data)
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(**setting.get("model", {})), rows=rows, train_dataset=data,
+                                  args=hf.training_args(tmp_path, **setting.get("args", {})))
+    with pytest.raises(ValueError, match=says) as refused:
+        trainer.train(resume_from_checkpoint=str(tmp_path) if setting.get("resume") else None)
+    assert "\n" not in str(refused.value)
+    assert trainer.batches == []
+
+
+class ListStream(torch.utils.data.IterableDataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+@needs_data("wikitext-103/wiki.valid.tokens", "wikitext-103/wiki.test.tokens", "gpt2-tokenizer")
+def test_example_under_two_gloo_processes_equals_one_process_and_every_rank_holds_the_same_state(hf, tmp_path,
+                                                                                               monkeypatch):
+    """examples/hf_trainer_gpt2.py under torchrun (the Trainer's DDP over gloo) against both replicas in one
+    process (run here, where transformers is imported already): the same orders, losses to rounding."""
+    tiny = ["--max-train-examples", "32", "--block-size", "16", "--batch-size", "4", "--epochs", "2"]
+    multi = run_script(EXAMPLE, *tiny, "--out", tmp_path / "ddp", "--save-orders", tmp_path / "ddp.pt", nproc=2)
+    check_ok(multi)
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", [EXAMPLE, *tiny, "--replicas", "2", "--out", str(tmp_path / "one"),
+                                    "--save-orders", str(tmp_path / "one.pt"), "--data-dir", str(DATA_DIR)])
+        patch.setattr(sys, "path", list(sys.path))  # the example adds the repo root
+        runpy.run_path(str(REPO / EXAMPLE), run_name="__main__")
+    a, b = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "one.pt")
+    assert len(a["orders"]) == 2 and all(torch.equal(x, y) for x, y in zip(a["orders"], b["orders"]))
+    assert not torch.equal(a["orders"][0], a["orders"][1])
+    assert len(a["losses"]) == 8 and a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    states = [torch.load(tmp_path / f"ddp.pt.rank{r}") for r in (0, 1)]
+    assert states[0]["position"] == states[0]["config"]["m"] == 16  # the whole last epoch stepped
+    assert_same(states[0], states[1])
