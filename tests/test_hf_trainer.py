@@ -1,5 +1,6 @@
 """CDGraBTrainer (sorters/hf.py): CD-GraB orders inside the Hugging Face Trainer, checked against the library
 sorter fed the same gradients, an ordinary backward pass, an uninterrupted run, and a plain Trainer."""
+import os
 import runpy
 import shutil
 import sys
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from sorters import build_sorter
-from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_script
+from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_python, run_script
 from tests.test_lightning import assert_same
 
 EXAMPLE = "examples/hf_trainer_gpt2.py"
@@ -115,6 +116,17 @@ def test_resume_gives_the_uninterrupted_orders_losses_and_state(hf, uninterrupte
     assert_same(resumed.cdgrab_sampler.state_dict(), uninterrupted.cdgrab_sampler.state_dict())
 
 
+def test_a_checkpoint_without_the_sampler_state_is_refused_before_the_first_step(hf, uninterrupted, tmp_path):
+    saved = tmp_path / "checkpoint-4"
+    shutil.copytree(uninterrupted.args.output_dir + "/checkpoint-4", saved)
+    (saved / hf.SAMPLER_FILE).unlink()  # as a plain Trainer's checkpoint
+    resumed = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "out"),
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+    with pytest.raises(ValueError, match=f"has no {hf.SAMPLER_FILE}") as refused:
+        resumed.train(resume_from_checkpoint=str(saved))
+    assert "\n" not in str(refused.value) and resumed.batches == []
+
+
 def test_a_fixed_order_is_bitwise_a_plain_trainer_on_the_data_in_that_order(hf, tmp_path):
     """D-SO draws one permutation per replica; a plain Trainer reading the data sequentially in the order
     the sampler yields it must give the same losses and weights, bit for bit: the mixin adds no
@@ -195,3 +207,16 @@ def test_example_under_two_gloo_processes_equals_one_process_and_every_rank_hold
     states = [torch.load(tmp_path / f"ddp.pt.rank{r}") for r in (0, 1)]
     assert states[0]["position"] == states[0]["config"]["m"] == 16  # the whole last epoch stepped
     assert_same(states[0], states[1])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data-dir", "no-such-folder"], "no-such-folder/wikitext-103"),  # the data set
+    pytest.param(["--data-dir", DATA_DIR, "--max-train-examples", "3"], "3 examples are too few",  # the sampler
+                 marks=needs_data("wikitext-103/wiki.valid.tokens", "wikitext-103/wiki.test.tokens", "gpt2-tokenizer")),
+])
+def test_example_bad_input_gets_one_line_and_exit_2(tmp_path, args, message):
+    result = run_python([sys.executable, REPO / EXAMPLE, *args, "--out", tmp_path / "out"], cwd=tmp_path,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: ") and message in line, line

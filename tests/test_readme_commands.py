@@ -41,6 +41,8 @@ TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slow
     "main-": ["--max-train-examples", "128", "--max-eval-examples", "32", "--epochs", "{epochs}",
               "--progress", "off"],
     "examples/lightning_mlp.py": ["--max-train-examples", "64", "--epochs", "1", "--progress", "off"],
+    "examples/hf_trainer_gpt2.py": ["--max-train-examples", "32", "--block-size", "16", "--batch-size", "4",
+                                    "--epochs", "1", "--progress", "off"],
     "examples/": ["--max-train-examples", "128", "--epochs", "1"],
     "scripts/herding_simulation.py": ["--scale", "0.0005", "--trials", "1", "--rounds", "2", "--workers", "5",
                                       "--out", "results/herding"],  # 500 vectors: a second or two per method
