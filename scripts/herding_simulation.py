@@ -14,6 +14,11 @@ baseline the original scripts also computed: pair balance (CD-GraB with one work
 vectors as one stream, scored by the herding bound of that single sequence (not comparable step for
 step with the parallel bound: n*m prefixes instead of m; the paper does not plot it).
 
+Sketched balancing (--sketch-dim D, balancing sorters only): the sorter balances the D-dimensional
+CountSketches of the vectors (sorters.GradientSketch(d, D, seed=trial), docs/sketching.md), as sketched
+CD-GraB does with gradients, while the bound is still that of the vectors themselves. Such a run's method
+is named "<sorter>+sketch<D>" (e.g. CD-GraB+sketch4) in its CSV and file name.
+
 Output: one tidy CSV per (n_workers, trial, method) in --out, named n{n}-m{m}-trial{t}-{method}.csv,
 columns n_workers,m,d,trial,method,round,bound,seconds (seconds: this method's cumulative wall time
 when the round's bound was recorded). Files are written atomically; existing ones are skipped
@@ -35,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters`
-from sorters import SORTER_NAMES, build_sorter, parallel_herding_bound  # noqa: E402
+from sorters import SORTER_NAMES, SORTERS, GradientSketch, build_sorter, parallel_herding_bound  # noqa: E402
 
 PAPER_METHODS = ("CD-GraB", "I-B", "I-PB", "D-RR")  # the paper's figure; the default
 METHODS = PAPER_METHODS + ("ALL",)
@@ -52,15 +57,22 @@ def make_vectors(n_total: int, n_workers: int, d: int, trial: int) -> np.ndarray
     return z - z.mean(axis=1, keepdims=True)
 
 
+SKETCH_SUFFIX = "+sketch"
+
+
 def simulate(z: np.ndarray, method: str, rounds: int, seed: int, chunk: int = 1000):
-    """Yield (round, bound, seconds) for rounds 0..rounds of `method` on z (n, m, d) float64."""
+    """Yield (round, bound, seconds) for rounds 0..rounds of `method` on z (n, m, d) float64; a method
+    "<sorter>+sketch<D>" balances the vectors' D-dimensional sketches."""
     if method == "ALL":  # centralised: one worker holding all n*m vectors (still summing to zero)
         z, method = z.reshape(1, -1, z.shape[2]), "CD-GraB"
+    method, _, sketch_dim = method.partition(SKETCH_SUFFIX)
     n, m, d = z.shape
     z64 = torch.from_numpy(np.ascontiguousarray(z))
     z32 = z64.float()  # what the sorter sees, like float32 gradients in training
     start = time.perf_counter()
-    sorter = build_sorter(method, n_workers=n, m=m, d=d, seed=seed, epochs=rounds)  # a round is an epoch
+    if sketch_dim:  # the sorter sees P z, the bound stays z's
+        z32 = GradientSketch(d, int(sketch_dim), seed=seed)(z32)
+    sorter = build_sorter(method, n_workers=n, m=m, d=z32.shape[2], seed=seed, epochs=rounds)  # a round is an epoch
     orders = sorter.sort()
     for r in range(rounds + 1):
         # z is centred already (float64), so the bound needs no second centring
@@ -68,7 +80,7 @@ def simulate(z: np.ndarray, method: str, rounds: int, seed: int, chunk: int = 10
         if r == rounds:
             break
         if sorter.uses_grads:
-            ordered = torch.gather(z32, 1, orders[:, :, None].expand(n, m, d))  # (n, m, d) in round order
+            ordered = torch.gather(z32, 1, orders[:, :, None].expand(n, m, z32.shape[2]))  # (n, m, d or D), round order
             for t in range(0, m, chunk):
                 k = min(chunk, m - t)
                 sorter.step(ordered[:, t:t + k], torch.arange(t, t + k))
@@ -86,11 +98,17 @@ def write_csv_atomic(path: Path, rows: list) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def parse_methods(text: str) -> list:
+def parse_methods(text: str, sketch_dim: int = 0) -> list:
+    """The method names; with sketch_dim D, each balancing sorter's name becomes "<sorter>+sketch<D>"."""
     names = list(dict.fromkeys(text.replace(",", " ").split()))  # de-duplicated, order kept
     unknown = [name for name in names if name != "ALL" and name not in SORTER_NAMES]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(SORTER_NAMES)}, ALL")
+    if sketch_dim < 0:
+        raise SystemExit(f"--sketch-dim must be >= 0 (0: no sketch), got {sketch_dim}")
+    if sketch_dim:
+        names = [f"{name}{SKETCH_SUFFIX}{sketch_dim}" if name in SORTERS and SORTERS[name].uses_grads else name
+                 for name in names]
     return names
 
 
@@ -126,6 +144,9 @@ def main(argv=None):
                    help="space/comma separated sorter names (sorters.SORTER_NAMES) and/or ALL, the "
                         f"centralised pair balance over all vectors (default \"{' '.join(PAPER_METHODS)}\")")
     p.add_argument("--d", type=int, default=16, help="vector dimension (default 16)")
+    p.add_argument("--sketch-dim", type=int, default=0,
+                   help="balancing sorters balance D-dimensional CountSketches of the vectors (default 0: the "
+                        "vectors); their runs are named <sorter>+sketch<D>")
     p.add_argument("--chunk", type=int, default=1000, help="positions per sorter.step call (default 1000)")
     p.add_argument("--out", default="results/herding", help="output folder for the CSVs (default results/herding)")
     p.add_argument("--force", action="store_true", help="recompute runs whose CSV already exists")
@@ -134,7 +155,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     n_total = int(round(1e6 * args.scale))
-    methods = parse_methods(args.methods)
+    methods = parse_methods(args.methods, args.sketch_dim)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # the sorters are sequential loops; threads only add overhead here

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import python_exec_env, run_python
 
@@ -343,3 +344,32 @@ def test_herding_simulation_smallest_scale(tmp_path):
     cd = df[df["method"] == "CD-GraB"].set_index(["n_workers", "round"])["bound"]
     assert (cd.xs(3, level="round") < cd.xs(0, level="round")).all()  # balancing lowers the bound
     assert not list(out.glob("*.tmp*"))
+
+
+def test_herding_simulation_sketched_sorter_balances_sketches_and_is_scored_on_the_vectors():
+    """"<sorter>+sketch<D>" runs the sorter on P z (P the sketch's dense (D, d) matrix here, an independent
+    path to the same map) and scores the orders by z's own bound; D >= d is the exact run."""
+    import importlib.util
+
+    from sorters import GradientSketch, build_sorter, parallel_herding_bound
+
+    spec = importlib.util.spec_from_file_location("herding_simulation", SCRIPTS / "herding_simulation.py")
+    simulation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(simulation)
+    assert simulation.parse_methods("CD-GraB D-RR", 4) == ["CD-GraB+sketch4", "D-RR"]
+    z = simulation.make_vectors(400, 4, 16, trial=0)  # (4 workers, 100, 16)
+    sketched = [bound for _, bound, _ in simulation.simulate(z, "CD-GraB+sketch4", rounds=3, seed=0, chunk=7)]
+
+    z64 = torch.from_numpy(z)
+    seen = (z64 @ GradientSketch(16, 4, seed=0).matrix().T).float()  # (4, 100, 4)
+    sorter = build_sorter("CD-GraB", 4, 100, 4, seed=0)
+    expected = []
+    for _ in range(4):
+        orders = sorter.sort()
+        expected.append(parallel_herding_bound(z64, orders, center=False))
+        ordered = torch.gather(seen, 1, orders[:, :, None].expand(4, 100, 4))
+        sorter.step(ordered, torch.arange(100))
+    assert sketched == pytest.approx(expected, rel=1e-12)
+    exact = [bound for _, bound, _ in simulation.simulate(z, "CD-GraB", rounds=3, seed=0)]
+    assert [bound for _, bound, _ in simulation.simulate(z, "CD-GraB+sketch16", rounds=3, seed=0)] == exact
+    assert sketched[0] == exact[0] and sketched[3] != exact[3]
