@@ -350,6 +350,15 @@ def plot_scaling(df):
     return fig
 
 
+SKETCH_MARKERS = "x^v+"
+
+
+def sketch_dims(herding: dict) -> set:
+    """The D of every "<sorter>+sketch<D>" method in the herding frames, as strings."""
+    return {method.split("+sketch")[1] for hdf in herding.values() for method in hdf["method"].unique()
+            if "+sketch" in method}
+
+
 def plot_worker_scaling(cost: dict, herding: dict):
     """Two panels against the worker count n (log axes): left, the modelled step time of exact (solid) and
     sketched (dashed) CD-GraB as a multiple of D-RR's, one marker per benchmark (cost: bench/scaling_cost.py's
@@ -383,8 +392,11 @@ def plot_worker_scaling(cost: dict, herding: dict):
         trials = max(trials, int(stats["count"].max()))
         for method in sorted(stats["method"].unique()):
             rows = stats[stats["method"] == method].sort_values("n_workers")
-            color = SORTER_COLORS.get(method, "black")
-            right.plot(rows["n_workers"], rows["mean"], marker=".", color=color, ls=ls, label=f"{method}, {setting}")
+            # "<sorter>+sketch<D>" (herding_simulation.py --sketch-dim): the sketched colour, a marker per D
+            color, marker = SORTER_COLORS.get(method, "black"), "."
+            if "+sketch" in method:
+                color, marker = sketched, SKETCH_MARKERS[sorted(sketch_dims(herding)).index(method.split("+sketch")[1])]
+            right.plot(rows["n_workers"], rows["mean"], marker=marker, color=color, ls=ls, label=f"{method}, {setting}")
             right.fill_between(rows["n_workers"].to_numpy(float), rows["min"].to_numpy(float),
                                rows["max"].to_numpy(float), color=color, alpha=0.15, lw=0)
     right.set_xscale("log", base=2)
