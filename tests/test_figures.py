@@ -206,3 +206,20 @@ def test_a_curve_says_where_its_seeds_end_and_studies_with_figures_stay_out_of_s
                   falling(0.0))
     df = load_runs(tmp_path / "studies", include_incomplete=True, warn=False)
     assert set(df["study"]) == {"reorderers"} and plots.plot_scaling(df) is None
+
+
+def test_worker_scaling_draws_the_sketched_herding_runs_apart_from_exact_and_d_rr():
+    """The shipped herding CSVs (exact, sketched at D 4 and 8, D-RR): one right-panel line each, the sketched
+    ones in the sketched colour with a marker per D, none in the fallback black."""
+    from analysis import load_herding
+
+    cost = json.loads((REPO / "bench" / "results" / "scaling-cost.json").read_text())
+    herding = {"m = 292": load_herding(SHIPPED / "herding-scaling" / "fixed-m")}
+    fig = plots.plot_worker_scaling(cost, herding)
+    lines = {line.get_label(): line for line in fig.axes[1].get_lines()}
+    assert set(lines) == {f"{method}, m = 292" for method in ("CD-GraB", "CD-GraB+sketch4", "CD-GraB+sketch8", "D-RR")}
+    colors = {label: to_hex(line.get_color()) for label, line in lines.items()}
+    assert colors["CD-GraB+sketch4, m = 292"] == colors["CD-GraB+sketch8, m = 292"] != colors["CD-GraB, m = 292"]
+    assert "#000000" not in colors.values()
+    assert lines["CD-GraB+sketch4, m = 292"].get_marker() != lines["CD-GraB+sketch8, m = 292"].get_marker()
+    plt.close(fig)
