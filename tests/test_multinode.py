@@ -132,3 +132,46 @@ def test_a_dead_node_stops_the_other_and_the_run_resumes_in_one_process(tmp_path
     assert [row["epoch"] for row in read_metrics(crashed)] in ([1], [1, 2])  # killed before the run ended
     check_ok(run_script(SCRIPT, *args, "--out", crashed, "--resume"))
     assert_runs_agree(straight, crashed, COLUMNS)
+
+
+RANK_PROBE = '''
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+import torch
+import torch.distributed as dist
+from engine.comm import node_leader_first
+from engine.device import setup_device
+
+# pretend every node has 4 GPUs: which one would this process take? (setup_device reads torchrun's env)
+torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device = (lambda: True), (lambda: 4), (lambda d: None)
+device, backend = setup_device("cuda", None)
+dist.init_process_group("gloo")
+local_rank = int(os.environ["LOCAL_RANK"])
+with node_leader_first():  # the leader of each node builds, e.g., a token cache; the others read it
+    entered = time.time()
+    time.sleep(2.0 if local_rank == 0 else 0.0)  # long beside the spread of the processes' start after init
+    left = time.time()
+record = dict(rank=dist.get_rank(), local_rank=local_rank, node=int(os.environ["GROUP_RANK"]), device=str(device),
+              backend=backend, entered=entered, left=left)
+with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
+    json.dump(record, f)
+dist.destroy_process_group()
+'''
+
+
+def test_each_node_picks_devices_and_its_leader_by_local_rank(tmp_path):
+    """2 x 2 (4 GPUs a node, pretended): global ranks 2 and 3 take GPUs 0 and 1 of their node (not 2 and 3), and node_leader_first lets
+    each node's local rank 0 in first, both leaders at once, the others after them."""
+    import json
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(RANK_PROBE.format(repo=str(REPO)))
+    for node in two_nodes(probe, tmp_path):
+        check_ok(node)
+    records = {r["rank"]: r for r in (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(4))}
+    assert sorted((r["node"], r["local_rank"]) for r in records.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["device"] == f"cuda:{r['local_rank']}" and r["backend"] == "nccl" for r in records.values())
+    leaders = [r for r in records.values() if r["local_rank"] == 0]
+    others = [r for r in records.values() if r["local_rank"] != 0]
+    assert leaders[0]["entered"] < leaders[1]["left"] and leaders[1]["entered"] < leaders[0]["left"]  # side by side
+    assert min(r["entered"] for r in others) >= max(r["left"] for r in leaders)
