@@ -220,3 +220,36 @@ def test_memory_probe_no_per_example_tensor_of_a_large_layer():
         largest[min_numel] = probe.largest
     assert largest[2**16] < 2 * weight_bytes, largest
     assert largest[10**9] >= B * weight_bytes, largest  # the probe sees a per-example tensor when there is one
+
+
+# ------------------------------------------------------------------------- the own-loop sampler's path
+
+
+def test_per_example_grads_structured_and_the_samplers_orders():
+    """PerExampleGrads(structured=True) returns the map of its formed gradients (the map with blocks), and
+    a CDGraBSampler fed them orders as one fed the sketches of the formed gradients."""
+    from sorters import CDGraBSampler, PerExampleGrads
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    n, m, k, dim = 2, 12, 3, 6
+    x, y = torch.randn(n * m, 8, dtype=torch.float64), torch.randint(0, 3, (n * m,))
+    structured = PerExampleGrads(model, F.cross_entropy, sketch_dim=dim, sketch_seed=5, structured=True, min_numel=0)
+    formed = PerExampleGrads(model, F.cross_entropy)
+    assert len(structured.sketch.blocks) == 2 and structured.names == formed.names
+    expected = structured.sketch(formed(x, y))
+    assert torch.allclose(structured(x, y), expected, rtol=0, atol=1e-12 * expected.abs().max())
+    with pytest.raises(ValueError, match="structured=True needs sketch_dim"):
+        PerExampleGrads(model, F.cross_entropy, structured=True)
+
+    def orders(grads_of):
+        sampler = CDGraBSampler(n * m, batch_size=k, num_replicas=n, seed=5, d=structured.d, sketch_dim=dim)
+        seen = []
+        for _ in range(3):
+            for batch in torch.tensor(list(sampler)).split(sampler.loader_batch_size):
+                sampler.step(grads_of(x[batch], y[batch]).float())
+            seen.append(sampler.all_indices())
+        return torch.stack(seen)
+
+    from_layers = orders(structured)
+    assert torch.equal(from_layers, orders(lambda xs, ys: structured.sketch(formed(xs, ys))))
+    assert not torch.equal(from_layers[1:], orders(formed)[1:])  # the sampler's own (plain) map differs
