@@ -22,6 +22,8 @@ For ordinary PyTorch / DDP loops: `CDGraBSampler` (sampler.py), a torch.utils.da
 any of these sorters, and `PerExampleGrads` (per_example.py), per-example gradients by torch.func.
 `GradientSketch` (sketch.py): a random linear map R^d -> R^D; the balancing sorters run unchanged on
 the D-dimensional sketches of the gradients (`sketch_dim=` of both; docs/sketching.md).
+`LayerSketch` (layer_sketch.py): those sketches layer by layer from one batched backward, without forming
+the per-example gradients of the large weights (`PerExampleGrads(..., structured=True)`).
 """
 from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalance
 from sorters.base import Sorter
@@ -52,8 +54,9 @@ def build_sorter(name: str, n_workers: int, m: int, d: int, seed: int = 0, devic
 
 
 # imported after build_sorter, which the sampler uses
+from sorters.layer_sketch import LayerSketch  # noqa: E402
 from sorters.per_example import PerExampleGrads, PerExampleLossGrads, per_example_grads  # noqa: E402
 from sorters.sampler import CDGraBSampler  # noqa: E402
 
 __all__ = ["SORTER_NAMES", "SORTERS", "Sorter", "build_sorter", "parallel_herding_bound", "CDGraBSampler",
-           "GradientSketch", "PerExampleGrads", "PerExampleLossGrads", "per_example_grads"]
+           "GradientSketch", "LayerSketch", "PerExampleGrads", "PerExampleLossGrads", "per_example_grads"]

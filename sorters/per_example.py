@@ -33,6 +33,7 @@ import torch
 from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
+from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch
 from sorters.sketch import GradientSketch
 
 
@@ -54,6 +55,13 @@ class PerExampleGrads:
                 `CDGraBSampler(..., sketch_dim=D, seed=sketch_seed)` the same D and seed: it then takes
                 these sketches as they are.
     sketch_seed: seeds the sketch (the sampler's `seed`).
+    structured: with sketch_dim, build the sketches layer by layer from ONE batched forward and backward
+                (sorters/layer_sketch.py, LayerSketch), never forming the per-example gradients of the
+                Linear / Conv1D / Embedding weights of at least `min_numel` entries; the map is then
+                GradientSketch(d, D, sketch_seed, blocks=layer_blocks(model, params, min_numel)), and the
+                loss of example i is loss_fn on example i's rows of the batched outputs (a batch of one).
+                Every layer input must have the examples on dim 0. Give the sampler these (B, D) sketches:
+                its own map (for (B, d) gradients) is the plain CountSketch, not this one.
 
     Attributes: `names` (the selected parameter names, in `named_parameters()` order), `d` (their total
     number of elements, in that order), `sketch` (the GradientSketch, or None), `dim` (the number of
@@ -61,7 +69,8 @@ class PerExampleGrads:
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, params: str | Sequence[str] | None = None,
-                 chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0):
+                 chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0,
+                 structured: bool = False, min_numel: int = STRUCTURED_MIN_NUMEL):
         model = getattr(model, "module", model) if isinstance(
             model, torch.nn.parallel.DistributedDataParallel) else model
         self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size
@@ -76,6 +85,12 @@ class PerExampleGrads:
         if sketch_dim < 0:
             raise ValueError(f"PerExampleGrads: sketch_dim must be >= 0 (0: no sketch), got {sketch_dim}")
         self.sketch = GradientSketch(self.d, sketch_dim, sketch_seed) if sketch_dim else None
+        self.layers = None  # the LayerSketch of structured=True
+        if structured:
+            if not sketch_dim:
+                raise ValueError(f"{type(self).__name__}: structured=True needs sketch_dim > 0")
+            self.layers = LayerSketch(model, sketch_dim, sketch_seed, params, min_numel)
+            self.sketch = self.layers.sketch
         self.dim = self.sketch.dim if self.sketch else self.d
 
     def __call__(self, inputs, targets, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,12 +100,15 @@ class PerExampleGrads:
         out: optional (B, d) buffer to write into and return. Reusing one saves, at large B * d, the
         page faults of a fresh allocation every step (at d = 669,706, B = 64: about 110 of 390 ms)."""
         self._refuse_dropout()
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        if self.layers is not None:
+            sketches, _ = self.layers(lambda: self._batched_losses(inputs, targets))
+            return sketches if out is None else out.copy_(sketches)
         selected = set(self.names)
         named = dict(self.model.named_parameters())
         differentiated = {name: named[name].detach() for name in self.names}
         fixed = {name: p.detach() for name, p in named.items() if name not in selected}
         buffers = dict(self.model.named_buffers())
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
 
         def one_example_loss(differentiated, example_inputs, example_target):
             as_batch = tree_map(lambda t: t.unsqueeze(0), (example_inputs, example_target))
@@ -110,6 +128,14 @@ class PerExampleGrads:
         sketches = self.sketch(torch.cat([grads[name].reshape(batch, -1) for name in self.names], dim=1))
         return sketches if out is None else out.copy_(sketches)
 
+    def _batched_losses(self, inputs: tuple, targets) -> torch.Tensor:
+        """(B,) per-example losses from ONE batched forward: loss_fn on each example's rows of the outputs,
+        as a batch of one (vmap over the examples: the graph stays the batched forward's)."""
+        def one_example_loss(example_outputs, example_target):
+            as_batch = tree_map(lambda t: t.unsqueeze(0), (example_outputs, example_target))
+            return self.loss_fn(*as_batch)
+
+        return vmap(one_example_loss)(self.model(*inputs), targets)
 
     def _refuse_dropout(self) -> None:
         """Dropout in training mode makes each example's loss random, which vmap refuses with a message
@@ -163,6 +189,8 @@ class PerExampleLossGrads(PerExampleGrads):
     def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None,
                  chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0):
         super().__init__(model, None, params, chunk_size, sketch_dim, sketch_seed)
+        # structured=True is not offered here: the model's own loss is the batch's token mean, from which
+        # the per-example losses LayerSketch needs are not recoverable in general
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"PerExampleLossGrads: chunk_size must be >= 1 (None: the whole batch), got {chunk_size}")
 

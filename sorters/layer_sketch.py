@@ -1,0 +1,322 @@
+r"""Sketches of per-example gradients built layer by layer, without forming the per-example gradients of
+the large weights (issue #31, item 1).
+
+    sketcher = LayerSketch(model, dim=256, seed=0)                   # the map: fixed by (model, 256, 0)
+    s, losses = sketcher(lambda: F.cross_entropy(model(x), y, reduction="none"))   # (B, 256), (B,)
+    s, losses = sketcher(per_example_losses, update_scale=1 / B)     # and .grad += the mean loss's gradient
+
+The caller passes a function that runs the ordinary batched forward and returns the (B,) PER-EXAMPLE losses
+(no reduction over the batch: loss i must be example i's loss as if it were alone, and depend on no other
+example). The module runs ONE backward of their SUM: the gradient reaching each layer output is then, row
+by row, that example's own output gradient, so each example's weight gradient is a sum of outer products
+of the layer's inputs and output gradients, which the map below sketches without forming it. A training
+loop whose loss is the batch MEAN passes the per-example losses here and update_scale=1/B for its update.
+
+The map is sorters.GradientSketch(d, dim, seed, blocks=layer_blocks(...)) over the selected parameters in
+`named_parameters()` order (a tied weight once): a CountSketch, with a TensorSketch block for every weight
+of a Linear, transformers Conv1D or Embedding of at least `min_numel` entries. So `sketcher.sketch(g)`
+applied to explicitly formed per-example gradients g (B, d) gives the same (B, dim) result, up to rounding;
+the same (model structure, dim, seed, params, min_numel) gives the same map in every process.
+
+Per layer, from the input a_t and output gradient g_t at each position t of each call (every call of a
+layer used several times, and every layer sharing a tied weight, add into the same coordinates):
+  - Linear weight (out, in): sum_t g_t a_t^T; Conv1D weight (in, out): sum_t a_t g_t^T. A block: TensorSketch
+    of the sum (TensorBlock.add_outer: circular convolution of CountSketches, never the matrix); a smaller
+    weight: formed per example (B, out, in) by one bmm and CountSketched.
+  - Embedding weight: g_t scattered into row ids_t (padding_idx rows get nothing): a block by
+    TensorBlock.add_rows; a smaller one formed per example.
+  - biases (sum_t g_t) and LayerNorm (weight: sum_t g_t * xhat_t, bias: sum_t g_t): vectors of the layer's
+    width, formed per example (B, width) and CountSketched.
+Every other selected parameter (a layer type without a rule here: Conv2d, LSTM, a bare nn.Parameter, an
+Embedding with scale_grad_by_freq) is formed per example by a batched vector-Jacobian product of the same
+graph (torch.autograd.grad with is_grads_batched) and CountSketched; the constructor warns once which.
+"""
+import re
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from sorters.sketch import GradientSketch
+
+# a layer weight with at least this many entries is a TensorSketch block, never formed per example; smaller
+# weights are formed per example (B * numel floats) and CountSketched with the plain map
+STRUCTURED_MIN_NUMEL = 2**16
+
+
+def layer_kind(module: torch.nn.Module) -> str | None:
+    """'Linear', 'Conv1D' (transformers'), 'Embedding', 'LayerNorm', or None for a layer without a rule."""
+    if isinstance(module, torch.nn.Linear):
+        return "Linear"
+    if isinstance(module, torch.nn.Embedding):
+        # with scale_grad_by_freq an example's gradient depends on the other examples' ids
+        return None if module.scale_grad_by_freq else "Embedding"
+    if isinstance(module, torch.nn.LayerNorm):
+        return "LayerNorm"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
+        return "Conv1D"
+    return None
+
+
+def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | None, owner: str) -> list:
+    """[(name, parameter)] of the trainable parameters whose name `re.search`es one of `params` (None:
+    all), in `named_parameters()` order (a tied parameter once)."""
+    patterns = [params] if isinstance(params, str) else params
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    chosen = [(name, p) for name, p in trainable
+              if patterns is None or any(re.search(pattern, name) for pattern in patterns)]
+    if not chosen:
+        raise ValueError(f"{owner}: no trainable parameter name matches {params!r}; names are "
+                         + ", ".join(name for name, _ in trainable[:12]))
+    return chosen
+
+
+class _Layout:
+    """Which selected parameter is computed how: offsets in the flat (d,) vector, the layers with a rule
+    (those owning a parameter computed from their records), and the parameters formed by the batched VJP."""
+
+    def __init__(self, model: torch.nn.Module, chosen: list):
+        self.offsets, offset = {}, 0  # id(parameter) -> its first coordinate
+        for _, p in chosen:
+            self.offsets[id(p)] = offset
+            offset += p.numel()
+        self.d = offset
+        owners = {}  # id(parameter) -> the layer kinds of every module that holds it
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(layer_kind(module))
+        # a parameter comes from the records only when every module holding it has a rule
+        self.recorded = {key for key in self.offsets if None not in owners.get(key, [None])}
+        self.layers = {module: layer_kind(module) for module in model.modules()
+                       if any(id(p) in self.recorded for p in module.parameters(recurse=False))}
+        self.formed = [(name, p) for name, p in chosen if id(p) not in self.recorded]
+
+    def blocks(self, min_numel: int) -> list:
+        """(offset, rows, cols) of every recorded 2-D weight of a Linear, Conv1D or Embedding with at least
+        min_numel entries, a tied one once."""
+        found = {}
+        for module, kind in self.layers.items():
+            weight = getattr(module, "weight", None)
+            if kind != "LayerNorm" and weight is not None and id(weight) in self.recorded \
+                    and weight.dim() == 2 and weight.numel() >= min_numel:
+                found[id(weight)] = (self.offsets[id(weight)], *weight.shape)
+        return sorted(found.values())
+
+
+def layer_blocks(model: torch.nn.Module, params=None, min_numel: int = STRUCTURED_MIN_NUMEL) -> list:
+    """The TensorSketch blocks of LayerSketch's map for these selected parameters: GradientSketch(d, dim,
+    seed, blocks=layer_blocks(model, params, min_numel)) is that map (PerExampleGrads(structured=True))."""
+    return _Layout(model, selected_parameters(model, params, "layer_blocks")).blocks(min_numel)
+
+
+class LayerSketch:
+    """Callable: per_example_losses_fn -> ((B, dim) sketches of the B per-example gradients, (B,) losses).
+
+    model:     an nn.Module (a DistributedDataParallel's module is used); its parameters are read at each
+               call. Examples must be independent in the forward (no BatchNorm in training mode), and every
+               input of a recorded layer must have the examples on dim 0 (e.g. GPT-2's position_ids (B, T)
+               or broadcast from (1, T) inside the model: only layer INPUTS count).
+    dim, seed: the map's size and seed (GradientSketch); dim >= d gives the per-example gradients exactly.
+    params:    which parameters (as PerExampleGrads: None, or regular expressions searched in the names).
+    min_numel: weights of Linear / Conv1D / Embedding layers with at least this many entries are never
+               formed per example (TensorSketch blocks of the map).
+
+    A recorded layer's parameters must be used only through that layer's call (e.g. not nn.MultiheadAttention's
+    out_proj, whose weight it reads directly): a layer never called whose parameters still get a gradient is
+    refused with a ValueError after the backward.
+
+    Attributes: `names` (selected parameters), `d`, `sketch` (the GradientSketch), `dim`, `formed` (the names
+    of the parameters formed per example by the batched VJP).
+    """
+
+    def __init__(self, model: torch.nn.Module, dim: int, seed: int = 0, params: str | Sequence[str] | None = None,
+                 min_numel: int = STRUCTURED_MIN_NUMEL):
+        self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        chosen = selected_parameters(self.model, params, "LayerSketch")
+        self.names = [name for name, _ in chosen]
+        self.layout = _Layout(self.model, chosen)
+        self.d = self.layout.d
+        self.sketch = GradientSketch(self.d, dim, seed, blocks=self.layout.blocks(min_numel) if dim < self.d else ())
+        self.dim = self.sketch.dim
+        self.formed = [name for name, _ in self.layout.formed]
+        if self.formed:
+            numel = sum(p.numel() for _, p in self.layout.formed)
+            warnings.warn(f"LayerSketch: {len(self.formed)} parameter(s) ({numel} entries) belong to layers without "
+                          f"a per-layer rule and are formed per example, then CountSketched: "
+                          + ", ".join(self.formed[:8]) + (" ..." if len(self.formed) > 8 else ""), stacklevel=2)
+        # the parameters outside the blocks: formed per example in a (B, d_rest) buffer, columns increasing
+        self._blocks = {}  # id(weight) -> its TensorBlock
+        for _, p in chosen:
+            block = None if self.sketch.is_identity else self.sketch.block_at(self.layout.offsets[id(p)])
+            if block is not None:
+                self._blocks[id(p)] = block
+        self._like = chosen[0][1]  # the sketches' dtype and device
+        self._rest, pieces, numel = {}, [], 0  # id(parameter) -> its column in the (B, d_rest) buffer
+        for _, p in chosen:
+            if id(p) not in self._blocks:
+                self._rest[id(p)] = numel
+                start = self.layout.offsets[id(p)]
+                pieces.append(torch.arange(start, start + p.numel()))
+                numel += p.numel()
+        self._rest_numel = numel
+        self._index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        self._tables = {}
+
+    def __call__(self, losses_fn: Callable[[], torch.Tensor], update_scale: float | None = None):
+        """losses_fn() runs the batched forward and returns the (B,) per-example losses. ONE backward of
+        their sum; update_scale c: also adds c * (gradient of the sum) to every trainable parameter's .grad
+        (c = 1 / B: the batch-mean loss's gradient), else no .grad is touched.
+        Returns (sketches (B, dim) in the parameters' dtype, detached; losses (B,) detached)."""
+        records, handles = [], []
+
+        def record(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                entry = [module, args[0].detach(), None]
+                output.register_hook(lambda g, entry=entry: self._on_grad(entry, g, state))
+                records.append(entry)
+
+        state = _Pass()
+        for module in self.layout.layers:
+            handles.append(module.register_forward_hook(record))
+        try:
+            losses = losses_fn()
+        finally:
+            for handle in handles:
+                handle.remove()
+        if losses.dim() != 1:
+            raise ValueError(f"LayerSketch: losses_fn must return the (B,) per-example losses, got shape {tuple(losses.shape)}")
+        self._start(state, losses.shape[0])
+        wanted = self._update_params() if update_scale is not None else \
+            [p for p in self.model.parameters() if id(p) in self.layout.recorded]
+        grads = torch.autograd.grad(losses.sum(), wanted, retain_graph=bool(self.formed), allow_unused=True) \
+            if wanted else ()
+        state.active = False
+        self._check_calls(state, wanted, grads)
+        if update_scale is not None:
+            self._add_update(wanted, grads, update_scale)
+        del grads, records
+        if self.formed:
+            self._add_formed(losses, state)
+        return self._finish(state), losses.detach()
+
+    def _start(self, state, B: int) -> None:
+        dtype, device = self._like.dtype, self._like.device
+        state.B, state.active = B, True
+        state.rest = torch.zeros(B, self._rest_numel, dtype=dtype, device=device)
+        state.out = state.rest if self.sketch.is_identity else torch.zeros(B, self.dim, dtype=dtype, device=device)
+
+    def _on_grad(self, entry: list, g: torch.Tensor, state) -> None:
+        """A recorded call's output gradient arrived: add its contribution, then drop its input."""
+        module, a = entry[0], entry[1]
+        if not state.active or a is None:  # the batched VJP's second pass, or a call already counted
+            return
+        entry[1] = None
+        state.called.add(module)
+        with torch.no_grad():
+            self._add_call(module, self.layout.layers[module], a, g, state)
+
+    def _add_call(self, module, kind: str, a: torch.Tensor, g: torch.Tensor, state) -> None:
+        """One call's contribution: a its input (B, ..., in) (ids for an Embedding), g its output's gradient."""
+        B = state.B
+        if a.shape[0] != B or g.shape[0] != B:
+            raise ValueError(f"LayerSketch: {type(module).__name__} got an input of shape {tuple(a.shape)} for {B} "
+                             "examples: every recorded layer's input needs the examples on dim 0")
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if kind == "LayerNorm":
+            n = weight.numel() if weight is not None else bias.numel()
+            g = g.reshape(B, -1, n)
+            if weight is not None and id(weight) in self.layout.recorded:
+                xhat = F.layer_norm(a.reshape(B, -1, n), (n,), eps=module.eps)
+                state.add(self, weight, (g * xhat).sum(1))
+        elif kind == "Embedding":
+            ids = a.reshape(B, -1)
+            g = g.reshape(B, ids.shape[1], -1)
+            if module.padding_idx is not None:  # the padding row's gradient is zero
+                g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+            if id(weight) in self.layout.recorded:
+                self._add_embedding(weight, ids, g, state)
+        else:
+            a, g = a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1])
+            if id(weight) in self.layout.recorded:
+                self._add_product(weight, kind, a, g, state)
+        if bias is not None and id(bias) in self.layout.recorded:
+            state.add(self, bias, g.sum(1))
+
+    def _add_product(self, weight, kind: str, a, g, state) -> None:
+        """Linear: sum_t g_t a_t^T (out, in); Conv1D: sum_t a_t g_t^T (in, out); per example."""
+        left, right = (g, a) if kind == "Linear" else (a, g)
+        block = self._blocks.get(id(weight))
+        if block is not None:
+            block.add_outer(left, right, state.out)
+        else:
+            state.add(self, weight, torch.bmm(left.transpose(1, 2), right))
+
+    def _add_embedding(self, weight, ids, g, state) -> None:
+        """g[b, t] (dim,) into row ids[b, t] of example b's gradient."""
+        block = self._blocks.get(id(weight))
+        if block is not None:
+            block.add_rows(ids, g, state.out)
+            return
+        examples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        state.view(self, weight).index_put_((examples, ids), g, accumulate=True)
+
+    def _update_params(self) -> list:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _check_calls(self, state, wanted, grads) -> None:
+        """A recorded layer never called whose parameters got a gradient was used some other way."""
+        grad_of = {id(p): g for p, g in zip(wanted, grads)}
+        for module in self.layout.layers:
+            if module in state.called:
+                continue
+            for p in module.parameters(recurse=False):
+                g = grad_of.get(id(p))
+                if id(p) in self.layout.recorded and g is not None and bool(g.ne(0).any()):
+                    raise ValueError(f"LayerSketch: the {type(module).__name__} holding a parameter of shape "
+                                     f"{tuple(p.shape)} was not called, but its parameters got a gradient: they are "
+                                     "used outside its forward (as in nn.MultiheadAttention); select other params")
+
+    @staticmethod
+    def _add_update(wanted, grads, scale: float) -> None:
+        for p, g in zip(wanted, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.mul_(scale)
+            else:
+                p.grad.add_(g, alpha=scale)
+
+    def _add_formed(self, losses: torch.Tensor, state) -> None:
+        """The parameters without a rule: per-example gradients by one batched VJP (rows of the identity)."""
+        params = [p for _, p in self.layout.formed]
+        eye = torch.eye(state.B, dtype=losses.dtype, device=losses.device)
+        grads = torch.autograd.grad(losses, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                state.add(self, p, g)
+
+    def _finish(self, state) -> torch.Tensor:
+        """out += P(rest): the coordinates outside the blocks, with the map's own buckets and signs."""
+        if self.sketch.is_identity or not self._rest_numel:
+            return state.out
+        key = (state.rest.device, state.rest.dtype)
+        if key not in self._tables:
+            self._tables[key] = self.sketch.tables_at(self._index, *key)
+        buckets, signs = self._tables[key]
+        return state.out.index_add_(1, buckets, state.rest.mul_(signs))
+
+
+class _Pass:
+    """One call's buffers: rest (B, d_rest) per-example gradients outside the blocks, out (B, dim)."""
+
+    def __init__(self):
+        self.B, self.active, self.rest, self.out, self.called = 0, False, None, None, set()
+
+    def view(self, sketcher: LayerSketch, p: torch.Tensor) -> torch.Tensor:
+        """p's (B, *p.shape) columns of rest."""
+        start = sketcher._rest[id(p)]
+        return self.rest[:, start:start + p.numel()].view(self.B, *p.shape)
+
+    def add(self, sketcher: LayerSketch, p: torch.Tensor, value: torch.Tensor) -> None:
+        self.view(sketcher, p).add_(value.reshape(self.B, *p.shape))
