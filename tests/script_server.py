@@ -9,10 +9,11 @@ two-process run starts no new interpreter with torch at all.
 
 What differs from a fresh interpreter, and why it is safe here: the modules of PRELOAD are already
 imported (their import-time code ran once, under the server's environment: OMP_NUM_THREADS=1, as every
-test run has it), and sys.path keeps the checkout. tests/test_device.py (every entry script's --help),
-tests/test_scripts_help.py and tests/test_notebooks.py (analysis imports no torch) still start real
-interpreters, so an import that fails only in a fresh one is caught there. CDGRAB_TEST_FORK=0 turns the
-server off (every run a real subprocess).
+test run has it), the sorters' numba loops are loaded from numba's disk cache (load_compiled_loops; numba
+starts no thread for them, so a fork keeps them usable), and sys.path keeps the checkout.
+tests/test_device.py (every entry script's --help), tests/test_scripts_help.py and tests/test_notebooks.py
+(analysis imports no torch) still start real interpreters, so an import that fails only in a fresh one is
+caught there. CDGRAB_TEST_FORK=0 turns the server off (every run a real subprocess).
 
 Protocol (one SOCK_SEQPACKET connection per run): the requester sends one JSON message
 {"argv": [...python's arguments...], "cwd": str, "env": {...}} with its stdin, stdout and stderr as
@@ -36,6 +37,7 @@ def serve(path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    load_compiled_loops()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(256)
@@ -55,6 +57,15 @@ def serve(path: str) -> None:
                 pid = next(pid for pid, conn in children.items() if conn is ready)
                 os.kill(pid, signal.SIGKILL)
         reap(children)
+
+
+def load_compiled_loops() -> None:
+    """The sorters' numba loops (CD-GraB's, and KH-SGD's and SBW's), loaded from numba's disk cache once
+    here: each run that balances would otherwise spend about a second loading numba's compiler and them."""
+    from sorters import build_sorter
+
+    build_sorter("CD-GraB", 1, 2, 1)  # the constructors load the loops (sorters/balance.py, randomized.py)
+    build_sorter("KH-SGD", 1, 2, 1, epochs=1)
 
 
 def start(listener, children: dict) -> None:
