@@ -18,8 +18,8 @@ CD-GraB and D-RR in test_lr_hmda.py and test_mlp_m4.py, KH-SGD and SBW in test_r
 ExDyna in test_communication.py, sketched CD-GraB in test_sketch.py, and the resumed runs here).
 
 Another process count may round differently (each process forms its workers' gradients in one batched
-pass, and evaluates its share of the test set), so there the losses agree to rel 1e-5, everything else
-exactly: orders, bytes sent, averagings and round lengths, achieved density."""
+pass), so there the losses agree to rel 1e-5, everything else exactly: orders, bytes sent, averagings and
+round lengths, achieved density."""
 import pytest
 
 from tests.helpers import assert_runs_agree, check_ok, needs_data, read_metrics, run_script
@@ -33,13 +33,13 @@ RESULTS = ("train_loss", "test_loss", "train_acc", "test_acc")
 EXCHANGED = ("comm_bytes", "syncs", "mean_H", "density")
 RESUMED = {
     # rounds of 5: epoch ends 24 and 36 inside a round; every worker's parameters and momentum, top-k's
-    # residuals, I-B's stale means
-    "I-B-local-topk": ["--sorter", "I-B", "--sync", "constant", "--H", "5", "--reducer", "topk", "--density", "0.3"],
-    # QSR's round lengths from the cosine schedule, ExDyna's threshold and partitions, SBW's b_max, the
-    # sketch map drawn anew in each process, balancing in a background thread
-    "SBW-qsr-exdyna-sketch": ["--sorter", "SBW", "--sync", "qsr", "--alpha", "0.012", "--H-base", "2",
-                              "--lr-schedule", "cosine", "--reducer", "exdyna", "--density", "0.5", "--sketch-dim", "8",
-                              "--overlap", "on"],
+    # residuals, I-B's stale means, the sketch map drawn anew in each process (I-B's signs follow the
+    # sketches; SBW's mostly follow its random draws), balancing in a background thread
+    "I-B-local-topk-sketch": ["--sorter", "I-B", "--sync", "constant", "--H", "5", "--reducer", "topk", "--density",
+                              "0.3", "--sketch-dim", "8", "--overlap", "on"],
+    # QSR's round lengths from the cosine schedule, ExDyna's threshold and partitions, SBW's b_max
+    "SBW-qsr-exdyna": ["--sorter", "SBW", "--sync", "qsr", "--alpha", "0.012", "--H-base", "2", "--lr-schedule",
+                       "cosine", "--reducer", "exdyna", "--density", "0.5"],
 }
 LEGS = ((1, None), (2, None), (3, 2), (EPOCHS, None))  # (stop after epoch, torchrun processes)
 TWO_PROCESSES = {
