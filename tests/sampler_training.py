@@ -24,7 +24,7 @@ if __name__ == "__main__":  # run as a script: the checkout's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sorters import CDGraBSampler  # noqa: E402
 
-FEATURES, REPLICAS, EPOCHS, LR, SEED = 5, 2, 3, 0.05, 3
+FEATURES, REPLICAS, EPOCHS, LR, SEED = 5, 2, 2, 0.05, 3
 
 
 def dataset(n_examples: int) -> tuple[torch.Tensor, torch.Tensor]:
