@@ -59,9 +59,9 @@ def every_replica(grads: torch.Tensor) -> torch.Tensor:
     """(b, F) of this process -> (R * b, F) of all replicas, replica 0's rows first (one process: itself)."""
     if not dist.is_initialized():
         return grads
-    out = grads.new_empty(dist.get_world_size() * grads.shape[0], grads.shape[1])
-    dist.all_gather_into_tensor(out, grads.contiguous())
-    return out
+    rows = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, grads.contiguous())
+    return torch.cat(rows)
 
 
 def train(sampler: CDGraBSampler, data: tuple, w: torch.Tensor, epochs: int = EPOCHS, steps: int | None = None,
@@ -75,9 +75,9 @@ def train(sampler: CDGraBSampler, data: tuple, w: torch.Tensor, epochs: int = EP
     sampler's state_dict after the step, "w": (F,), "loss": () mean loss over the data set}."""
     x, y = data
     records = []
+    if steps == 0:
+        return w, records
     for epoch in range(sampler.epoch, epochs):
-        if steps is not None and len(records) == steps:
-            break
         sampler.set_epoch(epoch)
         for batch in torch.tensor(list(sampler)).split(sampler.loader_batch_size)[skip:]:
             grads = per_example_grads(x[batch], y[batch], w)

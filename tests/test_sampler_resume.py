@@ -2,9 +2,9 @@
 processes (one replica each) equal one process hosting both replicas, also when one resumes the other's state.
 
 The oracle is the uninterrupted run of tests/sampler_training.py's loop: the examples each step used,
-the sampler's state_dict, the weights and the loss after every step. Every sorter, each with an odd
-batch size (CD-GraB's pairs span two steps) and a short last step, with drop_last, and for the balancing
-sorters with sketched balancing (sketch_dim < d)."""
+the sampler's state_dict, the weights and the loss after every step. Every sorter, with an odd batch size
+(CD-GraB's pairs span two steps): with a short last step, with drop_last (a tail left over), and for the
+balancing sorters sketched (sketch_dim < d)."""
 import functools
 import os
 import sys
