@@ -98,8 +98,8 @@ class Sorter:
         for key, value in state.items():
             if key == "generator":
                 self.generator.set_state(value)
-            else:
-                setattr(self, key, value.to(self.device) if torch.is_tensor(value) else value)
+            else:  # copies: the steps update these in place, and must not write into the caller's state
+                setattr(self, key, value.to(self.device, copy=True) if torch.is_tensor(value) else value)
 
 
 class OnlineBalancer(Sorter):

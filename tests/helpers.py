@@ -202,6 +202,37 @@ def assert_runs_agree(single, multi, columns, rel=1e-5, exact=False, bytes_equal
         assert ra["comm_bytes"] == rb["comm_bytes"] or not bytes_equal
 
 
+def checkpoint_roundtrip(state):
+    """`state` after torch.save and torch.load(weights_only=True), as a user's checkpoint file gives it back."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """a and b equal bit for bit: nested dicts, lists and tuples of tensors (same dtype, shape and values)
+    and plain values. The message names the first key path that differs, after `where`."""
+    import torch
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a) and torch.is_tensor(b):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: {a} != {b}"
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
 def run_every_sorter(script: str, root: Path, *args) -> dict:
     """One run of `script` per sorter into root/<sorter>, two at a time (each run is a
     single-threaded process, mostly start-up); fails on any non-zero exit. Returns sorter -> dir."""

@@ -9,10 +9,12 @@ two-process run starts no new interpreter with torch at all.
 
 What differs from a fresh interpreter, and why it is safe here: the modules of PRELOAD are already
 imported (their import-time code ran once, under the server's environment: OMP_NUM_THREADS=1, as every
-test run has it), and sys.path keeps the checkout. tests/test_device.py (every entry script's --help),
-tests/test_scripts_help.py and tests/test_notebooks.py (analysis imports no torch) still start real
-interpreters, so an import that fails only in a fresh one is caught there. CDGRAB_TEST_FORK=0 turns the
-server off (every run a real subprocess).
+test run has it), the sorters' numba loops are loaded from numba's disk cache (load_compiled_loops; numba
+starts no thread for them, so a fork keeps them usable), the HMDA sample under $CDGRAB_DATA is read
+(keep_hmda_loaded: a run reading it gets the copy read here), and sys.path keeps the checkout.
+tests/test_device.py (every entry script's --help), tests/test_scripts_help.py and tests/test_notebooks.py
+(analysis imports no torch) still start real interpreters, so an import that fails only in a fresh one is
+caught there. CDGRAB_TEST_FORK=0 turns the server off (every run a real subprocess).
 
 Protocol (one SOCK_SEQPACKET connection per run): the requester sends one JSON message
 {"argv": [...python's arguments...], "cwd": str, "env": {...}} with its stdin, stdout and stderr as
@@ -26,6 +28,7 @@ import select
 import signal
 import socket
 import sys
+from pathlib import Path
 
 PRELOAD = ("numpy", "pandas", "tqdm", "torch", "torch.distributed.run", "transformers", "sorters", "engine.train",
            "data.hmda", "data.m4", "data.wikitext2", "data.wikitext103", "models")
@@ -36,6 +39,8 @@ def serve(path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    load_compiled_loops()
+    keep_hmda_loaded()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(256)
@@ -55,6 +60,36 @@ def serve(path: str) -> None:
                 pid = next(pid for pid, conn in children.items() if conn is ready)
                 os.kill(pid, signal.SIGKILL)
         reap(children)
+
+
+def load_compiled_loops() -> None:
+    """The sorters' numba loops (CD-GraB's, and KH-SGD's and SBW's), loaded from numba's disk cache once
+    here: each run that balances would otherwise spend about a second loading numba's compiler and them."""
+    from sorters import build_sorter
+
+    build_sorter("CD-GraB", 1, 2, 1)  # the constructors load the loops (sorters/balance.py, randomized.py)
+    build_sorter("KH-SGD", 1, 2, 1, epochs=1)
+
+
+def keep_hmda_loaded() -> None:
+    """LR-HMDA's data set (the HMDA 2018 sample under $CDGRAB_DATA) read once here: each LR-HMDA run and
+    example spent about 0.8 s decompressing and parsing it. A read of that file, unchanged (path, size,
+    modification time), returns what was read here (a fork's copy); any other file is read as before."""
+    import data.hmda as hmda
+
+    read, kept = hmda._load_sample, {}
+
+    def load_sample(path: Path):
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in kept:
+            kept[key] = read(path)
+        return kept[key]
+
+    hmda._load_sample = load_sample  # load_hmda looks it up at each call
+    sample = Path(os.environ.get("CDGRAB_DATA", "")) / "hmda" / hmda.SAMPLE_FILES[0]
+    if os.environ.get("CDGRAB_DATA") and sample.is_file():
+        load_sample(sample)
 
 
 def start(listener, children: dict) -> None:

@@ -1,5 +1,4 @@
 """CDGraBSampler and PerExampleGrads: the sorters in an ordinary (DDP) training loop."""
-import io
 import os
 import sys
 
@@ -130,31 +129,7 @@ def test_an_iteration_without_step_does_not_count():
     one_line_error(peeked.set_epoch, 5)
 
 
-# ------------------------------------------------------------------------------------------- resume
-
-
-@pytest.mark.parametrize("sorter", ["CD-GraB", "I-B", "D-RR"])
-def test_state_dict_resumes_the_same_orders(sorter):
-    n, m, k, d, epochs, interrupted_after = 2, 10, 3, 4, 5, 2
-    table = example_grads(n * m, d, seed=4)
-    make = lambda: CDGraBSampler(n * m, batch_size=k, d=d, sorter=sorter, num_replicas=n, seed=9)  # noqa: E731
-    straight = make()
-    expected = [run_sampler_epoch(straight, table) for _ in range(epochs)]
-
-    first = make()
-    for _ in range(interrupted_after):
-        run_sampler_epoch(first, table)
-    buffer = io.BytesIO()
-    torch.save({"sampler": first.state_dict()}, buffer)  # as a user's checkpoint would
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)["sampler"]
-
-    resumed = make()
-    one_line_error(resumed.set_epoch, interrupted_after)  # a fresh sampler is at epoch 0, not 2
-    resumed.load_state_dict(state)
-    for epoch in range(interrupted_after, epochs):
-        resumed.set_epoch(epoch)
-        assert torch.equal(run_sampler_epoch(resumed, table), expected[epoch]), epoch
+# resume: tests/test_sampler_resume.py (every sorter, every step boundary, one and two processes)
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -4,7 +4,6 @@ mid-epoch resume in both styles, and examples/accelerate_loop.py under 2 gloo pr
 The oracles are the bare sorter stepped the way the engine steps it (run_engine_epoch) and the per-rank
 sampler's own example (examples/ddp_lr_hmda.py), never the global view against itself. Two ranks are
 simulated in one process with accelerate's own prepare_data_loader(num_processes=2, process_index=r)."""
-import io
 import os
 import sys
 
@@ -13,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from sorters import CDGraBSampler, build_sorter
-from tests.helpers import DATA_DIR, needs_data, run_python
+from tests.helpers import DATA_DIR, assert_same, checkpoint_roundtrip, needs_data, run_python
 from tests.test_sampler import example_grads, one_line_error, run_engine_epoch, run_sampler_epoch
 
 accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
@@ -142,13 +141,6 @@ def test_state_is_the_same_on_every_rank_and_in_either_view():
             assert str(state[key]) == str(states[0][key]), key
 
 
-def checkpoint_roundtrip(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 @pytest.mark.parametrize("style", ["rest", "replay"])
 def test_mid_epoch_resume_gives_the_orders_of_an_uninterrupted_run(style):
     """rest: the restored sampler yields the epoch's remaining steps (a loader that continues);
@@ -208,12 +200,6 @@ def run_launch(script, *args, nproc=None):
     return result
 
 
-def same_state(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
-    return torch.equal(a, b) if torch.is_tensor(a) else a == b
-
-
 @pytest.mark.slow
 @needs_data("hmda/raw/hmda_train_preprocessed.zip")
 def test_accelerate_example_under_two_gloo_processes_equals_the_ddp_example_and_resumes(tmp_path):
@@ -236,5 +222,5 @@ def test_accelerate_example_under_two_gloo_processes_equals_the_ddp_example_and_
         for r, used in enumerate(batches):
             assert torch.equal(used, orders[r]), (epoch, r)
             assert torch.equal(used.sort().values, torch.arange(r * 200, (r + 1) * 200)), (epoch, r)
-        assert same_state(states[0], states[1]), epoch
+        assert_same(states[0], states[1], f"epoch {epoch}")
         assert loss == pytest.approx(ddp["train_loss"][epoch], rel=1e-5)
