@@ -2,6 +2,7 @@
 import io
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,6 +298,40 @@ def loop_of_linear(model, x, y):
         F.mse_loss(model(x[i:i + 1]), y[i:i + 1]).backward()
         rows.append(torch.cat([model.weight.grad.reshape(-1), model.bias.grad]))
     return torch.stack(rows)
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo's process group runs (its workers, its socket loop)."""
+    names = [(Path("/proc/self/task") / task / "comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    return [name for name in names if "gloo" in name]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or not torch.distributed.is_available(),
+                    reason="lists threads through /proc (Linux); needs torch.distributed")
+def test_the_examples_teardown_joins_gloos_threads(tmp_path):
+    """The examples' end (release the DDP wrapper, destroy_process_group) frees the gloo group, so none of
+    its threads runs on into interpreter exit, where one that frees a finished collective's tensors aborts
+    the process (SIGABRT). It holds because `sorters` is imported before the group exists (sorters/sampler.py);
+    this process imported it at collection."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 1)
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+        sampler = CDGraBSampler(8, batch_size=2, d=4, seed=0)  # all-gathers over the group
+        for batch in torch.tensor(list(sampler)).split(2):
+            x = torch.randn(2, 3)
+            ddp_model(x).sum().backward()
+            sampler.step(torch.cat([x, torch.ones(2, 1)], 1))
+        assert "pt_gloo_runloop" in gloo_threads()
+        dist.barrier()
+        del ddp_model
+    finally:
+        dist.destroy_process_group()
+    assert gloo_threads() == []
 
 
 # ------------------------------------------------------------------------------------------- the example, end to end
