@@ -96,8 +96,9 @@ for epoch in range(first_epoch, args.epochs):
 if accelerator.is_main_process and args.save_orders:
     torch.save(history, args.save_orders)
 accelerator.wait_for_everyone()
-# release the prepared model, optimizer and loader before the process group goes: with them still held,
-# 2 of 9 two-process runs here aborted at exit ("terminate called without an active exception"), 0 of 8 after
+# release the prepared model, optimizer and loader (the accelerator's references too): the DDP wrapper's
+# reducer holds the process group, so only then does end_training's destroy_process_group() free the group
+# and join gloo's threads, while the interpreter is whole (why it matters: sorters/sampler.py)
 accelerator.free_memory(ddp_model, optimizer, loader)
 del ddp_model, optimizer, loader
 accelerator.end_training()

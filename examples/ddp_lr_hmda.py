@@ -103,4 +103,7 @@ if rank == 0 and args.save_orders:
     torch.save(history, args.save_orders)
 if distributed:
     dist.barrier()  # let rank 0 finish writing before the group is torn down
+    # DDP's reducer holds the process group: drop it first, so that destroy_process_group() frees the group
+    # and joins gloo's threads here, while the interpreter is whole (why it matters: sorters/sampler.py)
+    del ddp_model
     dist.destroy_process_group()

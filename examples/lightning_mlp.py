@@ -145,3 +145,8 @@ if args.save_orders:
         torch.save(model.history, args.save_orders)
     if devices > 1:
         torch.save(model.sampler.state_dict(), f"{args.save_orders}.rank{trainer.global_rank}")
+if torch.distributed.is_available() and torch.distributed.is_initialized():
+    # Lightning leaves a gloo group up (it destroys NCCL groups only, at exit): leave it here, while the
+    # interpreter is whole, so that gloo's threads are joined before exit (why it matters: sorters/sampler.py)
+    torch.distributed.barrier()  # every rank past its saves
+    torch.distributed.destroy_process_group()

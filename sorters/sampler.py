@@ -49,6 +49,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+if dist.is_available():
+    # Imported here, before any training loop initialises a process group. The functions of
+    # torch.distributed.nn.functional take `group=group.WORLD` as a default argument, evaluated at import,
+    # and DistributedDataParallel's constructor imports that module; imported after init_process_group,
+    # the defaults keep the default group alive for good, so destroy_process_group() cannot free it and
+    # gloo's worker threads run on into interpreter exit. A worker that frees a finished collective's
+    # tensors there needs the GIL, Python ends the thread instead, and the process aborts ("terminate
+    # called without an active exception", SIGABRT) after a run that succeeded.
+    import torch.distributed.nn  # noqa: F401
+
 from sorters import SORTER_NAMES, SORTERS, build_sorter
 from sorters.sketch import GradientSketch
 

@@ -1,6 +1,7 @@
 """CDGraBSampler and PerExampleGrads: the sorters in an ordinary (DDP) training loop."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,6 +166,262 @@ def test_bad_input_gets_one_line_errors():
     assert "after the epoch's last batch" in one_line_error(short.step, torch.zeros(2, 3))
 
 
+def refusal(call, *args, **kwargs) -> str:
+    """The one-line message of the ValueError or TypeError that call(*args, **kwargs) raises."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        call(*args, **kwargs)
+    return str(info.value)
+
+
+def started(sampler, steps=0, grads=None):
+    """The sampler after iter() and `steps` step() calls with `grads` (zeros of the right shape by default)."""
+    iter(sampler)
+    for _ in range(steps):
+        sampler.step(grads if grads is not None or not sampler.uses_grads else
+                     torch.zeros(sampler.loader_batch_size, sampler.d))
+    return sampler
+
+
+def test_every_refusal_says_what_to_do_word_for_word():
+    """The whole message of each refusal: users act on them, so every word is part of the interface."""
+    S = CDGraBSampler
+    cases = [
+        (lambda: S(24, batch_size=2, d=3, sorter="GraB", num_replicas=4),
+         "unknown sorter 'GraB'; choose one of CD-GraB, D-RR, D-SO, I-B, I-PB, Fold, KH-SGD, SBW"),
+        (lambda: S(24, batch_size=2, sorter="D-RR", sketch_dim=4, num_replicas=4),
+         "sketch_dim must be 0, or > 0 with a sorter that balances gradients (CD-GraB, I-B, I-PB, KH-SGD, SBW); "
+         "got 4 with D-RR"),
+        (lambda: S(24, batch_size=2, d=3, num_replicas=0), "need num_replicas >= 1 and batch_size >= 1, got 0 and 2"),
+        (lambda: S(24, batch_size=0, d=3, num_replicas=2), "need num_replicas >= 1 and batch_size >= 1, got 2 and 0"),
+        (lambda: S(24, batch_size=2, sorter="D-RR", num_replicas=4, rank=4), "rank 4 is not in 0..3"),
+        (lambda: S(25, batch_size=2, d=3, num_replicas=4),
+         "a dataset of 25 examples does not split over 4 replicas (1 left over); pass drop_last=True or trim the "
+         "dataset"),
+        (lambda: S(24, batch_size=5, d=3, num_replicas=2, view="global"),
+         "view='global' needs every batch full, but 12 examples per replica leave a last batch of 2: pass "
+         "drop_last=True (or a batch_size that divides 12)"),
+        (lambda: S(24, batch_size=2, d=0, num_replicas=4),
+         "CD-GraB balances gradients: pass d, the length of one example's gradient (e.g. PerExampleGrads(model, "
+         "loss_fn).d)"),
+        (lambda: S(24, batch_size=2, d=3, num_replicas=4, rank=1),
+         "CD-GraB needs every replica's gradients: initialise torch.distributed (the sampler all-gathers them), or "
+         "leave rank=None to host all replicas here"),
+        (lambda: S(24, batch_size=2, d=3, sorter="KH-SGD", num_replicas=4, epochs=0),
+         "KH-SGD's threshold depends on the run's length: pass epochs, the total number of epochs (an integer >= 1), "
+         "got 0"),
+        (lambda: S(7, batch_size=2, d=3, num_replicas=4, drop_last=True),
+         "7 examples are too few for 4 replicas x batch_size 2"),
+        (lambda: S(24, batch_size=2, d=3, num_replicas=4).set_epoch("1"),
+         "set_epoch takes the epoch as an int (counting from 0), got '1'"),
+        (lambda: S(24, batch_size=2, d=3, num_replicas=4).set_epoch(2),
+         "set_epoch(2): this sampler's next epoch is 0 (counting from 0; an epoch counts once step() has seen it); "
+         "its orders depend on every earlier epoch, so to resume, load the state_dict saved with the checkpoint"),
+        (lambda: started(S(24, batch_size=2, d=3, num_replicas=4), 1).set_epoch(2),
+         "set_epoch(2): this sampler's next epoch is 0 (counting from 0; part-way, an epoch counts once step() has "
+         "seen it); its orders depend on every earlier epoch, so to resume, load the state_dict saved with the "
+         "checkpoint"),
+        (lambda: started(S(24, batch_size=2, d=3, num_replicas=2)).set_epoch(1),
+         "set_epoch(1): epoch 0 ended without step() calls, but CD-GraB orders by gradients: call "
+         "sampler.step(per-example grads) after every batch"),
+        (lambda: S(24, batch_size=2, d=3, num_replicas=4).step(torch.zeros(8, 3)),
+         "step() before the epoch started: iterate over the sampler (the DataLoader) first"),
+        (lambda: iter(started(S(24, batch_size=2, d=3, num_replicas=4), 1)),
+         "the previous epoch ended after step() saw 2 of 6 examples per replica; call step() for every batch (a "
+         "DataLoader with drop_last=True skips the last, short batch: pass drop_last=True to the sampler instead)"),
+        (lambda: started(S(24, batch_size=2, d=3, num_replicas=4), 1).step(torch.zeros(2, 3)),
+         "CD-GraB sampler: grads must have shape (8, 3) or (4, 2, 3) at step 1 of 3, got (2, 3)"),
+        (lambda: started(S(24, batch_size=3, d=3, num_replicas=1)).step(torch.zeros(1, 3)),
+         "CD-GraB sampler: grads must have shape (3, 3) at step 0 of 8, got (1, 3)"),  # one replica: 2-D only
+        (lambda: started(S(10, batch_size=4, sorter="D-RR", num_replicas=2), 1).step(torch.zeros(2)),
+         "D-RR sampler: grads must have shape (2, 'd') or (2, 1, 'd') at step 1 of 2, got (2,)"),
+        (lambda: started(S(10, batch_size=4, sorter="D-RR", num_replicas=2), 2).step(None),
+         "step() called after the epoch's last batch (5 examples per replica seen); iterate over the sampler again "
+         "to start the next epoch"),
+        (lambda: S(24, batch_size=2, d=3, num_replicas=4).load_state_dict({}, replay_from_epoch_start=1),
+         "replay_from_epoch_start must be True or False, got 1"),
+        (lambda: S(24, batch_size=2, d=3, num_replicas=4).load_state_dict(
+            S(24, batch_size=2, d=3, sorter="KH-SGD", num_replicas=4, epochs=3).state_dict()),
+         "sampler state is for other settings: epochs 3 (this sampler: None), sorter KH-SGD (this sampler: CD-GraB)"),
+    ]
+    for call, message in cases:
+        assert refusal(call) == message
+
+
+def test_the_smallest_settings_are_accepted():
+    """One replica, batch_size 1, d = 1, epochs = 1: every bound is inclusive."""
+    sampler = CDGraBSampler(3, batch_size=1, d=1, num_replicas=1)
+    assert sampler.m == 3 and sampler.loader_batch_size == 1
+    for _ in range(2):
+        for index in list(sampler):
+            sampler.step(torch.tensor([[float(index)]]))
+    kh = CDGraBSampler(4, batch_size=1, d=1, sorter="KH-SGD", num_replicas=2, epochs=1)
+    assert kh.state_dict()["config"]["epochs"] == 1
+    assert len(CDGraBSampler(4, batch_size=2, sorter="D-RR", num_replicas=2, rank=1)) == 2  # the last rank
+
+
+def test_the_default_seed_is_zero():
+    table = example_grads(12, 3)
+    expected = run_engine_epoch(build_sorter("CD-GraB", 2, 6, 3, seed=0), table, 2)
+    assert torch.equal(run_sampler_epoch(CDGraBSampler(12, batch_size=2, d=3, num_replicas=2), table), expected)
+
+
+@pytest.mark.parametrize("sorter", ["D-RR", "Fold"])
+def test_sorters_that_ignore_gradients_take_rows_of_any_width(sorter):
+    """Without d, step() takes (R * b, w) or (R, b, w) rows of any width w, or None; the orders are those
+    of the bare sorter."""
+    n, m, k = 2, 6, 2
+    engine_sorter = build_sorter(sorter, n, m, 1, seed=4)
+    sampler = CDGraBSampler(n * m, batch_size=k, sorter=sorter, num_replicas=n, seed=4)
+    for epoch, feed in enumerate([torch.zeros(n * k, 7), torch.zeros(n, k, 5), None]):
+        expected = run_engine_epoch(engine_sorter, None, k)
+        iter(sampler)
+        for _ in range(m // k):
+            sampler.step(feed)
+        assert torch.equal(sampler.all_indices(), expected), epoch
+
+
+def test_a_sketched_sampler_takes_replicas_x_batch_gradients_of_full_width():
+    """(R, b, d) rows are sketched as the (R * b, d) ones are (here b = 3 differs from d = 5)."""
+    n, m, k, d = 2, 6, 3, 5
+    table = example_grads(n * m, d)
+    flat, stacked = (CDGraBSampler(n * m, batch_size=k, d=d, num_replicas=n, sketch_dim=2) for _ in range(2))
+    for _ in range(3):
+        run_sampler_epoch(flat, table)
+        for batch in torch.tensor(list(stacked)).split(n * k):
+            stacked.step(table[batch].view(n, k, d))
+        assert torch.equal(flat.all_indices(), stacked.all_indices())
+
+
+@pytest.mark.parametrize("sorter,sketch_dim", [("CD-GraB", 0), ("CD-GraB", 2), ("D-RR", 0)])
+def test_under_a_process_group_each_rank_yields_its_replica_and_gathers_every_step(monkeypatch, sorter, sketch_dim):
+    """Ranks of a 3-process group, simulated in one process: torch.distributed answers as rank r does, and the
+    all-gather returns every rank's rows of the step (its sketches, with sketch_dim) after checking that rank r
+    gave its own. Each rank, built with the defaults, yields its own replica's examples, and every rank's orders
+    equal those of one sampler hosting all three replicas (m = 7: batches of 2, 2, 2, 1)."""
+    import sorters.sampler as sampler_module
+    from sorters import GradientSketch
+
+    n, m, k, d = 3, 7, 2, 4
+    table = example_grads(n * m, d, seed=2)
+    sketch = GradientSketch(d, sketch_dim, seed=6) if sketch_dim else (lambda rows: rows)
+    world = {"rank": 0, "step_rows": None}
+    gathers = []
+
+    def all_gather(out, local):
+        rank, rows = world["rank"], world["step_rows"]
+        b = rows.shape[1]
+        assert out.shape == (n * b, sketch_dim or d) and out.dtype == local.dtype
+        assert torch.allclose(local, sketch(rows[rank]))
+        out.copy_(sketch(rows.reshape(n * b, d)))
+        gathers.append(rank)
+
+    # built before torch.distributed answers as a process group does: it hosts all three replicas
+    one_process = CDGraBSampler(n * m, batch_size=k, d=d, sorter=sorter, num_replicas=n, seed=6, sketch_dim=sketch_dim)
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: n)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: world["rank"])
+    monkeypatch.setattr(sampler_module, "_all_gather_single", all_gather)
+    ranks = []
+    for r in range(n):
+        world["rank"] = r
+        ranks.append(CDGraBSampler(n * m, batch_size=k, d=d, sorter=sorter, seed=6, sketch_dim=sketch_dim))
+    if sorter == "CD-GraB":
+        world["rank"] = 1
+        assert refusal(CDGraBSampler, n * m, batch_size=k, d=d, num_replicas=n + 1, drop_last=True) == (
+            "CD-GraB all-gathers gradients over the process group, so num_replicas and rank must be its world size "
+            "3 and rank 1, got 4 and 1")
+    for epoch in range(3):
+        expected = run_sampler_epoch(one_process, table)
+        yielded = [torch.tensor(list(sampler)) for sampler in ranks]
+        for r in range(n):
+            assert torch.equal(yielded[r], expected[r]), (epoch, r)
+        for t in range(0, m, k):
+            world["step_rows"] = torch.stack([table[yielded[r][t:t + k]] for r in range(n)])  # (n, b, d)
+            for r, sampler in enumerate(ranks):
+                world["rank"] = r
+                sampler.step(world["step_rows"][r] if sampler.uses_grads else None)
+        for sampler in ranks:
+            assert torch.equal(sampler.all_indices(), expected)
+    steps = 3 * -(-m // k)
+    assert gathers == ([0, 1, 2] * steps if sorter == "CD-GraB" else [])  # D-RR communicates nothing
+
+
+# ------------------------------------------------------------------------------------------- state_dict
+
+
+def test_the_state_dict_holds_the_documented_config():
+    """The keys a checkpoint carries (they must read back in later versions); epochs only where it changes
+    the orders (KH-SGD, SBW)."""
+    plain = CDGraBSampler(24, batch_size=2, d=3, num_replicas=4, epochs=3)
+    assert plain.state_dict()["config"] == {"sorter": "CD-GraB", "num_replicas": 4, "m": 6, "batch_size": 2, "d": 3,
+                                            "seed": 0, "sketch_dim": 0}
+    assert plain.state_dict()["position"] == 0 and plain.state_dict()["started"] is False
+    kh = CDGraBSampler(24, batch_size=2, d=3, sorter="KH-SGD", num_replicas=4, epochs=3, seed=2)
+    assert kh.state_dict()["config"] == {"sorter": "KH-SGD", "num_replicas": 4, "m": 6, "batch_size": 2, "d": 3,
+                                         "seed": 2, "sketch_dim": 0, "epochs": 3}
+
+
+def test_a_state_saved_before_sketch_dim_existed_loads():
+    table = example_grads(12, 3)
+    saved = CDGraBSampler(12, batch_size=2, d=3, num_replicas=2)
+    run_sampler_epoch(saved, table)
+    state = saved.state_dict()
+    del state["config"]["sketch_dim"]
+    resumed = CDGraBSampler(12, batch_size=2, d=3, num_replicas=2)
+    resumed.load_state_dict(state)
+    assert torch.equal(run_sampler_epoch(resumed, table), run_sampler_epoch(saved, table))
+
+
+def test_resume_after_the_first_example_and_after_a_whole_epoch():
+    """batch_size 1: a state saved after one step resumes with the rest of the epoch; a state saved at an
+    epoch's end gives the whole next epoch (its length too), in either resume style."""
+    n, m, d = 2, 5, 3
+    table = example_grads(n * m, d, seed=3)
+    straight = CDGraBSampler(n * m, batch_size=1, d=d, num_replicas=n)
+    expected = [run_sampler_epoch(straight, table) for _ in range(2)]
+
+    first = CDGraBSampler(n * m, batch_size=1, d=d, num_replicas=n)
+    yielded = list(first)
+    first.step(table[yielded[:n]])
+    resumed = CDGraBSampler(n * m, batch_size=1, d=d, num_replicas=n)
+    resumed.load_state_dict(first.state_dict())
+    assert len(resumed) == n * (m - 1)
+    rest = list(resumed)
+    assert rest == yielded[n:]
+    for t in range(0, len(rest), n):
+        resumed.step(table[rest[t:t + n]])
+    assert torch.equal(resumed.all_indices(), expected[0])
+    for replay in (False, True):
+        between = CDGraBSampler(n * m, batch_size=1, d=d, num_replicas=n)
+        between.load_state_dict(resumed.state_dict(), replay_from_epoch_start=replay)
+        assert len(between) == n * m
+        assert torch.equal(run_sampler_epoch(between, table), expected[1])
+
+
+def test_set_epoch_takes_the_previous_epoch_until_the_first_step_only():
+    """A lagging caller's set_epoch(e - 1) is fine after iter() with no step yet; after one step (even of a
+    single example) it is an error."""
+    sampler = CDGraBSampler(4, batch_size=1, d=2, num_replicas=2)
+    run_sampler_epoch(sampler, example_grads(4, 2))
+    iter(sampler)
+    sampler.set_epoch(0)
+    sampler.step(torch.zeros(2, 2))
+    assert "part-way" in refusal(sampler.set_epoch, 0)
+    assert "ended after step() saw 1 of 2" in refusal(iter, sampler)
+
+
+def test_fold_without_steps_folds_every_epoch():
+    """set_epoch(e + 1) completes an epoch without step() calls: Fold then folds as if it had been stepped."""
+    n, m, k = 2, 6, 2
+    engine_sorter = build_sorter("Fold", n, m, 1, seed=1)
+    sampler = CDGraBSampler(n * m, batch_size=k, sorter="Fold", num_replicas=n, seed=1)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        assert torch.equal(torch.tensor(list(sampler)).view(-1, n, k).transpose(0, 1).reshape(n, m),
+                           run_engine_epoch(engine_sorter, None, k)), epoch
+
+
 # ------------------------------------------------------------------------------------------- per-example gradients
 
 
@@ -272,6 +529,40 @@ def loop_of_linear(model, x, y):
         F.mse_loss(model(x[i:i + 1]), y[i:i + 1]).backward()
         rows.append(torch.cat([model.weight.grad.reshape(-1), model.bias.grad]))
     return torch.stack(rows)
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo's process group runs (its workers, its socket loop)."""
+    names = [(Path("/proc/self/task") / task / "comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    return [name for name in names if "gloo" in name]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or not torch.distributed.is_available(),
+                    reason="lists threads through /proc (Linux); needs torch.distributed")
+def test_the_examples_teardown_joins_gloos_threads(tmp_path):
+    """The examples' end (release the DDP wrapper, destroy_process_group) frees the gloo group, so none of
+    its threads runs on into interpreter exit, where one that frees a finished collective's tensors aborts
+    the process (SIGABRT). It holds because `sorters` is imported before the group exists (sorters/sampler.py);
+    this process imported it at collection."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 1)
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+        sampler = CDGraBSampler(8, batch_size=2, d=4, seed=0)  # all-gathers over the group
+        for batch in torch.tensor(list(sampler)).split(2):
+            x = torch.randn(2, 3)
+            ddp_model(x).sum().backward()
+            sampler.step(torch.cat([x, torch.ones(2, 1)], 1))
+        assert "pt_gloo_runloop" in gloo_threads()
+        dist.barrier()
+        del ddp_model
+    finally:
+        dist.destroy_process_group()
+    assert gloo_threads() == []
 
 
 # ------------------------------------------------------------------------------------------- the example, end to end

@@ -13,6 +13,7 @@ SCRIPTS = REPO / "scripts"
 COMMANDS = {  # script: how it is started
     "download_data.sh": ["bash", str(SCRIPTS / "download_data.sh")],
     "reproduction_tables.py": [sys.executable, str(SCRIPTS / "reproduction_tables.py")],
+    "mutation.py": [sys.executable, str(SCRIPTS / "mutation.py")],
     "sweep-communication.sh": ["bash", str(SCRIPTS / "sweep-communication.sh")],
 }
 # the sweep variables whose defaults the help states; unset, so that the script's own defaults apply
@@ -40,6 +41,7 @@ def test_help_shows_the_scripts_own_usage(tmp_path, script):
     ("download_data.sh", ["a", "b"], "one DATA_DIR at most"),
     ("reproduction_tables.py", ["--out", "x"], "unrecognized arguments: --out"),
     ("reproduction_tables.py", ["no-such-folder"], "RESULTS_DIR no-such-folder is not a folder"),
+    ("mutation.py", ["--files", "engine"], "argument --files: invalid choice: 'engine'"),
 ])
 def test_bad_arguments_get_one_line(tmp_path, script, args, message):
     result = run(script, *args, cwd=tmp_path)

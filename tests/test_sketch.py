@@ -98,6 +98,53 @@ def test_identity_and_bad_sizes():
         GradientSketch(10, 0)
 
 
+def test_repr_and_the_identitys_matrix():
+    assert repr(GradientSketch(10, 4, seed=3)) == "GradientSketch(d=10, dim=4: CountSketch, seed 3)"
+    assert repr(GradientSketch(30, 4, seed=1, blocks=[(6, 3, 4)])) == \
+        "GradientSketch(d=30, dim=4: CountSketch with 1 TensorSketch block(s), seed 1)"
+    assert repr(GradientSketch(3, 5)) == "GradientSketch(d=3, dim=3: identity)"
+    identity = GradientSketch.identity(3)
+    assert torch.equal(identity.matrix(), torch.eye(3, dtype=torch.float64))
+    assert identity.matrix().dtype == torch.float64 and identity.matrix(torch.float32).dtype == torch.float32
+
+
+def test_a_tensor_block_sketches_outer_products_and_rows_as_the_dense_map_in_either_precision():
+    """TensorBlock.add_outer (sum_t u_t v_t^T) and add_rows (sum_t e_{id_t} v_t^T) against the dense map
+    (matrix(), itself checked against the basis vectors above) applied to the formed (rows, cols) matrices,
+    in float64 and then float32 on the same block (each precision gets its own signs)."""
+    offset, rows, cols, dim, d = 5, 6, 4, 7, 40
+    sketch = GradientSketch(d, dim, seed=2, blocks=[(offset, rows, cols)])
+    block = sketch.block_at(offset)
+    P = sketch.matrix()[:, offset:offset + rows * cols]  # (dim, rows * cols)
+    generator = torch.Generator().manual_seed(1)
+    U, T = 3, 5
+    left, right = torch.randn(U, T, rows, generator=generator), torch.randn(U, T, cols, generator=generator)
+    ids = torch.randint(0, rows, (U, T), generator=generator)
+    for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        outer = torch.einsum("uti,utj->uij", left.double(), right.double()).reshape(U, -1)
+        got = torch.zeros(U, dim, dtype=dtype)
+        block.add_outer(left.to(dtype), right.to(dtype), got)
+        assert torch.allclose(got.double(), outer @ P.T, rtol=0, atol=tolerance), dtype
+        one_hot = torch.nn.functional.one_hot(ids, rows).double()
+        scattered = torch.einsum("uti,utj->uij", one_hot, right.double()).reshape(U, -1)
+        got = torch.zeros(U, dim, dtype=dtype)
+        block.add_rows(ids, right.to(dtype), got)
+        assert torch.allclose(got.double(), scattered @ P.T, rtol=0, atol=tolerance), dtype
+
+
+def test_the_map_and_its_blocks_follow_the_input_to_its_device():
+    """Every table moves to the input's device (the non-CPU path: index_put_). Meta tensors (shapes and
+    devices, no values) stand in for a GPU on a machine without one."""
+    sketch = GradientSketch(30, 4, seed=1, blocks=[(6, 3, 4)])
+    y = sketch(torch.zeros(2, 30, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, 4)
+    block = sketch.block_at(6)
+    out = torch.zeros(2, 4, device="meta")
+    block.add_outer(torch.zeros(2, 5, 3, device="meta"), torch.zeros(2, 5, 4, device="meta"), out)
+    block.add_rows(torch.zeros(2, 5, dtype=torch.long, device="meta"), torch.zeros(2, 5, 4, device="meta"), out)
+    assert out.device.type == "meta"
+
+
 # ------------------------------------------------------------------------------------------- the sampler
 
 

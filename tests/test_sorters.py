@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from sorters import SORTER_NAMES, build_sorter, parallel_herding_bound
+from sorters import SORTER_NAMES, SORTERS, build_sorter, parallel_herding_bound
 from sorters.fold import fold_map
 
 
@@ -465,3 +465,91 @@ def test_kept_references_give_the_copying_orders(k):
     for _ in range(3):
         assert torch.equal(run_epoch(copying, gather_units(z), k), run_epoch(keeping, gather_units(z), k))
     assert "grads_stay_valid" not in keeping.state_dict()
+
+
+# ------------------------------------------------------------------------------------------- state, device, dtype
+
+
+def tensors_of(sorter) -> dict:
+    return {key: value for key, value in vars(sorter).items() if torch.is_tensor(value)}
+
+
+@pytest.mark.parametrize("name", ["CD-GraB", "I-PB", "I-B"])
+def test_balancers_keep_their_state_on_their_device_in_their_dtype(name):
+    """device="meta" (shapes and devices, no values) stands in for a GPU, dtype=float64 for the precision
+    choice: every tensor a balancer keeps is there, in that dtype when it is floating point (CD-GraB's
+    running sum is float64 in any case), and a state_dict from the CPU is moved there by load_state_dict."""
+    cls = SORTERS[name]
+    sorter = cls(2, 6, 3, seed=0, device="meta", dtype=torch.float64)
+    for key, value in tensors_of(sorter).items():
+        assert value.device.type == "meta", key
+        assert not value.is_floating_point() or value.dtype == torch.float64, key
+    cpu = build_sorter(name, 2, 6, 3, seed=0)
+    run_epoch(cpu, gather_units(unit_vectors(2, 6, 3)), 2)
+    sorter.load_state_dict(cpu.state_dict())
+    assert sorter.device.type == "meta"
+    assert tensors_of(sorter) and all(value.device.type == "meta" for value in tensors_of(sorter).values())
+
+
+@pytest.mark.parametrize("name", SORTER_NAMES)
+def test_a_state_dict_is_a_snapshot_without_scratch_buffers(name):
+    """What state_dict returns does not change as the sorter goes on (its tensors are copies), holds no
+    device (a GPU run's checkpoint resumes on the CPU) and no scratch buffer (the pair balancers' cached
+    unit: 1.75 GB for GPT-2), and reads back with weights_only=True."""
+    n, m, d = 2, 7, 3
+    z = unit_vectors(n, m, d, seed=2)
+    sorter = build_sorter(name, n, m, d, seed=1, epochs=3)
+    orders = sorter.sort()
+    grads = gather_units(z)
+    sorter.step(grads(orders, torch.arange(0, 3)) if sorter.uses_grads else None, torch.arange(0, 3))  # a pair open
+    state = sorter.state_dict()
+    assert not {"device", "_pending_storage", "grads_stay_valid"} & state.keys()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    kept = torch.load(buffer, weights_only=True)
+    step_epoch_from(sorter, orders, grads, 3, 2)
+    run_epoch(sorter, grads, 2)
+    for key, value in kept.items():
+        if torch.is_tensor(value):
+            assert torch.equal(state[key], value), key
+
+
+def step_epoch_from(sorter, orders, grads_of, start, k):
+    """The rest of an epoch's step() calls, from position `start`, k positions at a time."""
+    m = orders.shape[1]
+    for t in range(start, m, k):
+        positions = torch.arange(t, min(t + k, m))
+        sorter.step(grads_of(orders, positions) if sorter.uses_grads else None, positions)
+
+
+def test_a_cd_grab_state_with_a_float32_sum_loads_as_float64():
+    """Checkpoints written before the running sum was float64 hold a float32 one."""
+    n, m, d = 2, 8, 3
+    z = unit_vectors(n, m, d, seed=5)
+    saved = build_sorter("CD-GraB", n, m, d, seed=2)
+    orders = saved.sort()
+    step_epoch_from(saved, orders, gather_units(z), 0, 2)
+    state = saved.state_dict()
+    state["running_sum"] = state["running_sum"].float()
+    loaded = build_sorter("CD-GraB", n, m, d, seed=2)
+    loaded.load_state_dict(state)
+    assert loaded.running_sum.dtype == torch.float64
+    assert torch.equal(loaded.running_sum, saved.running_sum.float().double())
+
+
+@pytest.mark.parametrize("name,units,placed", [
+    ("I-B", [[1.0, 0.0], [1e-50, 0.0], [0.0, 1.0]], [0, 1, 2]),
+    ("I-PB", [[1.0, 0.0], [0.0, 0.0], [1e-50, 0.0], [0.0, 0.0]], [0, 2, 3, 1]),
+    ("CD-GraB", [[1.0, 0.0], [0.0, 0.0], [1e-50, 0.0], [0.0, 0.0]], [0, 2, 3, 1]),
+])
+def test_float64_gradients_are_balanced_in_the_sorters_float32(name, units, placed):
+    """A float32 balancer rounds float64 gradients first: 1e-50 is 0 in float32, so the second unit (I-B) or
+    pair (I-PB, CD-GraB) meets <sum, v> = 0 and goes left, as the first did: the next order is `placed` (the
+    positions, in order; a pair's second unit fills the order from the right). Exact float64 would see
+    1e-50 > 0 and send it right."""
+    z = torch.tensor([units], dtype=torch.float64)  # one worker: (1, m, 2)
+    sorter = build_sorter(name, 1, z.shape[1], 2, seed=0)
+    first = sorter.sort()
+    step_epoch_from(sorter, first, lambda orders, positions: z[:, positions], 0, z.shape[1])
+    assert torch.equal(sorter.sort(), first[:, placed])
