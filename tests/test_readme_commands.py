@@ -10,7 +10,8 @@ Which commands run (one rule, so a new README command cannot be skipped by accid
   (tests/test_reproduction.py draws the figures with it; here it would add about a minute), `git` (the
   developer's own bookkeeping), `sbatch` (a SLURM job: tests/test_slurm.py renders the template) and
   `scripts/gpu_session.py` (the body of a lent GPU machine's call: tests/test_gpu_session.py runs its
-  whole path on the CPU);
+  whole path on the CPU) and `scripts/mutation.py` (mutation testing: hours, a development check outside
+  the test command);
 - every other `python` / `torchrun` command runs, in that order, in one fresh folder that sees the
   checkout's files (so `results/` and `figures/` land there), with the flags of TINY for its target
   appended (a tiny size: the last value of a repeated flag wins); a target TINY does not know fails the
@@ -30,7 +31,7 @@ from tests.helpers import DATA_DIR, REPO, needs_data, run_python
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]  # the order the commands run in
 SKIPPED_PROGRAMS = ("pip", "jupyter", "git", "sbatch")
-SKIPPED_SCRIPTS = ("scripts/gpu_session.py",)
+SKIPPED_SCRIPTS = ("scripts/gpu_session.py", "scripts/mutation.py")
 # appended to a command by the prefix of its target (the script, or `-m module`); {epochs} is 1, or past
 # the command's own --warmup-epochs (which must end before the last epoch)
 TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slowly, so they get less
