@@ -553,3 +553,39 @@ def test_float64_gradients_are_balanced_in_the_sorters_float32(name, units, plac
     first = sorter.sort()
     step_epoch_from(sorter, first, lambda orders, positions: z[:, positions], 0, z.shape[1])
     assert torch.equal(sorter.sort(), first[:, placed])
+
+
+def test_every_refusal_of_a_sorter_word_for_word():
+    """The whole message of each refusal (the engine and the sampler pass them on)."""
+    def message(call, *args):
+        with pytest.raises(ValueError) as info:
+            call(*args)
+        return str(info.value)
+
+    assert message(build_sorter, "CD-GraB", 0, 4, 3) == "CD-GraB: need n_workers, m, d >= 1, got 0, 4, 3"
+    assert message(build_sorter, "D-RR", 2, 0, 3) == "D-RR: need n_workers, m, d >= 1, got 2, 0, 3"
+    assert message(build_sorter, "I-B", 2, 4, 0) == "I-B: need n_workers, m, d >= 1, got 2, 4, 0"
+    sorter = build_sorter("CD-GraB", 2, 6, 3)
+    sorter.sort()
+    expected_first = "CD-GraB: expected positions 0...1 of 6, got "
+    assert message(sorter.step, torch.zeros(2, 2, 3), torch.tensor([2, 3])) == expected_first + "[2, 3]"
+    assert message(sorter.step, torch.zeros(2, 2, 3), range(1, 3)) == expected_first + "[1, 2]"
+    assert message(sorter.step, torch.zeros(2, 2, 3), [0, 2]) == expected_first + "[0, 2]"
+    assert message(sorter.step, torch.zeros(2, 0, 3), range(0, 0)) == "CD-GraB: expected positions 0...0 of 6, got []"
+    assert message(sorter.step, torch.zeros(2, 0, 3), []) == "CD-GraB: expected positions 0...0 of 6, got []"
+    assert message(sorter.step, torch.zeros(2, 2, 4), torch.tensor([0, 1])) == \
+        "CD-GraB: grads must have shape (n, k, d) = (2, 2, 3), got (2, 2, 4)"
+    assert message(sorter.step, None, range(0, 2)) == "CD-GraB: grads must have shape (n, k, d) = (2, 2, 3), got None"
+    sorter.step(torch.zeros(2, 2, 3), range(0, 2))
+    assert message(sorter.sort) == \
+        "CD-GraB: the epoch ended after 2 of 6 positions; step() must see every position once per epoch"
+    assert message(sorter.step, torch.zeros(2, 6, 3), torch.arange(2, 8)) == \
+        "CD-GraB: expected positions 2...5 of 6, got [2, 3, 4, 5, 6, 7]"
+    assert message(sorter.step, torch.zeros(2, 9, 3), range(2, 11)) == \
+        "CD-GraB: expected positions 2...5 of 6, got [2, 3, 4, 5, 6, 7, 8, 9]"  # the first 8
+    assert message(sorter.step, torch.zeros(2, 9, 3), range(2, 20, 2)) == \
+        "CD-GraB: expected positions 2...5 of 6, got [2, 4, 6, 8, 10, 12, 14, 16]"
+    assert message(build_sorter("CD-GraB", 2, 6, 4).load_state_dict, sorter.state_dict()) == \
+        "CD-GraB: state is for d=3, sorter has 4"
+    assert message(build_sorter("CD-GraB", 3, 6, 3).load_state_dict, sorter.state_dict()) == \
+        "CD-GraB: state is for n=2, sorter has 3"
