@@ -589,3 +589,74 @@ def test_every_refusal_of_a_sorter_word_for_word():
         "CD-GraB: state is for d=3, sorter has 4"
     assert message(build_sorter("CD-GraB", 3, 6, 3).load_state_dict, sorter.state_dict()) == \
         "CD-GraB: state is for n=2, sorter has 3"
+
+
+@pytest.mark.parametrize("name", ["CD-GraB", "I-PB", "I-B"])
+def test_the_classes_defaults_are_seed_zero_on_the_cpu(name):
+    plain, built = SORTERS[name](2, 6, 3), build_sorter(name, 2, 6, 3, seed=0, device="cpu")
+    assert plain.device == torch.device("cpu") and torch.equal(plain.orders, built.orders)
+    assert plain.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["CD-GraB", "I-PB", "I-B"])
+def test_a_step_on_another_device_keeps_everything_there(name):
+    """The device path (torch ops, as on a GPU) on meta tensors: a step, including a pair left open for the
+    next step, makes and keeps every tensor on the sorter's device."""
+    sorter = build_sorter(name, 2, 6, 3, device="meta")
+    sorter.sort()
+    sorter.step(torch.zeros(2, 3, 3, device="meta"), range(0, 3))
+    kept = tensors_of(sorter)
+    if getattr(sorter, "pending", None) is not None:
+        kept["pending"] = sorter.pending
+    assert kept and all(value.device.type == "meta" for value in kept.values()), kept.keys()
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_the_device_path_forms_products_and_sums_chunk_by_chunk(monkeypatch, chunks):
+    """signs_by_gram (the sign rule off the CPU) with the differences widened `d / chunks` columns at a time
+    (GRAM_CHUNK_BYTES): the chunks gram_products reports, a = D S and G = D D^T, the float64 sequential rule's
+    signs, the sum updated to S + D^T signs, and no warning (no output resized on the way)."""
+    import warnings
+
+    import sorters.balance as balance
+
+    r, d = 5, 6
+    width = d // chunks
+    monkeypatch.setattr(balance, "GRAM_CHUNK_BYTES", 8 * r * width)
+    generator = torch.Generator().manual_seed(chunks)
+    diffs, start = torch.randn(r, d, generator=generator), torch.randn(d, dtype=torch.float64, generator=generator)
+    wide = diffs.double()
+    a, gram, (columns, last) = balance.gram_products(start, diffs)
+    assert columns == [slice(c, c + width) for c in range(0, d, width)]
+    assert torch.equal(last, wide[:, d - width:])
+    assert torch.allclose(a, wide @ start, rtol=0, atol=1e-12)
+    assert torch.allclose(gram, wide @ wide.T, rtol=0, atol=1e-12)
+    expected, s = [], start.clone()
+    for v in wide:
+        plus = bool(s @ v <= 0)
+        s += v if plus else -v
+        expected.append(plus)
+    running_sum = start.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        signs = balance.signs_by_gram(running_sum, diffs)
+    assert signs.tolist() == expected
+    assert torch.allclose(running_sum, s, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,units", [
+    ("I-B", [[1.0, 1.0], [2.0 ** -30, 0.0], [-1.0, 1.0], [0.0, 0.0]]),
+    ("I-PB", [[1.0, 1.0], [0.0, 0.0], [1.0, 2.0 ** -30], [0.0, 1.0]]),
+    ("CD-GraB", [[1.0, 1.0], [0.0, 0.0], [1.0, 2.0 ** -30], [0.0, 1.0]]),
+])
+def test_a_float64_balancer_keeps_what_float32_rounds_away(name, units):
+    """dtype=torch.float64, fed float32 gradients: differences and sums are formed in float64. Here float32
+    rounds 1 - 2^-30 to 1, so <sum, v> is 0 there (the unit or pair goes left: the next order's positions
+    0, 2, 3, 1) but 2^-30 > 0 in float64 (it goes right: 0, 3, 2, 1)."""
+    z = torch.tensor([units], dtype=torch.float32)  # one worker: (1, 4, 2), every value exact in float32
+    placed = {torch.float32: [0, 2, 3, 1], torch.float64: [0, 3, 2, 1]}
+    for dtype, expected in placed.items():
+        sorter = SORTERS[name](1, 4, 2, seed=0, dtype=dtype)
+        first = sorter.sort()
+        step_epoch_from(sorter, first, lambda orders, positions: z[:, positions], 0, 4)
+        assert torch.equal(sorter.sort(), first[:, expected]), dtype
