@@ -553,3 +553,230 @@ def test_float64_gradients_are_balanced_in_the_sorters_float32(name, units, plac
     first = sorter.sort()
     step_epoch_from(sorter, first, lambda orders, positions: z[:, positions], 0, z.shape[1])
     assert torch.equal(sorter.sort(), first[:, placed])
+
+
+def test_every_refusal_of_a_sorter_word_for_word():
+    """The whole message of each refusal (the engine and the sampler pass them on)."""
+    def message(call, *args):
+        with pytest.raises(ValueError) as info:
+            call(*args)
+        return str(info.value)
+
+    assert message(build_sorter, "CD-GraB", 0, 4, 3) == "CD-GraB: need n_workers, m, d >= 1, got 0, 4, 3"
+    assert message(build_sorter, "D-RR", 2, 0, 3) == "D-RR: need n_workers, m, d >= 1, got 2, 0, 3"
+    assert message(build_sorter, "I-B", 2, 4, 0) == "I-B: need n_workers, m, d >= 1, got 2, 4, 0"
+    sorter = build_sorter("CD-GraB", 2, 6, 3)
+    sorter.sort()
+    expected_first = "CD-GraB: expected positions 0...1 of 6, got "
+    assert message(sorter.step, torch.zeros(2, 2, 3), torch.tensor([2, 3])) == expected_first + "[2, 3]"
+    assert message(sorter.step, torch.zeros(2, 2, 3), range(1, 3)) == expected_first + "[1, 2]"
+    assert message(sorter.step, torch.zeros(2, 2, 3), [0, 2]) == expected_first + "[0, 2]"
+    assert message(sorter.step, torch.zeros(2, 0, 3), range(0, 0)) == "CD-GraB: expected positions 0...0 of 6, got []"
+    assert message(sorter.step, torch.zeros(2, 0, 3), []) == "CD-GraB: expected positions 0...0 of 6, got []"
+    assert message(sorter.step, torch.zeros(2, 2, 3), range(0, 4, 2)) == expected_first + "[0, 2]"
+    assert message(sorter.step, torch.zeros(2, 2, 4), torch.tensor([0, 1])) == \
+        "CD-GraB: grads must have shape (n, k, d) = (2, 2, 3), got (2, 2, 4)"
+    assert message(sorter.step, None, range(0, 2)) == "CD-GraB: grads must have shape (n, k, d) = (2, 2, 3), got None"
+    sorter.step(torch.zeros(2, 2, 3), range(0, 2))
+    assert message(sorter.sort) == \
+        "CD-GraB: the epoch ended after 2 of 6 positions; step() must see every position once per epoch"
+    assert message(sorter.step, torch.zeros(2, 6, 3), torch.arange(2, 8)) == \
+        "CD-GraB: expected positions 2...5 of 6, got [2, 3, 4, 5, 6, 7]"
+    assert message(sorter.step, torch.zeros(2, 10, 3), torch.arange(2, 12)) == \
+        "CD-GraB: expected positions 2...5 of 6, got [2, 3, 4, 5, 6, 7, 8, 9]"  # the first 8
+    assert message(sorter.step, torch.zeros(2, 9, 3), range(2, 11)) == \
+        "CD-GraB: expected positions 2...5 of 6, got [2, 3, 4, 5, 6, 7, 8, 9]"  # the first 8
+    assert message(sorter.step, torch.zeros(2, 9, 3), range(2, 20, 2)) == \
+        "CD-GraB: expected positions 2...5 of 6, got [2, 4, 6, 8, 10, 12, 14, 16]"
+    assert message(build_sorter("CD-GraB", 2, 6, 4).load_state_dict, sorter.state_dict()) == \
+        "CD-GraB: state is for d=3, sorter has 4"
+    assert message(build_sorter("CD-GraB", 3, 6, 3).load_state_dict, sorter.state_dict()) == \
+        "CD-GraB: state is for n=2, sorter has 3"
+
+
+@pytest.mark.parametrize("name", SORTER_NAMES)
+def test_the_classes_defaults_are_seed_zero_on_the_cpu(name):
+    epochs = {"epochs": 3} if SORTERS[name].uses_total_epochs else {}
+    plain, built = SORTERS[name](2, 6, 3, **epochs), build_sorter(name, 2, 6, 3, seed=0, device="cpu", epochs=3)
+    assert plain.device == torch.device("cpu") and torch.equal(plain.orders, built.orders)
+    assert not plain.uses_grads or plain.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["CD-GraB", "I-PB", "I-B"])
+def test_a_step_on_another_device_keeps_everything_there(name):
+    """The device path (torch ops, as on a GPU) on meta tensors: a step of CPU float32 gradients (moved to the
+    sorter), including a pair left open for the next step, makes and keeps every tensor on the sorter's
+    device, the floating ones in its dtype (CD-GraB's running sum is float64 in any case)."""
+    sorter = SORTERS[name](2, 6, 3, device="meta", dtype=torch.float64)
+    sorter.sort()
+    sorter.step(torch.zeros(2, 3, 3), range(0, 3))
+    kept = tensors_of(sorter)
+    if getattr(sorter, "pending", None) is not None:
+        kept["pending"] = sorter.pending
+    assert kept and all(value.device.type == "meta" for value in kept.values()), kept.keys()
+    assert all(value.dtype == torch.float64 for value in kept.values() if value.is_floating_point())
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_the_device_path_forms_products_and_sums_chunk_by_chunk(monkeypatch, chunks):
+    """signs_by_gram (the sign rule off the CPU) with the differences widened `d / chunks` columns at a time
+    (GRAM_CHUNK_BYTES): the chunks gram_products reports, a = D S and G = D D^T, the float64 sequential rule's
+    signs, the sum updated to S + D^T signs, and no warning (no output resized on the way)."""
+    import warnings
+
+    import sorters.balance as balance
+
+    r, d = 5, 6
+    width = d // chunks
+    monkeypatch.setattr(balance, "GRAM_CHUNK_BYTES", 8 * r * width)
+    generator = torch.Generator().manual_seed(chunks)
+    diffs, start = torch.randn(r, d, generator=generator), torch.randn(d, dtype=torch.float64, generator=generator)
+    wide = diffs.double()
+    a, gram, (columns, last) = balance.gram_products(start, diffs)
+    assert columns == [slice(c, c + width) for c in range(0, d, width)]
+    assert torch.equal(last, wide[:, d - width:])
+    assert torch.allclose(a, wide @ start, rtol=0, atol=1e-12)
+    assert torch.allclose(gram, wide @ wide.T, rtol=0, atol=1e-12)
+    expected, s = [], start.clone()
+    for v in wide:
+        plus = bool(s @ v <= 0)
+        s += v if plus else -v
+        expected.append(plus)
+    running_sum = start.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        signs = balance.signs_by_gram(running_sum, diffs)
+    assert signs.tolist() == expected
+    assert torch.allclose(running_sum, s, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,units", [
+    ("I-B", [[1.0, 1.0], [2.0 ** -30, 0.0], [-1.0, 1.0], [0.0, 0.0]]),
+    ("I-PB", [[1.0, 1.0], [0.0, 0.0], [1.0, 2.0 ** -30], [0.0, 1.0]]),
+    ("CD-GraB", [[1.0, 1.0], [0.0, 0.0], [1.0, 2.0 ** -30], [0.0, 1.0]]),
+])
+def test_a_float64_balancer_keeps_what_float32_rounds_away(name, units):
+    """dtype=torch.float64, fed float32 gradients: differences and sums are formed in float64. Here float32
+    rounds 1 - 2^-30 to 1, so <sum, v> is 0 there (the unit or pair goes left: the next order's positions
+    0, 2, 3, 1) but 2^-30 > 0 in float64 (it goes right: 0, 3, 2, 1)."""
+    z = torch.tensor([units], dtype=torch.float32)  # one worker: (1, 4, 2), every value exact in float32
+    placed = {torch.float32: [0, 2, 3, 1], torch.float64: [0, 3, 2, 1]}
+    for dtype, expected in placed.items():
+        sorter = SORTERS[name](1, 4, 2, seed=0, dtype=dtype)
+        first = sorter.sort()
+        step_epoch_from(sorter, first, lambda orders, positions: z[:, positions], 0, 4)
+        assert torch.equal(sorter.sort(), first[:, expected]), dtype
+
+
+def test_positions_of_any_integer_type_and_form():
+    """A range, a list, an int64 or int32 tensor, a NumPy int32 array: the same step."""
+    import numpy as np
+
+    n, m, d = 2, 8, 3
+    z = unit_vectors(n, m, d, seed=6)
+    expected = build_sorter("CD-GraB", n, m, d, seed=3)
+    expected_orders = [run_epoch(expected, gather_units(z), 2) for _ in range(2)]
+    forms = [lambda t: range(t, t + 2), lambda t: [t, t + 1], lambda t: torch.arange(t, t + 2),
+             lambda t: torch.arange(t, t + 2, dtype=torch.int32), lambda t: np.arange(t, t + 2, dtype=np.int32)]
+    for form in forms:
+        sorter = build_sorter("CD-GraB", n, m, d, seed=3)
+        for epoch in range(2):
+            orders = sorter.sort()
+            assert torch.equal(orders, expected_orders[epoch])
+            for t in range(0, m, 2):
+                sorter.step(gather_units(z)(orders, torch.arange(t, t + 2)), form(t))
+
+
+@pytest.mark.parametrize("name", SORTER_NAMES)
+def test_orders_are_long_tensors_every_epoch(name):
+    sorter = build_sorter(name, 2, 7, 3, seed=0, epochs=3)
+    for _ in range(3):
+        orders = run_epoch(sorter, gather_units(unit_vectors(2, 7, 3)), 3)
+        assert orders.dtype == torch.long
+
+
+def test_a_balancer_that_leaves_a_slot_empty_is_caught_at_the_next_sort():
+    """next_orders starts as -1 in every slot; sort() refuses to hand out an order with a slot left so."""
+    from sorters.balance import IndependentPairBalance
+
+    class Lazy(IndependentPairBalance):
+        def _place_pairs(self, xp, first_left, first):  # forgets to place the pairs
+            pass
+
+    sorter = Lazy(1, 4, 2)
+    sorter.sort()
+    sorter.step(torch.zeros(1, 4, 2), range(0, 4))
+    with pytest.raises(AssertionError) as info:
+        sorter.sort()
+    assert str(info.value) == "balancer left a slot of next_orders empty"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_strided_gradients_reach_the_compiled_loop_contiguous(keep):
+    """Gradients that are a strided view (here the (k, n, d) buffer of a caller, transposed) give the orders of
+    contiguous ones, and the compiled loop only ever sees C-contiguous arrays (strided views lose its SIMD
+    loop), also for a unit kept by reference across steps (grads_stay_valid, k odd)."""
+    from sorters.balance import _pair_signs_cpu
+
+    n, m, d, k = 3, 12, 4, 3
+    z = unit_vectors(n, m, d, seed=4)
+    plain, strided = build_sorter("CD-GraB", n, m, d, seed=1), build_sorter("CD-GraB", n, m, d, seed=1)
+    strided.grads_stay_valid = keep
+    kept = []  # a caller that keeps its buffers for the sorter holds them until the next step
+
+    def transposed(orders, positions):
+        buffer = gather_units(z)(orders, positions).transpose(0, 1).contiguous()  # (k, n, d)
+        kept.append(buffer)
+        return buffer.transpose(0, 1)  # (n, k, d), not contiguous
+
+    for _ in range(3):
+        assert torch.equal(run_epoch(plain, gather_units(z), k), run_epoch(strided, transposed, k))
+    for signature in _pair_signs_cpu().signatures:
+        assert all(getattr(t, "layout", "C") == "C" for t in signature), signature
+
+
+def test_the_cached_units_buffer_is_allocated_once():
+    """The copy of a step's unpaired last unit goes into one (n, d) buffer, reused at every odd step (a fresh
+    one per pair would cost page faults, for GPT-2 a 1.75 GB allocation, every other step)."""
+    n, m, d = 2, 12, 3
+    z = unit_vectors(n, m, d, seed=5)
+    sorter = build_sorter("CD-GraB", n, m, d, seed=0)
+    pointers = set()
+    for _ in range(2):
+        orders = sorter.sort()
+        for t in range(0, m, 3):
+            sorter.step(gather_units(z)(orders, torch.arange(t, t + 3)), torch.arange(t, t + 3))
+            if sorter.pending is not None:
+                pointers.add(sorter.pending.data_ptr())
+    assert len(pointers) == 1
+
+
+def test_on_the_cpu_cd_grab_signs_with_the_compiled_loop(monkeypatch):
+    """CPU tensors take the NumPy views and the compiled loop; signs_by_gram is for other devices."""
+    import sorters.balance as balance
+
+    def not_on_the_cpu(*args):
+        raise AssertionError("signs_by_gram called for CPU tensors")
+
+    monkeypatch.setattr(balance, "signs_by_gram", not_on_the_cpu)
+    sorter = build_sorter("CD-GraB", 2, 8, 3, seed=0)
+    for _ in range(2):
+        run_epoch(sorter, gather_units(unit_vectors(2, 8, 3)), 2)
+
+
+def test_array_views_contract():
+    """CPU tensors: NumPy views sharing their memory (detached when they require grad); NumPy arrays pass
+    through; anything off the CPU: torch and the tensors themselves."""
+    import numpy as np
+
+    from sorters.base import array_views
+
+    plain, with_grad, array = torch.zeros(3), torch.zeros(2, requires_grad=True), np.ones(4)
+    xp, (a, b, c) = array_views(plain, with_grad, array)
+    assert xp is np and c is array
+    a[0] = 5.0
+    b[1] = 7.0
+    assert plain[0] == 5.0 and with_grad[1] == 7.0
+    meta = torch.zeros(3, device="meta")
+    xp, views = array_views(meta, torch.zeros(1))
+    assert xp is torch and views[0] is meta
