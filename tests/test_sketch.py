@@ -88,6 +88,30 @@ def test_the_same_seed_gives_the_same_map_everywhere():
         assert torch.equal(a(r.cuda()), a(r.cuda()))  # deterministic from call to call
 
 
+def test_tensor_blocks_are_drawn_from_the_seed_alone_and_uniformly():
+    """With blocks, the map still depends on (d, dim, seed, blocks) only, whatever torch's global generator did
+    before; the row and column hashes take every value in 0..dim-1 (uniform; 200 draws over 4 values miss one
+    with probability about 1e-24) and the signs both of +-1."""
+    blocks = [(3, 200, 5), (1003, 4, 200)]
+    torch.manual_seed(1)
+    a = GradientSketch(2000, 4, seed=7, blocks=blocks)
+    torch.manual_seed(2)
+    b = GradientSketch(2000, 4, seed=7, blocks=blocks)
+    assert torch.equal(a.matrix(), b.matrix())
+    first, second = a.block_at(3), a.block_at(1003)
+    assert set(first.h1.tolist()) == set(second.h2.tolist()) == {0, 1, 2, 3}
+    assert set(first.s1.tolist()) == set(second.s2.tolist()) == {-1, 1}
+
+
+def test_half_precision_in_half_precision_out():
+    """A float16 input gives a float16 sketch: the signs are applied in the input's dtype."""
+    sketch = GradientSketch(50, 8, seed=3)
+    x = torch.randint(-8, 8, (4, 50), generator=torch.Generator().manual_seed(2)).half()  # exact sums
+    y = sketch(x)
+    assert y.dtype == torch.float16
+    assert torch.equal(y.double(), x.double() @ sketch.matrix().T)
+
+
 def test_identity_and_bad_sizes():
     x = torch.randn(3, 10)
     for sketch in (GradientSketch.identity(10), GradientSketch(10, 10), GradientSketch(10, 99)):
