@@ -3,6 +3,7 @@
     pip install -r requirements-dev.txt
     CDGRAB_DATA=../shared/data python scripts/mutation.py                 # all four files, then the report
     CDGRAB_DATA=../shared/data python scripts/mutation.py --files sketch  # one file's mutants (re-run)
+    CDGRAB_DATA=../shared/data python scripts/mutation.py --live          # only those not killed last time
     python scripts/mutation.py --report-only                              # the report from the last run
 
 mutmut (configured in pyproject.toml, [tool.mutmut]) copies sorters/ into mutants/ with every mutant of
@@ -11,8 +12,9 @@ in-process tests that reach the mutated function (tests/test_sorters.py, test_sa
 test_sampler_frameworks.py, test_sketch.py, test_sketch_records.py, test_reorderers.py; no end-to-end
 runs, no test that starts a subprocess; `-n 0 -x -q`). A mutant is killed when a test fails. The run
 is niced (nice -n 19) and resumes where it stopped: without --files, mutants already checked keep their
-result. Survivors that no test can kill (equivalent mutants) are listed with the reason in
-scripts/mutation-equivalent.txt; the report (docs/mutation-report.md) counts them apart.
+result; --live runs again only the mutants it did not kill. Survivors that no test can kill (equivalent
+mutants) are listed with the reason in scripts/mutation-equivalent.txt; the report
+(docs/mutation-report.md) counts them apart.
 """
 import argparse
 import json
@@ -47,6 +49,9 @@ def main() -> None:
                                 epilog="See docs/mutation-testing.md.")
     parser.add_argument("--files", nargs="+", choices=FILES, default=None,
                         help="run only these files' mutants (re-checks them); default: all four, resuming")
+    parser.add_argument("--live", action="store_true",
+                        help="run again only the mutants the last run did not kill (survived, no tests, timeout), "
+                             "e.g. after adding tests")
     parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default 2)")
     parser.add_argument("--report-only", action="store_true", help="skip the run; write the report from mutants/")
     parser.add_argument("--report", type=Path, default=REPORT,
@@ -59,6 +64,11 @@ def main() -> None:
     if not args.report_only:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per mutant process: --max-children is the load
         names = [f"sorters.{name}.*" for name in args.files or ()]
+        if args.live:
+            names = [mutant for mutant, verdict in results().items() if verdict not in ("killed", "not checked")
+                     and (not args.files or file_of(mutant) in args.files)]
+            if not names:
+                sys.exit("error: no live mutants in mutants/ (run without --live first)")
         command = ["nice", "-n", "19", mutmut, "run", "--max-children", str(args.max_children), *names]
         print("+", " ".join(command), flush=True)
         # mutmut's progress line is redrawn with carriage returns: keep the last state of each line only

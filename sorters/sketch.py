@@ -153,19 +153,25 @@ class GradientSketch:
             return x
         rows = x.detach().reshape(-1, self.d)
         buckets, signs = self.tables(x.device, x.dtype)
-        on_cpu = x.device.type == "cpu"
-        # the index_put_ path accumulates into rows of a (dim, rows) tensor: the transposed output
-        out = rows.new_zeros(rows.shape[0], self.dim) if on_cpu else rows.new_zeros(self.dim, rows.shape[0])
+        out = self._sketch_rows(rows, buckets, signs, in_order=x.device.type == "cpu")
+        return out.reshape(*x.shape[:-1], self.dim)
+
+    def _sketch_rows(self, rows: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor,
+                     in_order: bool) -> torch.Tensor:
+        """rows (N, d) -> (N, dim), a signed copy of CHUNK_BYTES of the rows at a time. in_order (the CPU):
+        index_add_, which adds in increasing i; else index_put_ with accumulate, which sorts stably first
+        (CUDA's index_add_ adds in any order: atomics). Either path runs on any device."""
+        # the index_put_ path accumulates into rows of a (dim, N) tensor: the transposed output
+        out = rows.new_zeros(rows.shape[0], self.dim) if in_order else rows.new_zeros(self.dim, rows.shape[0])
         width = max(1, CHUNK_BYTES // max(1, rows.shape[0] * rows.element_size()))
         for start in range(0, self.d, width):
             cols = slice(start, start + width)
             signed = rows[:, cols] * signs[cols]
-            if on_cpu:
+            if in_order:
                 out.index_add_(1, buckets[cols], signed)
-            else:  # CUDA's index_add_ adds in any order (atomics); index_put_ sorts first
+            else:
                 out.index_put_((buckets[cols],), signed.T.contiguous(), accumulate=True)
-        out = out if on_cpu else out.T.contiguous()
-        return out.reshape(*x.shape[:-1], self.dim)
+        return out if in_order else out.T.contiguous()
 
     def matrix(self, dtype=torch.float64) -> torch.Tensor:
         """The map as a dense (dim, d) matrix (for tests and small d only)."""

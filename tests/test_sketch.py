@@ -88,6 +88,72 @@ def test_the_same_seed_gives_the_same_map_everywhere():
         assert torch.equal(a(r.cuda()), a(r.cuda()))  # deterministic from call to call
 
 
+def test_tensor_blocks_are_drawn_from_the_seed_alone_and_uniformly():
+    """With blocks, the map still depends on (d, dim, seed, blocks) only, whatever torch's global generator did
+    before; the row and column hashes take every value in 0..dim-1 (uniform; 200 draws over 4 values miss one
+    with probability about 1e-24) and the signs both of +-1."""
+    blocks = [(3, 200, 5), (1003, 4, 200)]
+    torch.manual_seed(1)
+    a = GradientSketch(2000, 4, seed=7, blocks=blocks)
+    torch.manual_seed(2)
+    b = GradientSketch(2000, 4, seed=7, blocks=blocks)
+    assert torch.equal(a.matrix(), b.matrix())
+    first, second = a.block_at(3), a.block_at(1003)
+    assert set(first.h1.tolist()) == set(second.h2.tolist()) == {0, 1, 2, 3}
+    assert set(first.s1.tolist()) == set(second.s2.tolist()) == {-1, 1}
+
+
+def test_half_precision_in_half_precision_out():
+    """A float16 input gives a float16 sketch: the signs are applied in the input's dtype."""
+    sketch = GradientSketch(50, 8, seed=3)
+    x = torch.randint(-8, 8, (4, 50), generator=torch.Generator().manual_seed(2)).half()  # exact sums
+    y = sketch(x)
+    assert y.dtype == torch.float16
+    assert torch.equal(y.double(), x.double() @ sketch.matrix().T)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("chunk_columns", [1, 7, 40])
+def test_both_accumulation_paths_give_the_dense_maps_numbers_chunk_by_chunk(monkeypatch, in_order, chunk_columns):
+    """The CPU's index_add_ path and the other devices' index_put_ path (run here on the CPU), with the signed
+    copy made `chunk_columns` input columns at a time (CHUNK_BYTES): integer-valued rows, so every sum is exact
+    and both must give x P^T exactly; the copies are of that many columns (the last one what is left)."""
+    import sorters.sketch as sketch_module
+
+    n_rows, d, dim = 3, 40, 6
+    monkeypatch.setattr(sketch_module, "CHUNK_BYTES", n_rows * 4 * chunk_columns)  # float32 rows
+    sketch = GradientSketch(d, dim, seed=5)
+    x = torch.randint(-9, 9, (n_rows, d), generator=torch.Generator().manual_seed(3)).float()
+    tables = sketch.tables()
+    widths = []  # input columns per accumulation: index_add_(1, buckets, (N, w)) / index_put_((buckets,), (w, N))
+    index_add, index_put = torch.Tensor.index_add_, torch.Tensor.index_put_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda out, dim_, index, source: (
+        widths.append(source.shape[1]), index_add(out, dim_, index, source))[1])
+    monkeypatch.setattr(torch.Tensor, "index_put_", lambda out, indices, values, accumulate=False: (
+        widths.append(values.shape[0]), index_put(out, indices, values, accumulate))[1])
+    got = sketch._sketch_rows(x, *tables, in_order=in_order)
+    monkeypatch.undo()
+    assert got.shape == (n_rows, dim) and torch.equal(got.double(), x.double() @ sketch.matrix().T)
+    assert widths == [chunk_columns] * (d // chunk_columns) + ([d % chunk_columns] if d % chunk_columns else [])
+
+
+def test_the_cpu_adds_in_order_and_other_devices_sort_first(monkeypatch):
+    """Which accumulation each device gets (the docstring's determinism): index_add_ on the CPU, which adds in
+    increasing i; index_put_ with accumulate elsewhere (meta tensors stand in for a GPU), where index_add_ adds
+    in any order."""
+    sketch = GradientSketch(30, 4, seed=1)
+    used = []
+    index_add, index_put = torch.Tensor.index_add_, torch.Tensor.index_put_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda *args: (used.append("index_add_"), index_add(*args))[1])
+    monkeypatch.setattr(torch.Tensor, "index_put_", lambda *args, **kwargs: (
+        used.append("index_put_"), index_put(*args, **kwargs))[1])
+    sketch(torch.zeros(2, 30))
+    assert set(used) == {"index_add_"}
+    used.clear()
+    sketch(torch.zeros(2, 30, device="meta"))
+    assert set(used) == {"index_put_"}
+
+
 def test_identity_and_bad_sizes():
     x = torch.randn(3, 10)
     for sketch in (GradientSketch.identity(10), GradientSketch(10, 10), GradientSketch(10, 99)):
