@@ -25,7 +25,7 @@ from engine.errors import UserFacingError, exit_with_error  # noqa: E402
 from sorters import SORTER_NAMES  # noqa: E402
 
 try:
-    from transformers import PrinterCallback, ProgressCallback, TrainingArguments
+    from transformers import PrinterCallback, ProgressCallback, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
     from data.wikitext103 import load_blocks
@@ -89,7 +89,7 @@ trainer = CDGraBTrainer(model=model, args=training_args, train_dataset=as_exampl
                         sketch_dim=args.sketch_dim, num_replicas=args.replicas)
 
 
-class EpochOrders:
+class EpochOrders(TrainerCallback):
     """Every epoch's orders (replicas, m), read from the sampler when the epoch ends."""
 
     def __init__(self):
@@ -97,9 +97,6 @@ class EpochOrders:
 
     def on_epoch_end(self, *_, **__):
         self.orders.append(trainer.cdgrab_sampler.all_indices())
-
-    def __getattr__(self, event):  # every other Trainer event: nothing to do
-        return lambda *_, **__: None
 
 
 orders = EpochOrders()
@@ -127,7 +124,7 @@ try:
 except ValueError as error:  # settings the trainer refuses (one line), before the first step
     exit_with_error(str(error))
 
-history = [entry for entry in trainer.state.log_history]
+history = trainer.state.log_history
 if training_args.process_index == 0:
     for entry in history:
         if "eval_loss" in entry:

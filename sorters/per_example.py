@@ -26,14 +26,13 @@ The model must treat examples independently: no BatchNorm in training mode (it m
 use GroupNorm / LayerNorm or eval-mode BatchNorm), and no dropout in training mode (vmap refuses
 random operations): call it with the model in eval mode, i.e. order by the gradients without dropout.
 """
-import re
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
-from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch
+from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch, selected_parameters
 from sorters.sketch import GradientSketch
 
 
@@ -74,14 +73,9 @@ class PerExampleGrads:
         model = getattr(model, "module", model) if isinstance(
             model, torch.nn.parallel.DistributedDataParallel) else model
         self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size
-        patterns = [params] if isinstance(params, str) else params
-        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        self.names = [name for name, _ in trainable
-                      if patterns is None or any(re.search(pattern, name) for pattern in patterns)]
-        if not self.names:
-            raise ValueError(f"PerExampleGrads: no trainable parameter name matches {params!r}; names are "
-                             + ", ".join(name for name, _ in trainable[:12]))
-        self.d = sum(p.numel() for name, p in trainable if name in self.names)
+        chosen = selected_parameters(model, params, "PerExampleGrads")
+        self.names = [name for name, _ in chosen]
+        self.d = sum(p.numel() for _, p in chosen)
         if sketch_dim < 0:
             raise ValueError(f"PerExampleGrads: sketch_dim must be >= 0 (0: no sketch), got {sketch_dim}")
         self.sketch = GradientSketch(self.d, sketch_dim, sketch_seed) if sketch_dim else None
