@@ -257,6 +257,9 @@ def test_the_smallest_settings_are_accepted():
     kh = CDGraBSampler(4, batch_size=1, d=1, sorter="KH-SGD", num_replicas=2, epochs=1)
     assert kh.state_dict()["config"]["epochs"] == 1
     assert len(CDGraBSampler(4, batch_size=2, sorter="D-RR", num_replicas=2, rank=1)) == 2  # the last rank
+    alone = CDGraBSampler(6, batch_size=2, d=1)  # no process group: one replica, hosted here
+    assert alone.num_replicas == 1 and alone.m == 6 and len(alone) == 6
+    assert CDGraBSampler(24, batch_size=2, d=3, num_replicas=2, device="meta").sorter.device.type == "meta"
 
 
 def test_the_default_seed_is_zero():
@@ -347,6 +350,29 @@ def test_under_a_process_group_each_rank_yields_its_replica_and_gathers_every_st
     assert gathers == ([0, 1, 2] * steps if sorter == "CD-GraB" else [])  # D-RR communicates nothing
 
 
+def test_the_gather_buffer_is_made_where_the_gradients_are(monkeypatch):
+    """Under a process group step() all-gathers into a buffer on the gradients' device and in their dtype (NCCL
+    gathers GPU tensors): float64 meta tensors stand in, and the simulated gather stops the step there."""
+    import sorters.sampler as sampler_module
+
+    class Gathered(Exception):
+        pass
+
+    def all_gather(out, local):
+        raise Gathered(out.device.type, out.dtype, out.shape, local.device.type, local.dtype)
+
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(sampler_module, "_all_gather_single", all_gather)
+    sampler = CDGraBSampler(8, batch_size=2, d=3)
+    iter(sampler)
+    with pytest.raises(Gathered) as info:
+        sampler.step(torch.zeros(2, 3, dtype=torch.float64, device="meta"))
+    assert info.value.args == ("meta", torch.float64, (4, 3), "meta", torch.float64)
+
+
 # ------------------------------------------------------------------------------------------- state_dict
 
 
@@ -357,6 +383,8 @@ def test_the_state_dict_holds_the_documented_config():
     assert plain.state_dict()["config"] == {"sorter": "CD-GraB", "num_replicas": 4, "m": 6, "batch_size": 2, "d": 3,
                                             "seed": 0, "sketch_dim": 0}
     assert plain.state_dict()["position"] == 0 and plain.state_dict()["started"] is False
+    no_grads = CDGraBSampler(24, batch_size=2, sorter="D-RR", num_replicas=4).state_dict()
+    assert (no_grads["sorter"]["n"], no_grads["sorter"]["m"], no_grads["sorter"]["d"]) == (4, 6, 1)  # d: 1 unused
     kh = CDGraBSampler(24, batch_size=2, d=3, sorter="KH-SGD", num_replicas=4, epochs=3, seed=2)
     assert kh.state_dict()["config"] == {"sorter": "KH-SGD", "num_replicas": 4, "m": 6, "batch_size": 2, "d": 3,
                                          "seed": 2, "sketch_dim": 0, "epochs": 3}

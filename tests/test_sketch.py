@@ -154,6 +154,66 @@ def test_the_cpu_adds_in_order_and_other_devices_sort_first(monkeypatch):
     assert set(used) == {"index_put_"}
 
 
+def test_the_map_is_drawn_as_documented():
+    """h_i, then s_i, all d of each, from a torch.Generator seeded with seed + SEED_OFFSET (the docstring's
+    recipe, rebuilt here); the default seed is 0."""
+    from sorters.sketch import SEED_OFFSET
+
+    d, dim = 60, 7
+    for seed in (0, 4):
+        generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
+        buckets = torch.randint(0, dim, (d,), generator=generator)
+        signs = torch.randint(0, 2, (d,), generator=generator) * 2 - 1
+        P = torch.zeros(dim, d, dtype=torch.float64)
+        P[buckets, torch.arange(d)] = signs.double()
+        assert torch.equal(GradientSketch(d, dim, seed=seed).matrix(), P), seed
+    assert torch.equal(GradientSketch(d, dim).matrix(), GradientSketch(d, dim, seed=0).matrix())
+
+
+def test_the_smallest_sizes_and_every_bad_block():
+    """d = 1 and dim = 1 are fine (every coordinate into one bucket); a block must lie inside the d
+    coordinates, not overlap another, and have rows and columns (one of each is enough)."""
+    assert GradientSketch(1, 1).is_identity
+    one_bucket = GradientSketch(5, 1, seed=2)
+    x = torch.arange(5.0)
+    assert one_bucket.dim == 1 and torch.equal(one_bucket(x).double(), one_bucket.matrix() @ x.double())
+    GradientSketch(10, 3, blocks=[(4, 2, 3)])  # ends at coordinate 10 = d
+    GradientSketch(10, 3, blocks=[(0, 3, 1), (3, 1, 1)])  # one column; one row; touching, not overlapping
+    for blocks in ([(5, 2, 3)], [(0, 0, 3)], [(0, 3, 0)], [(0, 2, 2), (3, 1, 2)]):
+        with pytest.raises(ValueError) as info:
+            GradientSketch(10, 3, blocks=blocks)
+        offset, rows, cols = blocks[-1]
+        assert str(info.value) == (f"GradientSketch: block ({offset}, {rows}, {cols}) overlaps another or leaves "
+                                   "the 10 coordinates")
+
+
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_add_outer_goes_through_the_units_in_groups(monkeypatch, per_group):
+    """CHUNK_BYTES bounds the spectra: add_outer takes CHUNK_BYTES // (T * dim * 2 * element size) units at a
+    time (at least one), here 1 or 2 of 3, with the result of taking all three at once."""
+    import sorters.sketch as sketch_module
+
+    U, T, rows, cols, dim = 3, 5, 4, 6, 7
+    sketch = GradientSketch(40, dim, seed=3, blocks=[(2, rows, cols)])
+    block = sketch.block_at(2)
+    generator = torch.Generator().manual_seed(4)
+    left = torch.randn(U, T, rows, generator=generator, dtype=torch.float64)
+    right = torch.randn(U, T, cols, generator=generator, dtype=torch.float64)
+    at_once = torch.zeros(U, dim, dtype=torch.float64)
+    block.add_outer(left, right, at_once)
+    monkeypatch.setattr(sketch_module, "CHUNK_BYTES", T * dim * 2 * 8 * per_group)
+    transformed = []  # the rows of each rfft: (units in the group) * T
+    rfft = torch.fft.rfft
+    monkeypatch.setattr(torch.fft, "rfft", lambda x, *args, **kwargs: (transformed.append(x.shape[0]),
+                                                                      rfft(x, *args, **kwargs))[1])
+    grouped = torch.zeros(U, dim, dtype=torch.float64)
+    block.add_outer(left, right, grouped)
+    monkeypatch.undo()
+    groups = [per_group] * (U // per_group) + ([U % per_group] if U % per_group else [])
+    assert transformed == [size * T for size in groups for _ in range(2)]  # the rows' and the columns' spectra
+    assert torch.allclose(grouped, at_once, rtol=0, atol=1e-12)
+
+
 def test_identity_and_bad_sizes():
     x = torch.randn(3, 10)
     for sketch in (GradientSketch.identity(10), GradientSketch(10, 10), GradientSketch(10, 99)):

@@ -481,9 +481,12 @@ def test_balancers_keep_their_state_on_their_device_in_their_dtype(name):
     running sum is float64 in any case), and a state_dict from the CPU is moved there by load_state_dict."""
     cls = SORTERS[name]
     sorter = cls(2, 6, 3, seed=0, device="meta", dtype=torch.float64)
+    shapes = {"orders": (2, 6), "next_orders": (2, 6), "running_sum": (3,), "running_sums": (2, 3),
+              "stale_mean": (2, 3), "grad_sum": (2, 3), "left": (2,), "right": (2,)}  # per worker: n = 2
     for key, value in tensors_of(sorter).items():
         assert value.device.type == "meta", key
         assert not value.is_floating_point() or value.dtype == torch.float64, key
+        assert value.shape == shapes[key], key
     cpu = build_sorter(name, 2, 6, 3, seed=0)
     run_epoch(cpu, gather_units(unit_vectors(2, 6, 3)), 2)
     sorter.load_state_dict(cpu.state_dict())
@@ -574,6 +577,7 @@ def test_every_refusal_of_a_sorter_word_for_word():
     assert message(sorter.step, torch.zeros(2, 0, 3), range(0, 0)) == "CD-GraB: expected positions 0...0 of 6, got []"
     assert message(sorter.step, torch.zeros(2, 0, 3), []) == "CD-GraB: expected positions 0...0 of 6, got []"
     assert message(sorter.step, torch.zeros(2, 2, 3), range(0, 4, 2)) == expected_first + "[0, 2]"
+    assert message(sorter.step, torch.zeros(2, 2, 3), torch.tensor([2.0, 3.0])) == expected_first + "[2, 3]"
     assert message(sorter.step, torch.zeros(2, 2, 4), torch.tensor([0, 1])) == \
         "CD-GraB: grads must have shape (n, k, d) = (2, 2, 3), got (2, 2, 4)"
     assert message(sorter.step, None, range(0, 2)) == "CD-GraB: grads must have shape (n, k, d) = (2, 2, 3), got None"
@@ -602,22 +606,25 @@ def test_the_classes_defaults_are_seed_zero_on_the_cpu(name):
     assert not plain.uses_grads or plain.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", ["CD-GraB", "I-PB", "I-B"])
-def test_a_step_on_another_device_keeps_everything_there(name):
+def test_a_step_on_another_device_keeps_everything_there(name, dtype):
     """The device path (torch ops, as on a GPU) on meta tensors: a step of CPU float32 gradients (moved to the
-    sorter), including a pair left open for the next step, makes and keeps every tensor on the sorter's
-    device, the floating ones in its dtype (CD-GraB's running sum is float64 in any case)."""
-    sorter = SORTERS[name](2, 6, 3, device="meta", dtype=torch.float64)
+    sorter, in its dtype or not), including a pair left open for the next step, makes and keeps every tensor
+    on the sorter's device, the floating ones in its dtype (CD-GraB's running sum is float64 in any case)."""
+    sorter = SORTERS[name](2, 6, 3, device="meta", dtype=dtype)
     sorter.sort()
     sorter.step(torch.zeros(2, 3, 3), range(0, 3))
     kept = tensors_of(sorter)
     if getattr(sorter, "pending", None) is not None:
         kept["pending"] = sorter.pending
     assert kept and all(value.device.type == "meta" for value in kept.values()), kept.keys()
-    assert all(value.dtype == torch.float64 for value in kept.values() if value.is_floating_point())
+    for key, value in kept.items():
+        if value.is_floating_point():
+            assert value.dtype == (torch.float64 if key == "running_sum" else dtype), key
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 6])
 def test_the_device_path_forms_products_and_sums_chunk_by_chunk(monkeypatch, chunks):
     """signs_by_gram (the sign rule off the CPU) with the differences widened `d / chunks` columns at a time
     (GRAM_CHUNK_BYTES): the chunks gram_products reports, a = D S and G = D D^T, the float64 sequential rule's
