@@ -9,9 +9,11 @@ import io
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +37,38 @@ def atomic_write_bytes(path: Path, payload: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def signals_deferred(signums=(signal.SIGTERM, signal.SIGINT)):
+    """Hold these signals' Python handlers until the block ends, then run them (at most once each, in
+    arrival order): a run stopped while it writes an epoch's files (checkpoint.pt, then orders.pt and
+    metrics.csv) stops after the last one, so the files always describe the same finished epoch. In the
+    main thread only (where Python runs signal handlers); elsewhere the block runs as it is."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived, previous = [], {}
+
+    def remember(signum, frame):
+        if signum not in arrived:
+            arrived.append(signum)
+
+    for signum in signums:
+        previous[signum] = signal.signal(signum, remember)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in arrived:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def atomic_torch_save(obj, path: Path) -> None:

@@ -559,6 +559,17 @@ def save_epoch(run: Run, rows: list[dict], recorded_orders: list) -> None:
     if not run.writer:
         return
     row, task, args = rows[-1], run.task, run.args
+    with runlog.signals_deferred():  # SIGTERM / Ctrl-C now stop the run after all three files are written
+        write_epoch_files(run, rows, recorded_orders, strategy_state)
+    shown = " | ".join(f"{key} {row[key]:.4f}" for key in ("train_loss", "test_loss", *task.metric_columns))
+    print(f"{task.name} {run.sorter.name} epoch {row['epoch']}/{args.epochs} | {shown} | {row['epoch_seconds']:.1f} s",
+          file=sys.stderr, flush=True)
+
+
+def write_epoch_files(run: Run, rows: list[dict], recorded_orders: list, strategy_state: tuple) -> None:
+    """checkpoint.pt, orders.pt (--record-orders) and metrics.csv of the epoch just finished (rank 0);
+    strategy_state: the optimizer's and the reducer's state_dict."""
+    row, task, args = rows[-1], run.task, run.args
     runlog.atomic_torch_save({
         "epoch": row["epoch"], "args": dict(vars(args)), "flat": task.model.flat.detach().cpu(),
         "optimizer": strategy_state[0], "reducer": strategy_state[1], "sorter": run.sorter.state_dict(),
@@ -567,9 +578,6 @@ def save_epoch(run: Run, rows: list[dict], recorded_orders: list) -> None:
     if args.record_orders:
         runlog.atomic_torch_save(recorded_orders, run.out / "orders.pt")
     runlog.write_metrics(run.out / "metrics.csv", rows, task.metric_columns)
-    shown = " | ".join(f"{key} {row[key]:.4f}" for key in ("train_loss", "test_loss", *task.metric_columns))
-    print(f"{task.name} {run.sorter.name} epoch {row['epoch']}/{args.epochs} | {shown} | {row['epoch_seconds']:.1f} s",
-          file=sys.stderr, flush=True)
 
 
 def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer, herding_log=None):
