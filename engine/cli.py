@@ -10,7 +10,7 @@ from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS, changed_on_resu
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
 from engine.reducers import REDUCER_NAMES
-from engine.sketching import check_sketch_args
+from engine.sketching import STRUCTURED_MIN_NUMEL, check_sketch_args
 from sorters import SORTER_NAMES
 
 # --progress auto without a terminal (nohup, sweeps' logs, CI): seconds between plain progress lines
@@ -127,6 +127,11 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                         "of the per-unit gradients (sorters/sketch.py), made by each process before the all-gather: n*k*D floats "
                         "gathered per step instead of n*k*d, plus the update's all-reduce (n*d). 0 (default): exact "
                         "balancing; D >= d: exact too (the identity). docs/sketching.md")
+    p.add_argument("--sketch-min-numel", type=int, default=STRUCTURED_MIN_NUMEL, metavar="N",
+                   help="with --sketch-dim: the weights of Linear / Conv1D / Embedding layers with at least N "
+                        f"entries are TensorSketch blocks of the map, the rest CountSketched (default {STRUCTURED_MIN_NUMEL}: "
+                        "GPT-2's tied embedding only); where the model allows it, the blocks' sketches come from "
+                        "the layer records without forming their per-unit gradients. docs/sketching.md")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 

@@ -18,6 +18,11 @@ def check_sketch_args(args) -> None:
     dim = getattr(args, "sketch_dim", 0)
     if dim < 0:
         raise UserFacingError(f"--sketch-dim must be >= 0 (0: exact balancing), got {dim}")
+    min_numel = getattr(args, "sketch_min_numel", STRUCTURED_MIN_NUMEL)
+    if min_numel < 1:
+        raise UserFacingError(f"--sketch-min-numel must be >= 1 (the fewest entries of a tensor-sketched weight), got {min_numel}")
+    if min_numel != STRUCTURED_MIN_NUMEL and not dim:
+        raise UserFacingError("--sketch-min-numel applies to a sketch: add --sketch-dim D, or drop --sketch-min-numel")
     if dim and not SORTERS[args.sorter].uses_grads:
         balancing = ", ".join(name for name, cls in SORTERS.items() if cls.uses_grads)
         raise UserFacingError(f"--sketch-dim applies to the sorters that balance gradients ({balancing}); "
@@ -28,8 +33,8 @@ def make_sketch(args, d: int, model=None):
     """The run's GradientSketch, or None when there is none to apply (--sketch-dim 0, or D >= d,
     where the sketch would be the identity: the run is then exact balancing, bit for bit).
 
-    model (an engine.functional.FlatModel, optional): its layer weights of at least STRUCTURED_MIN_NUMEL
-    entries (GPT-2: the tied 50,257 x 128 wte/lm_head) become TensorSketch blocks of the map, so that the
+    model (an engine.functional.FlatModel, optional): its layer weights of at least --sketch-min-numel
+    (default STRUCTURED_MIN_NUMEL) entries (GPT-2: the tied 50,257 x 128 wte/lm_head) become TensorSketch blocks of the map, so that the
     per-unit sketches come from the layer records without forming those weights' per-unit gradients
     (Task.unit_sketches). Every other coordinate, and every model without such a weight (LR, MLP, LSTM),
     keeps the plain CountSketch. The map depends only on (model structure, D, seed): every process and
@@ -37,7 +42,8 @@ def make_sketch(args, d: int, model=None):
     dim = getattr(args, "sketch_dim", 0)
     if not dim:
         return None
-    blocks = model.sketch_blocks(STRUCTURED_MIN_NUMEL) if model is not None and dim < d else []
+    min_numel = getattr(args, "sketch_min_numel", STRUCTURED_MIN_NUMEL)
+    blocks = model.sketch_blocks(min_numel) if model is not None and dim < d else []
     sketch = GradientSketch(d, dim, seed=args.seed, blocks=blocks)
     return None if sketch.is_identity else sketch
 
@@ -46,4 +52,6 @@ def sketch_config(args, sketch) -> dict:
     """config.json's record of the sketch actually applied."""
     if sketch is None:
         return {"sketch_dim": getattr(args, "sketch_dim", 0), "applied": False}
-    return {"sketch_dim": sketch.dim, "applied": True, "family": sketch.family, "seed": sketch.seed}
+    return {"sketch_dim": sketch.dim, "applied": True, "family": sketch.family, "seed": sketch.seed,
+            "min_numel": getattr(args, "sketch_min_numel", STRUCTURED_MIN_NUMEL),
+            "blocks": [[block.offset, block.rows, block.cols] for block in sketch.blocks]}

@@ -420,7 +420,9 @@ def test_sketched_one_process_equals_torchrun(runs, tmp_path):
 @needs_data(M4)
 def test_bad_sketch_flags_fail_in_one_line(runs, tmp_path):
     for extra, message in ((["--sorter", "D-RR", "--sketch-dim", "8"], "--sketch-dim applies to the sorters"),
-                           (["--sketch-dim", "-1"], "--sketch-dim must be >= 0")):
+                           (["--sketch-dim", "-1"], "--sketch-dim must be >= 0"),
+                           (["--sketch-dim", "8", "--sketch-min-numel", "0"], "--sketch-min-numel must be >= 1"),
+                           (["--sketch-min-numel", "64"], "--sketch-min-numel applies to a sketch")):
         result = run_script(SCRIPT, "--out", tmp_path / "bad", *QUICK, *extra)
         assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, result.stderr
         assert not (tmp_path / "bad").exists()
@@ -433,7 +435,8 @@ def test_the_default_out_names_the_sketch_dimension():
     from engine.cli import check_args, common_parser
 
     parser = common_parser("MLP-M4", "", dict(sorter="CD-GraB", lr=1e-3, B=32, node_cnt=32, epochs=50))
-    for argv, tag in ((["--sketch-dim", "256"], "-sketch-dim256-seed0"), ([], "-lr0.001-seed0")):
+    for argv, tag in ((["--sketch-dim", "256"], "-sketch-dim256-seed0"), ([], "-lr0.001-seed0"),
+                      (["--sketch-dim", "64", "--sketch-min-numel", "512"], "-sketch-dim64-sketch-min-numel512-seed0")):
         args = parser.parse_args(argv)
         check_args(args, "MLP-M4", defaults=vars(parser.parse_args([])))
         assert args.out.endswith(tag), args.out
@@ -466,3 +469,30 @@ def test_sketched_lr_and_lstm_send_sketches_and_one_process_equals_torchrun(scri
     for row in read_metrics(single):
         assert row["comm_bytes"] == sizes["steps_per_epoch"] * 4 * (n * k * D + n * d)
     check_torchrun_agrees(script, single, tmp_path / "two", *args, columns=columns)
+
+
+def test_sketch_min_numel_makes_every_layer_weight_of_that_size_a_block():
+    """--sketch-min-numel N: the map's TensorSketch blocks are exactly the MLP's Linear weights of >= N
+    entries, at their offsets in the flat parameter vector (read off named_parameters here); config.json
+    records them; the default (2^20) leaves this model a plain CountSketch."""
+    from argparse import Namespace
+
+    from engine.functional import FlatModel
+    from engine.sketching import STRUCTURED_MIN_NUMEL, make_sketch, sketch_config
+    from models.mlp import AutoregressiveMLP
+
+    module = AutoregressiveMLP(in_len=24, hidden=40, n_layers=3)
+    model = FlatModel(module)
+    offset, expected = 0, []
+    for name, p in module.named_parameters():
+        if name.endswith("weight") and p.dim() == 2 and p.numel() >= 900:
+            expected.append([offset, *p.shape])
+        offset += p.numel()
+    assert len(expected) >= 2 and offset == model.flat.numel()
+    args = Namespace(sketch_dim=64, sketch_min_numel=900, seed=3)
+    sketch = make_sketch(args, offset, model)
+    assert [[b.offset, b.rows, b.cols] for b in sketch.blocks] == expected
+    config = sketch_config(args, sketch)
+    assert config["blocks"] == expected and config["min_numel"] == 900 and config["family"] != "CountSketch"
+    plain = make_sketch(Namespace(sketch_dim=64, sketch_min_numel=STRUCTURED_MIN_NUMEL, seed=3), offset, model)
+    assert plain.blocks == [] and plain.family == "CountSketch"
