@@ -168,24 +168,14 @@ class LayerSketch:
         their sum; update_scale c: also adds c * (gradient of the sum) to every trainable parameter's .grad
         (c = 1 / B: the batch-mean loss's gradient), else no .grad is touched.
         Returns (sketches (B, dim) in the parameters' dtype, detached; losses (B,) detached)."""
-        records, handles = [], []
-
-        def record(module, args, output):
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                entry = [module, args[0].detach(), None]
-                output.register_hook(lambda g, entry=entry: self._on_grad(entry, g, state))
-                records.append(entry)
-
         state = _Pass()
-        for module in self.layout.layers:
-            handles.append(module.register_forward_hook(record))
+        handles = self._record_calls(state)
         try:
             losses = losses_fn()
         finally:
             for handle in handles:
                 handle.remove()
-        if losses.dim() != 1:
-            raise ValueError(f"LayerSketch: losses_fn must return the (B,) per-example losses, got shape {tuple(losses.shape)}")
+        self._check_losses(losses)
         self._start(state, losses.shape[0])
         wanted = self._update_params() if update_scale is not None else \
             [p for p in self.model.parameters() if id(p) in self.layout.recorded]
@@ -195,10 +185,44 @@ class LayerSketch:
         self._check_calls(state, wanted, grads)
         if update_scale is not None:
             self._add_update(wanted, grads, update_scale)
-        del grads, records
+        del grads
         if self.formed:
             self._add_formed(losses, state)
         return self._finish(state), losses.detach()
+
+    def recording(self) -> "Recording":
+        """For a loop that runs its own backward (the HF Trainer, Lightning, DDP, mixed precision):
+
+            with sketcher.recording() as rec:
+                losses = per_example_losses(model(x))   # (B,): the forward runs inside the block
+                rec.watch(losses)
+            loss = (losses * weights).sum()             # any loss with a nonzero gradient in each losses[i]
+            loss.backward()                             # or accelerator.backward(loss), scaler.scale(loss)...
+            sketches = rec.sketches()                   # (B, dim)
+
+        The backward is the loop's own (its .grad, gradient scaling and DDP all-reduce as usual); the layers'
+        output gradients it passes through are then, row i, c_i times example i's, with c_i the gradient
+        of the loss in losses[i] (read by a hook on `losses`; the sketch is linear, so row i is divided by
+        c_i). Parameters without a layer rule are formed per example at watch() (a batched VJP that keeps
+        the graph for the loop's backward). Unlike __call__, a layer used outside its forward is not
+        detected here."""
+        return Recording(self)
+
+    def _record_calls(self, state) -> list:
+        """Forward hooks on the recorded layers: each call's input is kept, and its output's gradient,
+        when it arrives in the backward, adds the call's contribution (then the input is dropped)."""
+        def record(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                entry = [module, args[0].detach(), None]
+                output.register_hook(lambda g, entry=entry: self._on_grad(entry, g, state))
+
+        return [module.register_forward_hook(record) for module in self.layout.layers]
+
+    @staticmethod
+    def _check_losses(losses) -> None:
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+            shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+            raise ValueError(f"LayerSketch: the forward must give the (B,) per-example losses, got {shape}")
 
     def _start(self, state, B: int) -> None:
         dtype, device = self._like.dtype, self._like.device
@@ -213,6 +237,9 @@ class LayerSketch:
             return
         entry[1] = None
         state.called.add(module)
+        dtype = self._like.dtype  # under autocast a layer's output (and its gradient) may be half precision
+        g = g if g.dtype == dtype else g.to(dtype)
+        a = a if not a.is_floating_point() or a.dtype == dtype else a.to(dtype)
         with torch.no_grad():
             self._add_call(module, self.layout.layers[module], a, g, state)
 
@@ -287,11 +314,12 @@ class LayerSketch:
             else:
                 p.grad.add_(g, alpha=scale)
 
-    def _add_formed(self, losses: torch.Tensor, state) -> None:
+    def _add_formed(self, losses: torch.Tensor, state, keep_graph: bool = False) -> None:
         """The parameters without a rule: per-example gradients by one batched VJP (rows of the identity)."""
         params = [p for _, p in self.layout.formed]
         eye = torch.eye(state.B, dtype=losses.dtype, device=losses.device)
-        grads = torch.autograd.grad(losses, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True)
+        grads = torch.autograd.grad(losses, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True,
+                                    retain_graph=keep_graph)
         for p, g in zip(params, grads):
             if g is not None:
                 state.add(self, p, g)
@@ -305,6 +333,65 @@ class LayerSketch:
             self._tables[key] = self.sketch.tables_at(self._index, *key)
         buckets, signs = self._tables[key]
         return state.out.index_add_(1, buckets, state.rest.mul_(signs))
+
+
+class Recording:
+    """LayerSketch.recording()'s context: the forward inside, watch(losses), the loop's backward, sketches()."""
+
+    def __init__(self, sketcher: LayerSketch):
+        self.sketcher, self.state, self._handles = sketcher, _Pass(), []
+        self._scale, self._formed = None, None
+
+    def __enter__(self) -> "Recording":
+        self._handles = self.sketcher._record_calls(self.state)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def watch(self, losses: torch.Tensor) -> None:
+        """losses: the (B,) per-example losses the loop's loss is built from (still attached to the graph)."""
+        sketcher, state = self.sketcher, self.state
+        sketcher._check_losses(losses)
+        if not losses.requires_grad:
+            raise ValueError("LayerSketch.recording: the watched losses do not require grad (a forward under "
+                             "torch.no_grad, or frozen parameters only)")
+        sketcher._start(state, losses.shape[0])
+        if sketcher.formed:  # formed per example now, unscaled: kept apart from the scaled records
+            state.active = False
+            formed = _Pass()
+            sketcher._start(formed, losses.shape[0])
+            sketcher._add_formed(losses, formed, keep_graph=True)
+            self._formed = formed.rest
+            state.active = True
+
+        def read_scale(g):
+            self._scale = g.detach()
+
+        losses.register_hook(read_scale)
+
+    def sketches(self) -> torch.Tensor:
+        """(B, dim) sketches of the per-example gradients, after the loop's backward."""
+        sketcher, state = self.sketcher, self.state
+        if self._scale is None:
+            raise ValueError("LayerSketch.recording: no gradient reached the watched losses; call watch(losses) "
+                             "inside the block and run the backward of a loss built from them before sketches()")
+        scale = self._scale.to(state.out.dtype)
+        if not bool(scale.ne(0).all()) or not bool(scale.isfinite().all()):
+            bad = (~(scale.ne(0) & scale.isfinite())).nonzero().squeeze(1).tolist()
+            raise ValueError(f"LayerSketch.recording: the loss gives example(s) {bad[:8]} a zero or non-finite weight "
+                             "(the gradient of the loss in their per-example loss), so their gradients cannot be "
+                             "recovered from the backward")
+        state.active = False
+        state.out.div_(scale[:, None])
+        if state.rest is not state.out:
+            state.rest.div_(scale[:, None])
+        if self._formed is not None:
+            state.rest.add_(self._formed)
+        self._scale, self._formed = None, None
+        return sketcher._finish(state)
 
 
 class _Pass:

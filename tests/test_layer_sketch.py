@@ -253,3 +253,80 @@ def test_per_example_grads_structured_and_the_samplers_orders():
     from_layers = orders(structured)
     assert torch.equal(from_layers, orders(lambda xs, ys: structured.sketch(formed(xs, ys))))
     assert not torch.equal(from_layers[1:], orders(formed)[1:])  # the sampler's own (plain) map differs
+
+
+# --------------------------------------------------------------- recording(): the loop runs the backward
+
+
+def recorded(model, losses_of, B, loss_of_losses, dim=13, min_numel=ALL_BLOCKS):
+    """Sketches by recording() with the loop's own backward of loss_of_losses(losses); returns (sketcher,
+    sketches, the .grad left on the parameters)."""
+    sketcher = LayerSketch(model, dim, seed=3, min_numel=min_numel)
+    model.zero_grad(set_to_none=True)
+    with sketcher.recording() as rec:
+        losses = losses_of(slice(None))
+        rec.watch(losses)
+    loss_of_losses(losses).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return sketcher, rec.sketches(), grads
+
+
+@pytest.mark.parametrize("min_numel", [ALL_BLOCKS, 1024, NO_BLOCKS])
+def test_recording_with_a_weighted_and_scaled_loss_equals_the_map_of_the_per_example_gradients(min_numel):
+    """The backward of 512 * sum_i w_i loss_i (per-example weights, as a token-count weighted mean, times a
+    loss scale): the sketches are still the per-example gradients' (oracle), and .grad is that loss's own."""
+    model = tiny_gpt2()
+    B, ids = 3, torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(1))
+    losses_of = gpt2_losses(model, ids)
+    weights = torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64)
+    sketcher, sketches, grads = recorded(model, losses_of, B, lambda losses: 512 * (losses * weights).sum(),
+                                         dim=29, min_numel=min_numel)
+    expected = sketcher.sketch(oracle(model, losses_of, B, sketcher.names))
+    assert torch.allclose(sketches, expected, rtol=0, atol=1e-12 * expected.abs().max())
+    model.zero_grad(set_to_none=True)
+    (512 * (losses_of(slice(None)) * weights).sum()).backward()
+    for p, g in zip(model.parameters(), grads):
+        assert torch.allclose(g, p.grad, rtol=0, atol=1e-12 * p.grad.abs().max())
+
+
+def test_recording_forms_the_parameters_without_a_rule_and_refuses_what_it_cannot_recover():
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3), torch.nn.Flatten(), torch.nn.Linear(12, 2)).double()
+    x, y = torch.randn(4, 2, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    losses_of = lambda rows: (model(x[rows]) - y[rows]).square().sum(1)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sketcher, sketches, _ = recorded(model, losses_of, 4, lambda losses: losses.mean(), dim=7)
+    assert sorted(sketcher.formed) == ["0.bias", "0.weight"]
+    expected = sketcher.sketch(oracle(model, losses_of, 4, sketcher.names))
+    assert torch.allclose(sketches, expected, rtol=0, atol=1e-12 * expected.abs().max())
+    with pytest.raises(ValueError, match=r"example\(s\) \[2\]"):  # example 2 left out of the loss
+        recorded(model, losses_of, 4, lambda losses: losses[[0, 1, 3]].sum(), dim=7)
+    sketcher = LayerSketch(model, 7)
+    with sketcher.recording() as rec:
+        rec.watch(losses_of(slice(None)))
+    with pytest.raises(ValueError, match="no gradient reached the watched losses"):
+        rec.sketches()
+    with pytest.raises(ValueError, match=r"\(B,\) per-example losses"):
+        with sketcher.recording() as rec:
+            rec.watch(losses_of(slice(None)).sum())
+
+
+def test_recording_under_bfloat16_autocast_is_close_to_the_float32_sketches():
+    """Under CPU autocast the layers compute (and pass gradients) in bfloat16; the records are widened to
+    the parameters' float32, and the sketches agree with the float32 oracle to bfloat16's precision."""
+    torch.manual_seed(10)
+    model = Stack(width=32).float()
+    ids, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 5, (6,))
+    losses_of = lambda rows: F.cross_entropy(model(ids[rows]).float(), y[rows], reduction="none")  # noqa: E731
+    sketcher = LayerSketch(model, 64, seed=3, min_numel=ALL_BLOCKS)
+    with sketcher.recording() as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = losses_of(slice(None))
+        rec.watch(losses)
+    losses.mean().backward()
+    sketches = rec.sketches()
+    assert sketches.dtype == torch.float32
+    expected = sketcher.sketch(oracle(model, losses_of, 6, sketcher.names))
+    error = (sketches - expected).norm() / expected.norm()
+    assert error < 0.05, error
