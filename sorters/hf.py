@@ -37,12 +37,14 @@ the loader's batch size and the checkpoint folder).
 """
 import importlib.metadata
 import importlib.util
+import inspect
 import math
 import os
 
 import torch
 
 from sorters import SORTERS, CDGraBSampler, PerExampleLossGrads
+from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch
 
 try:
     from transformers import Trainer
@@ -84,26 +86,41 @@ class CDGraBTrainerMixin:
     grad_chunk_size: examples per torch.func call (None: the whole micro-batch); bounds memory.
     sketch_dim:      0: balance the gradients; D > 0: balance their D-dimensional sketches
                      (docs/sketching.md); recorded in the checkpoint with the other settings.
+    structured:      with sketch_dim, and a causal LM (outputs.logits, labels shifted by one, -100 ignored):
+                     build the sketches layer by layer from the Trainer's own forward and backward
+                     (LayerSketch.recording), never forming a per-example gradient of the weights of at
+                     least sketch_min_numel entries: no second pass, no torch.func. The loss is then
+                     computed here from the logits, as the model computes it (a token mean, or a token sum
+                     over num_items_in_batch), so that each example's own loss can be watched.
+    sketch_min_numel: with structured: which Linear / Conv1D / Embedding weights are TensorSketch blocks.
     num_replicas:    replicas (workers) the data is split over; default the number of processes. In one
                      process, R > 1 hosts R replicas: each micro-batch holds R x per_device_train_batch_size
                      examples, as R processes would together.
 
     After `train()` starts: `cdgrab_sampler` (the CDGraBSampler) and `cdgrab_grads` (the
-    PerExampleLossGrads, None for sorters that ignore gradients).
+    PerExampleLossGrads, or with structured the LayerSketch; None for sorters that ignore gradients).
     """
 
     def __init__(self, *args, sorter: str = "CD-GraB", sorter_seed: int | None = None,
                  grad_params=None, grad_chunk_size: int | None = None, sketch_dim: int = 0,
+                 structured: bool = False, sketch_min_numel: int = STRUCTURED_MIN_NUMEL,
                  num_replicas: int | None = None, **kwargs):
         if sorter not in SORTERS:
             raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTERS)}")
+        if structured and not (sketch_dim > 0 and SORTERS[sorter].uses_grads):
+            raise ValueError(f"structured=True builds sketches of the gradients a sorter balances: it needs "
+                             f"sketch_dim > 0 and a balancing sorter, got sketch_dim={sketch_dim}, sorter={sorter}")
+        if sketch_min_numel < 0:
+            raise ValueError(f"sketch_min_numel must be >= 0, got {sketch_min_numel}")
         super().__init__(*args, **kwargs)
         self.cdgrab_settings = dict(sorter=sorter, seed=self.args.seed if sorter_seed is None else sorter_seed,
                                     grad_params=grad_params, grad_chunk_size=grad_chunk_size,
-                                    sketch_dim=sketch_dim, num_replicas=num_replicas)
+                                    sketch_dim=sketch_dim, structured=bool(structured),
+                                    sketch_min_numel=sketch_min_numel, num_replicas=num_replicas)
         self.cdgrab_sampler: CDGraBSampler | None = None
-        self.cdgrab_grads: PerExampleLossGrads | None = None
+        self.cdgrab_grads: PerExampleLossGrads | LayerSketch | None = None
         self._cdgrab_resume_from: str | None = None
+        self._cdgrab_recording = None  # structured: the LayerSketch recording of the current micro-batch
 
     # ------------------------------------------------------------------ set-up
 
@@ -197,10 +214,15 @@ class CDGraBTrainerMixin:
         settings, args = self.cdgrab_settings, self.args
         world, here = self._replicas
         if self._uses_grads and self.cdgrab_grads is None:
-            self.cdgrab_grads = PerExampleLossGrads(self.model, params=settings["grad_params"],
-                                                    chunk_size=settings["grad_chunk_size"],
-                                                    sketch_dim=settings["sketch_dim"], sketch_seed=settings["seed"])
-            self._first_gradients_dry_run(dataset)
+            if settings["structured"]:
+                self.cdgrab_grads = LayerSketch(self.model, settings["sketch_dim"], settings["seed"],
+                                                params=settings["grad_params"], min_numel=settings["sketch_min_numel"])
+                self._first_sketch_dry_run(dataset)
+            else:
+                self.cdgrab_grads = PerExampleLossGrads(self.model, params=settings["grad_params"],
+                                                        chunk_size=settings["grad_chunk_size"],
+                                                        sketch_dim=settings["sketch_dim"], sketch_seed=settings["seed"])
+                self._first_gradients_dry_run(dataset)
         self.cdgrab_sampler = CDGraBSampler(
             len(dataset), batch_size=args.per_device_train_batch_size,
             d=self.cdgrab_grads.d if self.cdgrab_grads else None, sorter=settings["sorter"],
@@ -234,18 +256,85 @@ class CDGraBTrainerMixin:
         finally:
             self.model.train(was_training)
 
+    def _first_sketch_dry_run(self, dataset) -> None:
+        """structured: refuse now, in one line, a model or batch the layer records cannot serve: no labels,
+        no logits, or a model whose loss changes when it is given explicit (B, T) position ids."""
+        name = type(self).__name__
+        collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        batch = self._prepare_inputs(collate([dataset[0], dataset[min(1, len(dataset) - 1)]]))
+        if "labels" not in batch:
+            raise ValueError(f"{name}: structured=True computes the causal LM loss from the batch's labels; the "
+                             "collator gives none (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                outputs = self.model(**batch)
+                logits = getattr(outputs, "logits", None)
+                if not isinstance(logits, torch.Tensor) or logits.shape[:2] != batch["labels"].shape:
+                    raise ValueError(f"{name}: structured=True needs a causal LM whose outputs.logits are "
+                                     "(B, T, vocab) for (B, T) labels; use structured=False for this model")
+                with_positions = self._with_positions(batch)
+                if with_positions is not batch and not torch.allclose(
+                        self.model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
+                    raise ValueError(f"{name}: structured=True passes position_ids (B, T) = 0..T-1 so that the "
+                                     "position embedding sees the examples, but this model's logits change with "
+                                     "them (left padding?); use structured=False")
+        finally:
+            self.model.train(was_training)
+
+    def _with_positions(self, inputs: dict) -> dict:
+        """inputs plus position_ids 0..T-1 per example, (B, T), when the model takes them and none are given:
+        a model's own default (1, T) positions broadcast over the batch, and the position embedding's
+        per-example gradients cannot be recovered from a broadcast output."""
+        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+        if "position_ids" in inputs or "position_ids" not in inspect.signature(model.forward).parameters:
+            return inputs
+        ids = inputs.get("input_ids", inputs["labels"])
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        return {**inputs, "position_ids": positions}
+
     # ------------------------------------------------------------------ each micro-batch
 
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         """The Trainer's step, and the sampler's: per-example gradients of this micro-batch (rows in the
-        sampler's order) with the parameters before the optimizer step, all-gathered by step()."""
+        sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
+        structured, the sketches come from the step's own forward and backward (compute_loss)."""
         grads = None
-        if self._uses_grads:
+        if self._uses_grads and not self.cdgrab_settings["structured"]:
             self.model.train()
             grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
-        loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        elif self._uses_grads:
+            self._cdgrab_recording = self.cdgrab_grads.recording()
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+            if self._cdgrab_recording is not None:
+                grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)
+        finally:
+            self._cdgrab_recording = None
         self.cdgrab_sampler.step(grads)
         return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, *args, **kwargs):
+        """The Trainer's loss; with structured (inside training_step), the causal LM loss computed from
+        the per-example losses that the LayerSketch recording watches, as the model would compute it."""
+        recording = self._cdgrab_recording
+        if recording is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch, *args, **kwargs)
+        inputs = self._with_positions(dict(inputs))
+        labels = inputs.pop("labels")
+        with recording:
+            outputs = model(**inputs)
+            losses, counts = causal_lm_losses(outputs.logits, labels)
+            recording.watch(losses)
+        token_sum = (losses * counts).sum()
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = token_sum / torch.as_tensor(num_items_in_batch, device=token_sum.device)
+            if self.args.average_tokens_across_devices:  # as Trainer.compute_loss scales the model's loss
+                loss = loss * self.accelerator.num_processes
+        else:
+            loss = token_sum / counts.sum()
+        return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -254,7 +343,8 @@ class CDGraBTrainerMixin:
         if self.args.should_save and self.cdgrab_sampler is not None:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             path = os.path.join(folder, SAMPLER_FILE)
-            torch.save(self.cdgrab_sampler.state_dict(), path + ".tmp")
+            torch.save({"sampler": self.cdgrab_sampler.state_dict(), "gradients": self._gradient_settings()},
+                       path + ".tmp")
             os.replace(path + ".tmp", path)  # never a half-written state beside a complete checkpoint
 
     def _saved_sampler_state(self) -> dict:
@@ -264,11 +354,41 @@ class CDGraBTrainerMixin:
                              "sorter state is lost (a checkpoint of a plain Trainer?); resume from a "
                              "checkpoint this trainer wrote, or start a new run")
         try:
-            state = torch.load(path, weights_only=True)
-            return state
+            saved = torch.load(path, weights_only=True)
         except Exception as error:
             raise ValueError(f"{type(self).__name__}: cannot read {path} ({error}); resume from another "
                              "checkpoint") from None
+        if "sampler" not in saved:  # written before the gradient settings were recorded
+            saved = {"sampler": saved, "gradients": {"structured": False, "sketch_min_numel": None,
+                                                     "grad_params": self.cdgrab_settings["grad_params"]}}
+        now, then = self._gradient_settings(), saved["gradients"]
+        if self._uses_grads and (now["structured"], now["grad_params"]) != (then["structured"], then["grad_params"]) \
+                or now["structured"] and now["sketch_min_numel"] != then["sketch_min_numel"]:
+            changed = ", ".join(f"{key}={then[key]!r} (now {now[key]!r})" for key in now if now[key] != then[key])
+            raise ValueError(f"{type(self).__name__}: {path} was written with other gradient settings: {changed}; "
+                             "resume with the checkpoint's settings")
+        return saved["sampler"]
+
+    def _gradient_settings(self) -> dict:
+        """What the balanced vectors are, beside the sampler's own settings (sketch_dim, seed, d)."""
+        settings = self.cdgrab_settings
+        return {"structured": settings["structured"], "grad_params": settings["grad_params"],
+                "sketch_min_numel": settings["sketch_min_numel"] if settings["structured"] else None}
+
+
+def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's causal LM loss, as transformers computes a batch's (ForCausalLMLoss): token t's
+    logits predict labels[t + 1], labels of -100 are ignored, in float32 (or wider).
+
+    logits (B, T, V), labels (B, T) -> (losses (B,): the mean cross-entropy over each example's labelled
+    tokens; counts (B,): how many it has, in the losses' dtype). The batch's loss is
+    (losses * counts).sum() / counts.sum(). An example with no labelled token: loss 0, count 0."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100,
+                                                  reduction="none")  # (B, T): 0 where ignored
+    counts = (targets != -100).sum(1).to(per_token.dtype)
+    return per_token.sum(1) / counts.clamp(min=1), counts
 
 
 class CDGraBTrainer(CDGraBTrainerMixin, Trainer):

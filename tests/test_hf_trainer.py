@@ -105,7 +105,7 @@ def test_the_mixin_composes_with_trl_sft_trainer(hf, tmp_path):
 def test_resume_gives_the_uninterrupted_orders_losses_and_state(hf, uninterrupted, checkpoint, tmp_path):
     saved = tmp_path / f"checkpoint-{checkpoint}"
     shutil.copytree(uninterrupted.args.output_dir + f"/checkpoint-{checkpoint}", saved)
-    state = torch.load(saved / hf.SAMPLER_FILE)
+    state = torch.load(saved / hf.SAMPLER_FILE)["sampler"]
     assert state["position"] == (checkpoint * hf.ACCUM * hf.BATCH - 1) % (hf.N // hf.REPLICAS) + 1
     resumed = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "out"),
                                   train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
@@ -207,6 +207,80 @@ def test_example_under_two_gloo_processes_equals_one_process_and_every_rank_hold
     states = [torch.load(tmp_path / f"ddp.pt.rank{r}") for r in (0, 1)]
     assert states[0]["position"] == states[0]["config"]["m"] == 16  # the whole last epoch stepped
     assert_same(states[0], states[1])
+
+
+# ------------------------------------------------------------------ structured=True: sketches from the records
+
+
+def structured_trainer(hf, out, **kwargs):
+    args = kwargs.pop("args", {})
+    return hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(out, **args),
+                               train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS,
+                               structured=True, sketch_min_numel=0, **kwargs)
+
+
+def test_structured_with_the_identity_map_is_the_exact_trainer(hf, uninterrupted, tmp_path):
+    """D >= d: the records give each example's whole gradient, so the orders are exact CD-GraB's (the
+    uninterrupted run's) and the losses, computed here from the logits, the model's own to rounding."""
+    trainer = structured_trainer(hf, tmp_path, sketch_dim=10**6)
+    trainer.train()
+    assert trainer.cdgrab_grads.sketch.is_identity
+    assert trainer.batches == uninterrupted.batches
+    assert trainer.losses == pytest.approx(uninterrupted.losses, rel=1e-5)
+    for ours, exact in zip(trainer.grads, uninterrupted.grads):
+        torch.testing.assert_close(ours, exact, rtol=1e-4, atol=1e-6)
+
+
+def test_structured_sketches_are_the_map_of_each_examples_gradient_and_resume_checks_the_setting(hf, tmp_path):
+    """D < d with every weight a TensorSketch block: the sampler gets the map of each example's own
+    gradient (an ordinary backward of the first example, then the map); a checkpoint of this run is
+    refused by a trainer with structured=False."""
+    trainer = structured_trainer(hf, tmp_path / "run", sketch_dim=32, args=dict(save_strategy="steps", save_steps=2))
+    trainer.train()
+    sketch = trainer.cdgrab_grads.sketch
+    assert len(sketch.blocks) >= 3 and trainer.grads[0].shape == (hf.REPLICAS * hf.BATCH, 32)
+    assert len(trainer.grads) == len(trainer.first_grads) == hf.EPOCHS * hf.MICRO_BATCHES
+    for step, first in enumerate(trainer.first_grads):
+        expected = sketch(first[None].double()).float()[0]
+        torch.testing.assert_close(trainer.grads[step][0], expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    m = hf.N // hf.REPLICAS
+    sorter = build_sorter("CD-GraB", hf.REPLICAS, m, 32, seed=0)
+    grads = iter(trainer.grads)
+    for used in epoch_orders(hf, trainer.batches):
+        assert torch.equal(sorter.sort() + torch.arange(hf.REPLICAS)[:, None] * m, used)
+        for t in range(0, m, hf.BATCH):
+            sorter.step(next(grads).view(hf.REPLICAS, hf.BATCH, -1), range(t, t + hf.BATCH))
+    exact = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "out"), sketch_dim=32,
+                                train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+    with pytest.raises(ValueError, match="structured=True \\(now False\\)") as refused:
+        exact.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert "\n" not in str(refused.value) and exact.batches == []
+
+
+def test_causal_lm_losses_are_the_models_own_loss_of_each_example_and_of_the_batch(hf):
+    from sorters.hf import causal_lm_losses
+    model = hf.tiny_gpt2().double()
+    ids = hf.token_rows(3)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt left out of the loss
+    labels[2, 5:] = -100
+    losses, counts = causal_lm_losses(model(input_ids=ids).logits, labels)
+    assert counts.tolist() == [hf.T - 3, hf.T - 1, 4]  # token t predicts labels[t + 1]
+    for i in range(3):
+        alone = model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss
+        torch.testing.assert_close(losses[i].float(), alone, rtol=1e-6, atol=0)  # transformers: float32
+    batch = model(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(((losses * counts).sum() / counts.sum()).float(), batch, rtol=1e-6, atol=0)
+
+
+def test_structured_needs_a_sketch_and_labels(hf, tmp_path):
+    with pytest.raises(ValueError, match="sketch_dim > 0"):
+        structured_trainer(hf, tmp_path)
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path), num_replicas=hf.REPLICAS,
+                                  train_dataset=[{"input_ids": r} for r in hf.token_rows()], structured=True,
+                                  sketch_dim=8)
+    with pytest.raises(ValueError, match="labels"):
+        trainer.train()
 
 
 @pytest.mark.parametrize("args,message", [
