@@ -72,27 +72,23 @@ class GradientSketch:
         self.blocks = []   # TensorBlock per tensor-sketched matrix, in increasing offset
         self.outside = None  # with blocks: the (d_rest,) coordinates outside them, increasing
         if not self.is_identity:
-            generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
-            buckets = torch.randint(0, dim, (d,), generator=generator)
-            signs = torch.randint(0, 2, (d,), generator=generator).mul_(2).sub_(1)
-            end = 0
-            for offset, rows, cols in sorted(blocks):
+            blocks, end = sorted(blocks), 0
+            for offset, rows, cols in blocks:
                 if offset < end or offset + rows * cols > d or rows < 1 or cols < 1:
                     raise ValueError(f"GradientSketch: block ({offset}, {rows}, {cols}) overlaps another "
                                      f"or leaves the {d} coordinates")
                 end = offset + rows * cols
-                block = TensorBlock(offset, rows, cols, dim, generator)
-                buckets[offset:end], signs[offset:end] = block.hash_and_sign()
-                self.blocks.append(block)
             # kept compact: the coordinates outside the blocks (5 bytes each, and their int64 index when
-            # there are blocks), the blocks as their row and column draws; `tables` rebuilds the whole
-            if self.blocks:
-                outside = torch.ones(d, dtype=torch.bool)
-                for block in self.blocks:
-                    outside[block.offset:block.offset + block.rows * block.cols] = False
-                self.outside = outside.nonzero().squeeze(1)  # (d_rest,) int64
-                buckets, signs = buckets[self.outside], signs[self.outside]
-            self._outside_tables = (buckets.to(torch.int32), signs.to(torch.int8))
+            # there are blocks), the blocks as their row and column draws; `tables` rebuilds the whole.
+            # The d bucket draws, then the d sign draws, then each block's: drawn DRAW_CHUNK at a time,
+            # as int32 / int8, keeping only the coordinates outside the blocks (the same numbers as one
+            # int64 draw of d: a GPT-2's 124M coordinates would need 2 GB at once)
+            generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
+            self.outside = _outside(d, blocks) if blocks else None  # (d_rest,) int64, increasing
+            buckets = _draw_kept(generator, dim, d, torch.int32, self.outside)
+            signs = _draw_kept(generator, 2, d, torch.int8, self.outside).mul_(2).sub_(1)
+            self.blocks = [TensorBlock(offset, rows, cols, dim, generator) for offset, rows, cols in blocks]
+            self._outside_tables = (buckets, signs)
 
     @property
     def family(self) -> str:
@@ -182,6 +178,35 @@ class GradientSketch:
         P[buckets.long(), torch.arange(self.d)] = signs.to(dtype)
         return P
 
+
+
+DRAW_CHUNK = 2**22  # coordinates per draw while building a map's tables
+
+
+def _outside(d: int, blocks: list) -> torch.Tensor:
+    """(d_rest,) int64: the coordinates of 0..d-1 outside the (offset, rows, cols) blocks (sorted, disjoint)."""
+    gaps, start = [], 0
+    for offset, rows, cols in blocks:
+        gaps.append(torch.arange(start, offset))
+        start = offset + rows * cols
+    gaps.append(torch.arange(start, d))
+    return torch.cat(gaps)
+
+
+def _draw_kept(generator: torch.Generator, high: int, d: int, dtype, kept: torch.Tensor | None) -> torch.Tensor:
+    """d draws of randint(0, high) from `generator` (as one draw of d would give them), DRAW_CHUNK at a
+    time, of which only the coordinates `kept` (increasing; None: all) are returned, in `dtype`."""
+    if kept is None:
+        return torch.cat([torch.randint(0, high, (min(DRAW_CHUNK, d - start),), generator=generator, dtype=dtype)
+                          for start in range(0, d, DRAW_CHUNK)])
+    pieces, first = [], 0
+    for start in range(0, d, DRAW_CHUNK):
+        stop = min(start + DRAW_CHUNK, d)
+        drawn = torch.randint(0, high, (stop - start,), generator=generator, dtype=dtype)
+        last = first + int(torch.searchsorted(kept[first:], stop))
+        pieces.append(drawn[kept[first:last] - start])
+        first = last
+    return torch.cat(pieces)
 
 
 class TensorBlock:

@@ -170,6 +170,34 @@ def test_the_map_is_drawn_as_documented():
     assert torch.equal(GradientSketch(d, dim).matrix(), GradientSketch(d, dim, seed=0).matrix())
 
 
+@pytest.mark.parametrize("chunk", [7, 60, 2**22])
+def test_the_map_with_blocks_is_drawn_as_documented_whatever_the_draw_chunk(chunk, monkeypatch):
+    """With blocks: the d bucket draws and the d sign draws as above (those inside a block unused), then
+    each block's h1, h2, s1, s2 in offset order; the tables are built DRAW_CHUNK draws at a time, which
+    must not change a number (the recipe here draws all d at once)."""
+    import sorters.sketch
+    from sorters.sketch import SEED_OFFSET
+
+    monkeypatch.setattr(sorters.sketch, "DRAW_CHUNK", chunk)
+    d, dim, seed, blocks = 95, 11, 3, [(40, 5, 6), (4, 3, 4)]  # given out of order
+    generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
+    buckets = torch.randint(0, dim, (d,), generator=generator)
+    signs = torch.randint(0, 2, (d,), generator=generator) * 2 - 1
+    for offset, rows, cols in sorted(blocks):
+        h1, h2 = torch.randint(0, dim, (rows,), generator=generator), torch.randint(0, dim, (cols,), generator=generator)
+        s1 = torch.randint(0, 2, (rows,), generator=generator) * 2 - 1
+        s2 = torch.randint(0, 2, (cols,), generator=generator) * 2 - 1
+        span = slice(offset, offset + rows * cols)
+        buckets[span] = ((h1[:, None] + h2[None, :]) % dim).reshape(-1)
+        signs[span] = (s1[:, None] * s2[None, :]).reshape(-1)
+    P = torch.zeros(dim, d, dtype=torch.float64)
+    P[buckets, torch.arange(d)] = signs.double()
+    sketch = GradientSketch(d, dim, seed=seed, blocks=blocks)
+    assert torch.equal(sketch.matrix(), P)
+    assert sketch.outside.tolist() == [*range(4), *range(16, 40), *range(70, 95)]
+    assert torch.equal(GradientSketch(d, dim, seed=seed).matrix()[:, sketch.outside], P[:, sketch.outside])
+
+
 def test_the_smallest_sizes_and_every_bad_block():
     """d = 1 and dim = 1 are fine (every coordinate into one bucket); a block must lie inside the d
     coordinates, not overlap another, and have rows and columns (one of each is enough)."""
