@@ -385,8 +385,9 @@ def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     (losses * counts).sum() / counts.sum(). An example with no labelled token: loss 0, count 0."""
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100,
-                                                  reduction="none")  # (B, T): 0 where ignored
+    B, T, V = logits.shape  # the classes along the contiguous last dim: (B T, V), as transformers does
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T),
+                                                  ignore_index=-100, reduction="none").view(B, T)  # 0 where ignored
     counts = (targets != -100).sum(1).to(per_token.dtype)
     return per_token.sum(1) / counts.clamp(min=1), counts
 

@@ -235,8 +235,13 @@ class TensorBlock:
                 + (self.h1.to(device), self.h2.to(device), self.s1.to(device=device, dtype=dtype), self.s2.to(device=device, dtype=dtype))
         return self._moved[key]
 
-    def _countsketch(self, x: torch.Tensor, signed_buckets: torch.Tensor) -> torch.Tensor:
-        """x (N, n) -> (N, D): sum_i s_i x_i into bucket h_i (index_add adds in increasing i)."""
+    def _countsketch(self, x: torch.Tensor, signed_buckets: torch.Tensor, buckets: torch.Tensor,
+                     signs: torch.Tensor) -> torch.Tensor:
+        """x (N, n) -> (N, D): sum_i s_i x_i into bucket h_i (index_add adds in increasing i). A narrow x
+        (n <= 2 D) is signed first and added into D buckets; a wide one (an LM head's vocabulary) is added
+        unsigned into 2 D buckets (2 h + (s < 0)), then the halves subtracted: no signed copy of x."""
+        if x.shape[1] <= 2 * self.dim:
+            return x.new_zeros(x.shape[0], self.dim).index_add_(1, buckets, x * signs)
         both = x.new_zeros(x.shape[0], 2 * self.dim).index_add_(1, signed_buckets, x)
         return both[:, 0::2] - both[:, 1::2]
 
@@ -247,14 +252,14 @@ class TensorBlock:
         CountSketches, so the sum over t is irfft(sum_t rfft(C1 u_t) rfft(C2 v_t)): the (rows, cols)
         matrix is never formed."""
         U, T = left.shape[:2]
-        rows1, rows2, *_ = self._on(left.device, left.dtype)
+        signed1, signed2, h1, h2, s1, s2 = self._on(left.device, left.dtype)
         # the units in groups, so that the (tokens, D) spectra stay within about CHUNK_BYTES
         per_group = max(1, CHUNK_BYTES // max(1, T * self.dim * 2 * left.element_size()))
         for start in range(0, U, per_group):
             units = slice(start, start + per_group)
             n = left[units].shape[0]
-            a = torch.fft.rfft(self._countsketch(left[units].reshape(n * T, self.rows), rows1))
-            b = torch.fft.rfft(self._countsketch(right[units].reshape(n * T, self.cols), rows2))
+            a = torch.fft.rfft(self._countsketch(left[units].reshape(n * T, self.rows), signed1, h1, s1))
+            b = torch.fft.rfft(self._countsketch(right[units].reshape(n * T, self.cols), signed2, h2, s2))
             spectrum = (a * b).view(n, T, -1).sum(1)
             out[units] += torch.fft.irfft(spectrum, n=self.dim)
 

@@ -262,11 +262,12 @@ def test_repr_and_the_identitys_matrix():
     assert identity.matrix().dtype == torch.float64 and identity.matrix(torch.float32).dtype == torch.float32
 
 
-def test_a_tensor_block_sketches_outer_products_and_rows_as_the_dense_map_in_either_precision():
+@pytest.mark.parametrize("dim", [7, 2])  # 2: the 6 rows are wider than 2 D (the unsigned 2 D-bucket path)
+def test_a_tensor_block_sketches_outer_products_and_rows_as_the_dense_map_in_either_precision(dim):
     """TensorBlock.add_outer (sum_t u_t v_t^T) and add_rows (sum_t e_{id_t} v_t^T) against the dense map
     (matrix(), itself checked against the basis vectors above) applied to the formed (rows, cols) matrices,
     in float64 and then float32 on the same block (each precision gets its own signs)."""
-    offset, rows, cols, dim, d = 5, 6, 4, 7, 40
+    offset, rows, cols, d = 5, 6, 4, 40
     sketch = GradientSketch(d, dim, seed=2, blocks=[(offset, rows, cols)])
     block = sketch.block_at(offset)
     P = sketch.matrix()[:, offset:offset + rows * cols]  # (dim, rows * cols)
