@@ -304,11 +304,14 @@ def plot_sketching(df: pd.DataFrame, benchmark: str):
         ax.set_xlabel("epoch")
         ax.set_ylabel("herding bound" if column == "herding_bound" else "train loss")
         scale_value_axis([ax], means)
-        if column == "herding_bound" and frame["epoch"].max() > 2:  # epoch 1's bound (the random first order) is
-            later = frame[frame["epoch"] >= 2].groupby(["variant", "epoch"])[column]  # several times the rest's:
+        # epoch 1's herding bound (the random first order) is several times the rest's, and the first epochs'
+        # losses dwarf the differences between the variants at the end: the y range is that of the later epochs
+        first = 2 if column == "herding_bound" else max(2, int(frame["epoch"].max() * 0.3))
+        if frame["epoch"].max() > first:
+            later = frame[frame["epoch"] >= first].groupby(["variant", "epoch"])[column]
             low, high = (later.mean() - later.std().fillna(0)).min(), (later.mean() + later.std().fillna(0)).max()
-            ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))  # the range of epochs 2 on
-            ax.set_title(ax.get_title() + "\n(y range: epochs 2 on; epoch 1 above it)", fontsize=10)
+            ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+            ax.set_title(ax.get_title() + f"\n(y range: epochs {first} on; the earlier ones above it)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if len(ratios):
