@@ -6,7 +6,8 @@ Prints Markdown: per benchmark, the paper's numbers (read off its figures, issue
 mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR gap, our training
 seconds per epoch, and the herding bound after the last round; then the heterogeneity and
 worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds, and
-the communication study (issue #9), the sketching study (issue #20) and the reorderers study (issue #21).
+the communication study (issue #9), the sketching study (issue #20; with its herding bounds per seed over
+exact CD-GraB's, issue #31) and the reorderers study (issue #21).
 Where a sorter has no run at the paper's epoch yet (partial runs), every sorter is reported at the last
 epoch each of them reached, over the runs that reached it, and the row is marked partial.
 """
