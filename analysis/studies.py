@@ -1,8 +1,9 @@
 """Tables and figures of the studies whose sweeps write into <results>/<study>/<benchmark>/<run>:
 
     communication   scripts/sweep-communication.sh: synchronisation rule x reducer x sorter (issue #9)
-    sketching       --sketch-dim: CD-GraB balancing CountSketches of the gradients (issue #20); its
-                    training curves are drawn against the benchmark's own exact CD-GraB and D-RR runs
+    sketching       --sketch-dim: CD-GraB balancing CountSketches of the gradients (issue #20), or the
+                    structured map (--sketch-min-numel: TensorSketch blocks for the layer weights, issue
+                    #31); its training curves are drawn against the benchmark's own exact CD-GraB and D-RR runs
     reorderers      other coordinated reorderers (KH-SGD, SBW: issue #21), drawn against the
                     benchmark's CD-GraB and D-RR runs of the same settings
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.lines import Line2D
 
 from analysis.aggregate import headline_metrics
 from analysis.load import result_settings, run_args
@@ -92,10 +94,12 @@ SKETCH_ARGS = ["sketch_dim", "max_train_examples", "node_cnt", "B", "lr"]
 
 def _comparable_settings(run_dir: str) -> str:
     """A run's result-changing args (engine/flags.py) without those a sketching baseline may differ in:
-    the sorter, the seed, the sketch and the herding log (which does not change the run)."""
+    the sorter, the seed, the sketch (its D and which weights are TensorSketch blocks) and the herding log
+    (which does not change the run)."""
     settings = result_settings(json.loads((Path(run_dir) / "config.json").read_text()))
     return json.dumps({key: value for key, value in settings.items()
-                       if key not in ("sorter", "seed", "sketch_dim", "log_herding")}, sort_keys=True, default=str)
+                       if key not in ("sorter", "seed", "sketch_dim", "sketch_min_numel", "log_herding")},
+                      sort_keys=True, default=str)
 
 
 def study_with_baselines(df: pd.DataFrame, study: str) -> pd.DataFrame:
@@ -112,11 +116,23 @@ def study_with_baselines(df: pd.DataFrame, study: str) -> pd.DataFrame:
     return pd.concat([runs, baselines], ignore_index=True).drop(columns="comparable")
 
 
+def sketch_blocks(run_dir: str) -> list:
+    """The TensorSketch blocks [offset, rows, cols] of a run's map, as its config.json records them
+    (`sorter.sketch.blocks`; [] for a plain CountSketch, exact CD-GraB, D-RR, or a run from before
+    --sketch-min-numel)."""
+    config = json.loads((Path(run_dir) / "config.json").read_text())
+    return list((config.get("sorter") or {}).get("sketch", {}).get("blocks") or [])
+
+
+STRUCTURED = ", structured"  # the variant suffix of a map with TensorSketch blocks
+
+
 def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
     """The sketching study's runs of `benchmark` with their baselines (study_with_baselines). One row per
-    (run, epoch), with `variant` ("D-RR", "CD-GraB exact", "CD-GraB, D = 64"), `full_data` (no
-    --max-train-examples) and `examples` (--max-train-examples, 0 for the full data). Empty without
-    sketching runs."""
+    (run, epoch), with `variant` ("D-RR", "CD-GraB exact", "CD-GraB, D = 64" for a plain CountSketch,
+    "CD-GraB, D = 64, structured" for a map with TensorSketch blocks), `structured` (the map has blocks),
+    `full_data` (no --max-train-examples) and `examples` (--max-train-examples, 0 for the full data).
+    Empty without sketching runs."""
     if not len(df):
         return df
     df = df[df["benchmark"] == benchmark]
@@ -126,9 +142,34 @@ def sketching_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
     df["examples"] = df["max_train_examples"].fillna(0)
     runs = study_with_baselines(df, "sketching")
     runs["full_data"] = runs["examples"] == 0
-    runs["variant"] = [sorter if sorter != "CD-GraB" else "CD-GraB exact" if not dim else f"CD-GraB, D = {int(dim)}"
-                       for sorter, dim in zip(runs["sorter"], runs["sketch_dim"].fillna(0))]
+    runs["structured"] = runs["run_dir"].map({run: bool(sketch_blocks(run)) for run in runs["run_dir"].unique()})
+    runs["variant"] = [sorter if sorter != "CD-GraB" else "CD-GraB exact" if not dim
+                       else f"CD-GraB, D = {int(dim)}" + (STRUCTURED if structured else "")
+                       for sorter, dim, structured in zip(runs["sorter"], runs["sketch_dim"].fillna(0),
+                                                          runs["structured"])]
     return runs
+
+
+def herding_ratios(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (examples, variant, seed) of sketching_runs' runs with a logged herding bound: the bound at the
+    run's last epoch (`last`) and its mean over epochs 2 on (`mean`), and each divided by exact CD-GraB's of
+    the same data and seed (`last_ratio`, `mean_ratio`: the same seed has the same data split, initial model
+    and first order; NaN without that exact run). Empty without herding bounds."""
+    columns = ["examples", "variant", "seed", "last", "mean", "last_ratio", "mean_ratio"]
+    if not len(runs) or "herding_bound" not in runs or not runs["herding_bound"].notna().any():
+        return pd.DataFrame(columns=columns)
+    runs = runs[runs["herding_bound"].notna()]
+    last = runs[runs["epoch"] == runs.groupby("run_dir")["epoch"].transform("max")]
+    keys = ["examples", "variant", "seed"]
+    table = last.groupby(keys)["herding_bound"].mean().rename("last").to_frame()
+    table["mean"] = runs[runs["epoch"] >= 2].groupby(keys)["herding_bound"].mean()
+    table = table.reset_index()
+    exact = table[table["variant"] == "CD-GraB exact"].set_index(["examples", "seed"])[["last", "mean"]]
+    for column in ("last", "mean"):
+        table[f"{column}_ratio"] = [row[column] / exact[column].get((row["examples"], row["seed"]), float("nan"))
+                                    for _, row in table.iterrows()]
+    return table.sort_values(keys, key=lambda c: c.map(variant_order) if c.name == "variant" else c,
+                             ignore_index=True)[columns]
 
 
 def reorderer_runs(df: pd.DataFrame, benchmark: str) -> pd.DataFrame:
@@ -197,52 +238,121 @@ def plot_reorderers(df: pd.DataFrame, benchmark: str):
 
 
 def variant_order(variant: str) -> tuple:
-    """CD-GraB exact, then the sketches by decreasing D, then D-RR."""
+    """CD-GraB exact, then the sketches by decreasing D (the CountSketch before the structured map of the
+    same D), then D-RR."""
     if variant == "CD-GraB exact":
-        return (0, 0)
+        return (0, 0, 0)
     if variant.startswith("CD-GraB, D = "):
-        return (1, -int(variant.rsplit(" ", 1)[1]))
-    return (2, 0)
+        structured = variant.endswith(STRUCTURED)
+        return (1, -int(variant.removesuffix(STRUCTURED).rsplit(" ", 1)[1]), int(structured))
+    return (2, 0, 0)
+
+
+SKETCH_SHADES = ["tab:orange", "tab:purple", "tab:green", "tab:brown", "tab:olive"]
+
+
+def sketch_style(variant: str, colours: dict) -> dict:
+    """A variant's line style in the sketching figure: exact CD-GraB red, D-RR blue, a colour per D
+    (`colours`, filled in here in order of first use), the CountSketch solid with round markers, the
+    structured map (TensorSketch blocks) of the same D in the same colour, dashed, with square markers."""
+    base = variant.removesuffix(STRUCTURED)
+    if base not in colours:
+        used = set(colours.values())
+        colours[base] = next((c for c in SKETCH_SHADES if c not in used), "tab:gray")
+    structured = variant.endswith(STRUCTURED)
+    return {"color": colours[base], "linestyle": "--" if structured else "-", "marker": "s" if structured else "o"}
 
 
 def plot_sketching(df: pd.DataFrame, benchmark: str):
-    """Left: the herding bound of the real gradients per epoch under each variant's orders (the runs with
-    --log-herding), mean over seeds. Right: train loss per epoch on the full data, mean over seeds, sketched
-    against exact CD-GraB and D-RR. None without sketching runs."""
+    """The panels that have runs, of: the herding bound of the real gradients per epoch under each
+    variant's orders (the runs with --log-herding); the train loss per epoch of those runs; the train loss
+    per epoch on the full data; each mean over seeds with a std band, sketched (CountSketch solid, the
+    structured map dashed with square markers) against exact CD-GraB and D-RR; and the herding bound of
+    each sketched variant and of D-RR as a multiple of exact CD-GraB's of the same seed (herding_ratios),
+    seed by seed. None without sketching runs."""
     runs = sketching_runs(df, benchmark)
     if not len(runs):
         return None
     herding = runs[runs["herding_bound"].notna()] if "herding_bound" in runs else runs.iloc[:0]
     full = runs[runs["full_data"]]
-    panels = [(frame, column) for frame, column in ((herding, "herding_bound"), (full, "train_loss")) if len(frame)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    panels = [(frame, column) for frame, column in ((herding, "herding_bound"), (herding, "train_loss"),
+                                                    (full, "train_loss")) if len(frame)]
+    ratios = herding_ratios(runs)
+    ratios = ratios[ratios["variant"] != "CD-GraB exact"].dropna(subset=["mean_ratio"])
+    count = len(panels) + bool(len(ratios))
+    shape = (2, 2) if count == 4 else (1, count)
+    fig, axes = plt.subplots(*shape, figsize=(6.5 * shape[1], 4.2 * shape[0]), squeeze=False)
+    axes = axes.ravel()
     colours = {"CD-GraB exact": "tab:red", "D-RR": "tab:blue"}
-    shades = iter(["tab:orange", "tab:purple", "tab:green", "tab:brown", "tab:olive"])
-    for ax, (frame, column) in zip(axes[0], panels):
+    for variant in sorted(runs["variant"].unique(), key=variant_order):
+        sketch_style(variant, colours)  # colours in D order, whichever panel draws a variant first
+    for ax, (frame, column) in zip(axes, panels):
         means = []
         for variant in sorted(frame["variant"].unique(), key=variant_order):
             rows = frame[frame["variant"] == variant]
             curve = rows.groupby("epoch")[column].agg(["mean", "std", "count"])
             means += curve["mean"].to_list()
-            colour = colours.setdefault(variant, next(shades, "tab:gray"))
-            ax.plot(curve.index, curve["mean"], marker="o", markersize=3, color=colour,
+            style = sketch_style(variant, colours)
+            ax.plot(curve.index, curve["mean"], markersize=3.5, **style,
                     label=f"{variant} ({rows['run_dir'].nunique()} seeds)")
             ax.fill_between(curve.index, curve["mean"] - curve["std"].fillna(0), curve["mean"] + curve["std"].fillna(0),
-                            color=colour, alpha=0.12, linewidth=0)
+                            color=style["color"], alpha=0.08 if variant.endswith(STRUCTURED) else 0.12, linewidth=0)
         examples = frame["max_train_examples"].dropna()
         data = f"first {int(examples.iloc[0]):,} training examples" if len(examples) else "the full training set"
-        ax.set_title(f"{'herding bound of the real gradients' if column == 'herding_bound' else 'train loss'} ({data})",
-                     fontsize=10)
+        what = "herding bound of the real gradients" if column == "herding_bound" else "train loss"
+        ax.set_title(f"{what} ({data}, {int(frame['epoch'].max())} epochs)", fontsize=10)
         ax.set_xlabel("epoch")
         ax.set_ylabel("herding bound" if column == "herding_bound" else "train loss")
         scale_value_axis([ax], means)
+        # epoch 1's herding bound (the random first order) is several times the rest's, and the first epochs'
+        # losses dwarf the differences between the variants at the end: the y range is that of the later epochs
+        first = 2 if column == "herding_bound" else max(2, int(frame["epoch"].max() * 0.3))
+        if frame["epoch"].max() > first:
+            later = frame[frame["epoch"] >= first].groupby(["variant", "epoch"])[column]
+            low, high = (later.mean() - later.std().fillna(0)).min(), (later.mean() + later.std().fillna(0)).max()
+            ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+            ax.set_title(ax.get_title() + f"\n(y range: epochs {first} on; the earlier ones above it)", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
+    if len(ratios):
+        plot_herding_ratios(axes[len(panels)], ratios, colours)
+    for ax in axes[count:]:
+        ax.set_visible(False)
     n, B = int(runs["node_cnt"].iloc[0]), int(runs["B"].iloc[0])
-    fig.suptitle(f"{benchmark}: CD-GraB on D-dimensional gradient sketches\n({n} workers, B {B}; band: std over seeds)",
-                 fontsize=11)
+    fig.suptitle(f"{benchmark}: CD-GraB on D-dimensional gradient sketches (structured: TensorSketch blocks for the "
+                 f"layer weights)\n({n} workers, B {B}; band: std over seeds)", fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def plot_herding_ratios(ax, ratios: pd.DataFrame, colours: dict) -> None:
+    """herding_ratios' per-seed ratios to exact CD-GraB (filled: mean over epochs 2 on; hollow: last
+    epoch), one column per D (CountSketch circles on the left, the structured map's squares on the right)
+    and one for D-RR, with the lines 1 (exact) and 1.25 (issue #31's goal). Each variant's points are one
+    Line2D per statistic, labelled "<variant>: mean of epochs 2+" / "<variant>: last epoch"; the legend
+    explains the markers instead of listing them."""
+    bases = sorted({v.removesuffix(STRUCTURED) for v in ratios["variant"]},
+                   key=lambda v: (v == "D-RR", -variant_order(v)[1]))  # increasing D, then D-RR
+    for variant in sorted(ratios["variant"].unique(), key=variant_order):
+        rows = ratios[ratios["variant"] == variant]
+        style = sketch_style(variant, colours)
+        shift = 0.0 if variant == "D-RR" else 0.15 if variant.endswith(STRUCTURED) else -0.15
+        x = [bases.index(variant.removesuffix(STRUCTURED)) + shift] * len(rows)
+        for column, fill, what in (("mean_ratio", "full", "mean of epochs 2+"), ("last_ratio", "none", "last epoch")):
+            ax.plot(x, rows[column], linestyle="none", marker=style["marker"], color=style["color"], markersize=6,
+                    fillstyle=fill, label=f"{variant}: {what}")
+    exact = ax.axhline(1.0, color=colours["CD-GraB exact"], linewidth=1, label="exact CD-GraB")
+    goal = ax.axhline(1.25, color="black", linewidth=1, linestyle=":", label="1.25x exact (issue #31 goal)")
+    proxies = [Line2D([], [], linestyle="none", marker="o", color="gray", label="CountSketch"),
+               Line2D([], [], linestyle="none", marker="s", color="gray", label="structured (TensorSketch blocks)"),
+               Line2D([], [], linestyle="none", marker="o", color="gray", label="filled: mean of epochs 2+"),
+               Line2D([], [], linestyle="none", marker="o", color="gray", fillstyle="none", label="hollow: last epoch"),
+               exact, goal]
+    ax.set_xticks(range(len(bases)), [b.replace("CD-GraB, ", "") for b in bases])
+    ax.set_ylabel("herding bound / exact CD-GraB's (same seed)")
+    ax.set_title("herding bound vs exact CD-GraB, seed by seed (colour: D)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(handles=proxies, fontsize=7, loc="best")
 
 
 def study_figures(df: pd.DataFrame) -> dict:

@@ -6,7 +6,8 @@ Prints Markdown: per benchmark, the paper's numbers (read off its figures, issue
 mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR gap, our training
 seconds per epoch, and the herding bound after the last round; then the heterogeneity and
 worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds, and
-the communication study (issue #9), the sketching study (issue #20) and the reorderers study (issue #21).
+the communication study (issue #9), the sketching study (issue #20; with its herding bounds per seed over
+exact CD-GraB's, issue #31) and the reorderers study (issue #21).
 Where a sorter has no run at the paper's epoch yet (partial runs), every sorter is reported at the last
 epoch each of them reached, over the runs that reached it, and the row is marked partial.
 """
@@ -20,7 +21,8 @@ from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
 from analysis.aggregate import headline_metrics  # noqa: E402
-from analysis.studies import communication_table, reorderer_order, reorderer_runs, sketching_runs, variant_order  # noqa: E402
+from analysis.studies import (communication_table, herding_ratios, reorderer_order, reorderer_runs,  # noqa: E402
+                              sketching_runs, variant_order)
 
 
 def mean_std(values) -> str:
@@ -189,6 +191,35 @@ def sketching_markdown(df) -> list[str]:
     return lines
 
 
+def sketching_ratio_markdown(df) -> list[str]:
+    """The sketching study's herding bounds as multiples of exact CD-GraB's of the same seed
+    (analysis.studies.herding_ratios), per benchmark and data, one row per variant (the CountSketch and the
+    structured map of each D, D-RR): the ratio of the mean over epochs 2 on and of the last epoch, seed by
+    seed, with their min and max, and whether every seed's ratio is within issue #31's 1.25x."""
+    lines = []
+    for benchmark in sorted(df.loc[df["study"] == "sketching", "benchmark"].unique()) if len(df) else []:
+        ratios = herding_ratios(sketching_runs(df, benchmark))
+        ratios = ratios[ratios["variant"] != "CD-GraB exact"].dropna(subset=["mean_ratio", "last_ratio"])
+        for examples, group in ratios.groupby("examples"):
+            data = f"first {int(examples):,} training examples" if examples else "full data"
+            seeds = sorted(group["seed"].unique())
+            names = ", ".join(str(int(seed)) for seed in seeds)
+            lines += [f"| {benchmark}, {data}: herding bound / exact CD-GraB's (same seed) | epochs 2+ mean, seeds "
+                      f"{names} | min - max | last epoch, seeds {names} | min - max | <= 1.25x on every seed (2+ mean; last) |",
+                      "|---|---|---|---|---|---|"]
+            for variant in sorted(group["variant"].unique(), key=variant_order):
+                rows = group[group["variant"] == variant].set_index("seed")
+                cells = [variant]
+                for column in ("mean_ratio", "last_ratio"):
+                    cells += [" / ".join(f"{rows[column].get(seed, float('nan')):.2f}" for seed in seeds),
+                              f"{rows[column].min():.2f} - {rows[column].max():.2f}"]
+                cells.append("; ".join("yes" if (rows[column] <= 1.25).all() else "no"
+                                       for column in ("mean_ratio", "last_ratio")))
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+    return lines
+
+
 def reorderers_markdown(df) -> list[str]:
     """The reorderers study (issue #21), per benchmark and worker count: per sorter (the study's and the
     CD-GraB and D-RR baselines of the same settings) the train loss and headline metric at the paper's
@@ -259,6 +290,7 @@ def main():
     print("\n".join(scaling_table(everything)))
     print("\n".join(communication_markdown(everything)))
     print("\n".join(sketching_markdown(everything)))
+    print("\n".join(sketching_ratio_markdown(everything)))
     print("\n".join(reorderers_markdown(everything)))
 
 

@@ -223,3 +223,56 @@ def test_worker_scaling_draws_the_sketched_herding_runs_apart_from_exact_and_d_r
     assert "#000000" not in colors.values()
     assert lines["CD-GraB+sketch4, m = 292"].get_marker() != lines["CD-GraB+sketch8, m = 292"].get_marker()
     plt.close(fig)
+
+
+def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch():
+    """Issue #31: the shipped structured-sketch runs (TensorSketch blocks for the weight matrices) are their own
+    curves in the sketching figures' herding-bound and 10-epoch train-loss panels, in their D's colour but
+    dashed with square markers, beside the CountSketch's solid round-marked curve, exact CD-GraB and D-RR;
+    the ratio panel puts each seed's herding bound over exact CD-GraB's of the same seed, read here from the
+    runs' metrics.csv, with the 1.25x goal line."""
+    import pandas as pd
+
+    from analysis.studies import plot_sketching
+
+    df = load_runs(SHIPPED, warn=False)
+    for benchmark, dims in {"MLP-M4": (64, 256, 1024), "LR-HMDA": (8, 16)}.items():
+        fig = plot_sketching(df, benchmark)
+        titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+        assert titles[0].startswith("herding bound of the real gradients") and "10 epochs" in titles[0], titles
+        assert titles[1].startswith("train loss (first") and "10 epochs" in titles[1], titles
+        assert titles[-1].startswith("herding bound vs exact CD-GraB"), titles
+        for ax, column in ((fig.axes[0], "herding_bound"), (fig.axes[1], "train_loss")):
+            lines = {line.get_label(): line for line in ax.get_lines()}
+            legend = {text.get_text() for text in ax.get_legend().get_texts()}
+            assert {"CD-GraB exact (3 seeds)", "D-RR (3 seeds)"} <= set(lines) and set(lines) <= legend
+            for D in dims:
+                plain, structured = lines[f"CD-GraB, D = {D} (3 seeds)"], lines[f"CD-GraB, D = {D}, structured (3 seeds)"]
+                assert to_hex(plain.get_color()) == to_hex(structured.get_color())
+                assert (plain.get_marker(), plain.get_linestyle()) == ("o", "-")
+                assert (structured.get_marker(), structured.get_linestyle()) == ("s", "--")
+                runs = sorted((SHIPPED / "sketching" / benchmark).glob(f"*-sketch-dim{D}-sketch-min-numel16-seed*"))
+                assert len(runs) == 3
+                mean = pd.concat([pd.read_csv(run / "metrics.csv").set_index("epoch")[column] for run in runs],
+                                 axis=1).mean(axis=1)
+                assert list(structured.get_xdata()) == list(mean.index)
+                assert structured.get_ydata() == pytest.approx(mean.to_numpy(), rel=1e-12)
+        ratio_ax = [ax for ax in fig.axes if ax.get_visible()][-1]
+        points = {line.get_label(): line for line in ratio_ax.get_lines()}
+        assert 1.25 in [line.get_ydata()[0] for line in ratio_ax.get_lines() if line.get_linestyle() == ":"]
+        scaling = {seed: pd.read_csv(next((SHIPPED / "scaling" / benchmark).glob(f"CD-GraB-node4-B16-*-seed{seed}"))
+                                     / "metrics.csv").set_index("epoch")["herding_bound"] for seed in range(3)}
+        for D in dims:
+            plain = points[f"CD-GraB, D = {D}: mean of epochs 2+"]
+            structured = points[f"CD-GraB, D = {D}, structured: mean of epochs 2+"]
+            last = points[f"CD-GraB, D = {D}, structured: last epoch"]
+            assert structured.get_marker() == last.get_marker() == "s" and plain.get_marker() == "o"
+            assert last.get_fillstyle() == "none" and structured.get_fillstyle() == "full"
+            assert min(structured.get_xdata()) > max(plain.get_xdata())  # right of the CountSketch of its D
+            bounds = {int(run.name[-1]): pd.read_csv(run / "metrics.csv").set_index("epoch")["herding_bound"]
+                      for run in (SHIPPED / "sketching" / benchmark).glob(f"*-sketch-dim{D}-sketch-min-numel16-seed*")}
+            assert sorted(structured.get_ydata()) == pytest.approx(sorted(
+                bounds[s].loc[2:].mean() / scaling[s].loc[2:].mean() for s in range(3)), rel=1e-12)
+            assert sorted(last.get_ydata()) == pytest.approx(sorted(
+                bounds[s].loc[10] / scaling[s].loc[10] for s in range(3)), rel=1e-12)
+        plt.close(fig)

@@ -73,29 +73,39 @@ def test_shipped_communication_study_is_complete():
 
 def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     """Issue #20: sketched CD-GraB (D = 64, 256, 1024) x 3 seeds with --log-herding, 10 epochs on 8,000 MLP-M4
-    windows, drawn against the scaling study's exact CD-GraB and D-RR runs of the same settings. Bytes per
-    epoch from the documented formula, steps * 4 * (n k D + n d) for a sketch, steps * 4 * n k d exact and
-    steps * 4 * n d for D-RR (n = k = 4, d = 5,569, 500 steps)."""
-    from analysis.studies import sketching_runs
+    windows, drawn against the scaling study's exact CD-GraB and D-RR runs of the same settings; issue #31:
+    the same with the structured map (--sketch-min-numel 16: every weight matrix a TensorSketch block), on
+    MLP-M4 and LR-HMDA. Bytes per epoch from the documented formula, steps * 4 * (n k D + n d) for a sketch
+    of either family, steps * 4 * n k d exact and steps * 4 * n d for D-RR (n = k = 4, d = 5,569, 500 steps)."""
+    from analysis.studies import sketch_blocks, sketching_runs
 
     runs = sketching_runs(load_runs(SHIPPED, warn=False), "MLP-M4")
     herding = runs[~runs["full_data"]]
+    dims = (64, 256, 1024)
     assert herding.groupby("variant")["run_dir"].nunique().to_dict() == {
-        "CD-GraB exact": 3, "CD-GraB, D = 1024": 3, "CD-GraB, D = 256": 3, "CD-GraB, D = 64": 3, "D-RR": 3}
+        "CD-GraB exact": 3, "D-RR": 3, **{f"CD-GraB, D = {D}{suffix}": 3 for D in dims for suffix in ("", ", structured")}}
     assert (herding.groupby("run_dir")["epoch"].max() == 10).all() and herding["herding_bound"].notna().all()
     n = k = 4
     d, steps = 5569, 500
     expected = {"CD-GraB exact": steps * 4 * n * k * d, "D-RR": steps * 4 * n * d,
-                **{f"CD-GraB, D = {D}": steps * 4 * (n * k * D + n * d) for D in (64, 256, 1024)}}
+                **{f"CD-GraB, D = {D}{suffix}": steps * 4 * (n * k * D + n * d) for D in dims
+                   for suffix in ("", ", structured")}}
     assert herding.groupby("variant")["comm_bytes"].agg(set).to_dict() == {v: {b} for v, b in expected.items()}
+    # the structured runs' maps: the MLP's three weight matrices (20 -> 64, 64 -> 64, 64 -> 1) are the blocks
+    structured = herding.loc[herding["structured"], "run_dir"].unique()
+    assert len(structured) == 9 and all(sketch_blocks(run) == [[0, 64, 20], [1344, 64, 64], [5504, 1, 64]]
+                                        for run in structured)
     full = runs[runs["full_data"]]  # the paper figure's setting, 30 epochs: 6,711 steps per epoch
     assert full.groupby("variant")["run_dir"].nunique().to_dict() == {"CD-GraB exact": 3, "CD-GraB, D = 64": 3, "D-RR": 3}
     assert (full.groupby("run_dir")["epoch"].max() == 30).all()
     assert set(full.loc[full["variant"] == "CD-GraB, D = 64", "comm_bytes"]) == {6711 * 4 * (n * k * 64 + n * d)}
     lr = sketching_runs(load_runs(SHIPPED, warn=False), "LR-HMDA")  # d = 26: D = 8 and 16, 1,250 steps
     assert lr.groupby("variant")["run_dir"].nunique().to_dict() == {
-        "CD-GraB exact": 3, "CD-GraB, D = 16": 3, "CD-GraB, D = 8": 3, "D-RR": 3}
-    assert set(lr.loc[lr["variant"] == "CD-GraB, D = 8", "comm_bytes"]) == {1250 * 4 * (n * k * 8 + n * 26)}
+        "CD-GraB exact": 3, "D-RR": 3, **{f"CD-GraB, D = {D}{suffix}": 3 for D in (8, 16) for suffix in ("", ", structured")}}
+    for variant in ("CD-GraB, D = 8", "CD-GraB, D = 8, structured"):
+        assert set(lr.loc[lr["variant"] == variant, "comm_bytes"]) == {1250 * 4 * (n * k * 8 + n * 26)}
+    # LR's one weight is 1 x 25: a one-row block (the bias stays CountSketched)
+    assert {str(sketch_blocks(run)) for run in lr.loc[lr["structured"], "run_dir"].unique()} == {"[[0, 1, 25]]"}
 
 
 def test_shipped_reorderers_study_is_complete_and_matched_with_its_baselines():
