@@ -1,0 +1,191 @@
+"""GPT-2 small (124M) in the Hugging Face Trainer on the CPU: step time and peak memory of CD-GraB with
+sketches built from the layer records (CDGraBTrainer(structured=True)) against the plain Trainer, and
+exact CD-GraB (every example's whole gradient formed) beside them. Issue #31's goal: the sketched step at
+<= 1.25x the plain Trainer's time and <= 1.1x its peak memory.
+
+    OMP_NUM_THREADS=1 python bench/sketch_gpt2_small.py                       # D 4096, 2 rounds
+    python bench/sketch_gpt2_small.py --dims 1024 4096 --rounds 3 --steps 5 --no-exact
+
+The model is `GPT2Config()` (124M parameters, the 50,257-token vocabulary tied to the output layer),
+randomly initialised (nothing is downloaded), dropout off, sdpa attention (no attention mask, which
+torch.func traces too). Every optimizer step is 8 sequences of 128 random tokens (labels = inputs), one
+process, one replica, AdamW; gradient accumulation 1. Variants, each in a FRESH child process (this
+script with --child) so that its peak resident memory (getrusage ru_maxrss at the end of training) is
+its own:
+
+- "plain": `transformers.Trainer`;
+- "sketched D=<D>": CDGraBTrainer(sorter="CD-GraB", sketch_dim=D, structured=True) with the default
+  sketch_min_numel (2^16): every weight of 2^16 entries or more (all of GPT-2 small's but the biases and
+  LayerNorms) is a TensorSketch block, never formed per example;
+- "exact": CDGraBTrainer(sorter="CD-GraB") forming the (8, d) per-example gradients with torch.func
+  (grad_chunk_size 1: one example's at a time, written into the (8, d) rows), a second pass.
+
+Step time: wall and CPU seconds from the Trainer's step begin to its step end, the median over the steps
+after the first (first-call allocations), per variant the median over the rounds; rounds are
+interleaved (every variant once per round) so that a change in the machine's load hits each alike.
+Single-threaded (torch.set_num_threads(--threads), default 1), CPU seconds barely move with other load.
+Writes ONE JSON object to --out (and prints it), then a markdown table.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from anywhere
+
+BATCH, BLOCK = 8, 128
+
+
+def variants(dims, exact: bool) -> dict:
+    """name -> CDGraBTrainer keyword arguments (None: the plain Trainer)."""
+    out = {"plain": None}
+    for dim in dims:
+        out[f"sketched D={dim}"] = {"sorter": "CD-GraB", "sketch_dim": dim, "structured": True}
+    if exact:
+        out["exact"] = {"sorter": "CD-GraB", "grad_chunk_size": 1}
+    return out
+
+
+def child(settings: dict | None, steps: int, threads: int) -> dict:
+    """`steps` optimizer steps of GPT-2 small in this (fresh) process; returns the measurements."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from sorters.hf import CDGraBTrainer
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    model.set_attn_implementation("sdpa")
+    rows = torch.randint(0, config.vocab_size, (BATCH * steps, BLOCK), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": r, "labels": r} for r in rows]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.walls, self.cpus, self.started = [], [], None
+
+        def on_step_begin(self, *_, **__):
+            self.started = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, *_, **__):
+            self.walls.append(time.perf_counter() - self.started[0])
+            self.cpus.append(time.process_time() - self.started[1])
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=BATCH, num_train_epochs=1,
+                                 learning_rate=1e-4, seed=0, report_to=[], disable_tqdm=True, logging_strategy="no",
+                                 save_strategy="no", dataloader_drop_last=True)
+        if settings is None:
+            trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
+        else:
+            trainer = CDGraBTrainer(model=model, args=args, train_dataset=data, callbacks=[timer], **settings)
+        trainer.train()
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    d = sum(p.numel() for p in model.parameters())
+    result = {"steps": len(timer.walls), "peak_rss_mb": peak_kb / 1024,
+              "step_seconds": statistics.median(timer.walls[1:]), "step_cpu_seconds": statistics.median(timer.cpus[1:]),
+              "d": d}
+    if settings is not None and settings.get("structured"):
+        sketcher = trainer.cdgrab_grads
+        result.update(blocks=len(sketcher.sketch.blocks), formed_per_example=sketcher.formed,
+                      numel_outside_blocks=sketcher._rest_numel)
+    return result
+
+
+def summarise(rounds: dict) -> dict:
+    def median(name, key):
+        return statistics.median(r[key] for r in rounds[name])
+
+    base = {key: median("plain", key) for key in ("peak_rss_mb", "step_seconds", "step_cpu_seconds")}
+    return {name: {"peak_rss_mb": round(median(name, "peak_rss_mb"), 1),
+                   "peak_vs_plain": round(median(name, "peak_rss_mb") / base["peak_rss_mb"], 3),
+                   "step_seconds": round(median(name, "step_seconds"), 3),
+                   "step_vs_plain": round(median(name, "step_seconds") / base["step_seconds"], 3),
+                   "step_cpu_seconds": round(median(name, "step_cpu_seconds"), 3),
+                   "step_cpu_vs_plain": round(median(name, "step_cpu_seconds") / base["step_cpu_seconds"], 3),
+                   "rounds": rounds[name]} for name in rounds}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| variant | peak RSS (MB) | vs plain | step s (wall) | vs plain | step s (CPU) | vs plain |",
+             "|---|---|---|---|---|---|---|"]
+    for name, m in result["variants"].items():
+        lines.append(f"| {name} | {m['peak_rss_mb']:.0f} | {m['peak_vs_plain']:.2f} | {m['step_seconds']:.2f} | "
+                     f"{m['step_vs_plain']:.2f} | {m['step_cpu_seconds']:.2f} | {m['step_cpu_vs_plain']:.2f} |")
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    return done.stdout.strip() or "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", nargs="+", type=int, default=[4096], help="sketch dimensions D")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every variant")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not timed)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in each child")
+    parser.add_argument("--no-exact", action="store_true", help="leave out exact CD-GraB (its (8, d) gradients: 4 GB)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sketch-gpt2-small.json"))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON settings of one variant
+    args = parser.parse_args()
+    if args.steps < 2 or args.rounds < 1:
+        parser.error("--steps must be >= 2 (the first is not timed) and --rounds >= 1")
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child), args.steps, args.threads)), flush=True)
+        return
+    load_before = os.getloadavg()
+    rounds = {}
+    for round_ in range(args.rounds):
+        for name, settings in variants(args.dims, not args.no_exact).items():
+            command = [sys.executable, __file__, "--child", json.dumps(settings), "--steps", str(args.steps),
+                       "--threads", str(args.threads)]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+            line = [text for text in done.stdout.splitlines() if text.startswith("RESULT ")]
+            if done.returncode or not line:
+                sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+            rounds.setdefault(name, []).append(json.loads(line[-1][len("RESULT "):]))
+            print(f"round {round_ + 1} {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
+    import torch
+    summary = summarise(rounds)
+    result = {
+        "git_commit": git_commit(),
+        "step_seconds": {"plain": summary["plain"]["step_seconds"],
+                         "sketched": {name: m["step_seconds"] for name, m in summary.items() if name.startswith("sketched")},
+                         "exact": summary["exact"]["step_seconds"] if "exact" in summary else None},
+        "peak_memory_gib": {"plain": round(summary["plain"]["peak_rss_mb"] / 1024, 3),
+                            "sketched": {name: round(m["peak_rss_mb"] / 1024, 3) for name, m in summary.items()
+                                         if name.startswith("sketched")},
+                            "exact": round(summary["exact"]["peak_rss_mb"] / 1024, 3) if "exact" in summary else None},
+        "variants": summary,
+        "settings": {"model": "GPT2Config() (124M), random init, sdpa, dropout 0", "batch": BATCH, "block": BLOCK,
+                     "steps_per_run": args.steps, "rounds": args.rounds, "threads": args.threads,
+                     "statistic": "median over steps (first dropped), then over rounds",
+                     "peak": "ru_maxrss of a fresh process at the end of training", "torch": torch.__version__,
+                     "cpu_count": os.cpu_count(),
+                     "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
+    }
+    text = json.dumps(result, indent=1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(text + "\n")
+    partial.replace(out)
+    print(text)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
