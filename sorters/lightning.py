@@ -34,8 +34,23 @@ though, counts the batches left itself (the loader's len() less the batches done
 `LightningCDGraBSampler` keeps len() at the whole epoch's. The run then continues with the orders of an
 uninterrupted run (Lightning's warning still appears: it looks at the loader, not the sampler).
 
+Sketches from the training step's own backward (`CDGraBCallback(sketcher=LayerSketch(...))`, issue #31):
+instead of a second per-example pass, the callback records the layers during the step's forward
+(LayerSketch.recording, sorters/layer_sketch.py) and steps the sampler with the sketches after its
+backward (on_after_backward). The step builds its loss from its (B,) per-example losses and hands them
+over with `watch(self, losses)`:
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            losses = watch(self, F.cross_entropy(self.net(x), y, reduction="none"))   # (B,)
+            return losses.mean()
+
+The sampler is built with sketch_dim = the sketcher's dim (and d = its d); the checkpoint records the map
+(its blocks and seed), and a resume with another map is refused.
+
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
+from sorters.layer_sketch import LayerSketch
 from sorters.sampler import CDGraBSampler
 
 try:
@@ -67,11 +82,17 @@ class CDGraBCallback(Callback):
               sampler.loader_batch_size; rows in the order the sampler yielded them; d = the sampler's d,
               or its sketch_dim). None (the default): `pl_module.per_example_grads(batch)`. Called only
               for sorters that balance gradients (`sampler.uses_grads`).
+    sketcher: a LayerSketch of the module's network instead of grads_fn: the (B, D) sketches come from the
+              training step's own forward and backward; training_step must pass its (B,) per-example
+              losses to `watch(self, losses)` and build its loss from them (see the module docstring).
     """
 
-    def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None):
-        self.sampler, self.grads_fn = sampler, grads_fn
-        self._pending_state = None  # a checkpoint's sampler state loaded before the sampler was found
+    def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None, sketcher: LayerSketch | None = None):
+        if sketcher is not None and grads_fn is not None:
+            raise ValueError("CDGraBCallback: pass grads_fn or sketcher, not both")
+        self.sampler, self.grads_fn, self.sketcher = sampler, grads_fn, sketcher
+        self._pending_state = None  # a checkpoint's state loaded before the sampler was found
+        self._recording = None      # sketcher: the current batch's LayerSketch recording
 
     # ------------------------------------------------------------------ set-up
 
@@ -89,11 +110,23 @@ class CDGraBCallback(Callback):
             else:
                 raise ValueError("CDGraBCallback: no sampler: pass CDGraBCallback(sampler=...) or set "
                                  "self.sampler = CDGraBSampler(...) in the LightningModule's setup()")
+        if self.sketcher is not None:
+            self._check_sketcher()
         if self._pending_state is not None:
-            self.load_state_dict({"sampler": self._pending_state})
-        if self.sampler.uses_grads and self.grads_fn is None and not hasattr(pl_module, "per_example_grads"):
+            self.load_state_dict(self._pending_state)
+        if self.sampler.uses_grads and self.sketcher is None and self.grads_fn is None \
+                and not hasattr(pl_module, "per_example_grads"):
             raise ValueError(f"CDGraBCallback: {self.sampler.sorter.name} balances per-example gradients: define "
                              "per_example_grads(self, batch) -> (B, d) in the LightningModule, or pass grads_fn")
+
+    def _check_sketcher(self) -> None:
+        sampler, sketcher = self.sampler, self.sketcher
+        if not sampler.uses_grads:
+            raise ValueError(f"CDGraBCallback: {sampler.sorter.name} balances no gradients: drop the sketcher")
+        if sampler.sketch_dim != sketcher.dim or sampler.d != sketcher.d:
+            raise ValueError(f"CDGraBCallback: the sampler balances d={sampler.d}, sketch_dim={sampler.sketch_dim}, "
+                             f"the sketcher gives d={sketcher.d}, dim={sketcher.dim}: build the sampler with "
+                             "d=sketcher.d, sketch_dim=sketcher.dim")
 
     # ------------------------------------------------------------------ per batch
 
@@ -101,23 +134,56 @@ class CDGraBCallback(Callback):
         if not self.sampler.uses_grads:
             self.sampler.step(None)
             return
+        if self.sketcher is not None:  # the step's forward is recorded; the sampler steps after its backward
+            self._recording = self.sketcher.recording().__enter__()
+            pl_module.cdgrab_recording = self._recording
+            return
         grads = self.grads_fn(pl_module, batch) if self.grads_fn else pl_module.per_example_grads(batch)
         self.sampler.step(grads)  # balancing sorters all-gather here: every rank calls it at the same batch
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        recording, self._recording = self._recording, None
+        if recording is None:
+            return
+        recording.__exit__(None, None, None)
+        pl_module.cdgrab_recording = None
+        try:
+            sketches = recording.sketches()
+        except ValueError as error:
+            if "no gradient reached" not in str(error):
+                raise
+            raise ValueError("CDGraBCallback: the training step's loss is not built from watched per-example "
+                             "losses: in training_step, losses = watch(self, per_example_losses) and return a "
+                             "loss made of them (e.g. losses.mean())") from None
+        self.sampler.step(sketches.float())  # all-gathered: every rank calls it at the same batch
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
         if self.sampler is None:
-            return {} if self._pending_state is None else {"sampler": self._pending_state}
-        return {"sampler": self.sampler.state_dict()}
+            return {} if self._pending_state is None else self._pending_state
+        return {"sampler": self.sampler.state_dict(), "sketch_map": self._sketch_map()}
+
+    def _sketch_map(self) -> dict | None:
+        """The sketcher's map (None without one): what the sampler's sketch_dim and seed do not say."""
+        if self.sketcher is None:
+            return None
+        sketch = self.sketcher.sketch
+        return {"d": sketch.d, "dim": sketch.dim, "seed": sketch.seed,
+                "blocks": [[block.offset, block.rows, block.cols] for block in sketch.blocks]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "sampler" not in state_dict:
             return
         if self.sampler is None:  # Lightning restores callbacks before on_fit_start: keep it until then
-            self._pending_state = state_dict["sampler"]
+            self._pending_state = state_dict
             return
         self._pending_state = None
+        saved_map, map_now = state_dict.get("sketch_map"), self._sketch_map()
+        if saved_map != map_now:
+            raise ValueError(f"CDGraBCallback: the checkpoint's sampler balanced the sketches of map {saved_map}, "
+                             f"this run's is {map_now}: resume with the same sketcher (LayerSketch dim, seed, "
+                             "params, min_numel) or none, as the checkpoint's run")
         state = state_dict["sampler"]
         if state["started"] and 0 < state["position"] < self.sampler.m and not isinstance(self.sampler,
                                                                                      LightningCDGraBSampler):
@@ -125,3 +191,13 @@ class CDGraBCallback(Callback):
                              "resumes by counting batches itself: build the sampler as "
                              "sorters.lightning.LightningCDGraBSampler (same arguments)")
         self.sampler.load_state_dict(state)  # mid-epoch: its next iteration is the rest of that epoch
+
+
+def watch(pl_module, losses):
+    """In a LightningModule's training_step under CDGraBCallback(sketcher=...): hand the (B,) per-example
+    losses (still attached to the graph) to the batch's LayerSketch recording; returns them. Does nothing
+    outside a recorded batch (validation, or a callback without a sketcher)."""
+    recording = getattr(pl_module, "cdgrab_recording", None)
+    if recording is not None:
+        recording.watch(losses)
+    return losses

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from sorters import PerExampleGrads
-from sorters.lightning import CDGraBCallback, LightningCDGraBSampler  # noqa: F401 (the tests use them from here)
+from sorters.layer_sketch import LayerSketch
+from sorters.lightning import CDGraBCallback, LightningCDGraBSampler, watch  # noqa: F401 (the tests use them from here)
 
 from tests.test_lightning import BATCH, EPOCHS, FEATURES, N, REPLICAS  # the sizes, in one place
 
@@ -74,3 +75,31 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
             raise Crash()
+
+
+class TinySketchModel(TinyModel):
+    """A two-layer net whose sketches come from the training step's own backward (CDGraBCallback's sketcher,
+    every weight a TensorSketch block); records the per-example gradients formed independently at the
+    same parameters (the oracle) and every sketch the sampler got."""
+
+    def __init__(self, dim=5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+        self.grads_of = PerExampleGrads(self.net, mse)
+        self.sketcher = LayerSketch(self.net, dim, seed=2, min_numel=0)
+        self.sketches = []
+
+    def setup(self, stage):
+        self.sampler = LightningCDGraBSampler(self.train_set, batch_size=BATCH, d=self.sketcher.d,
+                                              sketch_dim=self.sketcher.dim, num_replicas=REPLICAS, epochs=EPOCHS)
+        step = self.sampler.step
+        self.sampler.step = lambda grads: (self.sketches.append(grads.clone()), step(grads))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.grads.append(self.grads_of(x, y))  # the oracle, before the step's own forward
+        losses = watch(self, (self.net(x).squeeze(-1) - y) ** 2)  # (B,)
+        loss = losses.mean()
+        self.losses.append(loss.item())
+        return loss

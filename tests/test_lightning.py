@@ -59,6 +59,43 @@ def test_resume_mid_epoch_or_at_epoch_end_gives_the_uninterrupted_orders_and_los
     assert [o.tolist() for o in first.orders + resumed.orders] == [o.tolist() for o in uninterrupted.orders]
 
 
+def test_sketches_from_the_steps_own_backward_are_the_map_of_each_examples_gradient(lit):
+    """CDGraBCallback(sketcher=...): one sampler step per batch with the map of the examples' own gradients
+    (formed independently at the same parameters), the orders the library sorter gives for those sketches;
+    a checkpoint of it is refused by a callback with another map, or none."""
+    model = lit.TinySketchModel()
+    callback = lit.CDGraBCallback(sketcher=model.sketcher)
+    settings = dict(max_epochs=EPOCHS, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    lit.L.Trainer(callbacks=[callback], **settings).fit(model)
+    assert len(model.sketches) == len(model.grads) == EPOCHS * STEPS and len(model.sketcher.sketch.blocks) == 2
+    for sketch, grads in zip(model.sketches, model.grads):
+        expected = model.sketcher.sketch(grads)
+        torch.testing.assert_close(sketch, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    sorter = build_sorter("CD-GraB", REPLICAS, N // REPLICAS, model.sketcher.dim, seed=0)
+    sketches = iter(model.sketches)
+    for epoch in range(EPOCHS):
+        assert torch.equal(sorter.sort() + torch.arange(REPLICAS)[:, None] * (N // REPLICAS), model.orders[epoch])
+        for t in range(0, N // REPLICAS, BATCH):
+            sorter.step(next(sketches).reshape(REPLICAS, BATCH, -1), range(t, t + BATCH))
+    state = callback.state_dict()
+    assert state["sketch_map"]["blocks"] == [[0, 6, 3], [24, 1, 6]]
+    for other in (None, lit.LayerSketch(model.net, 5, seed=3, min_numel=0)):
+        resumed = lit.CDGraBCallback(sampler=model.sampler, sketcher=other)
+        with pytest.raises(ValueError, match="resume with the same sketcher"):
+            resumed.load_state_dict(state)
+
+
+def test_a_sketcher_without_watched_losses_is_refused_in_one_line(lit):
+    model = lit.TinySketchModel()
+    model.training_step = lambda batch, batch_idx: ((model.net(batch[0]).squeeze(-1) - batch[1]) ** 2).mean()
+    with pytest.raises(ValueError, match="watch\\(self, per_example_losses\\)") as refused:
+        lit.L.Trainer(callbacks=[lit.CDGraBCallback(sketcher=model.sketcher)], max_epochs=1, accelerator="cpu",
+                      use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(model)
+    assert "\n" not in str(refused.value)
+
+
 def test_use_distributed_sampler_is_refused_before_the_first_step(lit):
     model = lit.TinyModel()
     with pytest.raises(ValueError, match="use_distributed_sampler=False"):
