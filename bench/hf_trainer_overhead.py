@@ -11,7 +11,9 @@ variant trains the same number of optimizer steps from the same initial weights:
 - "CD-GraB (blocks)": CD-GraB balancing the transformer blocks' per-example gradients (d = 396,544; the
   default of examples/hf_trainer_gpt2.py);
 - "CD-GraB (all)": every parameter's (d = 6,846,080, most of it the tied embedding matrix);
-- "CD-GraB (all, sketch 4096)": the same, balanced as 4,096-dimensional sketches.
+- "CD-GraB (all, sketch 4096)": the same, balanced as 4,096-dimensional sketches;
+- "CD-GraB (all, structured sketch 4096)": the same sketches' size, built from the Trainer's own backward
+  layer by layer (structured=True): no per-example pass.
 
 Each variant's time is the median over its steps after the first two (warm-up) of the wall time from
 the Trainer's step begin to its step end, taken in the round with the median; rounds are interleaved
@@ -45,6 +47,7 @@ VARIANTS = {  # name -> (trainer class, its extra keyword arguments)
     "CD-GraB (blocks)": (CDGraBTrainer, {"grad_params": r"\.h\.\d+\."}),
     "CD-GraB (all)": (CDGraBTrainer, {}),
     "CD-GraB (all, sketch 4096)": (CDGraBTrainer, {"sketch_dim": 4096}),
+    "CD-GraB (all, structured sketch 4096)": (CDGraBTrainer, {"sketch_dim": 4096, "structured": True}),
 }
 
 

@@ -48,6 +48,9 @@ parser.add_argument("--replicas", type=int, default=None, help="replicas hosted 
 parser.add_argument("--grad-params", default=r"\.h\.\d+\.",
                     help="regular expression: the parameters whose per-example gradients are balanced")
 parser.add_argument("--sketch-dim", type=int, default=0, help="balance D-dimensional sketches (0: the gradients)")
+parser.add_argument("--structured", action="store_true",
+                    help="with --sketch-dim: build the sketches from the Trainer's own backward, layer by layer "
+                         "(no per-example pass; docs/sketching.md)")
 parser.add_argument("--lr", type=float, default=1e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--save-steps", type=int, default=0, help="write checkpoint-N/ every N optimizer steps (0: never)")
@@ -84,9 +87,12 @@ def as_examples(blocks: torch.Tensor) -> list[dict]:
 
 torch.manual_seed(args.seed)  # the same initial model in every process
 model = build_gpt2(n_positions=args.block_size)
-trainer = CDGraBTrainer(model=model, args=training_args, train_dataset=as_examples(train_blocks),
-                        eval_dataset=as_examples(eval_blocks), sorter=args.sorter, grad_params=args.grad_params,
-                        sketch_dim=args.sketch_dim, num_replicas=args.replicas)
+try:
+    trainer = CDGraBTrainer(model=model, args=training_args, train_dataset=as_examples(train_blocks),
+                            eval_dataset=as_examples(eval_blocks), sorter=args.sorter, grad_params=args.grad_params,
+                            sketch_dim=args.sketch_dim, structured=args.structured, num_replicas=args.replicas)
+except ValueError as error:  # settings that contradict each other (e.g. --structured without --sketch-dim)
+    exit_with_error(str(error))
 
 
 class EpochOrders(TrainerCallback):

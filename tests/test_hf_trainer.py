@@ -285,6 +285,8 @@ def test_structured_needs_a_sketch_and_labels(hf, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--data-dir", "no-such-folder"], "no-such-folder/wikitext-103"),  # the data set
+    pytest.param(["--data-dir", DATA_DIR, "--structured"], "needs sketch_dim > 0",  # the trainer's settings
+                 marks=needs_data("wikitext-103/wiki.valid.tokens", "wikitext-103/wiki.test.tokens", "gpt2-tokenizer")),
     pytest.param(["--data-dir", DATA_DIR, "--max-train-examples", "3"], "3 examples are too few",  # the sampler
                  marks=needs_data("wikitext-103/wiki.valid.tokens", "wikitext-103/wiki.test.tokens", "gpt2-tokenizer")),
 ])
