@@ -159,10 +159,13 @@ class CDGraBSampler(Sampler[int]):
                                                   or epochs < 1):
             raise ValueError(f"{sorter}'s threshold depends on the run's length: pass epochs, the total number of "
                              f"epochs (an integer >= 1), got {epochs!r}")
-        # one map for every process: it depends on (d, sketch_dim, seed) only
-        self.sketch = GradientSketch(d, sketch_dim, seed) if sketch_dim else None
-        self.sketch_dim = sketch_dim
-        sorted_d = self.sketch.dim if self.sketch else (d or 1)
+        # one map for every process: it depends on (d, sketch_dim, seed) only; built at its first use (the
+        # `sketch` property), since a caller that hands step() sketches already never needs it
+        if sketch_dim and not (isinstance(d, int) and d >= 1):
+            raise ValueError(f"sketch_dim={sketch_dim} needs the gradients' dimension d (an integer >= 1), got {d!r}")
+        self._sketch, self.sketch_dim = None, sketch_dim
+        self._sketched_width = min(sketch_dim, d) if sketch_dim else None  # D, or d where D >= d (the identity)
+        sorted_d = self._sketched_width or (d or 1)
         self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs)
         self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
         self.epochs = epochs if self.sorter.uses_total_epochs else None
@@ -277,7 +280,7 @@ class CDGraBSampler(Sampler[int]):
             grads = self._check_shape(grads, R, b)
         if self.uses_grads:
             grads = grads.detach()
-            if self.sketch is not None and grads.shape[-1] == self.d:
+            if self.sketch_dim and grads.shape[-1] == self.d != self._sketched_width:
                 grads = self.sketch(grads)  # before the gather: that is what it saves
             width = grads.shape[-1]
             grads = grads.reshape(R, b, width)
@@ -289,9 +292,17 @@ class CDGraBSampler(Sampler[int]):
         self.position += b
         self.resume = None  # the resumed epoch goes on; from here on a part-way end is an error again
 
+    @property
+    def sketch(self) -> GradientSketch | None:
+        """The map step() applies to (., d) gradients: GradientSketch(d, sketch_dim, seed), or None without
+        sketch_dim. Built at first use (a model's d coordinates cost 5 bytes each)."""
+        if self._sketch is None and self.sketch_dim:
+            self._sketch = GradientSketch(self.d, self.sketch_dim, self.seed)
+        return self._sketch
+
     def _check_shape(self, grads, R: int, b: int) -> torch.Tensor:
         d = self.d if self.d is not None else "d"
-        widths = [d] + ([self.sketch.dim] if self.sketch is not None and self.sketch.dim != d else [])
+        widths = [d] + ([self._sketched_width] if self.sketch_dim and self._sketched_width != d else [])
         expected = [shape for w in widths for shape in [(R * b, w)] + ([(R, b, w)] if R > 1 else [])]
         shape = None if grads is None else tuple(grads.shape)
         if shape is not None and len(shape) in (2, 3) and self.d is None:

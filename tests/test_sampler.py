@@ -295,6 +295,30 @@ def test_a_sketched_sampler_takes_replicas_x_batch_gradients_of_full_width():
         assert torch.equal(flat.all_indices(), stacked.all_indices())
 
 
+def test_a_sampler_handed_sketches_never_builds_its_own_map():
+    """A trainer that sketches itself (CDGraBTrainer(structured=True)) hands step() (B, D) rows: the sampler's
+    own map over d coordinates (5 bytes each: 622 MB for GPT-2 small) is never built; (B, d) rows build it,
+    and then are sketched with it (as the same map applied here)."""
+    n, m, k, d, D = 2, 6, 3, 10**8, 4
+    sampler = CDGraBSampler(n * m, batch_size=k, d=d, num_replicas=n, sketch_dim=D)
+    for _ in range(2):
+        iter(sampler)
+        for _ in range(m // k):
+            sampler.step(torch.randn(n * k, D))
+    assert sampler._sketch is None
+    small = CDGraBSampler(n * m, batch_size=k, d=7, num_replicas=n, sketch_dim=D, seed=3)
+    table = example_grads(n * m, 7)
+    run_sampler_epoch(small, table)
+    assert small._sketch is not None and small.sketch.seed == 3 and small.sketch.dim == D
+    sketched = CDGraBSampler(n * m, batch_size=k, d=7, num_replicas=n, sketch_dim=D, seed=3)
+    run_sampler_epoch(sketched, small.sketch(table))  # the sketches, handed over: the same orders
+    assert torch.equal(small.all_indices(), sketched.all_indices())
+    for epoch in range(2):
+        run_sampler_epoch(small, table)
+        run_sampler_epoch(sketched, small.sketch(table))
+        assert torch.equal(small.all_indices(), sketched.all_indices()), epoch
+
+
 @pytest.mark.parametrize("sorter,sketch_dim", [("CD-GraB", 0), ("CD-GraB", 2), ("D-RR", 0)])
 def test_under_a_process_group_each_rank_yields_its_replica_and_gathers_every_step(monkeypatch, sorter, sketch_dim):
     """Ranks of a 3-process group, simulated in one process: torch.distributed answers as rank r does, and the
