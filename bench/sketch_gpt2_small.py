@@ -117,6 +117,19 @@ def summarise(rounds: dict) -> dict:
                    "rounds": rounds[name]} for name in rounds}
 
 
+def headline(summary: dict, dims: list) -> dict:
+    """The issue's figures: "sketched" is the first of --dims (the D the docs recommend for GPT-2),
+    every D's in "sketched_by_dim"; "exact" None when it was left out."""
+    def pick(key, scale=1.0, digits=3):
+        value = {name: round(m[key] * scale, digits) for name, m in summary.items()}
+        return {"plain": value["plain"], "sketched": value[f"sketched D={dims[0]}"],
+                "sketched_by_dim": {str(dim): value[f"sketched D={dim}"] for dim in dims},
+                "exact": value.get("exact")}
+
+    return {"sketch_dim": dims[0], "step_seconds": pick("step_seconds"),
+            "step_cpu_seconds": pick("step_cpu_seconds"), "peak_memory_gib": pick("peak_rss_mb", 1 / 1024)}
+
+
 def markdown(result: dict) -> str:
     lines = ["| variant | peak RSS (MB) | vs plain | step s (wall) | vs plain | step s (CPU) | vs plain |",
              "|---|---|---|---|---|---|---|"]
@@ -160,16 +173,7 @@ def main():
             print(f"round {round_ + 1} {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
     import torch
     summary = summarise(rounds)
-    result = {
-        "git_commit": git_commit(),
-        "step_seconds": {"plain": summary["plain"]["step_seconds"],
-                         "sketched": {name: m["step_seconds"] for name, m in summary.items() if name.startswith("sketched")},
-                         "exact": summary["exact"]["step_seconds"] if "exact" in summary else None},
-        "peak_memory_gib": {"plain": round(summary["plain"]["peak_rss_mb"] / 1024, 3),
-                            "sketched": {name: round(m["peak_rss_mb"] / 1024, 3) for name, m in summary.items()
-                                         if name.startswith("sketched")},
-                            "exact": round(summary["exact"]["peak_rss_mb"] / 1024, 3) if "exact" in summary else None},
-        "variants": summary,
+    result = {"git_commit": git_commit(), **headline(summary, args.dims), "variants": summary,
         "settings": {"model": "GPT2Config() (124M), random init, sdpa, dropout 0", "batch": BATCH, "block": BLOCK,
                      "steps_per_run": args.steps, "rounds": args.rounds, "threads": args.threads,
                      "statistic": "median over steps (first dropped), then over rounds",
