@@ -121,6 +121,8 @@ class LayerSketch:
     params:    which parameters (as PerExampleGrads: None, or regular expressions searched in the names).
     min_numel: weights of Linear / Conv1D / Embedding layers with at least this many entries are never
                formed per example (TensorSketch blocks of the map).
+    batch_dim: the dim of every recorded layer's input (and output) that holds the examples: 0, or 1 for a
+               time-major model (an LSTM language model's (T, B) ids and (T, B, width) activations).
 
     A recorded layer's parameters must be used only through that layer's call (e.g. not nn.MultiheadAttention's
     out_proj, whose weight it reads directly): a layer never called whose parameters still get a gradient is
@@ -131,7 +133,10 @@ class LayerSketch:
     """
 
     def __init__(self, model: torch.nn.Module, dim: int, seed: int = 0, params: str | Sequence[str] | None = None,
-                 min_numel: int = STRUCTURED_MIN_NUMEL):
+                 min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0):
+        if batch_dim not in (0, 1):
+            raise ValueError(f"LayerSketch: batch_dim must be 0 or 1, got {batch_dim}")
+        self.batch_dim = batch_dim
         self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         chosen = selected_parameters(self.model, params, "LayerSketch")
         self.names = [name for name, _ in chosen]
@@ -237,6 +242,8 @@ class LayerSketch:
             return
         entry[1] = None
         state.called.add(module)
+        if self.batch_dim:  # time-major: the examples to the front
+            a, g = a.movedim(self.batch_dim, 0), g.movedim(self.batch_dim, 0)
         dtype = self._like.dtype  # under autocast a layer's output (and its gradient) may be half precision
         g = g if g.dtype == dtype else g.to(dtype)
         a = a if not a.is_floating_point() or a.dtype == dtype else a.to(dtype)

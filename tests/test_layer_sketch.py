@@ -330,3 +330,47 @@ def test_recording_under_bfloat16_autocast_is_close_to_the_float32_sketches():
     expected = sketcher.sketch(oracle(model, losses_of, 6, sketcher.names))
     error = (sketches - expected).norm() / expected.norm()
     assert error < 0.05, error
+
+
+# ------------------------------------------------------------------------- the four benchmarks' models
+
+
+def test_the_four_benchmarks_models():
+    """LR-HMDA's Linear, MLP-M4's autoregressive MLP (its layers used once per predicted step), LSTM-Wiki2's
+    time-major LSTM (batch_dim=1; the tied encoder/decoder weight a block, the LSTM's own weights formed per
+    example, said once) and GPT2-Wiki103's GPT-2 (tied wte/lm_head): each against the batch-of-one oracle."""
+    from models.gpt2 import build_gpt2
+    from models.lstm import LSTMModel
+    from models.mlp import AutoregressiveMLP
+
+    torch.manual_seed(11)
+    lr = torch.nn.Linear(7, 1).double()
+    x, y = torch.randn(5, 7, dtype=torch.float64), torch.rand(5, dtype=torch.float64).round()
+    check_against_oracle(lr, lambda rows: F.binary_cross_entropy_with_logits(lr(x[rows]).squeeze(1), y[rows],
+                                                                          reduction="none"), 5, dim=3)
+    mlp = AutoregressiveMLP(in_len=5, hidden=8, n_layers=3).double()
+    windows, future = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    check_against_oracle(mlp, lambda rows: (mlp(windows[rows], 3) - future[rows]).square().mean(1), 4, dim=11)
+
+    lstm = LSTMModel(30, 6, 6, 2).double()
+    ids, targets = torch.randint(0, 30, (7, 4)), torch.randint(0, 30, (7, 4))  # (T, B): time-major
+
+    def lstm_losses(rows):
+        columns = ids[:, rows]
+        log_probs, _ = lstm(columns, lstm.init_hidden(columns.shape[1]))
+        nll = F.nll_loss(log_probs, targets[:, rows].reshape(-1), reduction="none")
+        return nll.view(columns.shape[0], -1).mean(0)  # (B,)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sketcher = check_against_oracle(lstm, lstm_losses, 4, dim=17, batch_dim=1)
+    assert sketcher.formed and all(name.startswith("rnn.") for name in sketcher.formed)
+    assert len([w for w in caught if "formed per example" in str(w.message)]) == 1
+    assert [block.offset for block in sketcher.sketch.blocks] == [0]  # the tied 30 x 6 weight
+
+    gpt2 = build_gpt2(vocab_size=40, n_embd=8, n_layer=1, n_head=2, n_positions=6).double()
+    tokens = torch.randint(0, 40, (3, 6), generator=torch.Generator().manual_seed(3))
+    sketcher = check_against_oracle(gpt2, gpt2_losses(gpt2, tokens), 3, dim=23)
+    assert not sketcher.formed and 0 in {block.offset for block in sketcher.sketch.blocks}
+    with pytest.raises(ValueError, match="batch_dim must be 0 or 1"):
+        LayerSketch(lr, 3, batch_dim=2)
