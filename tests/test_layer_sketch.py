@@ -218,8 +218,16 @@ def test_memory_probe_no_per_example_tensor_of_a_large_layer():
         with LargestAllocation() as probe:
             sketcher(lambda: F.cross_entropy(model(x).mean(1), y, reduction="none"))
         largest[min_numel] = probe.largest
-    assert largest[2**16] < 2 * weight_bytes, largest
-    assert largest[10**9] >= B * weight_bytes, largest  # the probe sees a per-example tensor when there is one
+        with LargestAllocation() as probe:  # the same through recording() and the loop's own backward
+            with sketcher.recording() as rec:
+                losses = F.cross_entropy(model(x).mean(1), y, reduction="none")
+                rec.watch(losses)
+            losses.mean().backward()
+            rec.sketches()
+        largest[min_numel, "recording"] = probe.largest
+    assert largest[2**16] < 2 * weight_bytes and largest[2**16, "recording"] < 2 * weight_bytes, largest
+    # the probe sees a per-example tensor when there is one
+    assert largest[10**9] >= B * weight_bytes and largest[10**9, "recording"] >= B * weight_bytes, largest
 
 
 # ------------------------------------------------------------------------- the own-loop sampler's path
