@@ -3,16 +3,17 @@
 
     OMP_NUM_THREADS=1 CDGRAB_DATA=../shared/data python bench/sketch_gpt2.py            # D 1024, 2 rounds
     python bench/sketch_gpt2.py --dims 1024 4096 --rounds 3 --steps 8
-    python bench/sketch_gpt2.py --min-numels 1048576 16384 1024 --variants records  # D-RR and the thresholds
+    python bench/sketch_gpt2.py --min-numels 1048576 16384 --variants records control  # the thresholds
     python bench/sketch_gpt2.py --profile --out bench/results/profile-sketch-gpt2-cpu.txt   # one chunk, profiled
 
 Variants: D-RR; exact CD-GraB; CD-GraB --sketch-dim D by the materialise-then-sketch path (the (64, d)
 per-block gradients formed, then the map applied; Task.sketch_records off) and by the records path
 (Task.unit_sketches: the TensorSketch blocks' sketches from their layer records, no (64, d) buffer) at each
 --sketch-min-numel of --min-numels (the default 2^20 makes the tied wte/lm_head the only block; 2^14 every
-Conv1D weight too; 2^10 every weight). The sketched paths at one threshold apply the same map. Control: D-RR
-with CD-GraB's compiled CPU sign loop loaded (numba, what every CPU CD-GraB run loads when its sorter is
-built), so that the sorter's share of the memory is told apart from the records path's. Paper settings: 64
+Linear/Conv1D/Embedding weight: the smallest, wpe and the attention projections, have 2^14 entries). The sketched paths at one threshold apply the same map. Control: D-RR
+with CD-GraB's compiled CPU sign loop loaded (a 1-worker CD-GraB built first: numba, LLVM and the loop, what
+every CPU CD-GraB run loads when its sorter is built), so that the sorter's share of the memory is told apart
+from the records path's. Paper settings: 64
 workers, one 128-token block each per step (B 64), AdamW 5e-4, the WikiText-2 stand-in training file;
 --steps steps of one epoch (--max-train-examples 64 * steps).
 
@@ -91,9 +92,9 @@ def child(flags: list, records: bool, sign_loop: bool, steps: int, train_file: s
     from engine.train import train
 
     torch.set_num_threads(1)
-    if sign_loop:  # what CDGraB.__init__ loads on the CPU (numba, LLVM, the cached loop)
-        from sorters.balance import _pair_signs_cpu
-        _pair_signs_cpu()
+    if sign_loop:  # what CDGraB.__init__ loads on the CPU: numba, LLVM and the compiled (cached) sign loop
+        from sorters import build_sorter
+        build_sorter("CD-GraB", 1, 2, 1)
     parser, build_task, benchmark = entry_point(SCRIPT)
     args = parser.parse_args([*ARGS, *flags, "--max-train-examples", str(64 * steps), "--train-file", train_file,
                               "--out", out_dir])
@@ -228,6 +229,7 @@ def main():
         print(text)
         return
     args.out = args.out or str(REPO / "bench" / "results" / "sketch-gpt2-cpu.json")
+    commit = git_commit()  # the code the children run: read before anything here may change
     load_before = os.getloadavg()
     rounds = {}
     for round_ in range(args.rounds):
@@ -248,7 +250,7 @@ def main():
                            "peak": "ru_maxrss of a fresh process at the end of training (evaluation skipped)",
                            "process": "one (LocalCommunicator, 64 simulated workers)", "torch": torch.__version__,
                            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
-                           "git_commit": git_commit(),
+                           "git_commit": commit,
                            "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}}
     text = json.dumps(result, indent=1)
     out = Path(args.out)
