@@ -198,7 +198,46 @@ def profile_chunk(dims, min_numels, train_file: str, repeats: int = 3) -> str:
         lines += [f"== {name}: {statistics.median(seconds):.3f} CPU s (median of {repeats}; "
                   f"{', '.join(f'{s:.3f}' for s in seconds)})",
                   prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + block_costs(dims, len(chunk), chunk.shape[1]))
+
+
+def block_costs(dims, units: int, tokens: int, repeats: int = 5) -> list:
+    """Lines of a table: one (rows, cols) weight block's per-unit sketches over `units` x `tokens` random inputs
+    and output gradients, from the records (TensorBlock.add_outer) and formed (the batched product of the
+    Linear rule, then index_add_ into the (U, 2D) sums, as outer_unit_sketches does below
+    formed_block_numel), CPU seconds, the best of `repeats`."""
+    import torch
+
+    from engine.functional import formed_block_numel
+    from sorters.sketch import TensorBlock
+
+    def best(run):
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.process_time()
+            run()
+            times.append(time.process_time() - start)
+        return min(times)
+
+    lines = [f"== one weight block, {units} units x {tokens} tokens: CPU s, best of {repeats}",
+             "| D | rows x cols | entries | add_outer (records) | formed and scattered | formed by outer_unit_sketches |",
+             "|---|---|---|---|---|---|"]
+    for dim in dims:
+        for rows, cols in ((128, 128), (128, 512), (512, 512), (512, 1024), (1024, 1024), (1024, 2048)):
+            block = TensorBlock(0, rows, cols, dim, torch.Generator().manual_seed(0))
+            buckets, signs = block.hash_and_sign()
+            signed = 2 * buckets + (signs < 0)
+            a, g = torch.randn(units, tokens, rows), torch.randn(units, tokens, cols)
+            out = torch.zeros(units, dim)
+
+            def formed():
+                sums = out.new_zeros(units, 2 * dim).index_add_(1, signed, torch.bmm(a.transpose(1, 2), g).view(units, -1))
+                out.add_(sums[:, 0::2] - sums[:, 1::2])
+
+            lines.append(f"| {dim} | {rows} x {cols} | {power_of_two(rows * cols)} | {best(lambda: block.add_outer(a, g, out)):.4f} "
+                         f"| {best(formed):.4f} | {'yes' if rows * cols <= formed_block_numel(block) else 'no'} |")
+    return lines
 
 
 def main():
