@@ -31,7 +31,9 @@ in every round). Writes ONE JSON object to --out (and prints it), then a markdow
 
 --profile instead: in this process, one 16-block gradient pass (GRAD_CHUNK, as a step makes four) of D-RR
 (batch_gradient) and of the records path (outer_unit_sketches) at each D and threshold, after a warm-up
-pass; their CPU seconds (median of 3) and torch.profiler's operators by self CPU time, as text to --out.
+pass; their CPU seconds (median of 3) and torch.profiler's operators by self CPU time; then, per D, one
+weight block of 2^14 to 2^21 entries sketched from the records (add_outer) and formed then scattered (what
+outer_unit_sketches does below formed_block_numel): the text to --out (and stdout).
 """
 import argparse
 import json
