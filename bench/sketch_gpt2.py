@@ -3,13 +3,19 @@
 
     OMP_NUM_THREADS=1 CDGRAB_DATA=../shared/data python bench/sketch_gpt2.py            # D 1024, 2 rounds
     python bench/sketch_gpt2.py --dims 1024 4096 --rounds 3 --steps 8
+    python bench/sketch_gpt2.py --min-numels 1048576 16384 --variants records control  # the thresholds
+    python bench/sketch_gpt2.py --profile --out bench/results/profile-sketch-gpt2-cpu.txt   # one chunk, profiled
 
 Variants: D-RR; exact CD-GraB; CD-GraB --sketch-dim D by the materialise-then-sketch path (the (64, d)
 per-block gradients formed, then the map applied; Task.sketch_records off) and by the records path
-(Task.unit_sketches: the tied wte/lm_head's sketch from its layer records, no (64, d) buffer). The two
-sketched paths apply the same map. Paper settings: 64 workers, one 128-token block each per step (B 64),
-AdamW 5e-4, the WikiText-2 stand-in training file; --steps steps of one epoch (--max-train-examples
-64 * steps).
+(Task.unit_sketches: the TensorSketch blocks' sketches from their layer records, no (64, d) buffer) at each
+--sketch-min-numel of --min-numels (the default 2^20 makes the tied wte/lm_head the only block; 2^14 every
+Linear/Conv1D/Embedding weight: the smallest, wpe and the attention projections, have 2^14 entries). The sketched paths at one threshold apply the same map. Control: D-RR
+with CD-GraB's compiled CPU sign loop loaded (a 1-worker CD-GraB built first: numba, LLVM and the loop, what
+every CPU CD-GraB run loads when its sorter is built), so that the sorter's share of the memory is told apart
+from the records path's. Paper settings: 64
+workers, one 128-token block each per step (B 64), AdamW 5e-4, the WikiText-2 stand-in training file;
+--steps steps of one epoch (--max-train-examples 64 * steps).
 
 Each variant runs in a FRESH child process (this script with --child), so that its peak resident memory
 (getrusage ru_maxrss, read when the epoch's training ends, before any evaluation; evaluation is skipped)
@@ -22,6 +28,12 @@ in every round). Writes ONE JSON object to --out (and prints it), then a markdow
     {"variants": {"<name>": {"bytes_per_step": b, "bytes_vs_drr": r, "peak_rss_mb": m, "peak_vs_drr": r,
         "step_seconds": s, "step_vs_drr": r, "step_cpu_seconds": s, "step_cpu_vs_drr": r,
         "rounds": [...]}, ...}, "settings": {...}}
+
+--profile instead: in this process, one 16-block gradient pass (GRAD_CHUNK, as a step makes four) of D-RR
+(batch_gradient) and of the records path (outer_unit_sketches) at each D and threshold, after a warm-up
+pass; their CPU seconds (median of 3) and torch.profiler's operators by self CPU time; then, per D, one
+weight block of 2^14 to 2^21 entries sketched from the records (add_outer) and formed then scattered (what
+outer_unit_sketches does below formed_block_numel): the text to --out (and stdout).
 """
 import argparse
 import json
@@ -38,21 +50,42 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
+from engine.sketching import STRUCTURED_MIN_NUMEL  # noqa: E402
+
 SCRIPT = "main-GPT2-Wiki103.py"
 ARGS = ["--node_cnt", "64", "--B", "64", "--lr", "5e-4", "--epochs", "1", "--progress", "off",
         "--max-eval-examples", "32"]
 
 
-def variants(dims) -> dict:
-    """name -> (sorter flags, records path on)."""
-    out = {"D-RR": (["--sorter", "D-RR"], True), "CD-GraB": (["--sorter", "CD-GraB"], True)}
+KINDS = ("exact", "materialise", "records", "control")
+
+
+def power_of_two(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)
+
+
+def variants(dims, min_numels=(STRUCTURED_MIN_NUMEL,), kinds=KINDS) -> dict:
+    """name -> (sorter flags, records path on, CD-GraB's sign loop loaded first). The records variant at the
+    default threshold keeps its old name ("CD-GraB D=1024 records"); others add "min-numel 2^k"."""
+    out = {"D-RR": (["--sorter", "D-RR"], True, False)}
+    if "control" in kinds:
+        out["D-RR, CD-GraB's sign loop loaded"] = (["--sorter", "D-RR"], True, True)
+    if "exact" in kinds:
+        out["CD-GraB"] = (["--sorter", "CD-GraB"], True, False)
     for dim in dims:
-        out[f"CD-GraB D={dim} materialise"] = (["--sorter", "CD-GraB", "--sketch-dim", str(dim)], False)
-        out[f"CD-GraB D={dim} records"] = (["--sorter", "CD-GraB", "--sketch-dim", str(dim)], True)
+        sketched = ["--sorter", "CD-GraB", "--sketch-dim", str(dim)]
+        if "materialise" in kinds:
+            out[f"CD-GraB D={dim} materialise"] = (sketched, False, False)
+        for min_numel in min_numels if "records" in kinds else ():
+            if min_numel == STRUCTURED_MIN_NUMEL:
+                out[f"CD-GraB D={dim} records"] = (sketched, True, False)
+            else:
+                out[f"CD-GraB D={dim} records min-numel {power_of_two(min_numel)}"] = (
+                    [*sketched, "--sketch-min-numel", str(min_numel)], True, False)
     return out
 
 
-def child(flags: list, records: bool, steps: int, train_file: str, out_dir: str) -> dict:
+def child(flags: list, records: bool, sign_loop: bool, steps: int, train_file: str, out_dir: str) -> dict:
     """One epoch of `steps` steps in this (fresh) process; returns the measurements."""
     import torch
     from bench.communication import entry_point
@@ -61,6 +94,9 @@ def child(flags: list, records: bool, steps: int, train_file: str, out_dir: str)
     from engine.train import train
 
     torch.set_num_threads(1)
+    if sign_loop:  # what CDGraB.__init__ loads on the CPU: numba, LLVM and the compiled (cached) sign loop
+        from sorters import build_sorter
+        build_sorter("CD-GraB", 1, 2, 1)
     parser, build_task, benchmark = entry_point(SCRIPT)
     args = parser.parse_args([*ARGS, *flags, "--max-train-examples", str(64 * steps), "--train-file", train_file,
                               "--out", out_dir])
@@ -117,28 +153,130 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def git_commit() -> str | None:
+    """The checkout's commit, with "+dirty" when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def profile_chunk(dims, min_numels, train_file: str, repeats: int = 3) -> str:
+    """One GRAD_CHUNK-block gradient pass of D-RR and of the records path per (D, threshold), in this process:
+    CPU seconds (median of `repeats`, after a warm-up pass) and torch.profiler's top operators."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.communication import entry_point
+    from engine.sketching import make_sketch
+
+    torch.set_num_threads(1)
+    parser, build_task, _ = entry_point(SCRIPT)
+    args = parser.parse_args([*ARGS, "--sorter", "CD-GraB", "--max-train-examples", "256", "--train-file", train_file])
+    torch.manual_seed(args.seed)
+    task = build_task(args, torch.device("cpu"))
+    model, chunk = task.model, task.worker_blocks.flatten(0, 1)[:task.grad_chunk]
+    passes = {"D-RR (batch_gradient)": lambda: model.batch_gradient(task.loss, chunk)}
+    for dim in dims:
+        for min_numel in min_numels:
+            args.sketch_dim, args.sketch_min_numel = dim, min_numel
+            sketch = make_sketch(args, model.d, model)
+            passes[f"records D={dim} min-numel {power_of_two(min_numel)} ({len(sketch.blocks)} blocks)"] = \
+                lambda sketch=sketch: model.outer_unit_sketches(task.unit_losses, chunk, sketch)
+    lines = [f"One {len(chunk)}-block gradient pass of {SCRIPT} (B 64 steps make {64 // len(chunk)}), one thread, "
+             f"torch {torch.__version__}, commit {git_commit()}", ""]
+    for name, run in passes.items():
+        run()  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.process_time()
+            run()
+            seconds.append(time.process_time() - start)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+        lines += [f"== {name}: {statistics.median(seconds):.3f} CPU s (median of {repeats}; "
+                  f"{', '.join(f'{s:.3f}' for s in seconds)})",
+                  prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), ""]
+    return "\n".join(lines + block_costs(dims, len(chunk), chunk.shape[1]))
+
+
+def block_costs(dims, units: int, tokens: int, repeats: int = 5) -> list:
+    """Lines of a table: one (rows, cols) weight block's per-unit sketches over `units` x `tokens` random inputs
+    and output gradients, from the records (TensorBlock.add_outer) and formed (the batched product of the
+    Linear rule, then index_add_ into the (U, 2D) sums, as outer_unit_sketches does below
+    formed_block_numel), CPU seconds, the best of `repeats`."""
+    import torch
+
+    from engine.functional import formed_block_numel
+    from sorters.sketch import TensorBlock
+
+    def best(run):
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.process_time()
+            run()
+            times.append(time.process_time() - start)
+        return min(times)
+
+    lines = [f"== one weight block, {units} units x {tokens} tokens: CPU s, best of {repeats}",
+             "| D | rows x cols | entries | add_outer (records) | formed and scattered | formed by outer_unit_sketches |",
+             "|---|---|---|---|---|---|"]
+    for dim in dims:
+        for rows, cols in ((128, 128), (128, 512), (512, 512), (512, 1024), (1024, 1024), (1024, 2048)):
+            block = TensorBlock(0, rows, cols, dim, torch.Generator().manual_seed(0))
+            buckets, signs = block.hash_and_sign()
+            signed = 2 * buckets + (signs < 0)
+            a, g = torch.randn(units, tokens, rows), torch.randn(units, tokens, cols)
+            out = torch.zeros(units, dim)
+
+            def formed():
+                sums = out.new_zeros(units, 2 * dim).index_add_(1, signed, torch.bmm(a.transpose(1, 2), g).view(units, -1))
+                out.add_(sums[:, 0::2] - sums[:, 1::2])
+
+            lines.append(f"| {dim} | {rows} x {cols} | {power_of_two(rows * cols)} | {best(lambda: block.add_outer(a, g, out)):.4f} "
+                         f"| {best(formed):.4f} | {'yes' if rows * cols <= formed_block_numel(block) else 'no'} |")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", nargs="+", type=int, default=[1024], help="sketch dimensions D")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every variant")
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (B 64 each)")
     parser.add_argument("--train-file", default=None, help="default: $CDGRAB_DATA/wikitext-2/train.txt")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sketch-gpt2-cpu.json"))
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON [flags, records]
+    parser.add_argument("--min-numels", nargs="+", type=int, default=[STRUCTURED_MIN_NUMEL],
+                        help="--sketch-min-numel values of the records variants (default: 2^20, the flag's default)")
+    parser.add_argument("--variants", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="which kinds of variant to run (D-RR always runs: the ratios are to it)")
+    parser.add_argument("--profile", action="store_true", help="profile one gradient pass per variant instead")
+    parser.add_argument("--out", default=None, help="default: bench/results/sketch-gpt2-cpu.json")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON [flags, records, sign loop]
     args = parser.parse_args()
     data = Path(os.environ.get("CDGRAB_DATA", REPO / "data"))
     train_file = args.train_file or str(data / "wikitext-2" / "train.txt")
     if args.child:
-        flags, records = json.loads(args.child)
+        flags, records, sign_loop = json.loads(args.child)
         with tempfile.TemporaryDirectory() as tmp:
-            print("RESULT " + json.dumps(child(flags, records, args.steps, train_file, tmp)), flush=True)
+            print("RESULT " + json.dumps(child(flags, records, sign_loop, args.steps, train_file, tmp)), flush=True)
         return
+    if args.profile:
+        text = profile_chunk(args.dims, args.min_numels, train_file)
+        if args.out:
+            Path(args.out).write_text(text)
+        print(text)
+        return
+    args.out = args.out or str(REPO / "bench" / "results" / "sketch-gpt2-cpu.json")
+    commit = git_commit()  # the code the children run: read before anything here may change
     load_before = os.getloadavg()
     rounds = {}
     for round_ in range(args.rounds):
-        for name, (flags, records) in variants(args.dims).items():
-            command = [sys.executable, __file__, "--child", json.dumps([flags, records]), "--steps", str(args.steps),
-                       "--train-file", train_file]
+        for name, (flags, records, sign_loop) in variants(args.dims, args.min_numels, args.variants).items():
+            command = [sys.executable, __file__, "--child", json.dumps([flags, records, sign_loop]),
+                       "--steps", str(args.steps), "--train-file", train_file]
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
             line = [text for text in done.stdout.splitlines() if text.startswith("RESULT ")]
             if done.returncode or not line:
@@ -153,6 +291,7 @@ def main():
                            "peak": "ru_maxrss of a fresh process at the end of training (evaluation skipped)",
                            "process": "one (LocalCommunicator, 64 simulated workers)", "torch": torch.__version__,
                            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
+                           "git_commit": commit,
                            "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}}
     text = json.dumps(result, indent=1)
     out = Path(args.out)

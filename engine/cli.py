@@ -130,8 +130,9 @@ def common_parser(benchmark: str, description: str, defaults: dict,
     p.add_argument("--sketch-min-numel", type=int, default=STRUCTURED_MIN_NUMEL, metavar="N",
                    help="with --sketch-dim: the weights of Linear / Conv1D / Embedding layers with at least N "
                         f"entries are TensorSketch blocks of the map, the rest CountSketched (default {STRUCTURED_MIN_NUMEL}: "
-                        "GPT-2's tied embedding only); where the model allows it, the blocks' sketches come from "
-                        "the layer records without forming their per-unit gradients. docs/sketching.md")
+                        "GPT-2's tied embedding only); where the model allows it, the sketches of blocks of more than "
+                        "min(256 D, 2^20) entries come from the layer records without forming their per-unit "
+                        "gradients (smaller ones are formed: cheaper). docs/sketching.md")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 

@@ -154,12 +154,16 @@ class FlatModel:
         One recording forward, then ONE ordinary backward of the summed unit losses: it ADDS their
         gradient to `self.grad` (the update's share, as batch_gradient(accumulate=True) would), and hooks
         on the layer outputs keep the output gradients (the outputs themselves are not kept, unlike
-        outer_unit_gradients: GPT-2's 50,257-way logits are freed as in a plain backward). The weights
-        that are tensor-sketched blocks of `sketch` (a sorters.GradientSketch) get their per-unit sketches
-        from the layer's inputs and output gradients (TensorBlock.add_outer; an Embedding's lookups:
-        add_rows); every other parameter's per-unit gradients are formed in a (U, d_rest) buffer (d_rest:
-        the parameters outside the blocks) and sketched with the map's own buckets and signs. So the
-        result is `sketch` applied to the per-unit gradients, up to rounding.
+        outer_unit_gradients: GPT-2's 50,257-way logits are freed as in a plain backward). Then, per layer:
+
+        - a weight that is a large TensorSketch block of `sketch` (a sorters.GradientSketch; more than
+          formed_block_numel(block) entries) gets its per-unit sketches from the layer's inputs and output
+          gradients, never formed (TensorBlock.add_outer; an Embedding's lookups: add_rows);
+        - every other parameter (the coordinates outside the blocks, and small blocks) gets its per-unit
+          gradients from the layer's rule, one layer at a time, and they are scattered at once into the
+          map's buckets (_SketchSlots): no (U, d_rest) buffer is made.
+
+        So the result is `sketch` applied to the per-unit gradients, up to rounding.
         Returns (sketches (U, D), losses (U,) detached).
         """
         if not self.supports_outer:
@@ -174,7 +178,7 @@ class FlatModel:
                 del module.forward
         U = losses.shape[0]
         losses.sum().backward()
-        layout = self._rest_layout(sketch)
+        layout = self._sketch_layout(sketch)
         with torch.no_grad():
             calls = {}
             for module, inputs, grad in records:
@@ -187,12 +191,11 @@ class FlatModel:
                 ins.append(inputs)
                 outs.append(grad[0])
             del records
-            rest = torch.empty(U, layout["numel"], dtype=self.flat.dtype, device=self.flat.device)
-            slots = _Slots(self, rest, layout["offsets"])
             out = torch.zeros(U, sketch.dim, dtype=self.flat.dtype, device=self.flat.device)
+            slots = _SketchSlots(out, layout["signed"](out.device))
             for module, (ins, outs) in calls.items():
                 a, g = _calls_as_tokens(ins, module), _calls_as_tokens(outs)
-                block = sketch.block_at(self.offsets[id(module.weight)]) if module in layout["structured"] else None
+                block = layout["records"].get(module)
                 if block is None:
                     self.rules[module](module, a, g, slots)
                     continue
@@ -205,41 +208,72 @@ class FlatModel:
                     block.add_rows(a, g, out)
                 if getattr(module, "bias", None) is not None:
                     slots.add(module.bias, g.sum(1))
-            slots.zero_untouched()
-            if layout["numel"]:
-                buckets, signs = layout["tables"](rest.device, rest.dtype)
-                out.index_add_(1, buckets, rest.mul_(signs))
+            slots.finish()
         return out, losses.detach()
 
-    def _rest_layout(self, sketch) -> dict:
-        """For outer_unit_sketches: the modules whose weight is a block of `sketch`, and the compact
-        (U, d_rest) layout of every other parameter with its coordinates' buckets and signs."""
+    def _sketch_layout(self, sketch) -> dict:
+        """For outer_unit_sketches: "records", {module: its TensorBlock} for the layers whose weight is a block
+        of `sketch` sketched from the records; "signed"(device), {id(p): (p.numel(),) int64 signed buckets
+        2 h + (s < 0) of p's coordinates} for every other parameter; "numel", how many coordinates that is."""
         cache = self.__dict__.setdefault("_layouts", {})
         if id(sketch) in cache and cache[id(sketch)]["sketch"] is sketch:
             return cache[id(sketch)]
-        starts = {block.offset for block in sketch.blocks}
-        structured = {module for module in self.rules if type(module).__name__ in _STRUCTURED
-                      and getattr(module, "weight", None) is not None and self.offsets[id(module.weight)] in starts}
-        blocked = {id(module.weight) for module in structured}
-        rest = {id(p): p for module in self.rules for p in module.parameters(recurse=False) if id(p) not in blocked}
-        offsets, pieces, numel = {}, [], 0
-        for key, p in sorted(rest.items(), key=lambda item: self.offsets[item[0]]):  # increasing coordinates
-            offsets[key] = numel
-            start = self.offsets[key]
-            pieces.append(torch.arange(start, start + p.numel()))
-            numel += p.numel()
-        index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        blocks = {block.offset: block for block in sketch.blocks}
+        records = {}  # the layers whose weight is a block too large to form per unit
+        for module in self.rules:
+            weight = getattr(module, "weight", None)
+            block = blocks.get(self.offsets[id(weight)]) if type(module).__name__ in _STRUCTURED and \
+                weight is not None else None
+            if block is not None and block.rows * block.cols > formed_block_numel(block):
+                records[module] = block
+        in_records = {id(module.weight) for module in records}
+        params = {id(p): p for module in self.rules for p in module.parameters(recurse=False) if id(p) not in in_records}
+        params = sorted(params.values(), key=lambda p: self.offsets[id(p)])  # increasing coordinates
+        formed, outside = {}, []  # the blocks formed per unit; the parameters outside every block
+        for p in params:
+            start, end = self.offsets[id(p)], self.offsets[id(p)] + p.numel()
+            block = blocks.get(start)
+            if block is not None and block.rows * block.cols == p.numel():
+                formed[id(p)] = block
+            elif any(b.offset < end and start < b.offset + b.rows * b.cols for b in sketch.blocks):
+                raise ValueError(f"outer_unit_sketches: a block of the sketch covers part of the parameter at "
+                                 f"coordinates {start}..{end - 1}; blocks must be whole weights (sketch_blocks)")
+            else:
+                outside.append(p)
+        # their coordinates, increasing: the sketch's own `outside` when it has blocks (its kept tables)
+        index = torch.cat([torch.arange(self.offsets[id(p)], self.offsets[id(p)] + p.numel()) for p in outside]) \
+            if outside else torch.zeros(0, dtype=torch.long)
         moved = {}
 
-        def tables(device, dtype):
-            if (device, dtype) not in moved:
-                moved[device, dtype] = sketch.tables_at(index, device, dtype)
-            return moved[device, dtype]
+        def signed(device):
+            if device not in moved:
+                tables = {}
+                if outside:
+                    buckets, signs = sketch.tables_at(index, device, torch.float32)
+                    pieces = torch.split(2 * buckets + (signs < 0), [p.numel() for p in outside])
+                    tables = {id(p): piece for p, piece in zip(outside, pieces)}
+                for key, block in formed.items():
+                    buckets, signs = block.hash_and_sign()
+                    tables[key] = (2 * buckets + (signs < 0)).to(device)
+                moved[device] = tables
+            return moved[device]
 
-        cache[id(sketch)] = {"sketch": sketch, "structured": structured, "offsets": offsets, "numel": numel,
-                             "tables": tables}
+        cache[id(sketch)] = {"sketch": sketch, "records": records, "signed": signed,
+                             "numel": sum(p.numel() for p in params)}
         return cache[id(sketch)]
 
+
+# a TensorSketch block of at most this many entries per bucket of the map is cheaper to form per unit (one
+# batched product per layer) and scatter with the block's buckets than to sketch from the records (two FFTs
+# of D per token; bench/sketch_gpt2.py --profile): 256 D, and at most 2^20 entries (the formed (U, rows,
+# cols) gradients: 4 MB per unit in float32)
+FORMED_BLOCK_PER_BUCKET = 256
+FORMED_BLOCK_MAX_NUMEL = 2**20
+
+
+def formed_block_numel(block) -> int:
+    """The most entries a block may have and still be formed per unit by outer_unit_sketches."""
+    return min(FORMED_BLOCK_PER_BUCKET * block.dim, FORMED_BLOCK_MAX_NUMEL)
 
 
 def _recording_forward(module, records: list, keep_grad: bool = False):
@@ -266,13 +300,9 @@ class _Slots:
     weight, a layer used twice) are added. Writing into the strided views directly (baddbmm_ in
     place) costs several times a contiguous product plus one copy."""
 
-    def __init__(self, model: FlatModel, grads: torch.Tensor, offsets: dict | None = None, accumulate: bool = False):
-        # offsets: id(parameter) -> its column in grads (default: the model's own, grads (U, d));
-        # accumulate: add to what grads holds already, also for a parameter's first contribution
+    def __init__(self, model: FlatModel, grads: torch.Tensor):
         self.model, self.grads, self.written = model, grads, set()
-        self.offsets = model.offsets if offsets is None else offsets
-        if accumulate:
-            self.written = set(self.offsets)
+        self.offsets = model.offsets  # id(parameter) -> its first column in grads (U, d)
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
         offset = self.offsets[id(p)]
@@ -294,11 +324,40 @@ class _Slots:
             self.written.add(id(p))
         return view
 
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        """Add g[u, t] (U, T, cols) to row ids[u, t] of unit u's gradient of p (rows, cols): an embedding."""
+        units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        self.zeroed(p).index_put_((units, ids), g, accumulate=True)
+
     def zero_untouched(self) -> None:
         for module in self.model.rules:
             for p in module.parameters(recurse=False):
                 if id(p) in self.offsets:
                     self.zeroed(p)
+
+
+class _SketchSlots:
+    """outer_unit_sketches' stand-in for _Slots: the rules' per-unit gradients of a parameter are not kept
+    but scattered into sums (U, 2 D) at once, coordinate i into column 2 h_i + (s_i < 0) (the sign folded
+    into the index: no signed copy of the gradients), and finish() adds the sums' even columns less their
+    odd ones to out (U, D). signed: id(p) -> (p.numel(),) int64 2 h + (s < 0) of p's coordinates."""
+
+    def __init__(self, out: torch.Tensor, signed: dict):
+        self.out, self.signed = out, signed
+        self.sums = out.new_zeros(out.shape[0], 2 * out.shape[1])
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Add the map of value (U, *p.shape), p's per-unit gradients or a part of them."""
+        self.sums.index_add_(1, self.signed[id(p)], value.reshape(value.shape[0], -1))
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        """As _Slots.add_rows: g[u, t] (U, T, cols) into row ids[u, t] of p (rows, cols), without forming
+        the (U, rows, cols) gradients: each value goes straight to its coordinate's column."""
+        index = self.signed[id(p)].view(p.shape)[ids]  # (U, T, cols)
+        self.sums.scatter_add_(1, index.reshape(ids.shape[0], -1), g.reshape(ids.shape[0], -1))
+
+    def finish(self) -> None:
+        self.out += self.sums[:, 0::2] - self.sums[:, 1::2]
 
 
 def _calls_as_tokens(tensors: list, module=None) -> torch.Tensor:
@@ -330,8 +389,7 @@ def _conv1d_rule(module, a, g, slots):
 
 def _embedding_rule(module, ids, g, slots):
     """ids (U, T): scatter each unit's output gradients into the rows it looked up."""
-    units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-    slots.zeroed(module.weight).index_put_((units, ids), g, accumulate=True)
+    slots.add_rows(module.weight, ids, g)
 
 
 def _layer_norm_rule(module, a, g, slots):

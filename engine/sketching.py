@@ -36,8 +36,9 @@ def make_sketch(args, d: int, model=None):
     model (an engine.functional.FlatModel, optional): its layer weights of at least --sketch-min-numel
     (default STRUCTURED_MIN_NUMEL) entries (GPT-2: the tied 50,257 x 128 wte/lm_head) become TensorSketch blocks of the map, so that the
     per-unit sketches come from the layer records without forming those weights' per-unit gradients
-    (Task.unit_sketches). Every other coordinate, and every model without such a weight (LR, MLP, LSTM),
-    keeps the plain CountSketch. The map depends only on (model structure, D, seed): every process and
+    (Task.unit_sketches; blocks of at most engine.functional.formed_block_numel entries are formed there
+    all the same, which costs less). Every other coordinate, and every model without such a weight (LR,
+    MLP, LSTM), keeps the plain CountSketch. The map depends only on (model structure, D, seed): every process and
     every gradient path apply the same one."""
     dim = getattr(args, "sketch_dim", 0)
     if not dim:

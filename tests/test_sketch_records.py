@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.comm import GradientExchange, LocalCommunicator
-from engine.functional import FlatModel
+from engine import functional
+from engine.functional import FlatModel, unit_gradients
 from engine.sketching import STRUCTURED_MIN_NUMEL, make_sketch
 from engine.task import Task
 from engine.train import data_parallel_step
@@ -154,16 +155,31 @@ def tiny_gpt2():
 
 
 def both_paths(model, batch, unit_losses, sketch):
-    grads, losses = model.outer_unit_gradients(unit_losses, batch)
+    """(oracle, records path): the oracle is the map applied to the per-unit gradients of torch.func.vmap
+    (engine.functional.unit_gradients, which shares no code with the layer rules), with their sum and the
+    losses; the records path's sketches, the summed gradient it adds to the model's buffer, and its losses."""
+    grads, losses = unit_gradients(lambda flat, units: (unit_losses(flat, units).mean(), None), model.flat, batch)
     model.grad.fill_(0.5)  # the summed gradient is added to what the buffer holds
     sketches, losses2 = model.outer_unit_sketches(unit_losses, batch, sketch)
     return (sketch(grads), grads.sum(0), losses), (sketches, model.grad - 0.5, losses2)
 
 
-@pytest.mark.parametrize("which", ["mlp-all-blocks", "gpt2-all-blocks", "gpt2-tied-only", "gpt2-no-blocks"])
-def test_records_and_materialise_paths_give_the_same_sketch(which):
-    """float64, so that the two summation orders agree to about 1e-15 relative; the tolerance is 1e-12 of the
-    largest entry. The tied wte gets its Embedding lookups and its decoder products in one block."""
+# how outer_unit_sketches handles the blocks: "records" every block from its layer's records (TensorBlock.add_outer,
+# add_rows); "formed" every block formed per unit and scattered with its buckets (the tiny models' blocks are all
+# below formed_block_numel); "mixed" blocks of more than 200 entries from the records, smaller ones formed
+MODES = {"records": {"FORMED_BLOCK_PER_BUCKET": 0}, "formed": {}, "mixed": {"FORMED_BLOCK_MAX_NUMEL": 200}}
+
+
+@pytest.mark.parametrize("which,mode", [("mlp-all-blocks", "records"), ("mlp-all-blocks", "formed"),
+                                        ("gpt2-all-blocks", "records"), ("gpt2-all-blocks", "formed"),
+                                        ("gpt2-all-blocks", "mixed"), ("gpt2-tied-only", "records"),
+                                        ("gpt2-tied-only", "formed"), ("gpt2-no-blocks", "formed")])
+def test_records_and_materialise_paths_give_the_same_sketch(which, mode, monkeypatch):
+    """float64, so that the summation orders agree to about 1e-15 relative; the tolerance is 1e-12 of the
+    largest entry. The tied wte gets its Embedding lookups and its decoder products in one block, from the
+    records or formed."""
+    for name, value in MODES[mode].items():
+        monkeypatch.setattr(functional, name, value)
     model, batch, unit_losses = (mlp_like if which.startswith("mlp") else tiny_gpt2)()
     blocks = model.sketch_blocks(0)
     if which == "gpt2-tied-only":
@@ -179,9 +195,23 @@ def test_records_and_materialise_paths_give_the_same_sketch(which):
     scale = want.abs().max().item()
     assert torch.allclose(got, want, rtol=0, atol=1e-12 * scale), (got - want).abs().max()
     assert torch.allclose(got_sum, want_sum, rtol=0, atol=1e-12 * want_sum.abs().max().item())
-    assert torch.equal(got_losses, want_losses.detach())
-    if sketch.blocks:  # the coordinates formed per unit are exactly those outside the blocks
-        assert model._rest_layout(sketch)["numel"] == len(sketch.outside)
+    assert torch.allclose(got_losses, want_losses, rtol=1e-14, atol=0)
+    # the blocks sketched from the records are those above the limit, every other coordinate is formed per unit
+    layout = model._sketch_layout(sketch)
+    large = {(b.offset, b.rows, b.cols) for b in sketch.blocks if b.rows * b.cols > functional.formed_block_numel(b)}
+    assert {(b.offset, b.rows, b.cols) for b in layout["records"].values()} == large
+    assert layout["numel"] == model.d - sum(rows * cols for _, rows, cols in large)
+    assert not sketch.blocks or (mode == "records") == (layout["numel"] == len(sketch.outside))
+    assert mode != "mixed" or 0 < len(large) < len(sketch.blocks)
+
+
+def test_records_path_refuses_a_block_that_is_part_of_a_parameter():
+    """A block that covers part of a parameter (not one of sketch_blocks' whole weights) cannot be formed."""
+    model, batch, unit_losses = mlp_like()
+    offset = model.offsets[id(model.module.inner.weight)]
+    sketch = GradientSketch(model.d, 16, seed=3, blocks=[(offset, 2, 5)])  # 2 of the 6 rows
+    with pytest.raises(ValueError, match="covers part of the parameter"):
+        model.outer_unit_sketches(unit_losses, batch, sketch)
 
 
 # ------------------------------------------------------------------------------------------- the engine
