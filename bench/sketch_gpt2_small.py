@@ -5,6 +5,8 @@ exact CD-GraB (every example's whole gradient formed) beside them. Issue #31's g
 
     OMP_NUM_THREADS=1 python bench/sketch_gpt2_small.py                       # D 4096, 2 rounds
     python bench/sketch_gpt2_small.py --dims 1024 4096 --rounds 3 --steps 5 --no-exact
+    python bench/sketch_gpt2_small.py --dims 1024 --min-numels 1048576 4194304 --no-exact \
+        --out bench/results/sketch-gpt2-small-threshold.json        # which weights are blocks
 
 The model is `GPT2Config()` (124M parameters, the 50,257-token vocabulary tied to the output layer),
 randomly initialised (nothing is downloaded), dropout off, sdpa attention (no attention mask, which
@@ -43,11 +45,14 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 BATCH, BLOCK = 8, 128
 
 
-def variants(dims, exact: bool) -> dict:
+def variants(dims, exact: bool, min_numels=()) -> dict:
     """name -> CDGraBTrainer keyword arguments (None: the plain Trainer)."""
     out = {"plain": None}
     for dim in dims:
         out[f"sketched D={dim}"] = {"sorter": "CD-GraB", "sketch_dim": dim, "structured": True}
+        for min_numel in min_numels:  # other thresholds: which weights are blocks, the rest formed per example
+            out[f"sketched D={dim} min_numel={min_numel}"] = {"sorter": "CD-GraB", "sketch_dim": dim,
+                                                              "structured": True, "sketch_min_numel": min_numel}
     if exact:
         out["exact"] = {"sorter": "CD-GraB", "grad_chunk_size": 1}
     return out
@@ -99,7 +104,7 @@ def child(settings: dict | None, steps: int, threads: int) -> dict:
     if settings is not None and settings.get("structured"):
         sketcher = trainer.cdgrab_grads
         result.update(blocks=len(sketcher.sketch.blocks), formed_per_example=sketcher.formed,
-                      numel_outside_blocks=sketcher._rest_numel)
+                      numel_outside_blocks=sketcher._rest_numel, min_numel=settings.get("sketch_min_numel", 2**16))
     return result
 
 
@@ -151,6 +156,8 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each child")
     parser.add_argument("--no-exact", action="store_true", help="leave out exact CD-GraB (its (8, d) gradients: 4 GB)")
+    parser.add_argument("--min-numels", nargs="+", type=int, default=[],
+                        help="also run the sketched variants with these sketch_min_numel (default only 2^16)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sketch-gpt2-small.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON settings of one variant
     args = parser.parse_args()
@@ -162,7 +169,7 @@ def main():
     load_before = os.getloadavg()
     rounds = {}
     for round_ in range(args.rounds):
-        for name, settings in variants(args.dims, not args.no_exact).items():
+        for name, settings in variants(args.dims, not args.no_exact, args.min_numels).items():
             command = [sys.executable, __file__, "--child", json.dumps(settings), "--steps", str(args.steps),
                        "--threads", str(args.threads)]
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
