@@ -50,6 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
+from engine.runlog import atomic_write_bytes, git_commit  # noqa: E402
 from engine.sketching import STRUCTURED_MIN_NUMEL  # noqa: E402
 
 SCRIPT = "main-GPT2-Wiki103.py"
@@ -151,17 +152,6 @@ def markdown(result: dict) -> str:
                      f"{m['peak_vs_drr']:.2f} | {m['step_seconds']:.2f} | {m['step_vs_drr']:.2f} | "
                      f"{m['step_cpu_seconds']:.2f} | {m['step_cpu_vs_drr']:.2f} |")
     return "\n".join(lines)
-
-
-def git_commit() -> str | None:
-    """The checkout's commit, with "+dirty" when tracked files differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=REPO, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def profile_chunk(dims, min_numels, train_file: str, repeats: int = 3) -> str:
@@ -294,11 +284,7 @@ def main():
                            "git_commit": commit,
                            "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}}
     text = json.dumps(result, indent=1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(text + "\n")
-    partial.replace(out)
+    atomic_write_bytes(Path(args.out), (text + "\n").encode())
     print(text)
     print(markdown(result))
 

@@ -144,11 +144,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    return done.stdout.strip() or "unknown"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", nargs="+", type=int, default=[4096], help="sketch dimensions D")
@@ -166,6 +161,9 @@ def main():
     if args.child:
         print("RESULT " + json.dumps(child(json.loads(args.child), args.steps, args.threads)), flush=True)
         return
+    from engine.runlog import atomic_write_bytes, git_commit
+
+    commit = git_commit()  # when the run starts: the code the children import ("-dirty" if it differs)
     load_before = os.getloadavg()
     rounds = {}
     for round_ in range(args.rounds):
@@ -180,7 +178,7 @@ def main():
             print(f"round {round_ + 1} {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
     import torch
     summary = summarise(rounds)
-    result = {"git_commit": git_commit(), **headline(summary, args.dims), "variants": summary,
+    result = {"git_commit": commit, **headline(summary, args.dims), "variants": summary,
         "settings": {"model": "GPT2Config() (124M), random init, sdpa, dropout 0", "batch": BATCH, "block": BLOCK,
                      "steps_per_run": args.steps, "rounds": args.rounds, "threads": args.threads,
                      "statistic": "median over steps (first dropped), then over rounds",
@@ -189,11 +187,7 @@ def main():
                      "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
     }
     text = json.dumps(result, indent=1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(text + "\n")
-    partial.replace(out)
+    atomic_write_bytes(Path(args.out), (text + "\n").encode())
     print(text)
     print(markdown(result))
 
