@@ -287,8 +287,11 @@ class CDGraBTrainerMixin:
         """inputs plus position_ids 0..T-1 per example, (B, T), when the model takes them and none are given:
         a model's own default (1, T) positions broadcast over the batch, and the position embedding's
         per-example gradients cannot be recovered from a broadcast output."""
-        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
-        if "position_ids" in inputs or "position_ids" not in inspect.signature(model.forward).parameters:
+        takes_positions = self.__dict__.get("_cdgrab_takes_positions")
+        if takes_positions is None:  # once: the signature does not change during training
+            model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+            takes_positions = self._cdgrab_takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        if "position_ids" in inputs or not takes_positions:
             return inputs
         ids = inputs.get("input_ids", inputs["labels"])
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
