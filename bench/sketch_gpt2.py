@@ -10,7 +10,10 @@ Variants: D-RR; exact CD-GraB; CD-GraB --sketch-dim D by the materialise-then-sk
 per-block gradients formed, then the map applied; Task.sketch_records off) and by the records path
 (Task.unit_sketches: the TensorSketch blocks' sketches from their layer records, no (64, d) buffer) at each
 --sketch-min-numel of --min-numels (the default 2^20 makes the tied wte/lm_head the only block; 2^14 every
-Linear/Conv1D/Embedding weight: the smallest, wpe and the attention projections, have 2^14 entries). The sketched paths at one threshold apply the same map. Control: D-RR
+Linear/Conv1D/Embedding weight: the smallest, wpe and the attention projections, have 2^14 entries). The sketched paths at one threshold apply the same map. The
+records path balances with the sign loop `--sign-loop auto` picks: CD-GraB's Gram loop (sketches of a model of
+2^20 parameters or more; numba is never loaded); "records, compiled sign loop" is the same run with
+`--sign-loop compiled` (numba's loop, as before that rule). Control: D-RR
 with CD-GraB's compiled CPU sign loop loaded (a 1-worker CD-GraB built first: numba, LLVM and the loop, what
 every CPU CD-GraB run loads when its sorter is built), so that the sorter's share of the memory is told apart
 from the records path's. Paper settings: 64
@@ -27,7 +30,7 @@ alike; per variant the median over the rounds. Bytes per step: metrics.csv's com
 in every round). Writes ONE JSON object to --out (and prints it), then a markdown table:
     {"variants": {"<name>": {"bytes_per_step": b, "bytes_vs_drr": r, "peak_rss_mb": m, "peak_vs_drr": r,
         "step_seconds": s, "step_vs_drr": r, "step_cpu_seconds": s, "step_cpu_vs_drr": r,
-        "rounds": [...]}, ...}, "settings": {...}}
+        "sign_loop": config.json's, "numba_loaded": b, "rounds": [...]}, ...}, "settings": {...}}
 
 --profile instead: in this process, one 16-block gradient pass (GRAD_CHUNK, as a step makes four) of D-RR
 (batch_gradient) and of the records path (outer_unit_sketches) at each D and threshold, after a warm-up
@@ -58,7 +61,7 @@ ARGS = ["--node_cnt", "64", "--B", "64", "--lr", "5e-4", "--epochs", "1", "--pro
         "--max-eval-examples", "32"]
 
 
-KINDS = ("exact", "materialise", "records", "control")
+KINDS = ("exact", "materialise", "records", "compiled", "control")
 
 
 def power_of_two(n: int) -> str:
@@ -77,6 +80,8 @@ def variants(dims, min_numels=(STRUCTURED_MIN_NUMEL,), kinds=KINDS) -> dict:
         sketched = ["--sorter", "CD-GraB", "--sketch-dim", str(dim)]
         if "materialise" in kinds:
             out[f"CD-GraB D={dim} materialise"] = (sketched, False, False)
+        if "compiled" in kinds:  # the records path as it ran before --sign-loop auto took the Gram loop here
+            out[f"CD-GraB D={dim} records, compiled sign loop"] = ([*sketched, "--sign-loop", "compiled"], True, False)
         for min_numel in min_numels if "records" in kinds else ():
             if min_numel == STRUCTURED_MIN_NUMEL:
                 out[f"CD-GraB D={dim} records"] = (sketched, True, False)
@@ -125,7 +130,8 @@ def child(flags: list, records: bool, sign_loop: bool, steps: int, train_file: s
     config = json.loads((Path(out_dir) / "config.json").read_text())
     return {"steps": len(ends), "comm_bytes": int(row["comm_bytes"]), "bytes_per_step": int(row["comm_bytes"]) / len(ends),
             "peak_rss_mb": seen["peak_rss_kb"] / 1024, "step_seconds": statistics.median(walls),
-            "step_cpu_seconds": statistics.median(cpus), "sketch": config["sorter"].get("sketch")}
+            "step_cpu_seconds": statistics.median(cpus), "sketch": config["sorter"].get("sketch"),
+            "sign_loop": config["sorter"].get("sign_loop"), "numba_loaded": "numba" in sys.modules}
 
 
 def summarise(rounds: dict) -> dict:
@@ -141,7 +147,8 @@ def summarise(rounds: dict) -> dict:
                    "step_vs_drr": round(median(name, "step_seconds") / base["step_seconds"], 3),
                    "step_cpu_seconds": round(median(name, "step_cpu_seconds"), 3),
                    "step_cpu_vs_drr": round(median(name, "step_cpu_seconds") / base["step_cpu_seconds"], 3),
-                   "sketch": rounds[name][0]["sketch"], "rounds": rounds[name]} for name in rounds}
+                   "sketch": rounds[name][0]["sketch"], "sign_loop": rounds[name][0].get("sign_loop"),
+                   "numba_loaded": rounds[name][0].get("numba_loaded"), "rounds": rounds[name]} for name in rounds}
 
 
 def markdown(result: dict) -> str:

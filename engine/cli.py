@@ -133,6 +133,11 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                         "GPT-2's tied embedding only); where the model allows it, the sketches of blocks of more than "
                         "min(256 D, 2^20) entries come from the layer records without forming their per-unit "
                         "gradients (smaller ones are formed: cheaper). docs/sketching.md")
+    p.add_argument("--sign-loop", choices=("auto", "compiled", "gram"), default="auto",
+                   help="CD-GraB's sequential sign loop (the same signs either way): compiled = numba's one-pass "
+                        "loop (CPU only), gram = a few matrix products per step (the GPU path). auto: gram on GPUs; "
+                        "on the CPU compiled, except with --sketch-dim on a model of 2^20 parameters or more "
+                        "(LSTM, GPT-2), where the step dwarfs the loop and numba's ~100 MB would show. docs/sketching.md")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 
@@ -238,6 +243,8 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
             raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     check_communication_args(args)
     check_sketch_args(args)
+    if getattr(args, "sign_loop", "auto") != "auto" and args.sorter != "CD-GraB":
+        raise UserFacingError(f"--sign-loop chooses CD-GraB's sign loop; {args.sorter} has none to choose: drop it")
     if args.out is None:
         tags = out_tags(args, defaults) if defaults else ""
         args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags}-seed{args.seed}"

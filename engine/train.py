@@ -42,6 +42,7 @@ from engine.overlap import BackgroundSorter
 from engine.reducers import make_reducer
 from engine.sketching import make_sketch, sketch_config
 from sorters import build_sorter
+from sorters.balance import sign_loop_for
 
 LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of the training loss
 # --overlap auto: below OVERLAP_MIN_D the thread hand-off costs about what the sorter does; above
@@ -353,8 +354,9 @@ def build_run(task, args, comm, device) -> Run:
     steps_per_epoch = m // k
     task.unit_grad_path = args.unit_grads
     sketch = make_sketch(args, d, task.model)  # --sketch-dim: the sorter balances (n, k, D) sketches (engine/sketching.py)
-    sorter = build_sorter(args.sorter, n, m, sketch.dim if sketch else d, seed=args.seed, device=device,
-                          epochs=args.epochs)
+    sorted_d = sketch.dim if sketch else d
+    sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs,
+                          sign_loop=resolve_sign_loop(args, device, d, sorted_d))
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer, sketch=sketch)
     sorter = with_overlap(sorter, task, args.overlap, len(comm.local_workers), device, sketch)
@@ -367,6 +369,16 @@ def build_run(task, args, comm, device) -> Run:
     return Run(task, args, comm, device, sorter, reducer, exchange, lr_schedule, optimizer, local, herding_log,
                steps_per_epoch, per_worker_grads=local is not None or args.reducer != "dense",
                fault=FaultInjection.from_environment(comm.rank))
+
+
+def resolve_sign_loop(args, device, d: int, sorted_d: int) -> str | None:
+    """CD-GraB's sign loop: --sign-loop, or for auto the one sorters.balance.sign_loop_for picks."""
+    if args.sorter != "CD-GraB":
+        return None
+    chosen = getattr(args, "sign_loop", "auto")
+    if chosen == "compiled" and torch.device(device).type != "cpu":
+        raise UserFacingError(f"--sign-loop compiled runs on the CPU only; on {device} use gram or auto")
+    return sign_loop_for(device, d, sorted_d) if chosen == "auto" else chosen
 
 
 def with_overlap(sorter, task, overlap: str, n_local: int, device, sketch=None):
@@ -431,6 +443,7 @@ def run_config(run: Run) -> dict:
                   "d": task.model.d, "global_batch": task.global_batch},
         "data": task.data_info,
         "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads,
+                   "sign_loop": getattr(sorter, "sign_loop", None),
                    "sketch": sketch_config(args, run.exchange.sketch)},
         "optimizer": {"name": task.optimizer, "lr_decay_every": task.lr_decay_every,
                       "lr_decay_gamma": task.lr_decay_gamma, "lr_schedule": args.lr_schedule,

@@ -40,16 +40,20 @@ SORTER_NAMES = tuple(SORTERS)
 
 
 def build_sorter(name: str, n_workers: int, m: int, d: int, seed: int = 0, device="cpu",
-                 epochs: int | None = None) -> Sorter:
+                 epochs: int | None = None, sign_loop: str | None = None) -> Sorter:
     """A fresh sorter `name` (one of SORTER_NAMES) for n_workers workers with m units each and
     d-dimensional gradients. Everything it does is determined by `seed` (and `epochs`).
 
     epochs: the run's total number of epochs; required by the sorters whose rule depends on it
-    (`uses_total_epochs`: KH-SGD, SBW), ignored by the others."""
+    (`uses_total_epochs`: KH-SGD, SBW), ignored by the others.
+    sign_loop: CD-GraB's sign loop ("compiled" or "gram"; None: by the device, see CDGraB), ignored by
+    the others."""
     if name not in SORTERS:
         raise ValueError(f"unknown sorter {name!r}; choose one of {', '.join(SORTER_NAMES)}")
     cls = SORTERS[name]
     extra = {"epochs": epochs} if cls.uses_total_epochs else {}
+    if hasattr(cls, "SIGN_LOOPS"):
+        extra["sign_loop"] = sign_loop
     return cls(n_workers, m, d, seed=seed, device=device, **extra)
 
 

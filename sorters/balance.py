@@ -26,13 +26,23 @@ class CDGraB(PairBalancer):
       a = D S and G = D D^T in float64, the r signs by the recursion
       <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij, and S += D^T signs: a few matrix products and
       three small kernels per difference instead of two passes over d per difference.
+
+    sign_loop: "compiled" (the numba loop; CPU only), "gram" (`signs_by_gram`, on any device), or None:
+    "compiled" on the CPU, "gram" elsewhere. `sign_loop_for` says which one pays for a model.
     """
 
     name = "CD-GraB"
+    SIGN_LOOPS = ("compiled", "gram")
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32):
+    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, sign_loop=None):
         super().__init__(n_workers, m, d, seed, device, dtype)
-        if self.device.type == "cpu":  # compile (or load) the sign loop now, not inside the first epoch
+        if sign_loop is None:
+            sign_loop = "compiled" if self.device.type == "cpu" else "gram"
+        if sign_loop not in self.SIGN_LOOPS or (sign_loop == "compiled" and self.device.type != "cpu"):
+            raise ValueError(f"{self.name}: sign_loop must be 'gram', or 'compiled' on the CPU, got {sign_loop!r} "
+                             f"on {self.device}")
+        self.sign_loop = sign_loop  # not in checkpoints: a resumed run may take the other loop (same signs)
+        if sign_loop == "compiled":  # compile (or load) the sign loop now, not inside the first epoch
             units = np.zeros((1, 2, 1), np.float32)
             _pair_signs_cpu()(np.zeros(1, np.float64), units, 0, units, 1, np.empty((1, 1), np.bool_),
                               _MINUS_PLUS_ONE)
@@ -46,14 +56,35 @@ class CDGraB(PairBalancer):
         self.running_sum = self.running_sum.to(torch.float64)
 
     def _pair_signs(self, xp, first_units, first_index, second_units, second_index, n_pairs):
-        if xp is np:
+        if xp is np and self.sign_loop == "compiled":
             plus = np.empty((n_pairs, self.n), dtype=np.bool_)  # (P, n): the visiting order
             s = self.running_sum.numpy()  # shares memory: the loop updates the sum in place
             _pair_signs_cpu()(s, first_units, first_index, second_units, second_index, plus, _MINUS_PLUS_ONE)
             return plus.T
+        if xp is np:  # the Gram path on the CPU: tensors sharing the arrays' memory
+            first_units, second_units = torch.from_numpy(first_units), torch.from_numpy(second_units)
         firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
         diffs = (firsts - seconds).transpose(0, 1).reshape(-1, self.d)  # (P * n, d) pair-major, worker-minor
-        return signs_by_gram(self.running_sum, diffs).reshape(-1, self.n).T
+        plus = signs_by_gram(self.running_sum, diffs).reshape(-1, self.n).T
+        return plus.numpy() if xp is np else plus
+
+
+# sign_loop_for: models of at least this many parameters whose gradients are balanced as sketches take the
+# Gram path on the CPU too (bench/balancing_loop.py gives both loops' cost per vector)
+GRAM_ON_CPU_MIN_PARAMS = 2**20
+
+
+def sign_loop_for(device, model_d: int, sorted_d: int) -> str:
+    """CD-GraB's sign loop for a model of model_d parameters whose sorter balances sorted_d-dimensional
+    vectors (sorted_d < model_d: sketches) on `device`: "gram" off the CPU; on the CPU "compiled" (numba),
+    except for sketches of a model of GRAM_ON_CPU_MIN_PARAMS parameters or more: there the Gram path's
+    extra tens of microseconds per short vector vanish beside a step that forms per-unit gradients of a
+    million-parameter model, while numba and LLVM would add about 100 MB of resident memory (for GPT-2 on
+    the CPU, a twentieth of the run's peak; docs/sketching.md). For exact gradients that long the
+    compiled loop is an order of magnitude faster, so it stays."""
+    if torch.device(device).type != "cpu":
+        return "gram"
+    return "gram" if sorted_d < model_d and model_d >= GRAM_ON_CPU_MIN_PARAMS else "compiled"
 
 
 _MINUS_PLUS_ONE = np.array([-1.0, 1.0])

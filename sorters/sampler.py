@@ -60,6 +60,7 @@ if dist.is_available():
     import torch.distributed.nn  # noqa: F401
 
 from sorters import SORTER_NAMES, SORTERS, build_sorter
+from sorters.balance import sign_loop_for
 from sorters.sketch import GradientSketch
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -166,7 +167,9 @@ class CDGraBSampler(Sampler[int]):
         self._sketch, self.sketch_dim = None, sketch_dim
         self._sketched_width = min(sketch_dim, d) if sketch_dim else None  # D, or d where D >= d (the identity)
         sorted_d = self._sketched_width or (d or 1)
-        self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs)
+        # CD-GraB's sign loop: sketches of a large model skip numba (sorters.balance.sign_loop_for)
+        self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs,
+                                   sign_loop=sign_loop_for(device, d or 1, sorted_d))
         self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
         self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d

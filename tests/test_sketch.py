@@ -401,9 +401,11 @@ STEPS, N, K = 32, 2, 2  # QUICK's 64 windows per worker, 2 per step
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Exact CD-GraB and D = 64 (both with --log-herding), the identity sketch (--sketch-dim d), and D = 128."""
+    """Exact CD-GraB and D = 64 (both with --log-herding), the identity sketch (--sketch-dim d, with CD-GraB's
+    Gram sign loop instead of the compiled one: the same signs), and D = 128."""
     root = tmp_path_factory.mktemp("sketch")
-    flags = {"exact": ["--log-herding"], "identity": ["--sketch-dim", D_MLP], "64": ["--sketch-dim", 64, "--log-herding"],
+    flags = {"exact": ["--log-herding"], "identity": ["--sketch-dim", D_MLP, "--sign-loop", "gram"],
+             "64": ["--sketch-dim", 64, "--log-herding"],
              "128": ["--sketch-dim", 128]}
     for name, extra in flags.items():
         check_ok(run_script(SCRIPT, "--out", root / name, *QUICK, *extra))
@@ -413,6 +415,8 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @needs_data(M4)
 def test_identity_sketch_is_exact_cd_grab_bit_for_bit(runs):
+    configs = [json.loads((runs[name] / "config.json").read_text())["sorter"] for name in ("exact", "identity")]
+    assert [c["sign_loop"] for c in configs] == ["compiled", "gram"]
     exact, identity = torch.load(runs["exact"] / "orders.pt"), torch.load(runs["identity"] / "orders.pt")
     assert all(torch.equal(a, b) for a, b in zip(exact, identity)) and len(exact) == 2
     for a, b in zip(read_metrics(runs["exact"]), read_metrics(runs["identity"])):
@@ -451,7 +455,9 @@ def test_bad_sketch_flags_fail_in_one_line(runs, tmp_path):
     for extra, message in ((["--sorter", "D-RR", "--sketch-dim", "8"], "--sketch-dim applies to the sorters"),
                            (["--sketch-dim", "-1"], "--sketch-dim must be >= 0"),
                            (["--sketch-dim", "8", "--sketch-min-numel", "0"], "--sketch-min-numel must be >= 1"),
-                           (["--sketch-min-numel", "64"], "--sketch-min-numel applies to a sketch")):
+                           (["--sketch-min-numel", "64"], "--sketch-min-numel applies to a sketch"),
+                           (["--sorter", "D-RR", "--sign-loop", "gram"], "--sign-loop chooses CD-GraB's sign loop; "
+                                                                         "D-RR has none to choose: drop it")):
         result = run_script(SCRIPT, "--out", tmp_path / "bad", *QUICK, *extra)
         assert result.returncode == 2 and len(error_lines(result)) == 1 and message in result.stderr, result.stderr
         assert not (tmp_path / "bad").exists()
@@ -495,9 +501,29 @@ def test_sketched_lr_and_lstm_send_sketches_and_one_process_equals_torchrun(scri
     d = d or sizes["d"]
     n, k = sizes["n_workers"], sizes["units_per_step"]
     assert sizes["d"] == d and D < d
+    # --sign-loop auto: the Gram loop for sketches of the LSTM's 1,081,792 parameters, numba's for LR's 26
+    assert config["sorter"]["sign_loop"] == ("gram" if d >= 2**20 else "compiled")
     for row in read_metrics(single):
         assert row["comm_bytes"] == sizes["steps_per_epoch"] * 4 * (n * k * D + n * d)
     check_torchrun_agrees(script, single, tmp_path / "two", *args, columns=columns)
+
+
+def test_sign_loop_auto_follows_the_sorters_rule_and_compiled_stays_on_the_cpu():
+    from argparse import Namespace
+
+    from engine.errors import UserFacingError
+    from engine.train import resolve_sign_loop
+
+    for sorter, sign_loop, device, d, sorted_d, expected in (
+            ("CD-GraB", "auto", "cpu", 2**20, 64, "gram"), ("CD-GraB", "auto", "cpu", 2**20, 2**20, "compiled"),
+            ("CD-GraB", "auto", "cpu", 2**19, 64, "compiled"), ("CD-GraB", "auto", "meta", 26, 26, "gram"),
+            ("CD-GraB", "compiled", "cpu", 2**20, 64, "compiled"), ("CD-GraB", "gram", "cpu", 26, 26, "gram"),
+            ("KH-SGD", "auto", "cpu", 2**20, 64, None), ("D-RR", "auto", "meta", 26, 26, None)):
+        args = Namespace(sorter=sorter, sign_loop=sign_loop)
+        assert resolve_sign_loop(args, device, d, sorted_d) == expected, (sorter, sign_loop, device, d, sorted_d)
+    with pytest.raises(UserFacingError) as info:
+        resolve_sign_loop(Namespace(sorter="CD-GraB", sign_loop="compiled"), "meta", 26, 26)
+    assert str(info.value) == "--sign-loop compiled runs on the CPU only; on meta use gram or auto"
 
 
 def test_sketch_min_numel_makes_every_layer_weight_of_that_size_a_block():

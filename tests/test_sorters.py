@@ -391,21 +391,22 @@ def check_against_float64_sequential(z, before, after):
     return near_ties
 
 
-@pytest.fixture(params=["cpu-loop", "gram"])
+@pytest.fixture(params=["cpu-loop", "gram", "gram-on-numpy"])
 def sign_path(request, monkeypatch):
-    """Both implementations of CD-GraB's signs: the CPU's compiled loop, and the device path
-    (signs_by_gram) forced on the CPU."""
+    """Both implementations of CD-GraB's signs: the CPU's compiled loop; the device path (signs_by_gram)
+    forced on the CPU with torch tensors throughout; and sign_loop="gram" on the CPU (the NumPy
+    bookkeeping with signs_by_gram). Returns the sign_loop to build the sorter with."""
     import sorters.base as base
 
     if request.param == "gram":
         monkeypatch.setattr(base, "array_views", lambda *tensors: (torch, list(tensors)))
-    return request.param
+    return "gram" if request.param == "gram-on-numpy" else "compiled"
 
 
 @pytest.mark.parametrize("n,m,d,k", [(4, 64, 5, 4), (3, 40, 300, 1), (2, 30, 7, 3), (8, 16, 2000, 2)])
 def test_cd_grab_signs_follow_a_float64_sequential_reference(sign_path, n, m, d, k):
     z = unit_vectors(n, m, d, seed=n + d) * torch.logspace(-3, 3, d)  # coordinates of very different scales
-    sorter = build_sorter("CD-GraB", n, m, d, seed=1)
+    sorter = build_sorter("CD-GraB", n, m, d, seed=1, sign_loop=sign_path)
     orders = sorter.sort()
     for _ in range(4):
         step_epoch(sorter, orders, gather_units(z), k)
@@ -419,7 +420,7 @@ def test_cd_grab_near_ties_and_exact_ties(sign_path):
     coordinate that no other difference has give differences nearly orthogonal to the sum (near-ties):
     the signs of all other pairs still match the float64 rule."""
     n, m, d = 3, 48, 64
-    sorter = build_sorter("CD-GraB", n, m, d, seed=2)
+    sorter = build_sorter("CD-GraB", n, m, d, seed=2, sign_loop=sign_path)
     orders = sorter.sort()
     z = unit_vectors(n, m, d, seed=5)
     z[:, :, 0] = 0
@@ -769,6 +770,70 @@ def test_on_the_cpu_cd_grab_signs_with_the_compiled_loop(monkeypatch):
     sorter = build_sorter("CD-GraB", 2, 8, 3, seed=0)
     for _ in range(2):
         run_epoch(sorter, gather_units(unit_vectors(2, 8, 3)), 2)
+
+
+def test_the_gram_loop_on_the_cpu_gives_the_compiled_loops_orders_and_checkpoints_leave_the_choice():
+    """sign_loop="gram" on the CPU equals the compiled loop, epoch by epoch, with pairs across steps (k odd);
+    a state saved by one loads into the other, which keeps its own loop."""
+    n, m, d = 3, 22, 40
+    z = unit_vectors(n, m, d, seed=8)
+    compiled = build_sorter("CD-GraB", n, m, d, seed=3, sign_loop="compiled")
+    gram = build_sorter("CD-GraB", n, m, d, seed=3, sign_loop="gram")
+    for _ in range(3):
+        assert torch.equal(run_epoch(compiled, gather_units(z), 3), run_epoch(gram, gather_units(z), 3))
+    assert compiled.sign_loop == "compiled" and gram.sign_loop == "gram"
+    resumed = build_sorter("CD-GraB", n, m, d, seed=9, sign_loop="gram")
+    resumed.load_state_dict(compiled.state_dict())
+    assert "sign_loop" not in compiled.state_dict() and resumed.sign_loop == "gram"
+    assert torch.equal(run_epoch(compiled, gather_units(z), 1), run_epoch(resumed, gather_units(z), 1))
+
+
+def test_sign_loop_refusals_and_defaults():
+    with pytest.raises(ValueError) as info:
+        build_sorter("CD-GraB", 2, 6, 3, sign_loop="fast")
+    assert str(info.value) == "CD-GraB: sign_loop must be 'gram', or 'compiled' on the CPU, got 'fast' on cpu"
+    with pytest.raises(ValueError, match="got 'compiled' on meta"):
+        build_sorter("CD-GraB", 2, 6, 3, device="meta", sign_loop="compiled")
+    assert build_sorter("CD-GraB", 2, 6, 3).sign_loop == "compiled"
+    assert build_sorter("CD-GraB", 2, 6, 3, device="meta").sign_loop == "gram"
+    assert not hasattr(build_sorter("I-PB", 2, 6, 3, sign_loop="gram"), "sign_loop")  # ignored by the others
+
+
+@pytest.mark.parametrize("device,model_d,sorted_d,expected", [
+    ("cpu", 2**20, 1024, "gram"),            # sketches of a large model
+    ("cpu", 2**20 - 1, 1024, "compiled"),    # of a smaller one
+    ("cpu", 2**23, 2**23, "compiled"),       # exact gradients: the compiled loop is far faster
+    ("cpu", 26, 26, "compiled"),
+    ("meta", 26, 26, "gram"), ("meta", 2**23, 64, "gram"),
+])
+def test_sign_loop_for_a_model(device, model_d, sorted_d, expected):
+    from sorters.balance import sign_loop_for
+    assert sign_loop_for(device, model_d, sorted_d) == expected
+
+
+def test_the_gram_loop_and_a_large_models_sketched_sampler_never_load_numba():
+    """What the Gram path saves is numba and LLVM: a CPU process that balances with it (directly, and
+    through CDGraBSampler with sketches of a 2^20-parameter model) never imports numba; the compiled loop does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = """
+import sys, torch
+from sorters import CDGraBSampler, build_sorter
+sorter = build_sorter("CD-GraB", 2, 10, 5, sign_loop=sys.argv[1])
+for _ in range(2):
+    sorter.sort()
+    for t in range(0, 9, 3):
+        sorter.step(torch.randn(2, 3, 5), range(t, t + 3))
+    sorter.step(torch.randn(2, 1, 5), range(9, 10))
+sampler = CDGraBSampler(8, batch_size=2, d=2**20, sketch_dim=16, num_replicas=2)
+print(sorter.sign_loop, sampler.sorter.sign_loop, "numba" in sys.modules)
+"""
+    repo = Path(__file__).resolve().parents[1]
+    for loop, loaded in (("gram", "False"), ("compiled", "True")):
+        out = subprocess.run([sys.executable, "-c", script, loop], cwd=repo, capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert out == [loop, "gram", loaded]
 
 
 def test_array_views_contract():
