@@ -221,6 +221,20 @@ def test_performance_and_gpu_pages_state_their_bench_results():
         wall, cpu_step = f"{v['step_seconds']:.1f} s", f"{v['step_cpu_seconds']:.1f} s"
         (row,) = [line for line in sketching.splitlines() if line.startswith(f"| {label} |")]
         assert [cell.strip() for cell in row.split("|")[6:10:2]] == [wall, cpu_step], (row, wall, cpu_step)
+    # the sign-loop table: peak memory and CPU step time with their ratios to D-RR (sketch-gpt2-sign-loop-cpu.json)
+    page = (REPO / "docs" / "sketching.md").read_text()
+    table = page[page.index("| GPT-2, CPU, sign loops |"):]
+    table = table[:table.index("\n\n")]
+    variants = bench_result("sketch-gpt2-sign-loop-cpu.json")["variants"]
+    for label, variant in {"D-RR": "D-RR", "D-RR, CD-GraB's CPU sign loop loaded": "D-RR, CD-GraB's sign loop loaded",
+                           "D = 1024 from layer records, `--sign-loop compiled`": "CD-GraB D=1024 records, compiled sign loop",
+                           "D = 1024 from layer records (`auto`)": "CD-GraB D=1024 records"}.items():
+        v = variants[variant]
+        (row,) = [line for line in table.splitlines() if line.startswith(f"| {label} |")]
+        cells = [cell.strip().strip("*").split(" (")[0].strip("*") for cell in row.split("|")[2:8]]
+        assert cells[0] == (v["sign_loop"] or "-") and cells[1] == ("yes" if v["numba_loaded"] else "no"), row
+        assert cells[2] == f"{v['peak_rss_mb']:,.0f} MB" and cells[4] == f"{v['step_cpu_seconds']:.2f} s", row
+        assert float(cells[3]) == round(v["peak_vs_drr"], 2) and float(cells[5]) == round(v["step_cpu_vs_drr"], 2), row
 
 
 def test_herding_time_is_the_shipped_csvs_sum():
