@@ -836,6 +836,20 @@ print(sorter.sign_loop, sampler.sorter.sign_loop, "numba" in sys.modules)
         assert out == [loop, "gram", loaded]
 
 
+def test_the_gram_loop_never_touches_the_compiled_one(monkeypatch):
+    """sign_loop="gram" on the CPU neither warms up nor calls numba's loop (in-process twin of the subprocess
+    check above, which a mutation run cannot see)."""
+    import sorters.balance as balance
+
+    def compiled_loop():
+        raise AssertionError("the compiled sign loop was loaded for a Gram-loop sorter")
+
+    monkeypatch.setattr(balance, "_pair_signs_cpu", compiled_loop)
+    sorter = build_sorter("CD-GraB", 2, 8, 3, seed=0, sign_loop="gram")
+    for _ in range(2):
+        run_epoch(sorter, gather_units(unit_vectors(2, 8, 3)), 3)
+
+
 def test_array_views_contract():
     """CPU tensors: NumPy views sharing their memory (detached when they require grad); NumPy arrays pass
     through; anything off the CPU: torch and the tensors themselves."""
