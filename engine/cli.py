@@ -137,7 +137,7 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                    help="CD-GraB's sequential sign loop (the same signs either way): compiled = numba's one-pass "
                         "loop (CPU only), gram = a few matrix products per step (the GPU path). auto: gram on GPUs; "
                         "on the CPU compiled, except with --sketch-dim on a model of 2^20 parameters or more "
-                        "(LSTM, GPT-2), where the step dwarfs the loop and numba's ~100 MB would show. docs/sketching.md")
+                        "(LSTM, GPT-2), where the step dwarfs the loop and numba's resident memory would show. docs/sketching.md")
     p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 

@@ -50,6 +50,11 @@ class CDGraB(PairBalancer):
     def _reset_running_sums(self):
         self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
 
+    def state_dict(self):
+        state = super().state_dict()
+        del state["sign_loop"]  # how the signs are computed, not what they are: the resuming sorter keeps its own
+        return state
+
     def load_state_dict(self, state):
         super().load_state_dict(state)
         # checkpoints written before the sum was float64 hold a float32 one
@@ -78,10 +83,9 @@ def sign_loop_for(device, model_d: int, sorted_d: int) -> str:
     """CD-GraB's sign loop for a model of model_d parameters whose sorter balances sorted_d-dimensional
     vectors (sorted_d < model_d: sketches) on `device`: "gram" off the CPU; on the CPU "compiled" (numba),
     except for sketches of a model of GRAM_ON_CPU_MIN_PARAMS parameters or more: there the Gram path's
-    extra tens of microseconds per short vector vanish beside a step that forms per-unit gradients of a
-    million-parameter model, while numba and LLVM would add about 100 MB of resident memory (for GPT-2 on
-    the CPU, a twentieth of the run's peak; docs/sketching.md). For exact gradients that long the
-    compiled loop is an order of magnitude faster, so it stays."""
+    per-vector overhead on short vectors vanishes beside a step that forms per-unit gradients of a large
+    model, while importing numba and LLVM is a fixed cost in resident memory (docs/sketching.md measures
+    both). For exact gradients that long the compiled loop is much faster, so it stays."""
     if torch.device(device).type != "cpu":
         return "gram"
     return "gram" if sorted_d < model_d and model_d >= GRAM_ON_CPU_MIN_PARAMS else "compiled"

@@ -86,7 +86,7 @@ class Sorter:
 
     def state_dict(self) -> dict:
         state = {k: v for k, v in vars(self).items() if k not in ("generator", "device", "_pending_storage",
-                                                                   "grads_stay_valid", "sign_loop")}
+                                                                   "grads_stay_valid")}
         state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
         state["generator"] = self.generator.get_state()
         return state
