@@ -269,3 +269,18 @@ def test_readme_states_the_test_suites_measured_time():
     claim = (f"the first command took {result['install_seconds']:.1f} s and the second "
              f"{result['test_seconds'] / 60:.1f} min on this 2-core CPU")
     assert claim in flat and "bench/results/test-suite-cpu.json" in flat, claim
+
+
+def test_reproduction_tables_are_the_scripts_output():
+    """Every table scripts/reproduction_tables.py computes from the shipped reproduction/ stands in
+    REPRODUCTION.md verbatim: the page's tables are never typed by hand, and new runs (a GPU session's
+    epochs) must be followed by the script's tables."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduction_tables.py"), str(REPO / "reproduction")],
+                         capture_output=True, text=True, check=True).stdout
+    page = (REPO / "REPRODUCTION.md").read_text()
+    tables = [block for block in out.strip().split("\n\n") if block.startswith("|")]
+    assert len(tables) >= 4, out[:500]
+    stale = [table.splitlines()[0] for table in tables if table not in page]
+    assert not stale, f"REPRODUCTION.md lacks the script's current tables headed {stale}"
