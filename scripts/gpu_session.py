@@ -13,7 +13,8 @@ Here, on what came back:
 What a call does, in order:
 1. Once per machine (a marker in --work): the CUDA-vs-CPU LSTM check (if cuDNN fails it, the LSTM
    runs pass --cudnn off, recorded in config.json), bench/gpu_epochs.py alone on the GPU, then the
-   CUDA tests in the background while the runs train.
+   CUDA tests in the background while the runs train; --checks tests keeps only the tests, --checks
+   none none of them.
 2. The queue (QUEUE, most valuable first): each run continues from its checkpoint in --work (a second
    call on the same machine goes on where the first stopped), else from the packed checkpoint an earlier
    session left in reproduction/<benchmark>/<run>/checkpoint.pt.gz, else starts. --parallel runs share
@@ -26,6 +27,9 @@ What a call does, in order:
    gpu-epochs.json, and the checkpoints of unfinished runs, most valuable first, as long as they fit
    (ckpt-<benchmark>--<run>.pt.gz; what a new epoch resets, CD-GraB's running sum, is zeroed so that
    it compresses away).
+5. Here, --unpack puts each run that came back in place of the shipped one, except an unfinished run
+   that restarted (a GPT-2 run: its checkpoint cannot travel) and reached fewer epochs than the
+   shipped one: the longer record stays.
 
 --device cpu --tiny runs the same path on tiny slices (the dry run in tests/test_gpu_session.py).
 """
@@ -203,13 +207,20 @@ def stop_decision(epoch_ends: list[float], now: float, stop_at: float) -> str | 
     return "after this epoch" if epoch_ends[-1] + 2 * last > stop_at else None
 
 
+def metrics_rows(path: Path) -> int:
+    """Epochs a metrics.csv holds (0 when there is none)."""
+    if not path.exists():
+        return 0
+    return len([line for line in path.read_text().splitlines()[1:] if line.strip()])
+
+
 def seed_from_shipped(run: Run, shipped: Path) -> str:
     """Put the packed checkpoint an earlier session shipped (reproduction/<benchmark>/<run>/) into the
     run's directory unless this machine's own is as far or further; returns what was done."""
     source = shipped / run.benchmark / run.name
     packed = source / "checkpoint.pt.gz"
     try:
-        shipped_epochs = len([line for line in (source / "metrics.csv").read_text().splitlines()[1:] if line.strip()])
+        shipped_epochs = metrics_rows(source / "metrics.csv")
         shipped_target = json.loads((source / "config.json").read_text())["args"]["epochs"]
     except (OSError, ValueError, KeyError):
         return "nothing shipped"
@@ -468,11 +479,15 @@ def session(args) -> None:
 
     marker = work / "checks.json"
     tests = None
-    if args.skip_checks:
+    if args.checks == "none":
         checks = {"lstm_cudnn": "on", "skipped": True}
     elif marker.exists():
         checks = json.loads(marker.read_text())
         log(f"checks done on this machine earlier: {checks}")
+    elif args.checks == "tests":  # the CUDA tests beside the runs; no LSTM check (cuDNN on), no bench
+        checks = {"lstm_cudnn": "on", "bench": "skipped"}
+        marker.write_text(json.dumps(checks))
+        tests = start_tests(args, work)
     else:
         cudnn = lstm_cudnn_check(args, work, min(120.0, 0.2 * args.deadline))
         log(f"LSTM CUDA-vs-CPU check with cuDNN: {'passed' if cudnn == 'on' else 'FAILED: the LSTM runs use --cudnn off'}")
@@ -565,6 +580,12 @@ def unpack(source: Path, into: Path, bench_json: Path, sessions: Path) -> None:
             if f"{key}/metrics.csv" not in names:
                 continue  # never started
             target = into / benchmark / name
+            shipped = metrics_rows(target / "metrics.csv")
+            if not entry["finished"] and entry["epochs_done"] < shipped:
+                # a run that restarted (its checkpoint could not travel) and stopped short of the shipped one
+                print(f"{target}: kept as shipped ({shipped} epochs); this call's run restarted and reached "
+                      f"{entry['epochs_done']}")
+                continue
             if target.exists():
                 shutil.rmtree(target)
             target.mkdir(parents=True)
@@ -617,8 +638,10 @@ def main():
     parser.add_argument("--only", nargs="+", metavar="BENCHMARK[/SORTER/SEED]",
                         help="run only these queue entries, e.g. GPT2-Wiki103 or LSTM-Wiki2/CD-GraB/0")
     parser.add_argument("--tests", nargs="*", help=f"test files for the first call (default: {' '.join(CUDA_TESTS)})")
-    parser.add_argument("--skip-checks", action="store_true",
-                        help="no LSTM check, bench or tests: straight to the queue (cuDNN on)")
+    parser.add_argument("--checks", choices=("all", "tests", "none"), default="all",
+                        help="what the first call on a machine checks: all (the LSTM cuDNN check and the bench "
+                             "before the runs, the CUDA tests beside them; the default), tests (only the CUDA "
+                             "tests, beside the runs; cuDNN on), none (straight to the queue; cuDNN on)")
     parser.add_argument("--bench-seconds", type=float, default=150, help="time limit of the bench (default 150)")
     parser.add_argument("--pack-seconds", type=float, default=40,
                         help="seconds kept at the end for stopping and packing (default 40)")

@@ -78,6 +78,43 @@ def test_unpack_refuses_a_dry_run_into_reproduction(tmp_path):
     assert kit("--unpack", tmp_path / "nothing-here").returncode == 2
 
 
+def fake_call(folder, runs: dict, tiny=False):
+    """The files of a device call that brought back `runs` ({"<benchmark>/<run>": (epochs_done, epochs,
+    finished)}): runs.tar.gz with each run's config.json and metrics.csv, and session.json."""
+    folder.mkdir(parents=True)
+    manifest = {"tiny": tiny, "started": "2026-01-01 00:00:00", "runs": {
+        key: {"epochs_done": done, "epochs": epochs, "finished": finished} for key, (done, epochs, finished) in runs.items()}}
+    members = {"session.json": json.dumps(manifest)}
+    for key, (done, epochs, _) in runs.items():
+        members[f"{key}/config.json"] = json.dumps({"args": {"epochs": epochs}})
+        members[f"{key}/metrics.csv"] = "epoch,train_loss\n" + "".join(f"{e},{1 / e}\n" for e in range(1, done + 1))
+    with tarfile.open(folder / "runs.tar.gz", "w:gz") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return folder
+
+
+def test_unpack_keeps_a_longer_shipped_run_over_a_restart_that_stopped_short(tmp_path):
+    """A GPT-2 run restarts every session (its checkpoint cannot travel): when it comes back with fewer
+    epochs than the shipped record, the shipped record stays; a longer or finished run replaces it."""
+    into = tmp_path / "reproduction"
+    places = ["--into", into, "--bench-json", tmp_path / "bench.json", "--sessions", tmp_path / "sessions"]
+    short, longer = "GPT2-Wiki103/short-run", "GPT2-Wiki103/longer-run"
+    first = fake_call(tmp_path / "call1", {short: (14, 30, False), longer: (5, 30, False)})
+    assert kit("--unpack", first, *places).returncode == 0
+    second = fake_call(tmp_path / "call2", {short: (9, 30, False), longer: (12, 30, False)})
+    result = kit("--unpack", second, *places)
+    assert result.returncode == 0, result.stderr
+    assert len(read_metrics(into / short)) == 14 and "kept as shipped (14 epochs)" in result.stdout
+    assert len(read_metrics(into / longer)) == 12
+    third = fake_call(tmp_path / "call3", {short: (30, 30, True)})
+    assert kit("--unpack", third, *places).returncode == 0
+    assert len(read_metrics(into / short)) == 30
+
+
 def session_json(out):
     with tarfile.open(out / "runs.tar.gz", "r:gz") as tar:
         return json.loads(tar.extractfile("session.json").read())
@@ -128,8 +165,14 @@ def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
     assert "resum" in (box1 / "runs" / "GPT2-Wiki103" / gpt2_name / "log.txt").read_text().lower()
 
     # call 3, a new machine: the LSTM run goes on from the packed checkpoint shipped in "reproduction/"
-    third = kit(*common, "--work", box2, "--out", tmp_path / "out3", "--only", lstm, "--shipped", into, "--skip-checks")
+    # (--checks tests: the CUDA tests beside the run, no LSTM check and no bench)
+    third = kit(*common, "--work", box2, "--out", tmp_path / "out3", "--only", lstm, "--shipped", into,
+                "--checks", "tests", "--tests", "tests/test_cuda.py")
     assert third.returncode == 0, third.stderr
+    out3 = sorted(p.name for p in (tmp_path / "out3").iterdir())
+    assert out3 == ["runs.tar.gz", "tests.log"], out3
+    assert session_json(tmp_path / "out3")["checks"] == {"lstm_cudnn": "on", "bench": "skipped"}
+    assert "skipped" in (tmp_path / "out3" / "tests.log").read_text()
     entry = session_json(tmp_path / "out3")["runs"][f"LSTM-Wiki2/{lstm_name}"]
     assert entry["from"] == "shipped checkpoint (epoch 2)" and entry["finished"] and entry["epochs_this_call"] == 1
     result = kit("--unpack", tmp_path / "out3", *unpack_to)
