@@ -2,6 +2,8 @@
 that lead somewhere, a docs/ index that lists every page, and no citation of files a user does not have
 (the private reference notes this suite was written from). Reads files only: no training."""
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.helpers import REPO
@@ -275,8 +277,6 @@ def test_reproduction_tables_are_the_scripts_output():
     """Every table scripts/reproduction_tables.py computes from the shipped reproduction/ stands in
     REPRODUCTION.md verbatim: the page's tables are never typed by hand, and new runs (a GPU session's
     epochs) must be followed by the script's tables."""
-    import subprocess
-    import sys
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduction_tables.py"), str(REPO / "reproduction")],
                          capture_output=True, text=True, check=True).stdout
     page = (REPO / "REPRODUCTION.md").read_text()

@@ -65,19 +65,6 @@ def test_the_kits_pytest_runs_where_pytest_xdist_is_missing():
     assert result.returncode == 0 and "test_partition_names_are_canonical" in result.stdout, result.stdout + result.stderr
 
 
-def test_unpack_refuses_a_dry_run_into_reproduction(tmp_path):
-    manifest = {"tiny": True, "runs": {}, "started": "2026-01-01 00:00:00"}
-    with tarfile.open(tmp_path / "runs.tar.gz", "w:gz") as tar:
-        data = json.dumps(manifest).encode()
-        info = tarfile.TarInfo("session.json")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    result = kit("--unpack", tmp_path)
-    assert result.returncode == 2
-    assert len(error_lines(result)) == 1 and "--into" in result.stderr
-    assert kit("--unpack", tmp_path / "nothing-here").returncode == 2
-
-
 def fake_call(folder, runs: dict, tiny=False):
     """The files of a device call that brought back `runs` ({"<benchmark>/<run>": (epochs_done, epochs,
     finished)}): runs.tar.gz with each run's config.json and metrics.csv, and session.json."""
@@ -95,6 +82,13 @@ def fake_call(folder, runs: dict, tiny=False):
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return folder
+
+
+def test_unpack_refuses_a_dry_run_into_reproduction(tmp_path):
+    result = kit("--unpack", fake_call(tmp_path / "call", {}, tiny=True))
+    assert result.returncode == 2
+    assert len(error_lines(result)) == 1 and "--into" in result.stderr
+    assert kit("--unpack", tmp_path / "nothing-here").returncode == 2
 
 
 def test_unpack_keeps_a_longer_shipped_run_over_a_restart_that_stopped_short(tmp_path):
