@@ -91,6 +91,24 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def select_queue(only) -> list:
+    """The QUEUE entries that --only names, in QUEUE's order (most valuable first). Each entry of `only` is
+    BENCHMARK, BENCHMARK/SORTER or BENCHMARK/SORTER/SEED; one that names no queued run is refused, since
+    a typo would otherwise spend a call of device time on nothing."""
+    if not only:
+        return list(QUEUE)
+    keys = [(b, s, str(seed)) for b, s, seed in QUEUE]
+    for entry in only:
+        parts = tuple(entry.split("/"))
+        if not 1 <= len(parts) <= 3 or not any(key[:len(parts)] == parts for key in keys):
+            runs = {f"{b}/{s}" for b, s, _ in QUEUE}
+            seeds = sorted({seed for _, _, seed in QUEUE})
+            fail(f"--only {entry!r} names no queued run: give BENCHMARK[/SORTER[/SEED]], one of "
+                 f"{', '.join(sorted(runs))}, seeds {seeds[0]}-{seeds[-1]}")
+    wanted = [tuple(entry.split("/")) for entry in only]
+    return [q for q, key in zip(QUEUE, keys) if any(key[:len(w)] == w for w in wanted)]
+
+
 def run_name(benchmark: str, sorter: str, seed: int) -> str:
     return BENCHMARKS[benchmark]["name"].format(sorter=sorter, seed=seed)
 
@@ -471,7 +489,7 @@ def session(args) -> None:
     if args.data_archive:
         unpack_data(Path(args.data_archive), Path(args.data_dir))
     check_inputs(args)
-    queue = [q for q in QUEUE if not args.only or f"{q[0]}/{q[1]}/{q[2]}" in args.only or q[0] in args.only]
+    queue = select_queue(args.only)
     runs = [Run(*q, work, args) for q in queue]
     manifest = {"tree": source_tree(), "device": device_description(args.device), "tiny": args.tiny,
                 "parallel": args.parallel, "queue": [f"{r.key}" for r in runs], "deadline_s": args.deadline, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -635,8 +653,9 @@ def main():
                                            "reproduction/; with --tiny none)")
     parser.add_argument("--parallel", type=int, default=4,
                         help="runs side by side on the GPU (default 4: GPT-2 slowed 4x beside five others)")
-    parser.add_argument("--only", nargs="+", metavar="BENCHMARK[/SORTER/SEED]",
-                        help="run only these queue entries, e.g. GPT2-Wiki103 or LSTM-Wiki2/CD-GraB/0")
+    parser.add_argument("--only", nargs="+", metavar="BENCHMARK[/SORTER[/SEED]]",
+                        help="run only these queue entries, e.g. GPT2-Wiki103, LSTM-Wiki2/CD-GraB (every "
+                             "seed) or LSTM-Wiki2/CD-GraB/0; the queue's order stays")
     parser.add_argument("--tests", nargs="*", help=f"test files for the first call (default: {' '.join(CUDA_TESTS)})")
     parser.add_argument("--checks", choices=("all", "tests", "none"), default="all",
                         help="what the first call on a machine checks: all (the LSTM cuDNN check and the bench "
@@ -669,6 +688,7 @@ def main():
         fail("pass --out DIR (on the device machine: --out \"$OUT\")")
     if args.parallel < 1 or args.deadline <= args.pack_seconds:
         fail("--parallel must be >= 1 and --deadline larger than --pack-seconds")
+    select_queue(args.only)  # refuse a typo before anything is unpacked
     session(args)
 
 

@@ -57,6 +57,26 @@ def test_stop_rule():
     assert decide([0.0, 30.0, 75.0], now=76.0, stop_at=100.0) == "now"        # 75 + 45 > 100: it cannot end
 
 
+def test_only_selects_by_benchmark_sorter_and_seed_in_the_queues_order():
+    select = gpu_session.select_queue
+    assert select(None) == gpu_session.QUEUE
+    assert select(["LSTM-Wiki2/CD-GraB"]) == [("LSTM-Wiki2", "CD-GraB", 0), ("LSTM-Wiki2", "CD-GraB", 1),
+                                             ("LSTM-Wiki2", "CD-GraB", 2)]
+    assert select(["LSTM-Wiki2/Fold/1", "GPT2-Wiki103/CD-GraB/0"]) == [("GPT2-Wiki103", "CD-GraB", 0),
+                                                                      ("LSTM-Wiki2", "Fold", 1)]
+    assert select(["GPT2-Wiki103"]) == [(b, s, seed) for seed in (0, 1, 2) for b, s in
+                                        (("GPT2-Wiki103", "CD-GraB"), ("GPT2-Wiki103", "D-RR"))]
+
+
+@pytest.mark.parametrize("entry", ["LSTM-wiki2", "LSTM-Wiki2/CD-GraB/3", "GPT2-Wiki103/Fold", "LSTM-Wiki2/CD-GraB/0/x"])
+def test_an_only_entry_that_names_no_run_is_refused_before_anything_starts(tmp_path, entry):
+    """A typo would spend a call of device time on an empty queue: one line, exit status 2, nothing made."""
+    result = kit("--device", "cpu", "--out", tmp_path / "out", "--work", tmp_path / "work", "--only", entry)
+    assert result.returncode == 2, result.stderr
+    assert len(error_lines(result)) == 1 and entry in error_lines(result)[0], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
 def test_the_kits_pytest_runs_where_pytest_xdist_is_missing():
     """The GPU box has no pytest-xdist, which pytest.ini's addopts (-n auto) need: the kit's pytest command
     must collect there (-p no:xdist stands in for the missing plugin; exit 4 would be a usage error)."""
