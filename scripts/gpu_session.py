@@ -98,15 +98,13 @@ def select_queue(only) -> list:
     if not only:
         return list(QUEUE)
     keys = [(b, s, str(seed)) for b, s, seed in QUEUE]
-    for entry in only:
-        parts = tuple(entry.split("/"))
-        if not 1 <= len(parts) <= 3 or not any(key[:len(parts)] == parts for key in keys):
-            runs = {f"{b}/{s}" for b, s, _ in QUEUE}
-            seeds = sorted({seed for _, _, seed in QUEUE})
+    wanted = [tuple(entry.split("/")) for entry in only]  # a prefix of a key; 4 parts match none
+    for entry, parts in zip(only, wanted):
+        if not any(key[:len(parts)] == parts for key in keys):
+            runs = sorted({f"{b}/{s}" for b, s, _ in QUEUE})
             fail(f"--only {entry!r} names no queued run: give BENCHMARK[/SORTER[/SEED]], one of "
-                 f"{', '.join(sorted(runs))}, seeds {seeds[0]}-{seeds[-1]}")
-    wanted = [tuple(entry.split("/")) for entry in only]
-    return [q for q, key in zip(QUEUE, keys) if any(key[:len(w)] == w for w in wanted)]
+                 f"{', '.join(runs)}, seeds {QUEUE[0][2]}-{QUEUE[-1][2]}")
+    return [q for q, key in zip(QUEUE, keys) if any(key[:len(parts)] == parts for parts in wanted)]
 
 
 def run_name(benchmark: str, sorter: str, seed: int) -> str:
@@ -481,7 +479,7 @@ def check_inputs(args) -> None:
             fail("no CUDA device is visible: run this on the GPU machine, or pass --device cpu (with --tiny)")
 
 
-def session(args) -> None:
+def session(args, queue: list) -> None:
     started = time.monotonic()
     stop_at = started + args.deadline - args.pack_seconds
     work, out = Path(args.work), Path(args.out)
@@ -489,7 +487,6 @@ def session(args) -> None:
     if args.data_archive:
         unpack_data(Path(args.data_archive), Path(args.data_dir))
     check_inputs(args)
-    queue = select_queue(args.only)
     runs = [Run(*q, work, args) for q in queue]
     manifest = {"tree": source_tree(), "device": device_description(args.device), "tiny": args.tiny,
                 "parallel": args.parallel, "queue": [f"{r.key}" for r in runs], "deadline_s": args.deadline, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -688,8 +685,7 @@ def main():
         fail("pass --out DIR (on the device machine: --out \"$OUT\")")
     if args.parallel < 1 or args.deadline <= args.pack_seconds:
         fail("--parallel must be >= 1 and --deadline larger than --pack-seconds")
-    select_queue(args.only)  # refuse a typo before anything is unpacked
-    session(args)
+    session(args, select_queue(args.only))  # a typo in --only is refused before anything is unpacked
 
 
 if __name__ == "__main__":
