@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -119,3 +120,103 @@ def library_versions() -> dict:
 
 def write_config(path: Path, config: dict) -> None:
     atomic_write_bytes(path, (json.dumps(config, indent=2, default=str) + "\n").encode())
+
+
+# ---------------------------------------------------------------------------------------------- segments
+# config.json's "segments": one record per stretch of epochs a run trained in one process (a start, then
+# each --resume), appended and never rewritten, so a run that crossed machines and commits says which
+# code trained which epochs. The code is named by its git tree hash without reproduction/ (the results a
+# later commit adds there do not change the code), which finds the commit even where the machine's .git
+# is older than the tree it ran (code_tree, commit_of_code_tree).
+EXCLUDED_FROM_CODE_TREE = "reproduction"
+_code_tree_cache = {}
+
+
+def code_tree() -> str | None:
+    """The git tree hash of the repository's files as they are (tracked and unignored; reproduction/
+    left out), computed in a throw-away index; None where git or the repository is missing."""
+    if "tree" not in _code_tree_cache:
+        index = Path(tempfile.gettempdir()) / f"cdgrab-code-tree-{os.getpid()}.index"
+        env = {**os.environ, "GIT_INDEX_FILE": str(index)}
+        git = ["git", "-C", str(REPO_DIR)]
+        try:
+            add = subprocess.run([*git, "add", "-A", "--", ".", f":!{EXCLUDED_FROM_CODE_TREE}"], env=env,
+                                 capture_output=True, timeout=120)
+            tree = subprocess.run([*git, "write-tree"], env=env, capture_output=True, text=True, timeout=60)
+            ok = add.returncode == 0 and tree.returncode == 0
+            _code_tree_cache["tree"] = tree.stdout.strip() if ok else None
+        except (OSError, subprocess.SubprocessError):
+            _code_tree_cache["tree"] = None
+        finally:
+            index.unlink(missing_ok=True)
+    return _code_tree_cache["tree"]
+
+
+def tree_without(tree_object: bytes, name: bytes) -> str:
+    """The hash of a git tree object (its raw content: "<mode> <name>\\0<20-byte id>" entries) with the
+    entry `name` removed."""
+    import hashlib
+
+    entries, at = [], 0
+    while at < len(tree_object):
+        end = tree_object.index(b"\0", at) + 21
+        entry = tree_object[at:end]
+        if entry.split(b"\0", 1)[0].split(b" ", 1)[1] != name:
+            entries.append(entry)
+        at = end
+    content = b"".join(entries)
+    return hashlib.sha1(b"tree %d\0" % len(content) + content).hexdigest()
+
+
+def commit_of_code_tree(tree: str | None) -> str | None:
+    """The newest commit here whose files, reproduction/ left out, are `tree` (None when none is)."""
+    if not tree:
+        return None
+    git = ["git", "-C", str(REPO_DIR)]
+    try:
+        log = subprocess.run([*git, "log", "--all", "--format=%H %T"], capture_output=True, text=True, timeout=60)
+        pairs = [line.split() for line in log.stdout.splitlines() if len(line.split()) == 2]
+        batch = subprocess.run([*git, "cat-file", "--batch"], input="".join(f"{t}\n" for _, t in pairs).encode(),
+                               capture_output=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    at = 0
+    for commit, _ in pairs:  # --batch answers "<id> tree <size>\n<content>\n" for each, in order
+        header_end = batch.index(b"\n", at)
+        size = int(batch[at:header_end].split()[2])
+        content = batch[header_end + 1:header_end + 1 + size]
+        at = header_end + 2 + size
+        if tree_without(content, EXCLUDED_FROM_CODE_TREE.encode()) == tree:
+            return commit
+    return None
+
+
+def with_segment(path: Path, config: dict, first_epoch: int) -> dict:
+    """`config` with the "segments" of the config.json at `path` (if any) and one more: this process's,
+    from first_epoch (last_epoch: None until end_segment; an interrupted segment ends where the next
+    begins). Each record: epochs, code tree, the commit it is here, device, torch."""
+    try:
+        segments = list(json.loads(Path(path).read_text()).get("segments", []))
+    except (OSError, ValueError, AttributeError):
+        segments = []
+    tree = code_tree()
+    segments.append({"first_epoch": first_epoch, "last_epoch": None, "code_tree": tree,
+                     "commit": commit_of_code_tree(tree), "git_describe": git_commit(),
+                     "device": config.get("device"), "device_name": device_name(config.get("device")),
+                     "torch": torch.__version__,
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return {**config, "segments": segments}
+
+
+def end_segment(path: Path, last_epoch: int) -> None:
+    """Record the last epoch of config.json's newest segment (the run ended or stopped cleanly)."""
+    config = json.loads(Path(path).read_text())
+    if config.get("segments"):
+        config["segments"][-1]["last_epoch"] = last_epoch
+        write_config(path, config)
+
+
+def device_name(device) -> str | None:
+    if device is None or not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(torch.device(device))

@@ -214,7 +214,8 @@ def train(task, args, comm, device) -> list[dict]:
         say(run, f"{task.name}: done: {run.out} (after epoch {len(rows)})")
         return rows  # keep config.json: it describes the run that made these epochs
     if run.writer:
-        runlog.write_config(run.out / "config.json", run_config(run))
+        runlog.write_config(run.out / "config.json",  # earlier segments kept, this one appended
+                            runlog.with_segment(run.out / "config.json", run_config(run), first_epoch))
     progress = ProgressLines(run, first_epoch) if progress_mode(args, run.writer) == "lines" else None
     end = f"{task.name}: done: {run.out} (after epoch {args.epochs})"
     for epoch in range(first_epoch, args.epochs + 1):
@@ -234,6 +235,8 @@ def train(task, args, comm, device) -> list[dict]:
             break
     if isinstance(run.sorter, BackgroundSorter):
         run.sorter.close()
+    if run.writer:
+        runlog.end_segment(run.out / "config.json", len(rows))
     say(run, end)
     return rows
 

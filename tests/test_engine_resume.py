@@ -20,6 +20,8 @@ ExDyna in test_communication.py, sketched CD-GraB in test_sketch.py, and the res
 Another process count may round differently (each process forms its workers' gradients in one batched
 pass), so there the losses agree to rel 1e-5, everything else exactly: orders, bytes sent, averagings and
 round lengths, achieved density."""
+import json
+
 import pytest
 
 from tests.helpers import assert_runs_agree, check_ok, needs_data, read_metrics, run_script
@@ -67,6 +69,10 @@ def stopped_and_resumed(out, flags, tmp_path) -> None:
         check_ok(run_script(SCRIPT, *COMMON, *flags, "--out", out, *(["--resume"] if i else []), nproc=nproc,
                             env={"CDGRAB_STOP_FILE": str(stop)}))
         assert len(read_metrics(out)) == epoch
+    # config.json keeps one record per leg, appended on each resume (engine.runlog.with_segment)
+    segments = json.loads((out / "config.json").read_text())["segments"]
+    assert [(s["first_epoch"], s["last_epoch"], s["device"]) for s in segments] == \
+           [(1, 1, "cpu"), (2, 2, "cpu"), (3, 3, "cpu"), (4, 4, "cpu")], segments
 
 
 @pytest.mark.parametrize("name", RESUMED)
