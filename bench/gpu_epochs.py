@@ -30,6 +30,7 @@ torch.cuda.max_memory_allocated while training (evaluation excluded), the task's
 
 Writes one JSON object to bench/results/gpu-epochs.json (--json) and prints it: device, torch, cuda,
 git_commit, git_clean (false when `git status --porcelain` lists anything but the report's own file),
+code_tree (engine.runlog.code_tree: the commit, found from it, where the machine's .git is older),
 command, steps_note, goals (the issue's upper bounds of the ratios), wall_seconds, and per benchmark
 seconds_per_epoch, ratios, meets_goals, host_syncs_per_step, peak_gpu_memory_gib, steps_timed,
 steps_warmup, steps_per_epoch, seconds_per_step, split_seconds_per_epoch (the engine's sorter / comm /
@@ -59,6 +60,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 from bench.step_overhead import entry_module  # noqa: E402
 from data.common import default_data_dir  # noqa: E402
 from engine.cli import OneLineErrorParser, check_args  # noqa: E402
+from engine import runlog  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.device import set_tf32, setup_device  # noqa: E402
 from engine.errors import UserFacingError  # noqa: E402
@@ -438,7 +440,8 @@ def run_all(args, steps: dict) -> int:
     json_path = Path(args.json)
     commit, clean = git_state(json_path)
     report = {"device": None, "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": commit,
-              "git_clean": clean, "command": " ".join(["python", *sys.argv]), "steps_note": steps_note(args.device),
+              "git_clean": clean, "code_tree": runlog.code_tree(),  # finds the commit where .git is older
+              "command": " ".join(["python", *sys.argv]), "steps_note": steps_note(args.device),
               "goals": GOALS, "benchmarks": {}}
     with tempfile.TemporaryDirectory() as folder:
         for benchmark in args.benchmarks:

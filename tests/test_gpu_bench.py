@@ -4,6 +4,7 @@ against the engine's loss, the benchmarks' real steps per epoch, the scaling to 
 one-line errors for bad input."""
 import importlib.util
 import json
+import re
 import os
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def test_report_layout(smoke):
     assert report["goals"] == {"D-RR/textbook": 1.1, "CD-GraB/D-RR": 1.15}
     assert report["torch"] == torch.__version__ and report["device"].startswith("cpu")
     assert "steps_per_epoch" in report["steps_note"]
+    assert re.fullmatch(r"[0-9a-f]{40}", report["code_tree"])  # finds the commit where the machine's .git is older
     assert list(report["benchmarks"]) == ["LR-HMDA", "MLP-M4"]
     for name, entry in report["benchmarks"].items():
         assert entry["steps_timed"] == entry["steps_warmup"] == STEPS[name]

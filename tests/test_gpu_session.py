@@ -7,9 +7,12 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -115,17 +118,12 @@ def test_unpack_keeps_a_longer_shipped_run_over_a_restart_that_stopped_short(tmp
     """A GPT-2 run restarts every session (its checkpoint cannot travel): when it comes back with fewer
     epochs than the shipped record, the shipped record stays; a longer or finished run replaces it."""
     into = tmp_path / "reproduction"
-    places = ["--into", into, "--bench-json", tmp_path / "bench.json", "--sessions", tmp_path / "sessions"]
+    places = dict(into=into, bench_json=tmp_path / "bench.json", sessions=tmp_path / "sessions")
     short, longer = "GPT2-Wiki103/short-run", "GPT2-Wiki103/longer-run"
-    first = fake_call(tmp_path / "call1", {short: (14, 30, False), longer: (5, 30, False)})
-    assert kit("--unpack", first, *places).returncode == 0
-    second = fake_call(tmp_path / "call2", {short: (9, 30, False), longer: (12, 30, False)})
-    result = kit("--unpack", second, *places)
-    assert result.returncode == 0, result.stderr
-    assert len(read_metrics(into / short)) == 14 and "kept as shipped (14 epochs)" in result.stdout
-    assert len(read_metrics(into / longer)) == 12
-    third = fake_call(tmp_path / "call3", {short: (30, 30, True)})
-    assert kit("--unpack", third, *places).returncode == 0
+    gpu_session.unpack(fake_call(tmp_path / "call1", {short: (14, 30, False), longer: (5, 30, False)}), **places)
+    gpu_session.unpack(fake_call(tmp_path / "call2", {short: (9, 30, False), longer: (12, 30, False)}), **places)
+    assert len(read_metrics(into / short)) == 14 and len(read_metrics(into / longer)) == 12
+    gpu_session.unpack(fake_call(tmp_path / "call3", {short: (30, 30, True)}), **places)
     assert len(read_metrics(into / short)) == 30
 
 
@@ -161,7 +159,7 @@ def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
     runs = manifest["runs"]
     assert runs[f"LSTM-Wiki2/{lstm_name}"]["epochs_done"] == 2 and not runs[f"LSTM-Wiki2/{lstm_name}"]["finished"]
     assert runs[f"GPT2-Wiki103/{gpt2_name}"]["epochs_done"] == 2
-    assert "does not fit" in runs[f"GPT2-Wiki103/{gpt2_name}"]["checkpoint"]  # 6.8M parameters and two moments
+    assert "cannot travel" in runs[f"GPT2-Wiki103/{gpt2_name}"]["checkpoint"]  # never gzipped, never packed
     assert json.loads((out1 / "gpu-epochs.json").read_text())["benchmarks"]
 
     result = kit("--unpack", out1, *unpack_to)
@@ -170,6 +168,10 @@ def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
     assert (shipped / "checkpoint.pt.gz").exists() and len(read_metrics(shipped)) == 2
     assert not (into / "GPT2-Wiki103" / gpt2_name / "checkpoint.pt.gz").exists()
     assert json.loads((tmp_path / "bench.json").read_text())["benchmarks"]
+    (profile,) = tmp_path.glob("gpu-profile-cpu-*.txt")  # the first call's profile, of the CPU's activity here
+    assert all(f"== LR-HMDA {sorter}: 2 steps profiled" in profile.read_text() for sorter in ("D-RR", "CD-GraB"))
+    (record,) = (tmp_path / "sessions").glob(f"*/runs/LSTM-Wiki2/{lstm_name}/log.txt")  # run logs are kept
+    assert "stopped after epoch 2" in record.read_text()
 
     # call 2, same machine: no checks again; GPT-2 goes on from this machine's own checkpoint
     second = kit(*common, "--work", box1, "--out", tmp_path / "out2", "--only", gpt2)
@@ -192,6 +194,9 @@ def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
     result = kit("--unpack", tmp_path / "out3", *unpack_to)
     assert result.returncode == 0, result.stderr
     assert not (shipped / "checkpoint.pt.gz").exists()  # finished: the checkpoint goes away
+    segments = json.loads((shipped / "config.json").read_text())["segments"]  # one per process, on two "machines"
+    assert [(s["first_epoch"], s["last_epoch"], s["device"]) for s in segments] == [(1, 2, "cpu"), (3, 3, "cpu")]
+    assert all(re.fullmatch(r"[0-9a-f]{40}", s["code_tree"]) for s in segments)
 
     # the oracle: the same run, uninterrupted, straight from the entry script
     spec = gpu_session.BENCHMARKS["LSTM-Wiki2"]
@@ -216,3 +221,203 @@ def test_data_travel_as_one_archive_and_arrive_whole(tmp_path):
         there = {p.relative_to(tmp_path / "datasets"): p.stat().st_size
                  for p in (tmp_path / "datasets" / folder).rglob("*") if p.is_file()}
         assert here == there, folder
+
+
+# ---------------------------------------------------------------------------------------------- loses nothing
+def fake_run(work, benchmark, sorter, epochs_done, epochs=5, checkpoint=True):
+    """A Run of the kit whose folder holds `epochs_done` epochs (metrics.csv, config.json, log.txt and,
+    with `checkpoint`, a checkpoint.pt of that epoch)."""
+    import torch
+
+    run = gpu_session.Run(benchmark, sorter, 0, work, SimpleNamespace(epochs=epochs, tiny=False))
+    run.dir.mkdir(parents=True, exist_ok=True)
+    (run.dir / "metrics.csv").write_text("epoch,train_loss\n" + "".join(f"{e},1.0\n" for e in range(1, epochs_done + 1)))
+    (run.dir / "config.json").write_text(json.dumps({"args": {"epochs": epochs}}))
+    (run.dir / "log.txt").write_text(f"epoch {epochs_done}\n")
+    if checkpoint:
+        torch.save({"epoch": epochs_done, "sorter": {}, "flat": torch.arange(1000.0 * epochs_done)}, run.dir / "checkpoint.pt")
+        stamp = (epochs_done + 1) * 10**9  # a new mtime per epoch, as a real epoch end gives
+        os.utime(run.dir / "checkpoint.pt", ns=(stamp, stamp))
+    return run
+
+
+def packed(out) -> dict:
+    """run key -> epochs in the packed metrics.csv, and the packed checkpoints' epochs."""
+    with tarfile.open(out / "runs.tar.gz", "r:gz") as tar:
+        rows = {m.name.rsplit("/", 1)[0]: len(tar.extractfile(m).read().decode().splitlines()) - 1
+                for m in tar.getmembers() if m.name.endswith("metrics.csv")}
+    checkpoints = {p.name: gpu_session.checkpoint_epoch(p) for p in out.glob("ckpt-*")}
+    return {"rows": rows, "checkpoints": checkpoints}
+
+
+def test_the_pack_follows_every_epoch_and_gzips_only_new_checkpoints_that_travel(tmp_path, monkeypatch):
+    """$OUT is rewritten as epochs end (a call cut at its limit returns them); a checkpoint is gzipped
+    once per epoch, never for a run whose checkpoint cannot travel (GPT-2), and leaves $OUT when its run
+    finishes."""
+    gzipped = []
+    slim = gpu_session.slim_checkpoint
+    monkeypatch.setattr(gpu_session, "slim_checkpoint", lambda path: gzipped.append(path.parent.name) or slim(path))
+    work, out = tmp_path / "work", tmp_path / "out"
+    gpt2, lstm = fake_run(work, "GPT2-Wiki103", "CD-GraB", 1), fake_run(work, "LSTM-Wiki2", "CD-GraB", 1)
+    runs, manifest = [gpt2, lstm], {"runs": {gpt2.key: {}, lstm.key: {}}}
+    lstm_file = gpu_session.packed_checkpoint_name("LSTM-Wiki2", lstm.name)
+    packer = gpu_session.Packer(work, out)
+    packer.pack(runs, manifest)
+    assert packed(out) == {"rows": {gpt2.key: 1, lstm.key: 1}, "checkpoints": {lstm_file: 1}}
+    assert not packer.due(runs, now=1e9, every=0)  # nothing new
+    packer.pack(runs, manifest)
+    assert gzipped == [lstm.name] and "cannot travel" in manifest["runs"][gpt2.key]["checkpoint"]
+    fake_run(work, "LSTM-Wiki2", "CD-GraB", 2)
+    assert packer.due(runs, now=1e9, every=0) and not packer.due(runs, now=packer.last + 1, every=30)
+    packer.pack(runs, manifest)
+    assert packed(out) == {"rows": {gpt2.key: 1, lstm.key: 2}, "checkpoints": {lstm_file: 2}}
+    fake_run(work, "LSTM-Wiki2", "CD-GraB", 5)  # finished: its checkpoint leaves $OUT
+    packer.pack(runs, manifest)
+    assert packed(out) == {"rows": {gpt2.key: 1, lstm.key: 5}, "checkpoints": {}}
+    assert gzipped == [lstm.name] * 2 and sorted(p.name for p in out.iterdir()) == ["runs.tar.gz"]
+
+
+def ship(into, key, rows, epochs, checkpoint=None, mark="-1.0"):
+    """A shipped run folder: config.json, metrics.csv (train_loss `mark`), a packed checkpoint of an epoch."""
+    import gzip
+
+    import torch
+
+    folder = into / key
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"args": {"epochs": epochs}}))
+    (folder / "metrics.csv").write_text("epoch,train_loss\n" + "".join(f"{e},{mark}\n" for e in range(1, rows + 1)))
+    if checkpoint is not None:
+        buffer = io.BytesIO()
+        torch.save({"epoch": checkpoint}, buffer)
+        (folder / "checkpoint.pt.gz").write_bytes(gzip.compress(buffer.getvalue()))
+    return folder
+
+
+def call_with_checkpoints(folder, runs: dict, checkpoints: dict):
+    """fake_call, plus the packed checkpoints {key: epoch} a call brought back."""
+    fake_call(folder, runs)
+    for key, epoch in checkpoints.items():
+        benchmark, name = key.split("/")
+        source = ship(folder / "tmp", key, 0, 1, checkpoint=epoch) / "checkpoint.pt.gz"
+        source.rename(folder / gpu_session.packed_checkpoint_name(benchmark, name))
+    return folder
+
+
+def shipped_now(folder) -> tuple:
+    return (len(read_metrics(folder)), gpu_session.checkpoint_epoch(folder / "checkpoint.pt.gz"))
+
+
+def test_unpack_keeps_a_shipped_checkpoint_until_a_newer_one_or_the_runs_end(tmp_path):
+    """A run that advanced but brought no checkpoint back (no file slot) keeps the shipped checkpoint and
+    the records it resumes; a newer checkpoint replaces it, an older one (a restart) does not; a finished
+    run removes it."""
+    into, key = tmp_path / "reproduction", "LSTM-Wiki2/CD-GraB-run"
+    places = dict(into=into, bench_json=tmp_path / "bench.json", sessions=tmp_path / "sessions")
+    folder = ship(into, key, rows=3, epochs=50, checkpoint=3)
+    gpu_session.unpack(call_with_checkpoints(tmp_path / "c1", {key: (5, 50, False)}, {}), **places)
+    assert shipped_now(folder) == (3, 3)
+    assert len(list((tmp_path / "sessions").glob(f"*/runs/{key}/metrics.csv"))) == 1  # the call's record stays
+    gpu_session.unpack(call_with_checkpoints(tmp_path / "c2", {key: (6, 50, False)}, {key: 6}), **places)
+    assert shipped_now(folder) == (6, 6)
+    gpu_session.unpack(call_with_checkpoints(tmp_path / "c3", {key: (2, 50, False)}, {key: 2}), **places)
+    assert shipped_now(folder) == (6, 6)
+    gpu_session.unpack(call_with_checkpoints(tmp_path / "c4", {key: (50, 50, True)}, {}), **places)
+    assert shipped_now(folder) == (50, None)
+
+
+def test_unpack_changes_a_finished_run_only_when_asked(tmp_path):
+    into, key = tmp_path / "reproduction", "LSTM-Wiki2/D-RR-run"
+    places = dict(into=into, bench_json=tmp_path / "bench.json", sessions=tmp_path / "sessions")
+    folder = ship(into, key, rows=50, epochs=50)
+    before = (folder / "metrics.csv").read_bytes()
+    for call, unfinished in (("c1", (7, 50, False)), ("c2", (50, 50, True))):
+        gpu_session.unpack(call_with_checkpoints(tmp_path / call, {key: unfinished}, {key: 7} if call == "c1" else {}),
+                           **places)
+        assert (folder / "metrics.csv").read_bytes() == before and shipped_now(folder) == (50, None)
+    gpu_session.unpack(call_with_checkpoints(tmp_path / "c3", {key: (50, 50, True)}, {}), **places, replace_finished=True)
+    assert (folder / "metrics.csv").read_bytes() != before and len(read_metrics(folder)) == 50
+
+
+def test_a_run_that_ignores_its_stop_signal_is_killed_after_the_grace_and_the_kit_goes_on(tmp_path):
+    script = "import signal, sys, time; {}; print('ready', flush=True); time.sleep(60)"
+    ignores = "signal.signal(signal.SIGINT, signal.SIG_IGN)"
+    runs = [fake_run(tmp_path, "LSTM-Wiki2", sorter, 1) for sorter in ("CD-GraB", "D-RR")]
+    for run, setup in zip(runs, (ignores, "pass")):
+        run.process = subprocess.Popen([sys.executable, "-c", script.format(setup)], stdout=subprocess.PIPE,
+                                       start_new_session=True, text=True)
+        assert run.process.stdout.readline() == "ready\n"
+    stubborn, obedient = runs
+    active = list(runs)
+    try:
+        gpu_session.supervise(active, now=100.0, stop_at=100.0, grace=5.0)  # the stop: both signalled
+        obedient.process.wait(30)
+        gpu_session.supervise(active, now=104.0, stop_at=100.0, grace=5.0)
+        assert active == [stubborn] and stubborn.process.poll() is None  # within its grace
+        gpu_session.supervise(active, now=105.5, stop_at=100.0, grace=5.0)
+        assert active == [] and stubborn.process.poll() is not None and stubborn.failed.startswith("killed")
+    finally:
+        for run in runs:
+            if run.process.poll() is None:
+                run.process.kill()
+
+
+def test_the_plan_starts_only_runs_that_can_finish_or_whose_checkpoint_travels():
+    refusal = gpu_session.start_refusal  # START_SECONDS (30) + epochs x seconds against the time left
+    assert refusal(45, True, seconds_left=100, epoch_seconds=60) is None          # one epoch fits, it travels
+    assert "one epoch" in refusal(45, True, seconds_left=80, epoch_seconds=60)
+    assert refusal(30, False, seconds_left=565, epoch_seconds=17.2) is None       # 30 + 516 <= 565
+    assert "cannot travel" in refusal(30, False, seconds_left=540, epoch_seconds=17.2)
+
+
+def test_epoch_estimates_come_from_the_shipped_sessions_then_the_bench_then_a_fallback(tmp_path):
+    sessions, bench = tmp_path / "sessions", tmp_path / "gpu-epochs.json"
+    for stamp, parallel, key, seconds in (("a", 1, "GPT2-Wiki103/CD-GraB-node64-B64-lr0.0005-seed0", 17.0),
+                                          ("b", 2, "LSTM-Wiki2/CD-GraB-node4-B16-lr5-carry-hidden-seed0", 53.0),
+                                          ("c", 2, "LSTM-Wiki2/CD-GraB-node4-B16-lr5-carry-hidden-seed1", 49.0)):
+        (sessions / stamp).mkdir(parents=True)
+        (sessions / stamp / "session.json").write_text(json.dumps(
+            {"parallel": parallel, "runs": {key: {"median_wall_seconds_per_epoch_this_call": seconds}}}))
+    bench.write_text(json.dumps({"benchmarks": {"GPT2-Wiki103": {"seconds_per_epoch": {"CD-GraB": 12.2, "D-RR": 8.2},
+                                                                 "eval_seconds": 4.0},
+                                                "LSTM-Wiki2": {"seconds_per_epoch": {"CD-GraB": 37.0, "D-RR": 10.5}}}}))
+    alone = gpu_session.epoch_estimates(sessions, bench, parallel=1)
+    assert alone[("GPT2-Wiki103", "CD-GraB")] == (17.0, "a/session.json")
+    assert alone[("GPT2-Wiki103", "D-RR")][0] == pytest.approx(8.2 + 4.0)        # the bench's, with its evaluation
+    assert alone[("LSTM-Wiki2", "Fold")][0] == pytest.approx(10.5 + 8.0)          # D-RR's, 8 s of evaluation assumed
+    shared = gpu_session.epoch_estimates(sessions, bench, parallel=2)
+    assert shared[("LSTM-Wiki2", "CD-GraB")] == (53.0, "b/session.json")          # the slowest of that sharing
+    assert shared[("GPT2-Wiki103", "CD-GraB")][0] == pytest.approx(2 * (12.2 + 4.0))
+    assert gpu_session.epoch_estimates(tmp_path / "none", tmp_path / "none.json", 1)[("LSTM-Wiki2", "D-RR")] == \
+           (gpu_session.FALLBACK_EPOCH_SECONDS["LSTM-Wiki2"], "fallback")
+
+
+@pytest.mark.slow
+@needs_data("wikitext-2")
+def test_sigterm_packs_every_finished_epoch_and_exits(tmp_path):
+    """The device tool ends a call with SIGTERM: by then $OUT already holds the epochs that ended (packed
+    at each epoch end), and the kit stops its run, packs once more and exits."""
+    out = tmp_path / "out"
+    argv = [sys.executable, KIT, "--device", "cpu", "--tiny", "--epochs", "40", "--data-dir", DATA_DIR, "--checks",
+            "none", "--only", "LSTM-Wiki2/CD-GraB/0", "--work", tmp_path / "work", "--out", out, "--pack-every", "0",
+            "--poll", "0.2", "--deadline", "300"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CDGRAB_DATA": str(DATA_DIR)}
+    kit_process = subprocess.Popen(list(map(str, argv)), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    key = f"LSTM-Wiki2/{gpu_session.run_name('LSTM-Wiki2', 'CD-GraB', 0)}"
+    try:
+        for _ in range(600):  # until the pack holds two epochs (at most a minute)
+            if (out / "runs.tar.gz").exists() and session_json(out)["runs"][key].get("epochs_done", 0) >= 2:
+                break
+            time.sleep(0.1)
+        during = session_json(out)["runs"][key]
+        assert during["epochs_done"] >= 2 and not during["finished"], during
+        kit_process.send_signal(signal.SIGTERM)
+        assert kit_process.wait(60) == 0, kit_process.stderr.read()
+    finally:
+        if kit_process.poll() is None:
+            kit_process.kill()
+    after = session_json(out)
+    entry = after["runs"][key]
+    assert after["stopped_by"] == "SIGTERM" and entry["epochs_done"] < 40 and not entry["failed"], after
+    (checkpoint,) = out.glob("ckpt-*")
+    assert gpu_session.checkpoint_epoch(checkpoint) == entry["epochs_done"] >= during["epochs_done"]
