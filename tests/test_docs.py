@@ -284,3 +284,40 @@ def test_reproduction_tables_are_the_scripts_output():
     assert len(tables) >= 4, out[:500]
     stale = [table.splitlines()[0] for table in tables if table not in page]
     assert not stale, f"REPRODUCTION.md lacks the script's current tables headed {stale}"
+
+
+def test_gpu_session_numbers_are_their_session_records_and_git():
+    """docs/gpus.md's times of the third lent session are its session.json files' (reproduction/gpu-sessions/),
+    docs/performance.md names the commit of bench/results/gpu-epochs.json, and the table of git history
+    each lent GPU added is what git holds: per session commit, the checkpoint blobs it added or changed."""
+    import json
+
+    sessions = REPO / "reproduction" / "gpu-sessions"
+    gpt2 = json.loads((sessions / "2026-11-26T143245" / "session.json").read_text())
+    (run,) = [entry for key, entry in gpt2["runs"].items() if key.startswith("GPT2-Wiki103/CD-GraB")]
+    wall, train = run["median_wall_seconds_per_epoch_this_call"], run["median_train_seconds_this_call"]
+    lstm = json.loads((sessions / "2026-11-26T145609" / "session.json").read_text())["runs"].values()
+    trains = sorted(entry["median_train_seconds_this_call"] for entry in lstm)
+    page = " ".join((REPO / "docs" / "gpus.md").read_text().split())
+    claims = [f"median 17.0 s of wall time an epoch ({train:.1f} s of training; {run['epochs_done']} epochs in a call "
+              f"of {gpt2['wall_seconds']:.1f} s", f"a median {wall:.1f} s of wall time an epoch alone ({train:.1f} s",
+              f"so {wall - train:.1f} s of evaluation and checkpoint), so 30 epochs take about {30 * wall:.0f} s",
+              f"measured {wall - train:.1f} s of wall time beyond training an epoch ({wall:.1f} - {train:.1f}",
+              f"{max(e['median_wall_seconds_per_epoch_this_call'] for e in lstm):.1f} s of wall time an epoch "
+              f"(training {trains[0]:.1f}-{trains[-1]:.1f})"]
+    assert f"median {wall:.1f} s" in page
+    missing = [claim for claim in claims if claim not in page]
+    assert not missing, missing
+    commit = bench_result("gpu-epochs.json")["git_commit"]
+    assert f"Measured once, on commit {commit[:7]} (its `git_commit`" in (REPO / "docs" / "performance.md").read_text()
+
+    def git(*argv, **kwargs):
+        return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True, check=True, **kwargs).stdout
+
+    for commit in git("log", "--format=%h", "--", "reproduction/*checkpoint.pt.gz").split():
+        blobs = [line.split()[3] for line in git("diff-tree", "-r", "--no-commit-id", "--diff-filter=AM", commit, "--",
+                                                "reproduction/*checkpoint.pt.gz").splitlines()]
+        if blobs:
+            sizes = git("cat-file", "--batch-check=%(objectsize)", input="\n".join(blobs) + "\n").split()
+            row = f"| {commit} | {len(blobs)} | {sum(map(int, sizes)) / 2**20:.1f} |"
+            assert row in page, row
