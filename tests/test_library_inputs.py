@@ -376,3 +376,10 @@ def test_on_the_device_path_skip_gives_the_orders_of_the_cpu_path(monkeypatch):
     device_path(monkeypatch)
     device_orders, device_skipped = run()
     assert all(torch.equal(a, b) for a, b in zip(cpu_orders, device_orders)) and cpu_skipped == device_skipped == 1
+
+
+def test_huge_finite_gradients_whose_sum_overflows_are_accepted():
+    """The CPU check sums the step first; float32 entries near its maximum overflow that sum but are finite."""
+    sampler = started_sampler()
+    sampler.step(torch.full((4, 3), 3e38))
+    assert sampler.position == 2 and sampler.skipped_steps == 0
