@@ -2,6 +2,7 @@
 import os
 from pathlib import Path
 
+from data.checksums import verify
 from engine.errors import UserFacingError
 
 DOWNLOAD_HINT = "run scripts/download_data.sh DATA_DIR (needs the internet) or pass --data-dir"
@@ -13,9 +14,12 @@ def default_data_dir() -> str:
 
 
 def require_files(folder: Path, names: list[str], what: str) -> list[Path]:
-    """Return folder/name for each name, or raise one clear error naming every missing file."""
+    """Return folder/name for each name, or raise one clear error naming every missing file (or the first
+    file that is not the published one: data/checksums.py)."""
     paths = [Path(folder) / n for n in names]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise UserFacingError(f"{what} not found: missing {', '.join(missing)}; {DOWNLOAD_HINT}")
+    for path in paths:
+        verify(path)
     return paths

@@ -54,8 +54,24 @@ def read_series(path: Path) -> tuple[list[str], list[np.ndarray]]:
     if "V1" not in df.columns:
         raise UserFacingError(f"{path} has no V1 (series id) column; is it an M4 csv file?")
     ids = df["V1"].astype(str).tolist()
-    values = df.drop(columns="V1").to_numpy(dtype=np.float64)
+    values = df.drop(columns="V1")
+    try:
+        values = values.to_numpy(dtype=np.float64)
+    except (ValueError, TypeError):
+        raise UserFacingError(_first_non_number(path, values, ids)) from None
     return ids, [row[~np.isnan(row)] for row in values]
+
+
+def _first_non_number(path: Path, values: pd.DataFrame, ids: list[str]) -> str:
+    """One line naming the first cell of `values` that is not a number (nor empty)."""
+    for column in values.columns:
+        cells = values[column]
+        bad = pd.to_numeric(cells, errors="coerce").isna() & cells.notna()
+        if bad.any():
+            row = int(bad.to_numpy().argmax())
+            return (f"{path}: line {row + 2} (series {ids[row]}), column {column} holds {cells.iloc[row]!r}, not a "
+                    "number; is it a complete, uncorrupted M4 csv? Re-download it with scripts/download_data.sh")
+    return f"{path}: a value is not a number; re-download it with scripts/download_data.sh"
 
 
 def make_windows(z: np.ndarray, in_len: int, out_len: int, stride: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,6 @@ Cache: the block tensor is saved as `<cache>/<file stem>-<sha256[:16] of the fil
 in the first usable of: `cache_dir`, `$CDGRAB_CACHE`, `<folder of the data file>/cache`,
 `~/.cache/cdgrab`.
 """
-import hashlib
 import os
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 from tokenizers import ByteLevelBPETokenizer
 
+from data.checksums import sha256_of, verify
 from data.common import DOWNLOAD_HINT, require_files
 from engine.errors import UserFacingError
 
@@ -51,10 +51,12 @@ def split_file(data_dir, split: str, train_file=None) -> Path:
         path = Path(train_file)
         if not path.is_file():
             raise UserFacingError(f"train file {path} not found; {hint}")
+        verify(path)  # e.g. the stand-in wikitext-2/train.txt
         return path
     folder = Path(data_dir) / "wikitext-103"
     for name in (f"wiki.{split}.raw", f"wiki.{split}.tokens"):
         if (folder / name).is_file():
+            verify(folder / name)
             return folder / name
     if split == "train":  # the ~540 MB train split is not on our machines: point at the stand-in
         raise UserFacingError(f"WikiText-103 train split not found in {folder} "
@@ -90,12 +92,9 @@ def to_blocks(ids: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def file_digest(path: Path) -> str:
-    """First 16 hex digits of the sha256 of the file's bytes (names the cache entry)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(1 << 20), b""):
-            h.update(piece)
-    return h.hexdigest()[:16]
+    """First 16 hex digits of the sha256 of the file's bytes (names the cache entry); hashed once per change
+    of the file (data/checksums.py caches it)."""
+    return sha256_of(path)[:16]
 
 
 def _writable_dir(folder: Path) -> bool:

@@ -34,8 +34,11 @@ class CDGraB(PairBalancer):
     name = "CD-GraB"
     SIGN_LOOPS = ("compiled", "gram")
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, sign_loop=None):
-        super().__init__(n_workers, m, d, seed, device, dtype)
+    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("sign_loop",)  # how the signs are computed, not what they are
+
+    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, sign_loop=None,
+                 nonfinite="raise"):
+        super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
         if sign_loop is None:
             sign_loop = "compiled" if self.device.type == "cpu" else "gram"
         if sign_loop not in self.SIGN_LOOPS or (sign_loop == "compiled" and self.device.type != "cpu"):
@@ -49,11 +52,6 @@ class CDGraB(PairBalancer):
 
     def _reset_running_sums(self):
         self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
-
-    def state_dict(self):
-        state = super().state_dict()
-        del state["sign_loop"]  # how the signs are computed, not what they are: the resuming sorter keeps its own
-        return state
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
@@ -214,8 +212,8 @@ class IndependentMeanBalance(OnlineBalancer):
 
     name = "I-B"
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32):
-        super().__init__(n_workers, m, d, seed, device, dtype)
+    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise"):
+        super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
         self.stale_mean = torch.zeros(self.n, self.d, dtype=dtype, device=self.device)
 
     def _reset_epoch_state(self):
@@ -232,7 +230,9 @@ class IndependentMeanBalance(OnlineBalancer):
 
     def step(self, grads, positions):
         start, k = self._check_positions(positions)
-        grads = self._check_grads(grads, k).to(device=self.device, dtype=self.dtype)
+        grads = self._check_grads(grads, k).detach().to(device=self.device, dtype=self.dtype)
+        xp, (grads,) = array_views(grads)
+        grads = self._screen_nonfinite(xp, grads, start)
         self._next_position += k
         xp, (grads, grad_sum, stale_mean, sums, left, right, next_orders, orders) = array_views(
             grads, self.grad_sum, self.stale_mean, self.running_sums, self.left, self.right,

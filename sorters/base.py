@@ -7,6 +7,9 @@ Notation (the authors' code, not the paper): `n` workers, each owning `m` local 
 import numpy as np
 import torch
 
+from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
+                            check_seed, check_state_keys)
+
 
 class Sorter:
     """Produces each worker's order of its m local units, one epoch at a time.
@@ -30,12 +33,19 @@ class Sorter:
     # balancers then keep a reference to a step's unpaired last unit instead of copying it.
     grads_stay_valid = False
 
-    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device="cpu"):
-        if n_workers < 1 or m < 1 or d < 1:
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device="cpu", nonfinite: str = "raise"):
+        self.n, self.m, self.d = (check_int(self.name, name, value)
+                                  for name, value in (("n_workers", n_workers), ("m", m), ("d", d)))
+        if self.n < 1 or self.m < 1 or self.d < 1:
             raise ValueError(f"{self.name}: need n_workers, m, d >= 1, got {n_workers}, {m}, {d}")
-        self.n, self.m, self.d = n_workers, m, d
-        self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = check_device(self.name, device)
+        self.generator = torch.Generator().manual_seed(check_seed(self.name, seed))
+        # what step() does with NaN / inf gradients: "raise" (NonFiniteGradientError) or "skip" (balance the
+        # step's units as zero vectors and count it); see _screen_nonfinite
+        self.nonfinite = check_choice(self.name, "nonfinite", nonfinite, NONFINITE_MODES)
+        # (2,) int64 on the sorter's device: [first epoch position of a non-finite step seen on the device path
+        # this epoch, or -1; steps skipped in the run]. On the device it is updated without a host read.
+        self.nonfinite_record = torch.tensor([-1, 0], dtype=torch.long, device=self.device)
         self.orders = self._random_orders()
         self.epoch = 0
         self._next_position = 0
@@ -47,6 +57,7 @@ class Sorter:
 
     def sort(self) -> torch.Tensor:
         """Start an epoch; return the (n, m) orders to use in it (a copy)."""
+        self._raise_deferred_nonfinite()
         if self._next_position not in (0, self.m):
             raise ValueError(f"{self.name}: the epoch ended after {self._next_position} of {self.m} "
                              "positions; step() must see every position once per epoch")
@@ -79,27 +90,127 @@ class Sorter:
         return start, k
 
     def _check_grads(self, grads, k: int) -> torch.Tensor:
+        if grads is not None and not torch.is_tensor(grads):
+            raise TypeError(f"{self.name}: grads must be a tensor of shape (n, k, d) = {(self.n, k, self.d)}, "
+                            f"got a {type(grads).__name__}")
         if grads is None or tuple(grads.shape) != (self.n, k, self.d):
             shape = None if grads is None else tuple(grads.shape)
             raise ValueError(f"{self.name}: grads must have shape (n, k, d) = {(self.n, k, self.d)}, got {shape}")
         return grads
 
+    # ------------------------------------------------------------------ non-finite gradients
+
+    def _screen_nonfinite(self, xp, grads, start: int):
+        """grads (n, k, d) of the step at epoch positions start.. (a NumPy array when xp is numpy, else a
+        tensor), or, for nonfinite="skip" and a step holding NaN / inf, zeros in their place (its units are
+        balanced as zero vectors). With NumPy (the CPU) the check is eager: nonfinite="raise" raises here,
+        naming the step. On the device path it adds no host read: it records the step on the device and
+        sort() raises at the epoch's end (or, "skip", replaces the step by zeros with torch.where)."""
+        if xp is np:
+            # one summing pass (no temporary): NaN and inf propagate into the sum; a finite sum that overflows
+            # (entries near float32's max) is told apart by the exact, slower test
+            if np.isfinite(grads.sum()) or np.isfinite(grads).all():
+                return grads
+            if self.nonfinite == "raise":
+                worker, unit = np.argwhere(~np.isfinite(grads).all(axis=2))[0]
+                raise NonFiniteGradientError(
+                    f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, step at positions "
+                    f"{start}..{start + grads.shape[1] - 1} of {self.m} (worker {worker}, position {start + unit}); "
+                    "lower the learning rate or fix the input, or pass nonfinite='skip' to skip such steps",
+                    self.epoch, start)
+            self.nonfinite_record[1] += 1
+            return np.zeros_like(grads)
+        bad = ~torch.isfinite(grads).all()
+        record = self.nonfinite_record
+        if self.nonfinite == "raise":
+            record[:1] = torch.where(bad & (record[:1] < 0), start, record[:1])
+            return grads
+        record[1:] += bad
+        return torch.where(bad, grads.new_zeros(()), grads)
+
+    def _raise_deferred_nonfinite(self) -> None:
+        """Raise for a non-finite step that the device path recorded this epoch (one host read per epoch)."""
+        if self.nonfinite_record.device.type == "meta":  # shapes only, no values to read
+            return
+        at = int(self.nonfinite_record[0])
+        if at >= 0:
+            raise NonFiniteGradientError(
+                f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, step at position {at} of "
+                f"{self.m} (on {self.device} the check runs at the epoch's end); lower the learning rate or fix the "
+                "input, or pass nonfinite='skip' to skip such steps", self.epoch, at)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose NaN / inf gradients were balanced as zeros (nonfinite="skip"), over the whole run
+        (kept in state_dict). On a GPU, reading it waits for the device."""
+        return int(self.nonfinite_record[1])
+
+    # ------------------------------------------------------------------ checkpoints
+
+    NOT_IN_STATE = ("generator", "device", "_pending_storage", "grads_stay_valid", "nonfinite")
+    # keys that states saved by earlier versions lack: load_state_dict keeps the fresh sorter's value
+    OPTIONAL_STATE = ("nonfinite_record",)
+
+    def _state_items(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k not in self.NOT_IN_STATE}
+
     def state_dict(self) -> dict:
-        state = {k: v for k, v in vars(self).items() if k not in ("generator", "device", "_pending_storage",
-                                                                   "grads_stay_valid")}
-        state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+        state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._state_items().items()}
         state["generator"] = self.generator.get_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("n", "m", "d"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"{self.name}: state is for {key}={state[key]}, sorter has {getattr(self, key)}")
+        """Restore a state_dict() of a sorter of the same kind and size; a state that is not one (missing
+        keys, a tensor of another shape, a position outside the epoch, orders that are not permutations)
+        is refused with one line before anything changes."""
+        self._check_state(state)
+        known = self._state_items().keys() | {"generator"}
         for key, value in state.items():
+            if key not in known:
+                continue  # a key of another version: nothing here reads it
             if key == "generator":
                 self.generator.set_state(value)
             else:  # copies: the steps update these in place, and must not write into the caller's state
                 setattr(self, key, value.to(self.device, copy=True) if torch.is_tensor(value) else value)
+
+    # (minimum, maximum) of the integers of a state; the others only need to be integers
+    def _int_bounds(self) -> dict:
+        return {"epoch": (0, None), "_next_position": (0, self.m), "left": (0, self.m),
+                "right": (-1, self.m - 1), "pending_position": (-1, self.m - 1)}
+
+    def _check_state(self, state) -> None:
+        """One clear line for a state this sorter cannot continue from."""
+        owner = f"{self.name}.load_state_dict"
+        now = self._state_items()
+        check_state_keys(owner, state, [k for k in [*now, "generator"] if k not in self.OPTIONAL_STATE],
+                         f"{self.name}'s state_dict()")
+        for key in ("n", "m", "d"):
+            if check_int(owner, f"state[{key!r}]", state[key]) != getattr(self, key):
+                raise ValueError(f"{self.name}: state is for {key}={state[key]}, sorter has {getattr(self, key)}")
+        bounds = self._int_bounds()
+        for key, ref in now.items():
+            if key not in state:
+                continue
+            value, where = state[key], f"state[{key!r}]"
+            if isinstance(ref, int) and not isinstance(ref, bool):
+                check_int(owner, where, value, *bounds.get(key, (None, None)))
+            elif torch.is_tensor(ref) or key == "pending":
+                if key == "pending" and value is None:  # no unpaired unit waiting
+                    continue
+                shape = (self.n, self.d) if key == "pending" else tuple(ref.shape)
+                kind = True if key == "pending" else ref.is_floating_point()
+                if not torch.is_tensor(value) or tuple(value.shape) != shape or value.is_floating_point() != kind:
+                    got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if torch.is_tensor(value)
+                           else repr(value)[:40])
+                    raise ValueError(f"{owner}: {where} must be a {'float' if kind else 'integer'} tensor of shape "
+                                     f"{shape}, got {got}")
+        if not torch.is_tensor(state["generator"]) or state["generator"].dtype != torch.uint8:
+            raise ValueError(f"{owner}: state['generator'] must be a torch.Generator state (a uint8 tensor)")
+        orders = state["orders"].cpu()
+        if not torch.equal(orders.sort(dim=1).values, torch.arange(self.m).expand(self.n, self.m)):
+            raise ValueError(f"{owner}: state['orders'] rows must be permutations of 0..{self.m - 1}")
+        if "next_orders" in state and not bool(((state["next_orders"] >= -1) & (state["next_orders"] < self.m)).all()):
+            raise ValueError(f"{owner}: state['next_orders'] holds values outside -1..{self.m - 1}")
 
 
 class OnlineBalancer(Sorter):
@@ -112,8 +223,8 @@ class OnlineBalancer(Sorter):
 
     uses_grads = True
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32):
-        super().__init__(n_workers, m, d, seed, device)
+    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise"):
+        super().__init__(n_workers, m, d, seed, device, nonfinite)
         self.dtype = dtype
         self._reset_epoch_state()
 
@@ -162,12 +273,15 @@ class PairBalancer(OnlineBalancer):
         grads = self._check_grads(grads, k).detach()  # the sorter never differentiates
         if grads.device != self.device or grads.dtype != self.dtype:
             grads = grads.to(device=self.device, dtype=self.dtype)
-        self._next_position += k
         grads_tensor = grads
         xp, (grads,) = array_views(grads)  # NumPy on the CPU: a tenth of torch's per-op overhead here
-        if xp is np and not grads.flags.c_contiguous:
-            grads = np.ascontiguousarray(grads)  # compiled loops assume rows of contiguous units
+        screened = self._screen_nonfinite(xp, grads, start)
+        if xp is np and (screened is not grads or not grads.flags.c_contiguous):
+            grads = np.ascontiguousarray(screened)  # compiled loops assume rows of contiguous units
             grads_tensor = torch.from_numpy(grads)
+        elif screened is not grads:  # the device path's "skip": zeros where the step was not finite
+            grads = grads_tensor = screened
+        self._next_position += k
         paired_from = 0
         if self.pending is not None:  # the pair that began in the previous step
             pending = array_views(self.pending)[1][0]

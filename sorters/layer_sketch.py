@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from sorters.checks import check_int, check_module, check_seed
 from sorters.sketch import GradientSketch
 
 # a layer weight with at least this many entries is a TensorSketch block, never formed per example; smaller
@@ -62,6 +63,9 @@ def layer_kind(module: torch.nn.Module) -> str | None:
 def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | None, owner: str) -> list:
     """[(name, parameter)] of the trainable parameters whose name `re.search`es one of `params` (None:
     all), in `named_parameters()` order (a tied parameter once)."""
+    if not (params is None or isinstance(params, str) or isinstance(params, (list, tuple)) and all(
+            isinstance(p, str) for p in params)):
+        raise TypeError(f"{owner}: params must be None, a regular expression or a list of them, got {params!r}")
     patterns = [params] if isinstance(params, str) else params
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     chosen = [(name, p) for name, p in trainable
@@ -134,7 +138,10 @@ class LayerSketch:
 
     def __init__(self, model: torch.nn.Module, dim: int, seed: int = 0, params: str | Sequence[str] | None = None,
                  min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0):
-        if batch_dim not in (0, 1):
+        check_module("LayerSketch", model)
+        dim, seed = check_int("LayerSketch", "dim", dim, 1), check_seed("LayerSketch", seed)
+        min_numel = check_int("LayerSketch", "min_numel", min_numel, 0)
+        if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
             raise ValueError(f"LayerSketch: batch_dim must be 0 or 1, got {batch_dim}")
         self.batch_dim = batch_dim
         self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

@@ -33,6 +33,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
 from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch, selected_parameters
+from sorters.checks import check_int, check_module, check_seed
 from sorters.sketch import GradientSketch
 
 
@@ -70,6 +71,15 @@ class PerExampleGrads:
     def __init__(self, model: torch.nn.Module, loss_fn, params: str | Sequence[str] | None = None,
                  chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0,
                  structured: bool = False, min_numel: int = STRUCTURED_MIN_NUMEL):
+        owner = type(self).__name__
+        check_module(owner, model)
+        if loss_fn is not None and not callable(loss_fn) or loss_fn is None and owner == "PerExampleGrads":
+            raise TypeError(f"{owner}: loss_fn must be callable (outputs, targets) -> scalar loss, got {loss_fn!r}")
+        chunk_size = check_int(owner, "chunk_size", chunk_size, 1, none_ok=True)
+        sketch_dim, sketch_seed = check_int(owner, "sketch_dim", sketch_dim, 0), check_seed(owner, sketch_seed, "sketch_seed")
+        min_numel = check_int(owner, "min_numel", min_numel, 0)
+        if not isinstance(structured, bool):
+            raise TypeError(f"{owner}: structured must be True or False, got {structured!r}")
         model = getattr(model, "module", model) if isinstance(
             model, torch.nn.parallel.DistributedDataParallel) else model
         self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size

@@ -31,6 +31,7 @@ import torch
 
 from sorters.balance import add_signed, gram_products
 from sorters.base import PairBalancer, pair_views
+from sorters.checks import check_seed
 
 DELTA = 0.5  # failure probability, as in the published code
 SBW_C_MULTIPLIER = 30.0  # c = b_max * 30 log(...), as in the published code
@@ -57,15 +58,17 @@ class ThresholdPairBalance(PairBalancer):
 
     uses_total_epochs = True
     rule = 0
+    # regenerated from (seed, epoch) after a resume; views
+    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("_draws", "_draws_epoch", "_views")
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, epochs=None):
+    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, epochs=None, nonfinite="raise"):
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"{self.name}: needs the run's total number of epochs (an integer >= 1; its "
                              f"threshold depends on it), got {epochs!r}")
-        self.total_epochs, self.seed = epochs, int(seed)
+        self.total_epochs, self.seed = epochs, check_seed(self.name, seed)
         self.rule_state = torch.zeros(5, dtype=torch.float64)  # on the CPU whatever the device: host scalars
         self._draws, self._draws_epoch, self._views = None, None, None
-        super().__init__(n_workers, m, d, seed, device, dtype)
+        super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
         self.pairs_per_epoch = self.n * (self.m // 2)
         if self.device.type == "cpu":  # compile (or load) the loop now, not inside the first epoch
             units, state = np.zeros((1, 2, 1), np.float32), np.zeros(5)
@@ -133,16 +136,13 @@ class ThresholdPairBalance(PairBalancer):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        for key in ("_draws", "_draws_epoch", "_views"):  # regenerated from (seed, epoch); views
-            state.pop(key)
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
+    def _check_state(self, state) -> None:
+        super()._check_state(state)
         if state["total_epochs"] != self.total_epochs:
             raise ValueError(f"{self.name}: state is for epochs={state['total_epochs']}, sorter has "
                              f"{self.total_epochs} (the threshold depends on the run's epochs)")
+
+    def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.rule_state = self.rule_state.cpu()
         self._draws_epoch, self._views = None, None

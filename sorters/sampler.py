@@ -61,6 +61,8 @@ if dist.is_available():
 
 from sorters import SORTER_NAMES, SORTERS, build_sorter
 from sorters.balance import sign_loop_for
+from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
+                            check_seed, check_state_keys)
 from sorters.sketch import GradientSketch
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -96,6 +98,11 @@ class CDGraBSampler(Sampler[int]):
     view:         "rank" (the default): yield the replicas whose gradients step() takes. "global": yield
                   every replica's examples, step by step in replica order, for loaders that Accelerate
                   re-shards (see above); every batch must be full (m a multiple of batch_size).
+    nonfinite:    what step() does with per-example gradients holding NaN or inf: "raise" (the default; a
+                  NonFiniteGradientError, a ValueError naming the step) or "skip" (the sorter balances the
+                  step's examples as zero vectors; `skipped_steps` counts them, kept in state_dict). On the
+                  CPU the check is at each step; on a GPU it adds no host synchronisation, so "raise" raises
+                  at the next epoch's start (docs/sampler.md).
 
     Epochs: call step() once for every batch (the sampler counts positions with it); sorters that ignore
     gradients may instead have no step() at all in an epoch, if set_epoch(next epoch) is called before
@@ -110,17 +117,33 @@ class CDGraBSampler(Sampler[int]):
     def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
                  drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0,
-                 view: str = "rank"):
+                 view: str = "rank", nonfinite: str = "raise"):
+        owner = "CDGraBSampler"
+        # types here; the ranges below, where the message can say what to pass
+        batch_size = check_int(owner, "batch_size", batch_size)
+        d = check_int(owner, "d", d, none_ok=True)
+        num_replicas = check_int(owner, "num_replicas", num_replicas, none_ok=True)
+        rank = check_int(owner, "rank", rank, none_ok=True)
+        seed, sketch_dim = check_seed(owner, seed), check_int(owner, "sketch_dim", sketch_dim)
+        if not (epochs is None or isinstance(epochs, int)):
+            raise TypeError(f"{owner}: epochs must be an integer or None, got {epochs!r}")
+        check_device(owner, device)
+        check_choice(owner, "nonfinite", nonfinite, NONFINITE_MODES)
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"{owner}: drop_last must be True or False, got {drop_last!r}")
+        if isinstance(dataset, bool) or not (isinstance(dataset, int) or hasattr(dataset, "__len__")):
+            raise TypeError(f"{owner}: dataset must be a sized dataset or its length (an int), got "
+                            f"{type(dataset).__name__}")
         if view not in VIEWS:
             raise ValueError(f"view must be 'rank' (this process's replica; plain DDP loops) or 'global' (every "
                              f"replica's batches, for Accelerate's prepare / the HF Trainer), got {view!r}")
-        if sorter not in SORTER_NAMES:
+        if not isinstance(sorter, str) or sorter not in SORTER_NAMES:
             raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
         if sketch_dim < 0 or (sketch_dim and not SORTERS[sorter].uses_grads):
             balancing = ", ".join(name for name, cls in SORTERS.items() if cls.uses_grads)
             raise ValueError(f"sketch_dim must be 0, or > 0 with a sorter that balances gradients "
                              f"({balancing}); got {sketch_dim} with {sorter}")
-        n_examples = dataset if isinstance(dataset, int) else len(dataset)
+        n_examples = check_int(owner, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset), 1)
         distributed = dist.is_available() and dist.is_initialized()
         if num_replicas is None:
             num_replicas = dist.get_world_size() if distributed else 1
@@ -169,7 +192,7 @@ class CDGraBSampler(Sampler[int]):
         sorted_d = self._sketched_width or (d or 1)
         # CD-GraB's sign loop: sketches of a large model skip numba (sorters.balance.sign_loop_for)
         self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs,
-                                   sign_loop=sign_loop_for(device, d or 1, sorted_d))
+                                   sign_loop=sign_loop_for(device, d or 1, sorted_d), nonfinite=nonfinite)
         self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
         self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d
@@ -248,7 +271,10 @@ class CDGraBSampler(Sampler[int]):
                              "replica; call step() for every batch (a DataLoader with drop_last=True skips the "
                              "last, short batch: pass drop_last=True to the sampler instead)")
         if not self.started or self.position == self.m:  # else no step() yet, or a resume: the same epoch
-            self.sorter.sort()
+            try:
+                self.sorter.sort()
+            except NonFiniteGradientError as error:  # found on the device path at the epoch's end
+                raise self._named_step(error) from None
             self.position, self.started = 0, True
         first = self.position if self.resume == "rest" else 0
         indices = self.all_indices()[self.replicas_yielded]  # (R, m)
@@ -291,9 +317,23 @@ class CDGraBSampler(Sampler[int]):
                 every = torch.empty((self.num_replicas * b, width), dtype=grads.dtype, device=grads.device)
                 _all_gather_single(every, grads[0].contiguous())
                 grads = every.view(self.num_replicas, b, width)
-        self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
+        try:
+            self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
+        except NonFiniteGradientError as error:
+            raise self._named_step(error) from None
         self.position += b
         self.resume = None  # the resumed epoch goes on; from here on a part-way end is an error again
+
+    def _named_step(self, error: NonFiniteGradientError) -> NonFiniteGradientError:
+        """The sorter's error, prefixed with the step as this sampler counts it."""
+        step, steps = error.position // self.batch_size, math.ceil(self.m / self.batch_size)
+        return NonFiniteGradientError(f"CDGraBSampler: step {step} of {steps} in epoch {error.epoch - 1} (counting "
+                                      f"from 0): {error}", error.epoch, error.position)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose gradients held NaN or inf and were balanced as zeros (nonfinite="skip"), over the run."""
+        return self.sorter.skipped_steps
 
     @property
     def sketch(self) -> GradientSketch | None:
@@ -307,6 +347,9 @@ class CDGraBSampler(Sampler[int]):
         d = self.d if self.d is not None else "d"
         widths = [d] + ([self._sketched_width] if self.sketch_dim and self._sketched_width != d else [])
         expected = [shape for w in widths for shape in [(R * b, w)] + ([(R, b, w)] if R > 1 else [])]
+        if grads is not None and not torch.is_tensor(grads):
+            raise TypeError(f"{self.sorter.name} sampler: step() takes the per-example gradients as a tensor of "
+                            f"shape {' or '.join(map(str, expected))}, got a {type(grads).__name__}")
         shape = None if grads is None else tuple(grads.shape)
         if shape is not None and len(shape) in (2, 3) and self.d is None:
             expected = [e[:-1] + shape[-1:] for e in expected]  # any d for sorters that ignore gradients
@@ -336,6 +379,17 @@ class CDGraBSampler(Sampler[int]):
         Saved between epochs, both give the next epoch."""
         if not isinstance(replay_from_epoch_start, bool):
             raise TypeError(f"replay_from_epoch_start must be True or False, got {replay_from_epoch_start!r}")
+        owner = "CDGraBSampler.load_state_dict"
+        check_state_keys(owner, state, ("sorter", "position", "started", "config"), "CDGraBSampler.state_dict()")
+        if not isinstance(state["config"], dict) or not isinstance(state["sorter"], dict):
+            raise ValueError(f"{owner}: state['config'] and state['sorter'] must be dicts, as state_dict() saves them")
+        if not isinstance(state["started"], bool):
+            raise ValueError(f"{owner}: state['started'] must be True or False, got {state['started']!r}")
+        position = check_int(owner, "state['position']", state["position"], 0, self.m)
+        stepped = state["sorter"].get("_next_position")
+        if stepped != position or (position and not state["started"]):
+            raise ValueError(f"{owner}: state['position'] {position} does not match its sorter's state (position "
+                             f"{stepped}, started={state['started']}); pass a state that state_dict() returned")
         saved, now = {"sketch_dim": 0, **state["config"]}, self._config()  # states saved before sketch_dim
         if saved != now:
             differ = {key: (saved.get(key), now.get(key)) for key in saved.keys() | now.keys()
@@ -343,7 +397,7 @@ class CDGraBSampler(Sampler[int]):
             raise ValueError(f"sampler state is for other settings: " + ", ".join(
                 f"{key} {was} (this sampler: {is_now})" for key, (was, is_now) in sorted(differ.items())))
         self.sorter.load_state_dict(state["sorter"])
-        self.position, self.started = state["position"], state["started"]
+        self.position, self.started = position, state["started"]
         mid_epoch = self.started and 0 < self.position < self.m
         self.resume = ("replay" if replay_from_epoch_start else "rest") if mid_epoch else None
 

@@ -11,6 +11,8 @@ n * k * d (docs/sketching.md).
 """
 import torch
 
+from sorters.checks import check_int, check_seed
+
 # the sketch's generator seed is the run seed shifted by this, so that its random stream never
 # coincides with the stream of the sorter's first orders (torch.Generator().manual_seed(seed))
 SEED_OFFSET = 0x5EED_5EED
@@ -63,6 +65,8 @@ class GradientSketch:
     """
 
     def __init__(self, d: int, dim: int, seed: int = 0, blocks=()):
+        d, dim = check_int("GradientSketch", "d", d), check_int("GradientSketch", "dim", dim)
+        seed = check_seed("GradientSketch", seed)
         if d < 1 or dim < 1:
             raise ValueError(f"GradientSketch: need d >= 1 and dim >= 1, got d={d}, dim={dim}")
         self.d, self.seed = d, seed
@@ -73,7 +77,11 @@ class GradientSketch:
         self.outside = None  # with blocks: the (d_rest,) coordinates outside them, increasing
         if not self.is_identity:
             blocks, end = sorted(blocks), 0
-            for offset, rows, cols in blocks:
+            for block in blocks:
+                if not (isinstance(block, (tuple, list)) and len(block) == 3 and all(
+                        isinstance(v, int) and not isinstance(v, bool) for v in block)):
+                    raise TypeError(f"GradientSketch: blocks must be (offset, rows, cols) tuples of ints, got {block!r}")
+                offset, rows, cols = block
                 if offset < end or offset + rows * cols > d or rows < 1 or cols < 1:
                     raise ValueError(f"GradientSketch: block ({offset}, {rows}, {cols}) overlaps another "
                                      f"or leaves the {d} coordinates")

@@ -30,10 +30,13 @@ class TinyModel(L.LightningModule):
         self.train_set = TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(N, generator=generator))
         self.sorter_name, self.grads_of = sorter, PerExampleGrads(self.net, mse)
         self.grads, self.losses, self.orders = [], [], []
+        self.stepped, self.own_grads = [], []  # what sampler.step() got; the oracle at each step's start
 
     def setup(self, stage):
         self.sampler = LightningCDGraBSampler(self.train_set, batch_size=BATCH, d=self.grads_of.d,
                                               sorter=self.sorter_name, num_replicas=REPLICAS, epochs=EPOCHS)
+        step = self.sampler.step
+        self.sampler.step = lambda grads: (self.stepped.append(grads), step(grads))[1]
 
     def train_dataloader(self):
         return DataLoader(self.train_set, batch_size=self.sampler.loader_batch_size, sampler=self.sampler)
@@ -45,6 +48,7 @@ class TinyModel(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.own_grads.append(each_examples_gradient(self.net, x, y))  # at the parameters this step starts from
         loss = mse(self.net(x), y)
         self.losses.append(loss.item())
         return loss
@@ -54,6 +58,17 @@ class TinyModel(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def each_examples_gradient(net, x, y) -> torch.Tensor:
+    """The oracle: (B, d) gradients, example by example, by an ordinary backward pass (not torch.func), in
+    named_parameters() order (PerExampleGrads' layout)."""
+    rows = []
+    with torch.enable_grad():
+        for i in range(len(x)):
+            grads = torch.autograd.grad(mse(net(x[i:i + 1]), y[i:i + 1]), list(net.parameters()))
+            rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    return torch.stack(rows)
 
 
 def trainer(*callbacks, **kwargs):

@@ -207,7 +207,8 @@ def test_real_sample_deterministic(real):
 # ------------------------------------------------------------------------------------ preference
 
 
-def test_authors_pair_wins(tmp_path):
+def test_authors_pair_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("CDGRAB_VERIFY_DATA", "0")  # fabricated files under the published names
     write_pt_pair(tmp_path / "hmda")
     write_lar(tmp_path / "hmda", lar_frame())
     write_sample(tmp_path / "hmda" / "raw" / "hmda_train_preprocessed.csv")
@@ -216,7 +217,8 @@ def test_authors_pair_wins(tmp_path):
     assert data.train_x.shape == (8, 3) and data.test_y.shape == (2,) and data.feature_names == ["f0", "f1", "f2"]
 
 
-def test_targets_only_falls_back_to_sample(tmp_path):
+def test_targets_only_falls_back_to_sample(tmp_path, monkeypatch):
+    monkeypatch.setenv("CDGRAB_VERIFY_DATA", "0")  # fabricated files under the published names
     (tmp_path / "hmda").mkdir()
     torch.save((torch.ones(8), torch.zeros(2)), tmp_path / "hmda" / "targets-processed-NY-2017.pt")
     write_sample(tmp_path / "hmda" / "raw" / "hmda_train_preprocessed.csv")
@@ -225,7 +227,8 @@ def test_targets_only_falls_back_to_sample(tmp_path):
     assert data.train_x.shape[1] == 25 and not torch.isnan(data.train_x).any()
 
 
-def test_hmda_file_picks_kind(tmp_path):
+def test_hmda_file_picks_kind(tmp_path, monkeypatch):
+    monkeypatch.setenv("CDGRAB_VERIFY_DATA", "0")  # fabricated files under the published names
     write_pt_pair(tmp_path / "hmda")
     sample = write_sample(tmp_path / "elsewhere" / "s.csv")
     assert load_hmda(tmp_path, hmda_file=sample).source == "hmda-2018-sample"

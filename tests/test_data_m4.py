@@ -123,3 +123,16 @@ def test_constant_series_and_missing_files(tmp_path):
     with pytest.raises(UserFacingError) as e:
         load_m4(tmp_path, freq="Daily")
     assert "\n" not in str(e.value) and "Daily-train.csv" in str(e.value)
+
+
+def test_a_non_numeric_cell_is_one_line_naming_it(tmp_path):
+    folder = tmp_path / "m4"
+    folder.mkdir()
+    header = ",".join(f'"V{i}"' for i in range(1, 32))
+    (folder / "Toy-train.csv").write_text(header + "\n" + '"T1",' + ",".join(["5"] * 30) + "\n"
+                                          + '"T2",' + ",".join(["5"] * 12 + ["5x"] + ["6"] * 17) + "\n")
+    (folder / "Toy-test.csv").write_text('"V1","V2","V3"\n"T1",5,7\n"T2",5,7\n')
+    with pytest.raises(UserFacingError) as e:
+        load_m4(tmp_path, freq="Toy", in_len=4, out_len=2, stride=1)
+    assert str(e.value) == (f"{folder / 'Toy-train.csv'}: line 3 (series T2), column V14 holds '5x', not a number; "
+                            "is it a complete, uncorrupted M4 csv? Re-download it with scripts/download_data.sh")

@@ -108,7 +108,8 @@ def test_cache_round_trip(cache, monkeypatch):
 
 
 @needs_tokenizer
-def test_corrupt_cache_is_rebuilt(tmp_path):
+def test_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("CDGRAB_VERIFY_DATA", "0")  # fabricated files under the published names
     data = _toy_data_dir(tmp_path / "d", "a b c d e f g h\n" * 8)
     first = load_blocks(data, "valid", block_size=4, cache_dir=tmp_path / "c")
     (entry,) = (tmp_path / "c").glob("*.pt")
@@ -127,6 +128,7 @@ def test_raw_file_preferred_over_tokens(tmp_path):
 
 @needs_tokenizer
 def test_cache_beside_data_when_writable_else_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CDGRAB_VERIFY_DATA", "0")  # fabricated files under the published names
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     text = " = Title = \n \n Some words here .\n" * 20
     writable = _toy_data_dir(tmp_path / "w", text)
@@ -154,7 +156,8 @@ def test_shared_data_dir_is_not_written(tmp_path, monkeypatch):
     assert cache_folder(path) == tmp_path / ".cache" / "cdgrab"
 
 
-def test_bad_split_and_missing_files(tmp_path):
+def test_bad_split_and_missing_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("CDGRAB_VERIFY_DATA", "0")  # fabricated files under the published names
     with pytest.raises(UserFacingError, match="unknown WikiText-103 split"):
         load_blocks(tmp_path, "validation")
     with pytest.raises(UserFacingError) as e:

@@ -40,6 +40,15 @@ def test_orders_equal_the_library_sorter_fed_the_same_gradients(uninterrupted):
     assert not torch.equal(model.orders[1], model.orders[2])
 
 
+def test_the_sampler_gets_each_examples_gradient_at_the_parameters_its_step_starts_from(uninterrupted):
+    """Against an ordinary backward pass per example, taken in training_step (before the optimizer step): a
+    callback that handed over gradients taken after the update (or of other examples) would differ."""
+    model = uninterrupted
+    assert len(model.stepped) == len(model.own_grads) == EPOCHS * STEPS
+    for step, (got, own) in enumerate(zip(model.stepped, model.own_grads)):
+        torch.testing.assert_close(got, own, rtol=1e-5, atol=1e-7, msg=lambda text: f"step {step}: {text}")
+
+
 # epoch 1 after its 2nd of STEPS batches (Lightning restarts mid-epoch); after epoch 0's last batch
 @pytest.mark.parametrize("crash_step", [STEPS + 2, STEPS])
 def test_resume_mid_epoch_or_at_epoch_end_gives_the_uninterrupted_orders_and_losses(lit, uninterrupted, crash_step, tmp_path):

@@ -483,7 +483,8 @@ def test_balancers_keep_their_state_on_their_device_in_their_dtype(name):
     cls = SORTERS[name]
     sorter = cls(2, 6, 3, seed=0, device="meta", dtype=torch.float64)
     shapes = {"orders": (2, 6), "next_orders": (2, 6), "running_sum": (3,), "running_sums": (2, 3),
-              "stale_mean": (2, 3), "grad_sum": (2, 3), "left": (2,), "right": (2,)}  # per worker: n = 2
+              "stale_mean": (2, 3), "grad_sum": (2, 3), "left": (2,), "right": (2,),  # per worker: n = 2
+              "nonfinite_record": (2,)}
     for key, value in tensors_of(sorter).items():
         assert value.device.type == "meta", key
         assert not value.is_floating_point() or value.dtype == torch.float64, key
