@@ -214,9 +214,13 @@ def in_use(out: Path, holder: dict | None) -> str:
 
 
 def claim_run_folder(args, benchmark: str) -> RunLock | None:
-    """Before a run reads its data: rank 0 (the writer; $RANK under torchrun) takes <out>/.lock and, with
-    --overwrite, removes the run it replaces; then the folder is checked (check_run_folder: every rank alike,
-    except under --overwrite, where rank 0 alone decides). Returns rank 0's lock, for release at the end."""
+    """Before a run reads its data: the folder is checked (check_run_folder: a refused folder is not touched,
+    not even by the lock), rank 0 (the writer; $RANK under torchrun) takes <out>/.lock and, with --overwrite,
+    removes the run it replaces; then the folder is checked again, under the lock (another run may have
+    written it meanwhile): every rank alike, except under --overwrite, where rank 0 alone decides. Returns
+    rank 0's lock, for release at the end."""
+    if not args.overwrite:
+        check_run_folder(args, benchmark)
     lock = RunLock(args.out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     try:
         if lock and args.overwrite:

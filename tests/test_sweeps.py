@@ -164,8 +164,8 @@ def test_variant_is_not_skipped_as_the_finished_paper_run(env):
 
 @pytest.mark.parametrize("args, error", [
     (["--bogus", "1"], "error: unrecognized arguments: --bogus 1; see main-MLP-M4.py --help"),
-    (["--sketch-dim", "many"], "error: argument --sketch-dim: invalid int value: 'many'; see main-MLP-M4.py --help"),
-    (["--max-train-examples", "0"], "error: --max-train-examples must be >= 1, got 0"),
+    (["--sketch-dim", "many"], "error: argument --sketch-dim: expected a whole number, got 'many'; see main-MLP-M4.py --help"),
+    (["--max-train-examples", "0"], "error: argument --max-train-examples: must be >= 1, got 0; see main-MLP-M4.py --help"),
     # checked for every sorter before any run: D-RR takes no sketch (not a failure after the CD-GraB runs)
     (["--sketch-dim", "64"], "error: --sketch-dim applies to the sorters that balance gradients (CD-GraB, I-B, "
                              "I-PB, KH-SGD, SBW); --sorter D-RR uses none: drop --sketch-dim"),
