@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from engine import runlog
 from engine.cli import check_args, check_resume
 from engine.errors import UserFacingError
 from engine.rundir import RunLock, claim_run_folder
-from tests.helpers import REPO, entry_point, needs_data, run_python, run_script
+from tests.helpers import DATA_DIR, REPO, entry_point, needs_data, run_python, run_script
 
 SCRIPTS = ("main-LR-HMDA.py", "main-MLP-M4.py", "main-LSTM-Wiki2.py", "main-GPT2-Wiki103.py")
 NUMBER_BAD = ("", "abc", "nan", "inf", "-inf", "-1", "1e400", "99999999999999999999")
@@ -324,3 +325,46 @@ def test_end_to_end_analysis_of_a_missing_folder_is_one_line(tmp_path):
     result = run_python([sys.executable, "-m", "analysis", tmp_path / "nonexistent", "--out", tmp_path / "figures"])
     assert result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_data("hmda/raw/hmda_train_preprocessed.zip")
+def test_a_full_disk_is_one_line_and_resuming_a_finished_run_changes_nothing(tmp_path, monkeypatch, capsys):
+    """In this process, through run_entry_point: the disk fills while epoch 2's checkpoint is written (the
+    fourth fsync: config.json, epoch 1's checkpoint.pt and metrics.csv before it): one line, exit 2, epoch
+    1 kept; --resume then finishes the run, and --resume of the finished run rewrites nothing."""
+    from engine.train import run_entry_point
+
+    benchmark, parser, build = entry_point("main-LR-HMDA.py")
+    out = tmp_path / "run"
+    argv = ["main-LR-HMDA.py", "--data-dir", str(DATA_DIR), "--out", str(out), "--epochs", "2", "--node_cnt", "2",
+            "--B", "6", "--max-train-examples", "77", "--max-eval-examples", "64", "--progress", "off"]
+    real_fsync, calls = os.fsync, []
+
+    def fills_up(fd):
+        calls.append(fd)
+        if len(calls) == 4:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    def run(*extra):
+        monkeypatch.setattr(sys, "argv", [*argv, *extra])
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            run_entry_point(benchmark, parser, build)
+        except SystemExit as stop:
+            return stop.code
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return 0
+
+    monkeypatch.setattr(os, "fsync", fills_up)
+    assert run() == 2
+    (line,) = capsys.readouterr().err.splitlines()[-1:]
+    assert line.startswith("error: cannot write epoch 2's files in") and "free some disk space" in line, line
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["epoch"] == 1
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.csv"]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert run("--resume") == 0
+    before = snapshot(out)
+    assert run("--resume") == 0 and "is finished: 2 epochs done" in capsys.readouterr().err
+    assert snapshot(out) == before

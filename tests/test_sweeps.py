@@ -222,6 +222,8 @@ def test_finished_runs_are_skipped_and_unfinished_resumed(env):
     (argv,) = calls(env)
     assert value(argv, "--out") == str(run) and argv[-1] == "--resume"
     assert len(metrics.read_text().splitlines()) == 3  # resumed to 2 epochs
+    proc = sweep("LR-HMDA", env, EPOCHS="1")  # fewer: finished, never touched (the engine would say so too)
+    assert calls(env) == [] and proc.stdout.count("] skip ") == 4
     sweep("LR-HMDA", env, EPOCHS="3")  # more epochs asked than the runs were made for: all resume
     assert len(calls(env)) == 4
 
