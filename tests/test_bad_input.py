@@ -368,3 +368,25 @@ def test_a_full_disk_is_one_line_and_resuming_a_finished_run_changes_nothing(tmp
     before = snapshot(out)
     assert run("--resume") == 0 and "is finished: 2 epochs done" in capsys.readouterr().err
     assert snapshot(out) == before
+    # train() itself, called directly (bench/, notebooks), refuses the finished run once its checkpoint is gone
+    from engine.comm import LocalCommunicator
+    from engine.train import train
+
+    (out / "checkpoint.pt").unlink()
+    before = snapshot(out)
+    args = parser.parse_args(argv[1:])
+    check_args(args, benchmark)
+    with pytest.raises(UserFacingError, match="already holds a finished run"):
+        train(build(args, torch.device("cpu")), args, LocalCommunicator(2, torch.device("cpu")), torch.device("cpu"))
+    assert snapshot(out) == before
+
+
+def test_under_torchrun_only_rank_0_takes_the_lock(scripts, tmp_path, monkeypatch):
+    benchmark, parser, _ = scripts["main-LR-HMDA.py"]
+    args = parser.parse_args(["--out", str(tmp_path / "run")])
+    monkeypatch.setenv("RANK", "1")
+    assert claim_run_folder(args, benchmark) is None and not (tmp_path / "run").exists()
+    monkeypatch.setenv("RANK", "0")
+    lock = claim_run_folder(args, benchmark)
+    assert (tmp_path / "run" / ".lock").exists()
+    lock.release()
