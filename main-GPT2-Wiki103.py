@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data.wikitext103 import load_blocks, split_file  # noqa: E402
-from engine.cli import common_parser  # noqa: E402
+from engine.cli import common_parser, int_flag  # noqa: E402
 from engine.comm import node_leader_first  # noqa: E402
 from engine.errors import UserFacingError  # noqa: E402
 from engine.functional import FlatModel  # noqa: E402
@@ -36,9 +36,7 @@ class GPT2Wiki103(Task):
     grad_chunk = GRAD_CHUNK  # --sketch-dim: blocks per pass of Task.unit_sketches
 
     def __init__(self, args, device):
-        block = args.max_seq_length
-        if block < 2:
-            raise UserFacingError(f"--max-seq-length must be >= 2 (one input and one target token), got {block}")
+        block = args.max_seq_length  # >= 2: one input and one target token
         for split in ("train", "valid", "test"):  # a missing file fails in every process alike, before any waiting
             split_file(args.data_dir, split, args.train_file)
         with node_leader_first():  # under torchrun one process per node tokenizes; the others then read its cache
@@ -153,7 +151,7 @@ def make_parser():
     parser.add_argument("--train-file", default=None, metavar="PATH",
                         help="training text in WikiText format, instead of <data-dir>/wikitext-103/wiki.train.* "
                              "(stand-in: <data-dir>/wikitext-2/train.txt, whose articles are in WikiText-103)")
-    parser.add_argument("--max-seq-length", type=int, default=128, metavar="T",
+    parser.add_argument("--max-seq-length", type=int_flag(2), default=128, metavar="T",
                         help="tokens per block (one ordering unit); also the model's number of positions")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="folder for the tokenized-block cache; when unset: $CDGRAB_CACHE, else a cache/ "

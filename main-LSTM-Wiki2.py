@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from data.wikitext2 import batchify, load_wikitext2, n_chunks
-from engine.cli import common_parser
+from engine.cli import MAX_LR, common_parser, float_flag, int_flag
 from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.task import Task, shard, sum_over_processes
@@ -61,10 +61,6 @@ class LSTMWiki2(Task):
     lr_decay_gamma = 0.1
 
     def __init__(self, args, device):
-        if args.bptt < 1:
-            raise UserFacingError(f"--bptt must be >= 1, got {args.bptt}")
-        if args.clip is not None and not (math.isfinite(args.clip) and args.clip > 0):
-            raise UserFacingError(f"--clip must be a positive number, got {args.clip}")
         if args.carry_hidden and args.order_unit == "example":
             raise UserFacingError("--carry-hidden needs --order-unit chunk: with one column per unit, the units "
                                   "of a worker are no longer one stream whose state could be carried")
@@ -256,8 +252,8 @@ def make_parser():
         "max_train_examples": "use only the first N bptt chunks of the B-column training matrix (rounded down to "
                               "even; also with --order-unit example); the train evaluation uses the same chunks",
         "max_eval_examples": "evaluate only the first N bptt chunks of the validation and test matrices"})
-    parser.add_argument("--bptt", type=int, default=35, help="tokens per stream per chunk (sequence length)")
-    parser.add_argument("--clip", type=float, nargs="?", const=0.25, default=None, metavar="NORM",
+    parser.add_argument("--bptt", type=int_flag(1), default=35, help="tokens per stream per chunk (sequence length)")
+    parser.add_argument("--clip", type=float_flag(0, MAX_LR, low_open=True), nargs="?", const=0.25, default=None, metavar="NORM",
                         help="clip the averaged (global-batch) gradient to this L2 norm, as torch's "
                              "clip_grad_norm_; '--clip' alone means 0.25 (the v1 code); None: no clipping "
                              "(as at HEAD)")

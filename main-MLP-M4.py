@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from data.m4 import destandardise, load_m4, smape
 from data.partition import partition_type, whole_groups
-from engine.cli import common_parser
+from engine.cli import common_parser, int_flag
 from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.task import Task, eval_batches, sum_over_processes, unit_multiple, units_per_worker
@@ -49,11 +49,6 @@ class MLPM4(Task):
     lr_decay_gamma = 0.25
 
     def __init__(self, args, device):
-        for flag in ("in_len", "hidden"):
-            if getattr(args, flag) < 1:
-                raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-        if args.layers < 2:
-            raise UserFacingError(f"--layers counts the input and output layers, so it must be >= 2, got {args.layers}")
         data = load_m4(args.data_dir, freq=args.freq, in_len=args.in_len, out_len=OUT_LEN, stride=STRIDE)
         train_x, train_y = data.train_x, data.train_y
         if args.max_train_examples:
@@ -134,9 +129,9 @@ def make_parser():
     parser.add_argument("--freq", default="Weekly",
                         choices=("Hourly", "Daily", "Weekly", "Monthly", "Quarterly", "Yearly"),
                         help="M4 frequency: <data-dir>/m4/<freq>-{train,test}.csv")
-    parser.add_argument("--in-len", type=int, default=20, help="input window length (the original's --in_seq)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden width (the original's --nhid)")
-    parser.add_argument("--layers", type=int, default=3,
+    parser.add_argument("--in-len", type=int_flag(1), default=20, help="input window length (the original's --in_seq)")
+    parser.add_argument("--hidden", type=int_flag(1), default=64, help="hidden width (the original's --nhid)")
+    parser.add_argument("--layers", type=int_flag(2), default=3,
                         help="Linear layers including input and output (the original's --nlayers)")
     parser.add_argument("--partition", default="random", metavar="{random,contiguous}",
                         type=partition_type(("random", "contiguous"), why=" (M4 windows have no class label, "

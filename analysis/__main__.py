@@ -5,7 +5,8 @@ Without RESULTS_DIR: results/ when it holds runs, else the full-scale runs shipp
 Walks RESULTS_DIR for run directories (config.json + metrics.csv), reports unreadable, unfinished
 and duplicate runs and expected sorters without runs (never fails on them), saves PNG + PDF
 figures (see analysis/plots.py for the names), prints the final-metric table and writes it to
-<out>/final-metrics.csv. Exit status 0 unless the arguments are wrong.
+<out>/final-metrics.csv. Exit status 0 unless the arguments are wrong (then one line and status 2: a
+RESULTS_DIR that is no folder, an --out that is a file or inside a run folder: it never writes into one).
 """
 import argparse
 import sys
@@ -19,11 +20,40 @@ from analysis import (EXPECTED_SORTERS, default_results_dir, final_table, format
                       load_runs, missing_sorters)
 from analysis.load import SHIPPED_RESULTS  # noqa: E402
 from analysis.plots import draw_all  # noqa: E402
+from engine.errors import UserFacingError, exit_with_error  # noqa: E402
+from engine.rundir import RUN_FILES, check_out_path  # noqa: E402
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad command line in one line (argparse prints the usage block first), status 2."""
+
+    def error(self, message):
+        exit_with_error(f"{message}; see python -m analysis --help")
+
+
+def check_paths(args) -> None:
+    """One line (UserFacingError) for a RESULTS_DIR that is no folder, and an --out that cannot be a folder of
+    figures or lies in a run folder (one holding config.json, metrics.csv or checkpoint.pt)."""
+    if not Path(args.results_dir).is_dir():
+        raise UserFacingError(f"{args.results_dir} is not a folder (no such folder, or a file); give the folder "
+                              "that holds the run folders, e.g. results/")
+    out = check_out_path(args.out).resolve()
+    for folder in (out, *out.parents):
+        if any((folder / name).is_file() for name in RUN_FILES if name != "orders.pt"):
+            raise UserFacingError(f"--out {args.out} is inside the run folder {folder}, and the analysis never "
+                                  "writes into run folders; choose another --out (default figures/)")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:
+        return analyse(argv)
+    except UserFacingError as error:
+        exit_with_error(str(error))
+
+
+def analyse(argv=None) -> int:
+    p = OneLineParser(prog="python -m analysis", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results_dir", nargs="?", default=None,
                    help="folder searched recursively for run dirs (default: results/ when it holds runs, "
                         "else the shipped reproduction/)")
@@ -43,6 +73,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.results_dir is None:
         args.results_dir = str(default_results_dir())
+    check_paths(args)
     if Path(args.results_dir).resolve() == SHIPPED_RESULTS.resolve():
         args.include_incomplete = True  # the partial GPU runs are drawn as far as they got (REPRODUCTION.md)
 

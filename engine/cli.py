@@ -10,6 +10,7 @@ from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS, changed_on_resu
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
 from engine.reducers import REDUCER_NAMES
+from engine.rundir import check_out_path
 from engine.sketching import STRUCTURED_MIN_NUMEL, check_sketch_args
 from sorters import SORTER_NAMES
 
@@ -37,6 +38,44 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# Ranges of the numeric flags, checked as the command line is parsed (int_flag, float_flag): a value out
+# of range is refused in one line before anything runs. Seeds: what every generator the suite seeds
+# takes (numpy's RandomState: below 2^32). Counts: below 2^31 (int32 indices). Floats must be finite;
+# the upper limits keep float32 arithmetic finite (an --lr of 1e308 overflows the first SGD step).
+MAX_SEED, MAX_COUNT, MAX_LR = 2**32 - 1, 2**31 - 1, 1e4
+
+
+def int_flag(low: int, high: int = MAX_COUNT):
+    """An argparse `type=`: a whole number in [low, high], else one line (ArgumentTypeError)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}" if value < low
+                                             else f"must be <= {high}, got {value}")
+        return value
+    return parse
+
+
+def float_flag(low: float, high: float, low_open: bool = False, high_open: bool = False):
+    """An argparse `type=`: a finite number in the interval from low to high (open at an end when asked),
+    else one line (ArgumentTypeError); NaN and inf never pass."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+        if not inside:  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text}")
+        return value
+    return parse
+
+
 def flag_name(dest: str) -> str:
     """--flag as the user types it, from its argparse dest (the paper's underscore spellings kept)."""
     return "--" + (dest if dest in ("node_cnt", "weight_decay") else dest.replace("_", "-"))
@@ -60,17 +99,17 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                          "KH-SGD / SBW (CD-GraB's coordinated pair balance with the randomised threshold of kernel "
                          "halving / the self-balancing walk, Carrell et al. 2025; both depend on --epochs; "
                          "docs/reorderers.md)")
-    p.add_argument("--seed", type=int, default=defaults.get("seed", 0),
+    p.add_argument("--seed", type=int_flag(0, MAX_SEED), default=defaults.get("seed", 0),
                    help="seeds the model initialisation, the data split and the sorter")
-    p.add_argument("--lr", type=float, default=defaults["lr"], help="initial learning rate")
-    p.add_argument("--momentum", type=float, default=defaults.get("momentum", 0.9),
+    p.add_argument("--lr", type=float_flag(0, MAX_LR, low_open=True), default=defaults["lr"], help="initial learning rate")
+    p.add_argument("--momentum", type=float_flag(0, 1, high_open=True), default=defaults.get("momentum", 0.9),
                    help="SGD momentum (ignored by AdamW)")
-    p.add_argument("--weight_decay", "--weight-decay", type=float, metavar="WD", default=defaults.get("weight_decay", 0.0), help="weight decay")
-    p.add_argument("--B", type=int, default=defaults["B"],
+    p.add_argument("--weight_decay", "--weight-decay", type=float_flag(0, MAX_LR), metavar="WD", default=defaults.get("weight_decay", 0.0), help="weight decay")
+    p.add_argument("--B", type=int_flag(1), default=defaults["B"],
                    help="global batch per step over all workers; each worker takes B / node_cnt")
-    p.add_argument("--node_cnt", "--node-cnt", type=int, metavar="N", default=defaults["node_cnt"],
+    p.add_argument("--node_cnt", "--node-cnt", type=int_flag(1), metavar="N", default=defaults["node_cnt"],
                    help="number of logical workers n (all in one process, or n / nproc per torchrun process)")
-    p.add_argument("--epochs", type=int, default=defaults["epochs"], help="training epochs")
+    p.add_argument("--epochs", type=int_flag(1), default=defaults["epochs"], help="training epochs")
     p.add_argument("--data-dir", default=default_data_dir(),
                    help="folder holding the data sets (default: $CDGRAB_DATA, else ./datasets)")
     p.add_argument("--out", default=None,
@@ -86,10 +125,10 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                    help="allow TensorFloat-32 in CUDA matrix products and cuDNN convolutions/RNNs: faster on "
                         "Ampere and later GPUs, about 1e-3 relative error (default off: full float32); recorded "
                         "in config.json; no effect on the CPU")
-    p.add_argument("--max-train-examples", type=int, default=None, metavar="N",
+    p.add_argument("--max-train-examples", type=int_flag(1), default=None, metavar="N",
                    help=texts.get("max_train_examples", "use only the first N training units (quick runs); also "
                                                         "limits the full-train evaluation"))
-    p.add_argument("--max-eval-examples", type=int, default=None, metavar="N",
+    p.add_argument("--max-eval-examples", type=int_flag(1), default=None, metavar="N",
                    help=texts.get("max_eval_examples", "cap the validation/test sets at N units (quick runs)"))
     p.add_argument("--resume", action="store_true",
                    help="continue from <out>/checkpoint.pt when it exists, else start the run; but with the default "
@@ -99,6 +138,11 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                         "may differ from the checkpoint's: "
                         + ", ".join(sorted(map(flag_name, RESUMABLE_FLAGS - {"out", "resume"})))
                         + " (--epochs not with --lr-schedule cosine/linear; --cache-dir: GPT-2)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out: delete its checkpoint.pt, orders.pt, metrics.csv and config.json "
+                        "and start a new run there. Without it a folder holding results (metrics.csv epochs without a "
+                        "checkpoint.pt to continue from, e.g. a finished run) or a config.json / metrics.csv this suite "
+                        "did not write is refused (docs/run-directory.md)")
     p.add_argument("--record-orders", action="store_true",
                    help="also save every epoch's (n, m) orders to <out>/orders.pt")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
@@ -122,12 +166,12 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                    help="add a herding_bound column to metrics.csv: per epoch, the parallel herding bound of the "
                         "epoch's per-unit gradients in the order used (engine/herding_log.py; keeps n*m*d floats, "
                         "at most 512 MB; D-RR and the other non-balancing sorters compute per-unit gradients for it)")
-    p.add_argument("--sketch-dim", type=int, default=0, metavar="D",
+    p.add_argument("--sketch-dim", type=int_flag(0), default=0, metavar="D",
                    help="balancing sorters (CD-GraB, I-B, I-PB, KH-SGD, SBW) balance D-dimensional CountSketches "
                         "of the per-unit gradients (sorters/sketch.py), made by each process before the all-gather: n*k*D floats "
                         "gathered per step instead of n*k*d, plus the update's all-reduce (n*d). 0 (default): exact "
                         "balancing; D >= d: exact too (the identity). docs/sketching.md")
-    p.add_argument("--sketch-min-numel", type=int, default=STRUCTURED_MIN_NUMEL, metavar="N",
+    p.add_argument("--sketch-min-numel", type=int_flag(1), default=STRUCTURED_MIN_NUMEL, metavar="N",
                    help="with --sketch-dim: the weights of Linear / Conv1D / Embedding layers with at least N "
                         f"entries are TensorSketch blocks of the map, the rest CountSketched (default {STRUCTURED_MIN_NUMEL}: "
                         "GPT-2's tied embedding only); where the model allows it, the sketches of blocks of more than "
@@ -138,16 +182,16 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                         "loop (CPU only), gram = a few matrix products per step (the GPU path). auto: gram on GPUs; "
                         "on the CPU compiled, except with --sketch-dim on a model of 2^20 parameters or more "
                         "(LSTM, GPT-2), where the step dwarfs the loop and numba's resident memory would show. docs/sketching.md")
-    p.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--dist-timeout", type=float_flag(0, 7 * 24 * 3600, low_open=True), default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 
     schedule = p.add_argument_group("learning-rate schedule")
     schedule.add_argument("--lr-schedule", choices=LRSchedule.KINDS, default="step",
                           help="step: the benchmark's paper schedule (constant, or the step decay its script "
                                "names); cosine / linear: from --lr down to --min-lr at the last epoch")
-    schedule.add_argument("--warmup-epochs", type=float, default=0.0, metavar="E",
+    schedule.add_argument("--warmup-epochs", type=float_flag(0, MAX_COUNT), default=0.0, metavar="E",
                           help="linear warm-up from --min-lr to --lr over the first E epochs (fractions allowed)")
-    schedule.add_argument("--min-lr", type=float, default=0.0, help="floor of the cosine/linear decay and warm-up start")
+    schedule.add_argument("--min-lr", type=float_flag(0, MAX_LR), default=0.0, help="floor of the cosine/linear decay and warm-up start")
 
     sync = p.add_argument_group("communication: local SGD (--sync) and sparsified reduction (--reducer)")
     sync.add_argument("--sync", choices=SYNC_RULES, default="every-step",
@@ -156,13 +200,13 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                            "steps. qsr: H = max(H_base, floor((alpha/lr)^power)) (Gu et al. 2024), recomputed at "
                            "each round's first step. linear: the same with power 1. post-local: data-parallel "
                            "until --switch-epoch, then constant --H. Every epoch ends with an averaging step")
-    sync.add_argument("--H", type=int, default=4, help="steps between averagings for --sync constant / post-local")
-    sync.add_argument("--alpha", type=float, default=None, help="growth coefficient of --sync qsr / linear")
-    sync.add_argument("--H-base", type=int, default=4, help="floor of H after warm-up for --sync qsr / linear")
-    sync.add_argument("--H-init", type=int, default=None,
+    sync.add_argument("--H", type=int_flag(1), default=4, help="steps between averagings for --sync constant / post-local")
+    sync.add_argument("--alpha", type=float_flag(0, MAX_LR), default=None, help="growth coefficient of --sync qsr / linear")
+    sync.add_argument("--H-base", type=int_flag(1), default=4, help="floor of H after warm-up for --sync qsr / linear")
+    sync.add_argument("--H-init", type=int_flag(1), default=None,
                       help="H during the learning-rate warm-up and when alpha = 0 (default: --H-base)")
-    sync.add_argument("--power", type=float, default=2.0, help="exponent of --sync qsr (linear uses 1)")
-    sync.add_argument("--switch-epoch", type=int, default=None, metavar="E",
+    sync.add_argument("--power", type=float_flag(0, 16, low_open=True), default=2.0, help="exponent of --sync qsr (linear uses 1)")
+    sync.add_argument("--switch-epoch", type=int_flag(1), default=None, metavar="E",
                       help="--sync post-local: data-parallel during epochs 1..E-1, local steps from epoch E")
     # Gu et al. 2024 average AdamW's two moments under separate switches and never SGD's momentum
     sync.add_argument("--avg-m", action="store_true",
@@ -182,7 +226,7 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                            "the parameters since the last averaging) is exchanged: dense all-reduce; topk: each "
                            "worker's top density*d entries with error feedback, averaged on the union of indices; "
                            "exdyna: ExDyna (Yoon & Oh 2024) exclusive partitions with an adaptive threshold")
-    sync.add_argument("--density", type=float, default=None,
+    sync.add_argument("--density", type=float_flag(0, 1, low_open=True), default=None,
                       help="fraction of the d coordinates selected per exchange for --reducer topk / exdyna")
     return p
 
@@ -217,8 +261,9 @@ def sweep_tags(parser, benchmark: str, fixed: list[str], extra: list[str], sorte
     passes them): a bad one exits 2 with the entry script's one-line error."""
     defaults = vars(parser.parse_args(fixed))
     for sorter in sorters:
-        args = parser.parse_args(["--sorter", sorter, "--seed", "-1", *fixed, *extra])
-        if (args.sorter, args.seed) != (sorter, -1):  # the extra arguments override them
+        args = parser.parse_args(["--sorter", sorter, "--seed", "0", *fixed, *extra])
+        seed_kept = parser.parse_args(["--seed", "1", *fixed, *extra]).seed == 1
+        if args.sorter != sorter or args.seed != 0 or not seed_kept:  # the extra arguments override them
             raise UserFacingError("the sweep sets --sorter and --seed of each run (and names the run by them): "
                                   "drop them from the extra arguments and set SORTERS / SEEDS instead")
         check_args(args, benchmark)
@@ -230,7 +275,9 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
     the settings that differ from `defaults`, the parser's defaults: out_tags)."""
     if args.node_cnt < 1:
         raise UserFacingError(f"--node_cnt must be >= 1, got {args.node_cnt}")
-    if args.B < 1 or args.B % args.node_cnt:
+    if args.B < 1:
+        raise UserFacingError(f"--B must be >= 1, got {args.B}")
+    if args.B % args.node_cnt:
         raise UserFacingError(f"--B {args.B} is not divisible by --node_cnt {args.node_cnt}: "
                               f"each worker takes B / node_cnt units per step; pick B as a multiple of node_cnt")
     if args.epochs < 1:
@@ -245,9 +292,12 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
     check_sketch_args(args)
     if getattr(args, "sign_loop", "auto") != "auto" and args.sorter != "CD-GraB":
         raise UserFacingError(f"--sign-loop chooses CD-GraB's sign loop; {args.sorter} has none to choose: drop it")
+    if getattr(args, "overwrite", False) and args.resume:
+        raise UserFacingError("--overwrite starts the run in --out over and --resume continues it: pass one of them")
     if args.out is None:
         tags = out_tags(args, defaults) if defaults else ""
         args.out = f"results/{benchmark}/{args.sorter}-node{args.node_cnt}-B{args.B}-lr{args.lr:g}{tags}-seed{args.seed}"
+    check_out_path(args.out)
 
 
 def check_resume(args, benchmark: str, out_given: bool) -> None:

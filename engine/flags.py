@@ -49,7 +49,7 @@ FLAGS = {
     "data_dir": RESUMABLE, "out": RESUMABLE, "device": RESUMABLE, "backend": RESUMABLE,
     "tf32": Flag(added=False),
     "max_train_examples": Flag(), "max_eval_examples": Flag(),
-    "resume": RESUMABLE, "record_orders": RESUMABLE, "progress": RESUMABLE,
+    "resume": RESUMABLE, "overwrite": RESUMABLE, "record_orders": RESUMABLE, "progress": RESUMABLE,
     "unit_grads": Flag(out="never"),  # the per-unit gradient paths agree to float32 rounding
     "overlap": RESUMABLE,  # the same orders either way
     "sign_loop": RESUMABLE,  # CD-GraB's signs either way (a near-tie apart, like a BLAS dot's order)
@@ -74,6 +74,9 @@ FLAGS = {
     "train_file": Flag(), "max_seq_length": Flag(), "cache_dir": RESUMABLE,
 }
 
+# a flag each benchmark's entry script has had from the start and no other has: which benchmark the args of
+# a checkpoint that does not name it (one written before checkpoints did) came from
+OWN_FLAGS = {"LR-HMDA": "hmda_file", "MLP-M4": "freq", "LSTM-Wiki2": "bptt", "GPT2-Wiki103": "max_seq_length"}
 RESUMABLE_FLAGS = frozenset(name for name, flag in FLAGS.items() if flag.resumable)
 NAMED_BY_VALUE = tuple(name for name, flag in FLAGS.items() if flag.out == "value")
 
@@ -105,3 +108,9 @@ def changed_on_resume(saved: dict, now: dict, benchmark: str | None,
     if (stretched or epochs_fixed) and saved.get("epochs") != now.get("epochs"):
         changed.append("epochs")
     return [(key, saved.get(key), now.get(key)) for key in changed]
+
+
+def benchmark_of(args: dict) -> str | None:
+    """The benchmark whose entry script made `args` (a checkpoint's), by the flags only it has; None if unknown."""
+    found = [name for name, flag in OWN_FLAGS.items() if flag in args]
+    return found[0] if len(found) == 1 else None

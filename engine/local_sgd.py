@@ -44,7 +44,11 @@ def qsr_period(lr: float, step: int, *, warmup_steps: int, total_steps: int, h_i
     if step < warmup_steps or alpha == 0:
         period = h_init
     else:
-        period = max(h_base, int((alpha / lr) ** power) if lr > 0 else total_steps)
+        try:
+            grown = int((alpha / lr) ** power) if lr > 0 else total_steps
+        except OverflowError:  # a tiny lr: the round lasts to the end of the run
+            grown = total_steps
+        period = max(h_base, grown)
     return max(1, min(period, total_steps - step))
 
 

@@ -26,10 +26,13 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 
 
 def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    """Write `payload` to a temporary file beside `path`, then replace `path` with it; readable as the
+    umask says (mkstemp's own mode, 0600, would hide results from colleagues on a shared cluster)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
@@ -38,6 +41,20 @@ def atomic_write_bytes(path: Path, payload: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    """The process's umask, from /proc (Linux), else by setting and restoring it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager

@@ -16,6 +16,7 @@ since the last averaging) is compressed with error feedback. Both need each work
 so their steps go through Task.worker_gradients.
 """
 import contextlib
+import errno
 import math
 import os
 import random
@@ -34,8 +35,9 @@ from engine.cli import PROGRESS_EVERY_SECONDS, check_args, check_resume, describ
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
 from engine.errors import UserFacingError, exit_with_error, tell_launcher
-from engine.flags import changed_on_resume
+from engine.flags import benchmark_of, changed_on_resume
 from engine.herding_log import HerdingLog
+from engine.rundir import RunFinished, check_run_folder, claim_run_folder, metrics_rows
 from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
 from engine.overlap import BackgroundSorter
@@ -104,7 +106,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
     interrupted (Ctrl-C), 143 stopped by SIGTERM.
     """
     args = parser.parse_args()
-    out_given, comm = args.out is not None, None
+    out_given, comm, lock = args.out is not None, None, None
     # torchrun stops every process with SIGTERM when one fails or its node loses the rendezvous: say so
     # in one line rather than vanish without a word
     signal.signal(signal.SIGTERM, raise_terminated)
@@ -113,6 +115,7 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         # rendezvous, and in every process alike
         check_args(args, benchmark, defaults=vars(parser.parse_args([])))
         check_resume(args, benchmark, out_given)
+        lock = claim_run_folder(args, benchmark)  # one writer (rank 0); finished runs and others' files untouched
         device, backend = setup_device(args.device, args.backend)
         set_tf32(args.tf32)
         comm = make_communicator(args.node_cnt, device, backend, args.dist_timeout)
@@ -120,6 +123,9 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         task = build_task(args, device)
         train(task, args, comm, device)
         comm.close(finished=True)
+    except RunFinished as finished:  # --resume of a finished run without a checkpoint: exit 0, nothing changed
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(finished, file=sys.stderr)
     except UserFacingError as error:
         quiet_sigterm()  # a rank waiting in exit_with_error while rank 0 reports: torchrun's SIGTERM ends it
         exit_with_error(str(error))  # under torchrun: printed once (rank 0), every rank exits 2
@@ -130,14 +136,13 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         sys.exit(130)
     except Terminated:
         quiet_sigterm()
-        rank = f"rank {comm.rank}: " if comm is not None and comm.world_size > 1 else ""
-        # no "error:" prefix: under torchrun the error is another rank's (reported by it), or a lost node
-        print(f"{rank}stopped by SIGTERM (torchrun stops every process when one fails or a node is lost: see "
-              f"the output above); the last finished epoch is in {args.out or '--out'}/checkpoint.pt (continue "
-              "with --resume)", file=sys.stderr)
+        print(terminated_line(args, comm), file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
     except (RuntimeError, ConnectionError) as error:
         quiet_sigterm()
+        if out_of_memory(error):
+            exit_with_error(f"out of memory ({str(error).strip().splitlines()[0][:200]}); make the run smaller "
+                            "(--B, the model's size flags, --max-train-examples) or use a larger device")
         if comm is None or comm.world_size == 1:
             raise
         # under torchrun a failed collective almost always means a peer died; say so in one line
@@ -151,6 +156,23 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
         quiet_sigterm()
         if comm is not None:
             comm.close()
+        if lock is not None:
+            lock.release()
+
+
+def terminated_line(args, comm) -> str:
+    """What a run stopped by SIGTERM says (no "error:" prefix: under torchrun the error is another rank's,
+    reported by it, or a lost node's); torchrun named only when the run is under it."""
+    rank = f"rank {comm.rank}: " if comm is not None and comm.world_size > 1 else ""
+    why = (" (torchrun stops every process when one fails or a node is lost: see the output above)"
+           if "TORCHELASTIC_RUN_ID" in os.environ else "")
+    return (f"{rank}stopped by SIGTERM{why}; the last finished epoch is in {args.out or '--out'}/checkpoint.pt "
+            "(continue with --resume)")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a RuntimeError is an allocation that failed (the CPU allocator's, or CUDA's)."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
 class Terminated(Exception):
@@ -208,14 +230,20 @@ def train(task, args, comm, device) -> list[dict]:
     checkpoint and the logs.
     """
     run = build_run(task, args, comm, device)
+    try:  # run_entry_point checked the folder already, under its lock; a direct call (tests, bench/) here
+        check_run_folder(args, task.name)
+    except RunFinished as finished:
+        say(run, str(finished))
+        return []
     rows, recorded_orders, first_epoch = resume(run) if (run.out / "checkpoint.pt").exists() else ([], [], 1)
     say(run, start_line(run, first_epoch))
     if first_epoch > args.epochs and (run.out / "config.json").exists():
         say(run, f"{task.name}: done: {run.out} (after epoch {len(rows)})")
         return rows  # keep config.json: it describes the run that made these epochs
     if run.writer:
-        runlog.write_config(run.out / "config.json",  # earlier segments kept, this one appended
-                            runlog.with_segment(run.out / "config.json", run_config(run), first_epoch))
+        with writing(run.out, "config.json"):  # earlier segments kept, this one appended
+            runlog.write_config(run.out / "config.json",
+                                runlog.with_segment(run.out / "config.json", run_config(run), first_epoch))
     progress = ProgressLines(run, first_epoch) if progress_mode(args, run.writer) == "lines" else None
     end = f"{task.name}: done: {run.out} (after epoch {args.epochs})"
     for epoch in range(first_epoch, args.epochs + 1):
@@ -236,7 +264,8 @@ def train(task, args, comm, device) -> list[dict]:
     if isinstance(run.sorter, BackgroundSorter):
         run.sorter.close()
     if run.writer:
-        runlog.end_segment(run.out / "config.json", len(rows))
+        with writing(run.out, "config.json"):
+            runlog.end_segment(run.out / "config.json", len(rows))
     say(run, end)
     return rows
 
@@ -427,11 +456,25 @@ def resume(run: Run) -> tuple[list, list, int]:
                               "or choose another --out")
     rows, recorded_orders, first_epoch = restore(out / "checkpoint.pt", dict(vars(args)), run.task.model.flat,
                                                  run.optimizer, run.sorter, run.device, run.reducer, run.task.name)
-    if run.writer:
-        # checkpoint.pt is saved before metrics.csv and orders.pt, so a run killed in between left
-        # them an epoch behind; the checkpoint is the truth, and may be the last epoch's
-        write_logs(out, rows, recorded_orders, run.task.metric_columns)
+    # checkpoint.pt is saved before orders.pt and metrics.csv, so a run killed in between left them an epoch
+    # behind; the checkpoint is the truth, and may be the last epoch's. Logs that agree stay untouched.
+    if run.writer and metrics_rows(out / "metrics.csv") != len(rows):
+        with writing(out, "metrics.csv"):
+            write_logs(out, rows, recorded_orders, run.task.metric_columns)
     return rows, recorded_orders, first_epoch
+
+
+@contextlib.contextmanager
+def writing(out: Path, what: str):
+    """Turns a failed write of the run directory (a full disk, a lost permission) into one line: the files
+    are written atomically, so each keeps its last complete version (checkpoint.pt: the last epoch saved)."""
+    try:
+        yield
+    except OSError as error:
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise UserFacingError(f"cannot write {what} in {out}: {error.strerror or error}; "
+                              f"{'free some disk space, then ' if full else ''}continue with --resume "
+                              "(checkpoint.pt holds the last epoch saved)") from None
 
 
 def run_config(run: Run) -> dict:
@@ -575,8 +618,8 @@ def save_epoch(run: Run, rows: list[dict], recorded_orders: list) -> None:
     if not run.writer:
         return
     row, task, args = rows[-1], run.task, run.args
-    with runlog.signals_deferred():  # SIGTERM / Ctrl-C now stop the run after all three files are written
-        write_epoch_files(run, rows, recorded_orders, strategy_state)
+    with runlog.signals_deferred(), writing(run.out, f"epoch {row['epoch']}'s files"):  # SIGTERM / Ctrl-C now
+        write_epoch_files(run, rows, recorded_orders, strategy_state)  # stop the run after all three are written
     shown = " | ".join(f"{key} {row[key]:.4f}" for key in ("train_loss", "test_loss", *task.metric_columns))
     print(f"{task.name} {run.sorter.name} epoch {row['epoch']}/{args.epochs} | {shown} | {row['epoch_seconds']:.1f} s",
           file=sys.stderr, flush=True)
@@ -587,7 +630,7 @@ def write_epoch_files(run: Run, rows: list[dict], recorded_orders: list, strateg
     strategy_state: the optimizer's and the reducer's state_dict."""
     row, task, args = rows[-1], run.task, run.args
     runlog.atomic_torch_save({
-        "epoch": row["epoch"], "args": dict(vars(args)), "flat": task.model.flat.detach().cpu(),
+        "benchmark": task.name, "epoch": row["epoch"], "args": dict(vars(args)), "flat": task.model.flat.detach().cpu(),
         "optimizer": strategy_state[0], "reducer": strategy_state[1], "sorter": run.sorter.state_dict(),
         "rows": rows, "orders": recorded_orders, "rng": rng_states(run.device),
     }, run.out / "checkpoint.pt")
@@ -709,6 +752,10 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
     checkpoint without reducer state); benchmark: fills in its defaults of flags a checkpoint predates.
     Returns (metrics rows so far, recorded orders, first epoch to run)."""
     state = load_checkpoint(checkpoint_path)
+    made_by = state.get("benchmark") or benchmark_of(state["args"])
+    if benchmark and made_by and made_by != benchmark:
+        raise UserFacingError(f"cannot resume {checkpoint_path.parent}: its checkpoint.pt is a checkpoint of {made_by}, "
+                              f"not {benchmark}; continue it with main-{made_by}.py, or choose another --out")
     # what engine/flags.py says may not change (and --epochs, for the sorters whose thresholds depend on it)
     changed = changed_on_resume(state["args"], arg_dict, benchmark, epochs_fixed=sorter.uses_total_epochs)
     if changed:
@@ -718,6 +765,9 @@ def restore(checkpoint_path, arg_dict, flat, optimizer, sorter, device, reducer=
                        "version of the suite, so start a new run (or choose another --out)")
     if not torch.is_tensor(state["flat"]) or state["flat"].shape != flat.shape:
         raise UserFacingError(another_version.format(f"its parameters are not the model's {tuple(flat.shape)}"))
+    if not torch.isfinite(state["flat"]).all():
+        raise UserFacingError(f"cannot resume {checkpoint_path.parent}: the parameters in its checkpoint.pt are not "
+                              "finite (NaN or inf); start a new run (another --out, or --overwrite)")
     flat.copy_(state["flat"])
     try:
         optimizer.load_state_dict(state["optimizer"])

@@ -9,9 +9,9 @@
 # each result-changing setting your extra args change (scripts/run_tag.py: the entry script's
 # out_tags, engine/cli.py), e.g. -sketch-dim64 or -max-train-examples512; none without extra args.
 #
-# A finished run (config.json asks for the requested epochs and metrics.csv has that many rows)
-# is skipped; any other run is (re)started with --resume, which continues from <out>/checkpoint.pt
-# when there is one. Output of each run is appended to $RESULTS/logs/<BENCHMARK>/<run>.log.
+# A finished run (a config.json of the suite's, and at least the requested epochs in metrics.csv) is
+# skipped; any other run is (re)started with --resume, which continues from <out>/checkpoint.pt when
+# there is one (and refuses, exit 2, to touch results it cannot continue: docs/run-directory.md). Output of each run is appended to $RESULTS/logs/<BENCHMARK>/<run>.log.
 
 SWEEP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SORTERS=${SORTERS:-"CD-GraB D-RR"}
@@ -67,7 +67,7 @@ last_value() {
   printf '%s\n' "$value"
 }
 
-# run_finished DIR EPOCHS: true when DIR's config.json asks for EPOCHS epochs and metrics.csv has them all
+# run_finished DIR EPOCHS: true when DIR has a readable config.json and metrics.csv has at least EPOCHS epochs
 run_finished() {
   "$PYTHON" - "$1" "$2" <<'PY'
 import json, sys
@@ -78,7 +78,7 @@ try:
     rows = [line for line in (run / "metrics.csv").read_text().splitlines()[1:] if line.strip()]
 except (OSError, ValueError, KeyError, TypeError):
     sys.exit(1)  # missing or unreadable: not finished
-sys.exit(0 if epochs == want and len(rows) >= epochs else 1)
+sys.exit(0 if epochs >= 1 and len(rows) >= want else 1)
 PY
 }
 

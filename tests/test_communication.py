@@ -96,8 +96,8 @@ def test_resume_reproduces_the_h_sequence_and_reducer_state(tmp_path):
 
 @needs_data(HMDA)
 @pytest.mark.parametrize("args, message", [
-    (["--sync", "constant", "--H", "0"], "--H must be >= 1"),
-    (["--sync", "qsr", "--alpha", "-1"], "--alpha >= 0"),
+    (["--sync", "constant", "--H", "0"], "--H: must be >= 1"),
+    (["--sync", "qsr", "--alpha", "-1"], "--alpha: must be a finite number in [0, "),
     (["--sync", "qsr"], "--alpha >= 0"),
     (["--sync", "post-local", "--H", "2"], "--switch-epoch"),
     (["--reducer", "exdyna", "--density", "0"], "(0, 1]"),

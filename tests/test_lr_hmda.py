@@ -196,7 +196,7 @@ def test_resume_refuses_to_start_over_when_the_default_out_names_no_run_but_othe
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--epochs", "0"], "--epochs must be >= 1"),  # engine.cli.check_args, before the process group
+    (["--epochs", "0"], "--epochs: must be >= 1"),  # engine.cli.check_args, before the process group
     (["--sorter", "GraB"], "invalid choice: 'GraB'"),  # argparse
     (["--resume"], "checkpoint.pt is unreadable"),  # after the process group is up
 ])
@@ -233,7 +233,8 @@ def test_non_finite_loss_stops_and_keeps_the_finished_epochs(tmp_path):
     assert "loss became nan at epoch 2" in line and "lower --lr" in line
     assert [r["epoch"] for r in read_metrics(out)] == [1]
     assert torch.load(out / "checkpoint.pt", weights_only=False)["epoch"] == 1
-    diverged = run_script(SCRIPT, "--epochs", "1", "--lr", "1e38", "--out", tmp_path / "diverged", *QUICK)
+    diverged = run_script(SCRIPT, "--epochs", "1", "--out", tmp_path / "diverged", *QUICK,  # in the first epoch
+                          env={"CDGRAB_FAULT": "nan:5"})  # (an --lr that overflows float32 is refused at the door)
     assert diverged.returncode == 2 and "nothing was saved" in error_lines(diverged)[0]
     assert not (tmp_path / "diverged" / "metrics.csv").exists()
 
@@ -265,7 +266,7 @@ def test_sigterm_stops_a_run_with_one_line(tmp_path):
     (["--sorter", "GraB"], r"invalid choice: 'GraB'"),
     (["--data-dir", "/nonexistent"], r"no HMDA data in .*expected .*download_data\.sh"),
     (["--max-train-examples", "20"], r"20 training examples are too few for --node_cnt 4 and --B 16: need at least 32"),
-    (["--epochs", "0"], r"--epochs must be >= 1"),
+    (["--epochs", "0"], r"--epochs: must be >= 1"),
 ])
 def test_bad_input_gets_one_clear_line(tmp_path, args, message):
     result = run_script(SCRIPT, "--out", tmp_path / "run", *args)

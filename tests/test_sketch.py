@@ -453,8 +453,8 @@ def test_sketched_one_process_equals_torchrun(runs, tmp_path):
 @needs_data(M4)
 def test_bad_sketch_flags_fail_in_one_line(runs, tmp_path):
     for extra, message in ((["--sorter", "D-RR", "--sketch-dim", "8"], "--sketch-dim applies to the sorters"),
-                           (["--sketch-dim", "-1"], "--sketch-dim must be >= 0"),
-                           (["--sketch-dim", "8", "--sketch-min-numel", "0"], "--sketch-min-numel must be >= 1"),
+                           (["--sketch-dim", "-1"], "--sketch-dim: must be >= 0"),
+                           (["--sketch-dim", "8", "--sketch-min-numel", "0"], "--sketch-min-numel: must be >= 1"),
                            (["--sketch-min-numel", "64"], "--sketch-min-numel applies to a sketch"),
                            (["--sorter", "D-RR", "--sign-loop", "gram"], "--sign-loop chooses CD-GraB's sign loop; "
                                                                          "D-RR has none to choose: drop it")):

@@ -164,8 +164,8 @@ def test_variant_is_not_skipped_as_the_finished_paper_run(env):
 
 @pytest.mark.parametrize("args, error", [
     (["--bogus", "1"], "error: unrecognized arguments: --bogus 1; see main-MLP-M4.py --help"),
-    (["--sketch-dim", "many"], "error: argument --sketch-dim: invalid int value: 'many'; see main-MLP-M4.py --help"),
-    (["--max-train-examples", "0"], "error: --max-train-examples must be >= 1, got 0"),
+    (["--sketch-dim", "many"], "error: argument --sketch-dim: expected a whole number, got 'many'; see main-MLP-M4.py --help"),
+    (["--max-train-examples", "0"], "error: argument --max-train-examples: must be >= 1, got 0; see main-MLP-M4.py --help"),
     # checked for every sorter before any run: D-RR takes no sketch (not a failure after the CD-GraB runs)
     (["--sketch-dim", "64"], "error: --sketch-dim applies to the sorters that balance gradients (CD-GraB, I-B, "
                              "I-PB, KH-SGD, SBW); --sorter D-RR uses none: drop --sketch-dim"),
@@ -222,6 +222,8 @@ def test_finished_runs_are_skipped_and_unfinished_resumed(env):
     (argv,) = calls(env)
     assert value(argv, "--out") == str(run) and argv[-1] == "--resume"
     assert len(metrics.read_text().splitlines()) == 3  # resumed to 2 epochs
+    proc = sweep("LR-HMDA", env, EPOCHS="1")  # fewer: finished, never touched (the engine would say so too)
+    assert calls(env) == [] and proc.stdout.count("] skip ") == 4
     sweep("LR-HMDA", env, EPOCHS="3")  # more epochs asked than the runs were made for: all resume
     assert len(calls(env)) == 4
 
