@@ -43,7 +43,7 @@ from engine.optim import LRSchedule, Optimizer
 from engine.overlap import BackgroundSorter
 from engine.reducers import make_reducer
 from engine.sketching import make_sketch, sketch_config
-from sorters import build_sorter
+from sorters import NonFiniteGradientError, build_sorter
 from sorters.balance import sign_loop_for
 
 LOSS_CHECK_EVERY = 50  # steps between host reads (and the finiteness check) of the training loss
@@ -512,18 +512,21 @@ def train_epoch(run: Run, epoch: int, epochs_saved: bool, progress=None) -> tupl
     epoch_start = time.perf_counter()
     task.start_epoch(epoch)
     timer = RegionTimer(run.device)
-    orders = run.sorter.sort()
-    workers = run.comm.local_workers
-    # (n_local, m), on the device: each step's unit ids are then a slice, with no copy from the host
-    local_orders = orders[workers[0]:workers[-1] + 1]
-    timer.lap("sorter")
     losses = LossCheck(run, epoch, epochs_saved, progress)
-    for step in range(run.steps_per_epoch):
-        global_step = step + (epoch - 1) * run.steps_per_epoch
-        run.fault.before_step(global_step)
-        local_loss = take_step(run, local_orders, step, global_step, timer)
-        losses.add(run.fault.poison(local_loss.detach(), global_step), step)
-        timer.lap("compute")
+    try:  # the sorters refuse NaN/inf gradients: in step() on the CPU, at the next sort() on a device
+        orders = run.sorter.sort()
+        workers = run.comm.local_workers
+        # (n_local, m), on the device: each step's unit ids are then a slice, with no copy from the host
+        local_orders = orders[workers[0]:workers[-1] + 1]
+        timer.lap("sorter")
+        for step in range(run.steps_per_epoch):
+            global_step = step + (epoch - 1) * run.steps_per_epoch
+            run.fault.before_step(global_step, run.task.model.flat)
+            local_loss = take_step(run, local_orders, step, global_step, timer)
+            losses.add(run.fault.poison(local_loss.detach(), global_step), step)
+            timer.lap("compute")
+    except NonFiniteGradientError as error:
+        raise UserFacingError(losses.stop_line(f"the gradients became non-finite ({error})")) from None
     losses.close()
     flush_deferred(run.exchange, run.sorter, timer)  # a round in progress: the sorter's epoch needs its gradients
     timer.lap("sorter")
@@ -583,16 +586,19 @@ class LossCheck:
         comm, n_local = self.run.comm, len(self.run.comm.local_workers)
         window_loss = comm.all_reduce_sum((self.loss_sum * n_local).reshape(1, 1)).item() / self.run.task.n_workers
         if not math.isfinite(window_loss):
-            saved = (f"epochs 1-{self.epoch - 1} are saved in {self.run.out / 'checkpoint.pt'} and metrics.csv"
-                     if self.epochs_saved else "no epoch had finished, so nothing was saved")
-            raise UserFacingError(f"{self.run.task.name}: the training loss became {window_loss} at epoch "
-                                  f"{self.epoch}, between steps {self.checked_step + 1} and {step + 1}; lower --lr "
-                                  f"and start a new run ({saved})")
+            raise UserFacingError(self.stop_line(f"the training loss became {window_loss} at epoch {self.epoch}, "
+                                                 f"between steps {self.checked_step + 1} and {step + 1}"))
         self.epoch_loss += window_loss
         self.loss_sum.zero_()
         self.bar.update(step + 1 - self.checked_step)
         self.bar.set_postfix(loss=f"{self.epoch_loss / (step + 1):.4f}", refresh=False)
         self.checked_step = step + 1
+
+    def stop_line(self, what: str) -> str:
+        """The one line that stops a diverged run: what happened, what to do, what is saved."""
+        saved = (f"epochs 1-{self.epoch - 1} are saved in {self.run.out / 'checkpoint.pt'} and metrics.csv"
+                 if self.epochs_saved else "no epoch had finished, so nothing was saved")
+        return f"{self.run.task.name}: {what}; lower --lr and start a new run ({saved})"
 
     def close(self) -> None:
         self.bar.close()
@@ -844,7 +850,8 @@ def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 class FaultInjection:
     """Test hook. CDGRAB_FAULT=exit:RANK:STEP makes that rank exit abruptly before global step STEP
-    (0-based, counted over the whole run); CDGRAB_FAULT=nan:STEP makes every rank see a NaN loss there."""
+    (0-based, counted over the whole run); CDGRAB_FAULT=nan:STEP makes every rank see a NaN loss there;
+    CDGRAB_FAULT=nan-params:STEP turns the parameters NaN before that step (NaN gradients, as a divergence)."""
 
     def __init__(self, kind: str | None = None, step: int = -1):
         self.kind, self.step = kind, step
@@ -855,13 +862,16 @@ class FaultInjection:
         kind, *numbers = spec.split(":") if spec else (None,)
         if kind == "exit" and int(numbers[0]) == rank:
             return cls("exit", int(numbers[1]))
-        if kind == "nan":
-            return cls("nan", int(numbers[0]))
+        if kind in ("nan", "nan-params"):
+            return cls(kind, int(numbers[0]))
         return cls()
 
-    def before_step(self, global_step: int) -> None:
+    def before_step(self, global_step: int, flat: torch.Tensor) -> None:
         if self.kind == "exit" and global_step == self.step:
             os._exit(3)
+        if self.kind == "nan-params" and global_step == self.step:
+            with torch.no_grad():
+                flat.fill_(float("nan"))
 
     def poison(self, local_loss: torch.Tensor, global_step: int) -> torch.Tensor:
         return local_loss + float("nan") if self.kind == "nan" and global_step == self.step else local_loss

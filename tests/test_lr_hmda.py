@@ -239,6 +239,19 @@ def test_non_finite_loss_stops_and_keeps_the_finished_epochs(tmp_path):
     assert not (tmp_path / "diverged" / "metrics.csv").exists()
 
 
+def test_non_finite_gradients_stop_cd_grab_with_one_line_naming_the_step(tmp_path):
+    """Parameters turned NaN mid-epoch 2 (a divergence): CD-GraB's sorter refuses the NaN gradients at that
+    step (on the CPU, before the loss is next read): one line, exit 2, epoch 1 kept."""
+    out = tmp_path / "run"
+    result = run_script(SCRIPT, "--sorter", "CD-GraB", "--epochs", "3", "--out", out, *QUICK,
+                        env={"CDGRAB_FAULT": "nan-params:103"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = error_lines(result)
+    assert "gradients became non-finite" in line and "epoch 2" in line and "lower --lr" in line, line
+    assert "epochs 1-1 are saved" in line
+    assert [r["epoch"] for r in read_metrics(out)] == [1]
+
+
 def test_sigterm_stops_a_run_with_one_line(tmp_path):
     """SIGTERM (how torchrun stops every process when one fails) mid-run: one line that says so and where
     the last finished epoch is, exit status 143, no traceback; the finished epochs stay."""
