@@ -145,3 +145,61 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
                  "reorderers-LR-HMDA", "reorderers-MLP-M4"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- the LSTM setting
+LSTM_CONFIG = json.loads((SHIPPED / "LSTM-Wiki2" / "D-RR-node4-B16-lr5-carry-hidden-seed0" / "config.json").read_text())
+
+
+def fabricate_lstm_run(root, sorter, seed, clip, losses, **changed):
+    """An LSTM-Wiki2 run folder: the shipped config.json with this sorter, seed and --clip, and a metrics.csv
+    of these train losses (epochs 1, 2, ...)."""
+    config = json.loads(json.dumps(LSTM_CONFIG))
+    config["args"].update(sorter=sorter, seed=seed, clip=clip, **changed)
+    folder = root / "LSTM-Wiki2" / f"{sorter}-seed{seed}-clip{clip}-{len(changed)}"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "metrics.csv").write_text("epoch,train_loss,epoch_seconds\n" +
+                                        "".join(f"{e},{loss},1.0\n" for e, loss in enumerate(losses, 1)))
+    return folder
+
+
+def test_the_lstm_setting_rule_on_the_shipped_runs():
+    """Today: unclipped seed 0 is 0.75 apart at epoch 1 (7.093 vs 6.340), the clipped runs are not run: the
+    rule gives --clip 0.25 whatever they show."""
+    from analysis.lstm_setting import decide
+
+    decision = decide(SHIPPED)
+    assert decision.clip == 0.25 and not decision.provisional, decision
+    assert round(decision.losses[None]["D-RR"], 3) == 7.093 and round(decision.losses[None]["CD-GraB"], 3) == 6.340
+    assert "neither setting agrees" in decision.reason and "not the choice" in decision.reason
+
+
+@pytest.mark.parametrize("unclipped, clipped, chosen, provisional, why", [
+    ((7.093, 6.340), (6.500, 6.505), 0.25, False, "only there"),            # only the clipped pair agrees
+    ((6.500, 6.509), (6.500, 6.600), None, False, "only there"),            # only the unclipped pair agrees
+    ((6.500, 6.505), (6.500, 6.505), 0.25, False, "both settings agree"),
+    ((7.093, 6.340), (6.500, 6.520), 0.25, False, "neither setting agrees"),  # 0.02 apart: not within 0.01
+    ((6.500, 6.505), None, None, True, "provisional"),                       # clipped not run: could still be both
+    (None, None, 0.25, True, "provisional"),
+])
+def test_the_lstm_setting_rule_picks_the_setting_where_epoch_1_agrees(tmp_path, unclipped, clipped, chosen,
+                                                                      provisional, why):
+    from analysis.lstm_setting import decide, markdown
+
+    for clip, pair in ((None, unclipped), (0.25, clipped)):
+        for sorter, loss in zip(("D-RR", "CD-GraB"), pair or ()):
+            fabricate_lstm_run(tmp_path, sorter, 0, clip, [loss, loss - 0.5])
+    # runs the rule must ignore: another seed, a sorter outside the pair, other settings than the paper's
+    fabricate_lstm_run(tmp_path, "CD-GraB", 1, 0.25, [1.0])
+    fabricate_lstm_run(tmp_path, "Fold", 0, 0.25, [1.0])
+    fabricate_lstm_run(tmp_path, "CD-GraB", 0, 0.25, [1.0], carry_hidden=False)
+    fabricate_lstm_run(tmp_path, "D-RR", 0, None, [1.0], lr=1.0)
+    decision = decide(tmp_path)
+    assert (decision.clip, decision.provisional) == (chosen, provisional), decision
+    assert why in decision.reason
+    table = "\n".join(markdown(decision))
+    if clipped:
+        assert f"| {clipped[0]:.5f} | {clipped[1]:.5f} | {abs(clipped[0] - clipped[1]):.5f} |" in table
+    else:
+        assert "| not run yet | not run yet | - | - |" in table
