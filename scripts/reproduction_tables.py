@@ -12,12 +12,13 @@ Where a sorter has no run at the paper's epoch yet (partial runs), every sorter 
 epoch each of them reached, over the runs that reached it, and the row is marked partial.
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-from analysis import default_results_dir, load_herding, load_runs  # noqa: E402
+from analysis import default_results_dir, load_herding, load_runs, lstm_setting  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.plots import partition_order  # noqa: E402
 from analysis.aggregate import headline_metrics  # noqa: E402
@@ -26,50 +27,138 @@ from analysis.studies import (communication_table, herding_ratios, reorderer_ord
 
 
 def mean_std(values) -> str:
+    """'mean ± std (n=k)' with the population std over the k values (numpy's default, which the paper's
+    notebooks use for their bands: ddof 0); one value: 'mean (n=1)'."""
     values = list(values)
     if not values:
         return "-"
     mean = sum(values) / len(values)
-    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else float("nan")
+    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
     digits = 5 if abs(mean) < 10 else 2
-    return f"{mean:.{digits}f} ± {std:.{digits}f} (n={len(values)})" if std == std else f"{mean:.{digits}f} (n=1)"
+    return f"{mean:.{digits}f} ± {std:.{digits}f} (n={len(values)})" if len(values) > 1 else f"{mean:.{digits}f} (n=1)"
 
 
-def benchmark_table(df, benchmark: str) -> list[str]:
-    epochs, metrics = PAPER_VALUES[benchmark]
+def seed_list(seeds) -> str:
+    """'seed 0', 'seeds 0-4', 'seeds 0, 2'."""
+    seeds = sorted(int(s) for s in seeds)
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    if seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"seeds {seeds[0]}-{seeds[-1]}"
+    return "seeds " + ", ".join(map(str, seeds))
+
+
+def benchmark_table(df, benchmark: str, alone: dict | None = None) -> list[str]:
+    """The paper-vs-ours tables of a benchmark, one per setting of its runs (e.g. with and without --clip):
+    comparison_point's epochs and seeds for every column; a column whose runs there are another set of
+    seeds (fewer: an ablation run for one seed) names them in its cells. Then the training seconds per
+    epoch: of a GPU run only its epochs alone on the GPU (`alone`: alone_epochs), else every epoch."""
     runs = df[df["benchmark"] == benchmark]
     if runs.empty:
         return [f"No {benchmark} runs.", ""]
-    lines = [f"| {benchmark} | epoch | paper CD-GraB | paper D-RR | " +
-             " | ".join(f"ours {s}" for s in sorted(runs["sorter"].unique())) + " |",
-             "|---|---|---|---|" + "---|" * runs["sorter"].nunique()]
+    lines = []
+    for setting, group in sorted(runs.groupby("setting"), key=lambda item: item[0]):
+        lines += setting_table(group, benchmark, setting, alone or {})
+    return lines
+
+
+def setting_table(runs, benchmark: str, setting: str, alone: dict) -> list[str]:
+    epochs, metrics = PAPER_VALUES[benchmark]
+    sorters = sorted(runs["sorter"].unique())
+    title = f"{benchmark} ({setting})" if setting else benchmark
+    lines = [f"| {title} | epoch | paper CD-GraB | paper D-RR | " + " | ".join(f"ours {s}" for s in sorters) + " |",
+             "|---|---|---|---|" + "---|" * len(sorters)]
+    target, seeds = comparison_point(runs, epochs, [s for s in metrics[next(iter(metrics))] if s in sorters] or sorters)
+    wanted = "-".join(str(e) for e in epochs)
+    where = f"{seed_list(seeds)}; " if seeds else ""
+    epoch_cell = f"{wanted} ({seed_list(seeds)})" if target == list(epochs) else \
+        f"{target[-1]} (partial; {where}paper: {wanted})"
     for metric, paper in metrics.items():
-        paper_cd, paper_drr = paper["CD-GraB"], paper["D-RR"]
         if metric not in runs or runs[metric].isna().all():
             continue
-        sorters = sorted(runs["sorter"].unique())
-        target = comparison_epochs(runs, epochs)
         cells = []
         for sorter in sorters:
-            per_seed = [run[run["epoch"].isin(target)][metric].mean()
-                        for _, run in runs[runs["sorter"] == sorter].groupby("run_dir")
-                        if set(target) <= set(run["epoch"])]
-            cells.append(mean_std(per_seed))
-        wanted = "-".join(str(e) for e in epochs)
-        epoch_cell = wanted if target == list(epochs) else f"{target[-1]} (partial; paper: {wanted})"
-        lines.append(f"| {metric} | {epoch_cell} | {paper_cd} | {paper_drr} | " + " | ".join(cells) + " |")
-    seconds = runs.groupby("sorter")["epoch_seconds"].mean()
-    lines.append(f"| training s/epoch (mean over epochs) | | | | " +
-                 " | ".join(f"{seconds[s]:.1f}" for s in sorted(runs["sorter"].unique())) + " |")
-    return lines + [""]
+            per_seed = {seed: run[run["epoch"].isin(target)][metric].mean()
+                        for (seed, _), run in runs[runs["sorter"] == sorter].groupby(["seed", "run_dir"])
+                        if set(target) <= set(run["epoch"]) and (not seeds or seed in seeds)}
+            cell = mean_std(per_seed.values())
+            if per_seed and set(per_seed) != set(seeds):
+                cell = cell[:-1] + f": {seed_list(per_seed)})"
+            cells.append(cell)
+        lines.append(f"| {metric} | {epoch_cell} | {paper['CD-GraB']} | {paper['D-RR']} | " + " | ".join(cells) + " |")
+    return lines + [seconds_row(runs, sorters, alone), ""]
 
 
-def comparison_epochs(runs, epochs) -> list[int]:
-    """The paper's epochs when every sorter has a run that reached them; else (partial runs) the last
-    epoch that every sorter reached in at least one run, so that no row mixes epochs. Each sorter's cell
-    then averages its runs that reached that epoch (n says how many)."""
-    reached = runs.groupby("sorter")["epoch"].max()
-    return list(epochs) if reached.min() >= max(epochs) else [int(reached.min())]
+def seconds_row(runs, sorters, alone: dict) -> str:
+    """Training seconds per epoch, mean over epochs: a CPU benchmark's every epoch; a GPU run's only the
+    epochs it trained alone on the GPU (alone: run folder -> {epoch: device}), with their count and device."""
+    on_gpu = runs["run_dir"].map(lambda run: run_device(run).startswith("cuda"))
+    if not on_gpu.any():
+        seconds = runs.groupby("sorter")["epoch_seconds"].mean()
+        return "| training s/epoch (mean over epochs) | | | | " + " | ".join(f"{seconds[s]:.1f}" for s in sorters) + " |"
+    cells = []
+    for sorter in sorters:
+        rows = runs[runs["sorter"] == sorter]
+        picked = [(row.epoch_seconds, alone[key][int(row.epoch)]) for row in rows.itertuples()
+                  if (key := str(Path(row.run_dir).resolve())) in alone and int(row.epoch) in alone[key]]
+        devices = sorted({device for _, device in picked})
+        cells.append(f"{sum(s for s, _ in picked) / len(picked):.1f} ({len(picked)} epoch{'s' * (len(picked) > 1)}, {', '.join(devices)})"
+                     if picked else "- (no epoch alone)")
+    return "| training s/epoch alone on the GPU (mean over epochs) | | | | " + " | ".join(cells) + " |"
+
+
+def run_device(run_dir: str) -> str:
+    try:
+        return str(json.loads((Path(run_dir) / "config.json").read_text()).get("device") or "")
+    except (OSError, ValueError):
+        return ""
+
+
+def comparison_point(runs, epochs, paired) -> tuple[list[int], list[int]]:
+    """(epochs, seeds) every column of a table is read at. The seeds are those in which every sorter of
+    `paired` (the paper's two, where they ran) has a run that reached the epochs: the paper's epochs when
+    some seed has them all there, else (partial runs) the last epoch that some seed's runs of every paired
+    sorter reached, over those seeds. No such seed at all: the last epoch every sorter reached in some run,
+    over whichever runs reached it (seeds [])."""
+    reached = runs.groupby(["sorter", "seed"])["epoch"].max()
+    paired_reached = reached[reached.index.get_level_values("sorter").isin(paired)].unstack("sorter")
+    common = paired_reached.dropna()[list(paired)].min(axis=1) if len(paired_reached.columns) == len(paired) else []
+    if len(common) and common.max() >= max(epochs):
+        return list(epochs), sorted(int(s) for s in common[common >= max(epochs)].index)
+    if len(common):
+        last = int(common.max())
+        return [last], sorted(int(s) for s in common[common >= last].index)
+    return [int(runs.groupby("sorter")["epoch"].max().min())], []
+
+
+def alone_epochs(root: Path) -> dict:
+    """Run folder (resolved) -> {epoch: device} of the epochs it trained alone on a GPU: in a call of
+    scripts/gpu_session.py (root/gpu-sessions/*/session.json, oldest first) in which it was the only run
+    that trained and no CUDA tests ran beside it. A later call that trained an epoch of the run again
+    decides about that epoch; a call whose record of the run (its runs/ folder) is not what the run folder
+    holds for those epochs (the shipped record was kept over it) decides nothing."""
+    decided = {}
+    for path in sorted((root / "gpu-sessions").glob("*/session.json")):
+        manifest = json.loads(path.read_text())
+        trained = {key: entry for key, entry in manifest.get("runs", {}).items() if entry.get("epochs_this_call")}
+        if manifest.get("tiny") or not trained:
+            continue
+        device = manifest.get("device", "").split(",")[0] if len(trained) == 1 and "tests_exit" not in manifest else None
+        for key, entry in trained.items():
+            first, last = entry["epochs_done"] - entry["epochs_this_call"] + 1, entry["epochs_done"]
+            record = path.parent / "runs" / key / "metrics.csv"
+            if record.exists() and epoch_rows(record, first, last) != epoch_rows(root / key / "metrics.csv", first, last):
+                continue
+            decided.setdefault(str((root / key).resolve()), {}).update({e: device for e in range(first, last + 1)})
+    return {run: {e: d for e, d in epochs.items() if d} for run, epochs in decided.items()}
+
+
+def epoch_rows(path: Path, first: int, last: int) -> list[str]:
+    try:
+        return [line for line in path.read_text().splitlines()[1:] if line.split(",")[0].isdigit()
+                and first <= int(line.split(",")[0]) <= last]
+    except OSError:
+        return []
 
 
 def herding_table(hdf) -> list[str]:
@@ -83,7 +172,7 @@ def herding_table(hdf) -> list[str]:
         cells = []
         for n in counts:
             bounds = last[(last["method"] == method) & (last["n_workers"] == n)]["bound"]
-            cells.append(f"{bounds.mean():.2f} ± {bounds.std():.2f}" if len(bounds) > 1 else f"{bounds.mean():.2f}")
+            cells.append(f"{bounds.mean():.2f} ± {bounds.std(ddof=0):.2f}" if len(bounds) > 1 else f"{bounds.mean():.2f}")
         trials = last[last["method"] == method]["trial"].nunique()
         lines.append(f"| {method} ({trials} trials) | {PAPER_HERDING.get(method, '-')} | " + " | ".join(cells) + " |")
     return lines + [""]
@@ -283,8 +372,11 @@ def main():
                      "recursively), or none for the default")
     everything = load_runs(root, include_incomplete=True, warn=False)
     df = everything[everything["study"] == ""]  # the benchmarks' own runs; the studies have their own tables
+    alone = alone_epochs(root)
     for benchmark in PAPER_VALUES:
-        print("\n".join(benchmark_table(df, benchmark)))
+        print("\n".join(benchmark_table(df, benchmark, alone)))
+        if benchmark == "LSTM-Wiki2":
+            print("\n".join(lstm_setting.markdown(lstm_setting.decide(root))) + "\n")
     print("\n".join(herding_table(load_herding(root / "herding", warn=False))))
     print("\n".join(heterogeneity_table(everything)))
     print("\n".join(scaling_table(everything)))

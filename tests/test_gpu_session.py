@@ -32,23 +32,50 @@ def kit(*args, timeout=300):
 
 @pytest.mark.parametrize("bench_name", gpu_session.BENCHMARKS)  # not "benchmark": pytest-benchmark owns it
 def test_run_names_and_settings_are_the_sweeps(bench_name):
-    """The sweep script, dry, names every queued run as the kit does and passes the same settings."""
+    """The sweep script, dry, given the grid's setting and each variant's arguments as extra arguments,
+    names every queued run as the kit does and passes the same settings."""
     benchmark = bench_name
+    spec = gpu_session.BENCHMARKS[benchmark]
     queued = [(sorter, seed) for b, sorter, seed in gpu_session.QUEUE if b == benchmark]
-    sorters = sorted({sorter for sorter, _ in queued})
-    env = {**os.environ, "DRY_RUN": "1", "SORTERS": " ".join(sorters), "SEEDS": "0 1 2", "DATA": "datasets"}
-    out = subprocess.run(["bash", str(REPO / "scripts" / f"sweep-{benchmark}.sh")], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = re.findall(r"run  (\S+): (.*)", out.stdout + out.stderr)
-    commands = dict(lines)
-    for sorter, seed in queued:
-        name = gpu_session.run_name(benchmark, sorter, seed)
-        assert name in commands, (name, list(commands))
-        settings = [a.replace("{data}", "datasets") for a in gpu_session.BENCHMARKS[benchmark]["args"]]
-        assert " ".join(settings) in commands[name] or all(
-            f"{flag} {value}" in commands[name] for flag, value in zip(settings[::2], settings[1::2])
-            if flag.startswith("--") and not value.startswith("--")), commands[name]
+    for extra in {tuple(gpu_session.variant(sorter)[1]) for sorter, _ in queued}:
+        group = [(s, seed) for s, seed in queued if tuple(gpu_session.variant(s)[1]) == extra]
+        sorters = sorted({gpu_session.variant(s)[0] for s, _ in group})
+        env = {**os.environ, "DRY_RUN": "1", "SORTERS": " ".join(sorters), "SEEDS": "0 1 2", "DATA": "datasets"}
+        out = subprocess.run(["bash", str(REPO / "scripts" / f"sweep-{benchmark}.sh"), *spec["setting"], *extra],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        commands = dict(re.findall(r"run  (\S+): (.*)", out.stdout + out.stderr))
+        for sorter, seed in group:
+            name = gpu_session.run_name(benchmark, sorter, seed)
+            assert name in commands, (name, list(commands))
+            settings = [a.replace("{data}", "datasets") for a in spec["args"] + spec["setting"] + list(extra)]
+            flags = [(flag, value) for flag, value in zip(settings, settings[1:] + [""]) if flag.startswith("--")]
+            assert all(f"{flag} {value}" in commands[name] if value and not value.startswith("--")
+                       else flag in commands[name].split() for flag, value in flags), commands[name]
+
+
+def test_the_lstm_grid_runs_in_the_setting_the_rule_picks_and_seed_0_leads():
+    """The kit's LSTM runs pass the --clip that analysis.lstm_setting picks from the shipped runs, under new
+    names (the shipped unclipped runs keep theirs and are never resumed by the kit), and the first runs
+    queued are seed 0's LSTM D-RR and CD-GraB (goal 7), 50 epochs."""
+    from analysis.lstm_setting import decide
+
+    clip = decide(REPO / "reproduction").clip
+    spec = gpu_session.BENCHMARKS["LSTM-Wiki2"]
+    assert spec["setting"] == (["--clip", f"{clip:g}"] if clip else []) and spec["epochs"] == 50
+    run = gpu_session.Run("LSTM-Wiki2", "CD-GraB", 0, REPO / "nowhere", SimpleNamespace(epochs=None, tiny=False))
+    argv = run.command(SimpleNamespace(data_dir="datasets", device="cuda", tiny=False), cudnn="on")
+    assert argv[argv.index("--clip") + 1] == "0.25" and argv[argv.index("--epochs") + 1] == "50"
+    assert not (REPO / "reproduction" / "LSTM-Wiki2" / run.name).exists()
+    assert gpu_session.QUEUE[:2] == [("LSTM-Wiki2", "D-RR", 0), ("LSTM-Wiki2", "CD-GraB", 0)]
+    grid = {(b, s, seed) for b in ("LSTM-Wiki2",) for s in ("CD-GraB", "D-RR", "Fold") for seed in (0, 1, 2)} | \
+           {(b, s, seed) for b in ("GPT2-Wiki103",) for s in ("CD-GraB", "D-RR") for seed in (0, 1, 2)}
+    assert set(gpu_session.QUEUE[:-1]) == grid and len(gpu_session.QUEUE) == len(grid) + 1
+    assert gpu_session.QUEUE[-1] == ("GPT2-Wiki103", "CD-GraB-sketch1024", 0)  # the sketch after the grid
+    sketch = gpu_session.Run(*gpu_session.QUEUE[-1], REPO / "nowhere", SimpleNamespace(epochs=None, tiny=False))
+    argv = sketch.command(SimpleNamespace(data_dir="datasets", device="cuda", tiny=False), cudnn="on")
+    assert argv[argv.index("--sorter") + 1] == "CD-GraB" and argv[argv.index("--sketch-dim") + 1] == "1024"
+    assert sketch.name == "CD-GraB-node64-B64-lr0.0005-sketch-dim1024-seed0" and "--clip" not in argv
 
 
 def test_stop_rule():
@@ -68,7 +95,9 @@ def test_only_selects_by_benchmark_sorter_and_seed_in_the_queues_order():
     assert select(["LSTM-Wiki2/Fold/1", "GPT2-Wiki103/CD-GraB/0"]) == [("GPT2-Wiki103", "CD-GraB", 0),
                                                                       ("LSTM-Wiki2", "Fold", 1)]
     assert select(["GPT2-Wiki103"]) == [(b, s, seed) for seed in (0, 1, 2) for b, s in
-                                        (("GPT2-Wiki103", "CD-GraB"), ("GPT2-Wiki103", "D-RR"))]
+                                        (("GPT2-Wiki103", "CD-GraB"), ("GPT2-Wiki103", "D-RR"))] + \
+                                       [("GPT2-Wiki103", "CD-GraB-sketch1024", 0)]
+    assert select(["GPT2-Wiki103/CD-GraB-sketch1024"]) == [("GPT2-Wiki103", "CD-GraB-sketch1024", 0)]
 
 
 @pytest.mark.parametrize("entry", ["LSTM-wiki2", "LSTM-Wiki2/CD-GraB/3", "GPT2-Wiki103/Fold", "LSTM-Wiki2/CD-GraB/0/x"])
@@ -202,7 +231,8 @@ def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
     spec = gpu_session.BENCHMARKS["LSTM-Wiki2"]
     fill = lambda a: a.replace("{data}", str(DATA_DIR))
     oracle = tmp_path / "oracle"
-    check = run_script(spec["script"], "--sorter", "CD-GraB", "--seed", "0", *map(fill, spec["args"]), "--epochs", "3",
+    check = run_script(spec["script"], "--sorter", "CD-GraB", "--seed", "0", *map(fill, spec["args"]), *spec["setting"],
+                       "--epochs", "3",
                        "--device", "cpu", "--data-dir", DATA_DIR, "--out", oracle, "--progress", "off",
                        *map(fill, spec["tiny"]))
     assert check.returncode == 0, check.stderr

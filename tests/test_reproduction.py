@@ -145,3 +145,137 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
                  "reorderers-LR-HMDA", "reorderers-MLP-M4"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- the LSTM setting
+LSTM_CONFIG = json.loads((SHIPPED / "LSTM-Wiki2" / "D-RR-node4-B16-lr5-carry-hidden-seed0" / "config.json").read_text())
+
+
+def fabricate_lstm_run(root, sorter, seed, clip, losses, **changed):
+    """An LSTM-Wiki2 run folder: the shipped config.json with this sorter, seed and --clip, and a metrics.csv
+    of these train losses (epochs 1, 2, ...)."""
+    config = json.loads(json.dumps(LSTM_CONFIG))
+    config["args"].update(sorter=sorter, seed=seed, clip=clip, **changed)
+    folder = root / "LSTM-Wiki2" / f"{sorter}-seed{seed}-clip{clip}-{len(changed)}"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "metrics.csv").write_text("epoch,train_loss,epoch_seconds\n" +
+                                        "".join(f"{e},{loss},1.0\n" for e, loss in enumerate(losses, 1)))
+    return folder
+
+
+def test_the_lstm_setting_rule_on_the_shipped_runs():
+    """Today: unclipped seed 0 is 0.75 apart at epoch 1 (7.093 vs 6.340), the clipped runs are not run: the
+    rule gives --clip 0.25 whatever they show."""
+    from analysis.lstm_setting import decide
+
+    decision = decide(SHIPPED)
+    assert decision.clip == 0.25 and not decision.provisional, decision
+    assert round(decision.losses[None]["D-RR"], 3) == 7.093 and round(decision.losses[None]["CD-GraB"], 3) == 6.340
+    assert "neither setting agrees" in decision.reason and "not the choice" in decision.reason
+
+
+@pytest.mark.parametrize("unclipped, clipped, chosen, provisional, why", [
+    ((7.093, 6.340), (6.500, 6.505), 0.25, False, "only there"),            # only the clipped pair agrees
+    ((6.500, 6.509), (6.500, 6.600), None, False, "only there"),            # only the unclipped pair agrees
+    ((6.500, 6.505), (6.500, 6.505), 0.25, False, "both settings agree"),
+    ((7.093, 6.340), (6.500, 6.520), 0.25, False, "neither setting agrees"),  # 0.02 apart: not within 0.01
+    ((6.500, 6.505), None, None, True, "provisional"),                       # clipped not run: could still be both
+    (None, None, 0.25, True, "provisional"),
+])
+def test_the_lstm_setting_rule_picks_the_setting_where_epoch_1_agrees(tmp_path, unclipped, clipped, chosen,
+                                                                      provisional, why):
+    from analysis.lstm_setting import decide, markdown
+
+    for clip, pair in ((None, unclipped), (0.25, clipped)):
+        for sorter, loss in zip(("D-RR", "CD-GraB"), pair or ()):
+            fabricate_lstm_run(tmp_path, sorter, 0, clip, [loss, loss - 0.5])
+    # runs the rule must ignore: another seed, a sorter outside the pair, other settings than the paper's
+    fabricate_lstm_run(tmp_path, "CD-GraB", 1, 0.25, [1.0])
+    fabricate_lstm_run(tmp_path, "Fold", 0, 0.25, [1.0])
+    fabricate_lstm_run(tmp_path, "CD-GraB", 0, 0.25, [1.0], carry_hidden=False)
+    fabricate_lstm_run(tmp_path, "D-RR", 0, None, [1.0], lr=1.0)
+    decision = decide(tmp_path)
+    assert (decision.clip, decision.provisional) == (chosen, provisional), decision
+    assert why in decision.reason
+    table = "\n".join(markdown(decision))
+    if clipped:
+        assert f"| {clipped[0]:.5f} | {clipped[1]:.5f} | {abs(clipped[0] - clipped[1]):.5f} |" in table
+    else:
+        assert "| not run yet | not run yet | - | - |" in table
+
+
+# ---------------------------------------------------------------------------------------------- honest tables
+def tables_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reproduction_tables", REPO / "scripts" / "reproduction_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tables_std_is_the_population_std_over_seeds():
+    """The paper's notebooks shade numpy's std of the seeds' curves (ddof 0); the tables use the same."""
+    import statistics
+
+    tables = tables_module()
+    values = [5.0, 5.5, 7.0]
+    assert tables.mean_std(values) == f"{statistics.mean(values):.5f} ± {statistics.pstdev(values):.5f} (n=3)"
+    assert tables.mean_std([5.0]) == "5.00000 (n=1)" and tables.mean_std([]) == "-"
+
+
+def session_record(root, stamp, runs: dict, tests=False, device="NVIDIA H200, 143771 MiB"):
+    """A gpu-sessions/<stamp>/session.json whose calls trained {run key: (first epoch, last epoch)}."""
+    folder = root / "gpu-sessions" / stamp
+    folder.mkdir(parents=True)
+    manifest = {"device": device, "tiny": False, "runs": {
+        key: {"epochs_done": last, "epochs_this_call": last - first + 1} for key, (first, last) in runs.items()}}
+    manifest["runs"]["LSTM-Wiki2/waiting-run"] = {"epochs_done": 3, "epochs_this_call": 0}  # trained nothing
+    if tests:
+        manifest["tests_exit"] = 0
+    (folder / "session.json").write_text(json.dumps(manifest))
+
+
+def test_tables_compare_every_column_at_one_epoch_over_the_same_seeds_and_time_only_epochs_alone(tmp_path):
+    """Partial runs: every column is read at the last epoch where some seed has both of the paper's sorters,
+    over those seeds only (a sorter's other seeds are left out); a column with fewer seeds names them; the
+    runs of another setting (--clip) get their own table; seconds per epoch count only epochs a run trained
+    alone on the GPU, per the session records (an epoch trained again later is decided by the later call)."""
+    from analysis import load_runs
+
+    tables = tables_module()
+    drr0 = fabricate_lstm_run(tmp_path, "D-RR", 0, None, [7.0, 6.0, 5.0, 4.0])
+    fabricate_lstm_run(tmp_path, "D-RR", 1, None, [7.0, 6.5])
+    cd0 = fabricate_lstm_run(tmp_path, "CD-GraB", 0, None, [6.0, 5.0, 3.0])
+    fabricate_lstm_run(tmp_path, "CD-GraB", 1, None, [6.0, 5.5, 5.25, 5.0])
+    fabricate_lstm_run(tmp_path, "CD-GraB", 2, None, [6.0, 5.5, 4.0])   # no D-RR of seed 2: left out
+    fabricate_lstm_run(tmp_path, "Fold", 0, None, [9.0, 8.0, 1.0])
+    fabricate_lstm_run(tmp_path, "D-RR", 0, 0.25, [2.0])               # another setting: its own table
+    for folder, seconds in ((drr0, [10.0, 20.0, 30.0, 40.0]), (cd0, [1.0, 2.0, 4.0])):
+        (folder / "metrics.csv").write_text("epoch,train_loss,epoch_seconds\n" + "".join(
+            f"{e},{line.split(',')[1]},{s}\n" for e, (line, s) in
+            enumerate(zip((folder / "metrics.csv").read_text().splitlines()[1:], seconds), 1)))
+    key = lambda folder: f"LSTM-Wiki2/{folder.name}"
+    session_record(tmp_path, "2026-01-01T000000", {key(drr0): (1, 2), key(cd0): (1, 1)})      # shared
+    session_record(tmp_path, "2026-01-01T001000", {key(drr0): (3, 3)}, tests=True)          # tests beside it
+    session_record(tmp_path, "2026-01-01T002000", {key(cd0): (2, 3)})                       # alone
+    session_record(tmp_path, "2026-01-01T003000", {key(drr0): (4, 4)}, device="H100, 80 GiB")  # alone
+    session_record(tmp_path, "2026-01-01T004000", {key(cd0): (3, 3), "LSTM-Wiki2/x": (1, 1)})  # redoes 3, shared
+    df = load_runs(tmp_path, include_incomplete=True, warn=False)
+    text = "\n".join(tables.benchmark_table(df, "LSTM-Wiki2", tables.alone_epochs(tmp_path)))
+    # seed 0: both reached 3; seed 1: 2; so epoch 3 over seed 0: CD-GraB 3.0, D-RR 5.0, Fold 1.0
+    assert ("| train_loss | 3 (partial; seed 0; paper: 50) | 5.311 | 5.361 | 3.00000 (n=1) | 5.00000 (n=1) | "
+            "1.00000 (n=1) |") in text, text
+    # seconds: CD-GraB seed 0's epoch 2 (2 s; its epoch 3 was trained again beside another run), D-RR seed 0's
+    # epoch 4 (40 s); nothing else alone
+    assert ("| training s/epoch alone on the GPU (mean over epochs) | | | | 2.0 (1 epoch, NVIDIA H200) | "
+            "40.0 (1 epoch, H100) | - (no epoch alone) |") in text, text
+    assert "| LSTM-Wiki2 (clip=0.25) | epoch |" in text and "| LSTM-Wiki2 (clip unset) | epoch |" in text
+    # all of seeds 0 and 1 at the paper's epoch: both seeds; a sorter with one of them says which
+    at_paper = df[df["setting"] == "clip unset"].copy()
+    at_paper.loc[(at_paper["seed"] == 0) & (at_paper["epoch"] == 3), "epoch"] = 50
+    at_paper.loc[(at_paper["seed"] == 1) & (at_paper["epoch"] == 2), "epoch"] = 50
+    text = "\n".join(tables.setting_table(at_paper, "LSTM-Wiki2", "", {}))
+    assert "| train_loss | 50 (seeds 0-1) | 5.311 | 5.361 | 4.25000 ± 1.25000 (n=2) | 5.75000 ± 0.75000 (n=2) | " \
+           "1.00000 (n=1: seed 0) |" in text, text
