@@ -34,12 +34,18 @@ def headline_metrics(df: pd.DataFrame, benchmark: str) -> list:
     return available(df, HEADLINE.get(benchmark, ["test_loss"])) or available(df, ["test_loss"])
 
 
+def std_over_seeds(values: pd.Series) -> float:
+    """The population std (ddof 0), the paper's convention (its notebooks take numpy's std over the seed
+    curves); NaN for a single value, so that a one-seed cell shows its mean alone."""
+    return float(values.std(ddof=0)) if values.count() > 1 else float("nan")
+
+
 def _stats(grouped, band: str) -> pd.DataFrame:
-    """mean, std (ddof=1; NaN for one value), min, max, count of a grouped Series, plus the band lo/hi:
-    mean -/+ std (a single seed gives a zero-width band) or min/max."""
+    """mean, std (std_over_seeds), min, max, count of a grouped Series, plus the band lo/hi: mean -/+ std
+    (a single seed gives a zero-width band) or min/max."""
     if band not in BANDS:
         raise ValueError(f"band must be one of {BANDS}, got {band!r}")
-    stats = grouped.agg(["mean", "std", "min", "max", "count"])
+    stats = grouped.agg(["mean", std_over_seeds, "min", "max", "count"]).rename(columns={"std_over_seeds": "std"})
     if band == "std":
         spread = stats["std"].fillna(0.0)
         stats["lo"], stats["hi"] = stats["mean"] - spread, stats["mean"] + spread
@@ -84,7 +90,7 @@ def final_table(df: pd.DataFrame) -> pd.DataFrame:
         for metric in headline_metrics(bench, benchmark)[:1]:
             last = final_values(bench, metric)
             stats = last.groupby(GROUP).agg(epoch=("epoch", "max"), mean=("value", "mean"),
-                                            std=("value", "std"), seeds=("seed", "nunique")).reset_index()
+                                            std=("value", std_over_seeds), seeds=("seed", "nunique")).reset_index()
             parts.append(stats.assign(metric=metric)[columns])
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 

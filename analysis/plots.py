@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding, final_values, headline_metrics,
-                                time_breakdown)
+                                std_over_seeds, time_breakdown)
 from analysis.paper_values import PAPER_VALUES, paper_epoch
 from analysis.studies import STUDIES_WITH_FIGURES, study_figures
 from analysis.style import LINESTYLES, SORTER_COLORS, curve_styles, metric_label as _label, scale_value_axis
@@ -276,7 +276,8 @@ def _final_points(ax, runs, metric, column, order):
     sorters = sorted(last["sorter"].unique())
     styles = _sorter_styles(sorters)
     for i, sorter in enumerate(sorters):
-        stats = last[last["sorter"] == sorter].groupby(column)["value"].agg(["mean", "std", "count"])
+        stats = last[last["sorter"] == sorter].groupby(column)["value"].agg(["mean", std_over_seeds, "count"]) \
+            .rename(columns={"std_over_seeds": "std"})
         stats = stats.reindex([v for v in order if v in stats.index])
         xs = [order.index(v) + 0.06 * (i - (len(sorters) - 1) / 2) for v in stats.index]
         seeds = int(stats["count"].max())

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.aggregate import headline_metrics
+from analysis.aggregate import headline_metrics, std_over_seeds
 from analysis.load import result_settings, run_args
 from analysis.style import curve_styles, metric_label, scale_value_axis
 
@@ -210,7 +210,7 @@ def plot_reorderers(df: pd.DataFrame, benchmark: str):
             means = []
             for sorter in sorters:
                 rows = group[group["sorter"] == sorter]
-                curve = rows.groupby("epoch")[metric].agg(["mean", "std"])
+                curve = rows.groupby("epoch")[metric].agg(["mean", std_over_seeds]).rename(columns={"std_over_seeds": "std"})
                 colour = styles[(sorter, None)]["color"]
                 means += curve["mean"].to_list()
                 ax.plot(curve.index, curve["mean"], color=colour, linewidth=1.4,
@@ -290,7 +290,8 @@ def plot_sketching(df: pd.DataFrame, benchmark: str):
         means = []
         for variant in sorted(frame["variant"].unique(), key=variant_order):
             rows = frame[frame["variant"] == variant]
-            curve = rows.groupby("epoch")[column].agg(["mean", "std", "count"])
+            curve = rows.groupby("epoch")[column].agg(["mean", std_over_seeds, "count"]) \
+                .rename(columns={"std_over_seeds": "std"})
             means += curve["mean"].to_list()
             style = sketch_style(variant, colours)
             ax.plot(curve.index, curve["mean"], markersize=3.5, **style,

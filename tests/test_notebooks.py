@@ -1,7 +1,6 @@
 """The analysis layer on synthetic, schema-exact run directories: aggregation numbers, the
 `python -m analysis` command, and every notebook executed headless (nbclient)."""
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -175,16 +174,17 @@ def test_load_runs_columns_and_problems(results):
 
 
 def test_aggregate_hand_example(tmp_path):
-    """Two seeds whose train_loss is 1.0 and 3.0 at epoch 1, 2.0 and 2.0 at epoch 2."""
+    """Two seeds whose train_loss is 1.0 and 3.0 at epoch 1, 2.0 and 2.0 at epoch 2; the std is the
+    population std (the paper's convention): sqrt(((1 - 2)^2 + (3 - 2)^2) / 2) = 1."""
     table = {0: {1: 1.0, 2: 2.0}, 1: {1: 3.0, 2: 2.0}}
     for seed in (0, 1):
         write_run(tmp_path, "LR-HMDA", "CD-GraB", seed, epochs=2,
                   values=lambda c, e, seed=seed: table[seed][e] if c in ("train_loss", "test_acc") else 1.0 + seed)
     df = load_runs(tmp_path)
     agg = aggregate(df, ["train_loss"]).set_index("epoch")
-    assert agg.loc[1, "mean"] == 2.0 and agg.loc[1, "std"] == pytest.approx(math.sqrt(2))
+    assert agg.loc[1, "mean"] == 2.0 and agg.loc[1, "std"] == pytest.approx(1.0)
     assert (agg.loc[1, "min"], agg.loc[1, "max"], agg.loc[1, "count"]) == (1.0, 3.0, 2)
-    assert (agg.loc[1, "lo"], agg.loc[1, "hi"]) == pytest.approx((2 - math.sqrt(2), 2 + math.sqrt(2)))
+    assert (agg.loc[1, "lo"], agg.loc[1, "hi"]) == pytest.approx((1.0, 3.0))
     assert agg.loc[2, "std"] == 0.0
     # epoch_seconds is 1.0 (seed 0) and 2.0 (seed 1): mean cumulative seconds 1.5, then 3.0
     assert agg["seconds"].tolist() == pytest.approx([1.5, 3.0])
