@@ -14,7 +14,8 @@ What a call does, in order:
 1. Once per machine (a marker in --work): the CUDA-vs-CPU LSTM check (if cuDNN fails it, the LSTM
    runs pass --cudnn off, recorded in config.json), bench/gpu_epochs.py alone on the GPU, then
    bench/gpu_profile.py (a torch.profiler summary per benchmark and sorter), then the CUDA tests in
-   the background while the runs train; --checks tests keeps only the tests, --checks none none.
+   the background while the runs train; --checks tests keeps the profile and the tests, --checks none
+   none of them.
 2. The queue (QUEUE, most valuable first), planned from measured epoch times (epoch_estimates: the
    shipped sessions', else the bench's, else a conservative fallback): a run starts only when it can
    finish before the stop, or, if its checkpoint can travel (LSTM), when one epoch can end. Each run
@@ -634,9 +635,12 @@ def run_checks(args, work: Path, stop: Stop):
         log(f"LSTM CUDA-vs-CPU check with cuDNN: {'passed' if cudnn == 'on' else 'FAILED: the LSTM runs use --cudnn off'}")
         status = run_bench(args, work, min(args.bench_seconds, 0.4 * args.deadline), stop)
         log(f"bench/gpu_epochs.py: {'done' if status == 0 else 'exit ' + str(status)}")
-        profiled = run_profile(args, work, min(args.profile_seconds, 0.2 * args.deadline), stop)
-        log(f"bench/gpu_profile.py: {'done' if profiled == 0 else 'exit ' + str(profiled)}")
-        checks = {"lstm_cudnn": cudnn, "bench_exit": status, "profile_exit": profiled}
+        checks = {"lstm_cudnn": cudnn, "bench_exit": status}
+    # every lent GPU measures itself (the profile is what the CPU work between GPUs acts on), --checks
+    # tests included: a minute at most before the runs
+    profiled = run_profile(args, work, min(args.profile_seconds, 0.2 * args.deadline), stop)
+    log(f"bench/gpu_profile.py: {'done' if profiled == 0 else 'exit ' + str(profiled)}")
+    checks["profile_exit"] = profiled
     marker.write_text(json.dumps(checks))
     return checks, (None if stop.asked else start_tests(args, work))
 
@@ -923,8 +927,9 @@ def main():
     parser.add_argument("--tests", nargs="*", help=f"test files for the first call (default: {' '.join(CUDA_TESTS)})")
     parser.add_argument("--checks", choices=("all", "tests", "none"), default="all",
                         help="what the first call on a machine checks: all (the LSTM cuDNN check and the bench "
-                             "before the runs, the CUDA tests beside them; the default), tests (only the CUDA "
-                             "tests, beside the runs; cuDNN on), none (straight to the queue; cuDNN on)")
+                             "and the profile before the runs, the CUDA tests beside them; the default), tests (the "
+                             "profile, then the CUDA tests beside the runs; cuDNN on), none (straight to the queue; "
+                             "cuDNN on)")
     parser.add_argument("--bench-seconds", type=float, default=150, help="time limit of the bench (default 150)")
     parser.add_argument("--pack-seconds", type=float, default=40,
                         help="seconds kept at the end for stopping and packing (default 40)")
@@ -932,8 +937,9 @@ def main():
                         help="seconds a run may take to stop after its stop signal before it is killed (default 20)")
     parser.add_argument("--pack-every", type=float, default=30,
                         help="$OUT is packed again after an epoch end, at most this often (seconds, default 30)")
-    parser.add_argument("--profile-seconds", type=float, default=90,
-                        help="time limit of the first call's profile, bench/gpu_profile.py (default 90)")
+    parser.add_argument("--profile-seconds", type=float, default=60,
+                        help="time limit of the first call's profile, bench/gpu_profile.py, run by --checks all "
+                             "and tests (default 60)")
     parser.add_argument("--min-start-seconds", type=float, default=60,
                         help="no run starts with less time than this left (default 60)")
     parser.add_argument("--progress-every", type=float, default=60, help="seconds between progress lines")

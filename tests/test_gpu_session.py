@@ -210,13 +210,15 @@ def test_dry_run_stops_packs_unpacks_and_goes_on_to_the_same_result(tmp_path):
     assert "resum" in (box1 / "runs" / "GPT2-Wiki103" / gpt2_name / "log.txt").read_text().lower()
 
     # call 3, a new machine: the LSTM run goes on from the packed checkpoint shipped in "reproduction/"
-    # (--checks tests: the CUDA tests beside the run, no LSTM check and no bench)
+    # (--checks tests: the profile, then the CUDA tests beside the run; no LSTM check and no bench)
     third = kit(*common, "--work", box2, "--out", tmp_path / "out3", "--only", lstm, "--shipped", into,
                 "--checks", "tests", "--tests", "tests/test_cuda.py")
     assert third.returncode == 0, third.stderr
     out3 = sorted(p.name for p in (tmp_path / "out3").iterdir())
     assert out3 == ["runs.tar.gz", "tests.log"], out3
-    assert session_json(tmp_path / "out3")["checks"] == {"lstm_cudnn": "on", "bench": "skipped"}
+    assert session_json(tmp_path / "out3")["checks"] == {"lstm_cudnn": "on", "bench": "skipped", "profile_exit": 0}
+    with tarfile.open(tmp_path / "out3" / "runs.tar.gz") as tar:  # every lent GPU measures itself
+        assert "gpu-profile.txt" in tar.getnames()
     assert "skipped" in (tmp_path / "out3" / "tests.log").read_text()
     entry = session_json(tmp_path / "out3")["runs"][f"LSTM-Wiki2/{lstm_name}"]
     assert entry["from"] == "shipped checkpoint (epoch 2)" and entry["finished"] and entry["epochs_this_call"] == 1
