@@ -5,7 +5,7 @@ from torch.func import functional_call, grad, vmap
 
 from models.gpt2 import build_gpt2, causal_mask, lm_loss
 from models.lstm import LSTMModel
-from models.mlp import AutoregressiveMLP
+from models.mlp import AutoregressiveMLP, window_gradients
 
 
 def n_params(model) -> int:
@@ -66,6 +66,38 @@ def test_mlp_rollout_feeds_back_its_own_predictions():
     assert (g[:, 0] != 0).all()
     # a shorter horizon is a prefix of a longer one
     torch.testing.assert_close(m(x, 6), out[:, :6])
+
+
+@pytest.mark.parametrize("layers", [2, 3, 4])
+def test_mlp_window_gradients_match_a_float64_autograd_oracle(layers):
+    """The hand-written rollout backward = per-window autograd gradients of the rollout MSE in float64
+    (vmap over windows), to float32 rounding, in mlp.parameters() order; and its losses."""
+    torch.manual_seed(layers)
+    m = AutoregressiveMLP(in_len=8, hidden=16, n_layers=layers)
+    x, y = torch.randn(5, 8), torch.randn(5, 6)
+    # large weights, so that some ReLUs are off and later predictions depend strongly on earlier ones
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3)
+    d = n_params(m)
+    out = torch.full((5, d), float("nan"))
+    losses = window_gradients(m, x, y, out)
+
+    m64 = AutoregressiveMLP(in_len=8, hidden=16, n_layers=layers).double()
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    params = dict(m64.named_parameters())
+
+    def loss(p, xi, yi):
+        pred = functional_call(m64, p, (xi[None], yi.shape[0]))[0]
+        return (pred - yi).square().mean()
+
+    per_window = vmap(grad(loss), in_dims=(None, 0, 0))(params, x.double(), y.double())
+    expected = torch.cat([per_window[name].reshape(5, -1) for name, _ in m64.named_parameters()], dim=1)
+    scale = expected.abs().max().item()
+    assert scale > 1 and (expected != 0).float().mean() > 0.3  # not a degenerate case
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * scale)
+    oracle = torch.stack([loss(params, xi, yi) for xi, yi in zip(x.double(), y.double())])
+    torch.testing.assert_close(losses.double(), oracle, rtol=1e-5, atol=0)
 
 
 # ---------------------------------------------------------------- GPT-2
