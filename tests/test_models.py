@@ -4,7 +4,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from models.gpt2 import build_gpt2, causal_mask, lm_loss
-from models.lstm import LSTMModel
+from models.lstm import LSTMModel, unit_gradients
 from models.mlp import AutoregressiveMLP, window_gradients
 
 
@@ -40,6 +40,36 @@ def test_lstm_forward_shapes_and_hidden_carry():
     # a carried hidden state changes the next output
     again, _ = m(x, h2)
     assert not torch.allclose(again, logp)
+
+
+def test_lstm_unit_gradients_in_one_pass_match_a_float64_oracle():
+    """models.lstm.unit_gradients (the units side by side as one block-diagonal LSTM, one backward) = each
+    unit's own float64 backward of its mean token NLL, for the tied weight, every LSTM weight and bias,
+    with nonzero initial states and repeated tokens; its losses and final states too."""
+    torch.manual_seed(0)
+    V, U, T, w = 40, 3, 6, 2
+    m = LSTMModel(V, 32, 32, 2)
+    inputs, targets = torch.randint(0, V, (U, T, w)), torch.randint(0, V, (U, T, w))
+    inputs[0, :3, 0] = 7  # one row read several times by one unit, and by another
+    inputs[1, 0, 1] = 7
+    h0, c0 = torch.randn(U, 2, w, 32), torch.randn(U, 2, w, 32)
+    d = n_params(m)
+    out = torch.full((U, d), float("nan"))
+    losses, (h, c) = unit_gradients(m, inputs, targets, h0, c0, out)
+
+    m64 = LSTMModel(V, 32, 32, 2).double()
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    for u in range(U):
+        m64.zero_grad()
+        log_probs, (hu, cu) = m64(inputs[u], (h0[u].double(), c0[u].double()))
+        loss = torch.nn.functional.nll_loss(log_probs, targets[u].reshape(-1))
+        loss.backward()
+        expected = torch.cat([p.grad.reshape(-1) for p in m64.parameters()])
+        assert expected.numel() == d
+        torch.testing.assert_close(out[u].double(), expected, rtol=0, atol=1e-6 * expected.abs().max().item())
+        torch.testing.assert_close(losses[u].double(), loss.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(h[u].double(), hu.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(c[u].double(), cu.detach(), rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------- MLP
