@@ -26,10 +26,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from anywhere
-
-from engine.runlog import git_commit  # noqa: E402
-
 COLUMNS = ("epoch_seconds", "sorter_seconds", "comm_seconds", "compute_seconds")
 
 
@@ -62,7 +58,7 @@ def main():
     if args.record is not None and not args.label:
         parser.error("--record needs --label (the run's key in the file)")
     samples = {sorter: [] for sorter in args.sorters}
-    load_before = os.getloadavg()
+    load_before, commit = os.getloadavg(), measured_commit()
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for sorter in args.sorters:
@@ -75,13 +71,25 @@ def main():
         "script": args.script, "entry_args": extra, "epochs": args.epochs, "epoch_reported": epoch,
         "rounds": args.rounds, "seconds": medians,
         "ratio_to_first": {sorter: round(m["epoch_seconds"] / base, 3) for sorter, m in medians.items()},
-        "git_commit": git_commit(), "date": datetime.date.today().isoformat(),
+        "git_commit": commit, "date": datetime.date.today().isoformat(),
         "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
         "cpus": os.cpu_count(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
     print(json.dumps(result, indent=1))
     if args.record is not None:
         record(args.record, args.label, result, args.sorters)
+
+
+def measured_commit() -> str | None:
+    """The checked-out commit, with "-dirty" when code differs from it: changes under bench/results/ (what
+    this bench writes) do not count."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":(exclude)bench/results"], cwd=REPO, capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    return (head + ("-dirty" if changed.strip() else "")) or None
 
 
 def record(path: Path, label: str, result: dict, sorters: list[str]) -> None:
