@@ -17,8 +17,7 @@ the previous step belongs to an unrelated place in the text). --carry-hidden rep
 the ordering unit: worker r owns m * B/n units (unit u = chunk u // (B/n), column r*B/n + u % (B/n))
 and takes B/n of them per step, so a step sees the same number of tokens; gradient sorters then
 get one gradient per sequence and CD-GraB pairs units inside a step. With a balancing sorter a step
-costs about 2x the chunk unit's (one backward per sequence, B/n times the gradients to gather and
-balance; measured 0.55 vs 0.31 s at B=16, n=4 on one CPU thread); D-RR costs the same in both.
+gathers and balances B/n times the gradients of the chunk unit; D-RR costs the same in both.
 Not with --carry-hidden: a worker's units are no longer one stream whose state could be carried.
 
 Evaluation after every epoch: mean per-token NLL (train_loss / valid_loss / test_loss) and
