@@ -162,6 +162,7 @@ def run_child(request: dict, fds: list, conn) -> None:
             code = exit_code(lambda: run_source(source, "<stdin>" if argv[0] == "-" else "<string>"))
         elif argv[:1] == ["-m"]:
             module, rest = argv[1], argv[2:]
+            sys.modules.pop(module, None)  # preloaded (torch.distributed.run): runpy would warn on stderr
             sys.argv = [module, *rest]
             sys.path[0] = os.getcwd()
             code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
