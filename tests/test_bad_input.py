@@ -221,7 +221,7 @@ def test_sigterm_names_torchrun_only_under_torchrun(monkeypatch):
     assert "torchrun" not in terminated_line(args, None)
     assert "results/run/checkpoint.pt" in terminated_line(args, None)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    assert "torchrun stops every process" in terminated_line(args, None)
+    assert "stops every process when one fails" in terminated_line(args, None)
 
 
 def checkpoint(tmp_path, **changes) -> tuple:

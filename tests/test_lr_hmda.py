@@ -129,7 +129,7 @@ def test_an_unreadable_checkpoint_gets_one_clear_line(tmp_path):
     without_sorter = {key: value for key, value in state.items() if key != "sorter"}
     sorter_without_n = {**state, "sorter": {key: value for key, value in state["sorter"].items() if key != "n"}}
     for damaged, message in ((without_sorter, "checkpoint.pt lacks sorter (not a checkpoint of this version"),
-                             (sorter_without_n, "its state lacks 'n'; the checkpoint was written by another version")):
+                             (sorter_without_n, "missing n; the checkpoint was written by another version")):
         torch.save(damaged, out / "checkpoint.pt")
         files = {path.name: path.read_bytes() for path in out.iterdir()}
         result = run_script(SCRIPT, "--epochs", "2", "--out", out, "--resume", *QUICK)
