@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
-from analysis import load_runs, plots  # noqa: E402
+from analysis import aggregate_all, load_runs, plots  # noqa: E402
+from analysis.aggregate import benchmark_curves  # noqa: E402
 from engine.flags import FLAGS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +52,11 @@ def falling(shift):
     return lambda column, epoch: (400.0 if column.endswith("_ppl") else 6.0) / epoch ** 0.1 + shift
 
 
+def curves_of(*args, **kwargs):
+    """The benchmark figures' table (aggregate.benchmark_curves) of load_runs(*args, **kwargs)."""
+    return benchmark_curves(load_runs(*args, **kwargs))
+
+
 def stars(ax):
     return [line for line in ax.get_lines() if line.get_marker() == "*"]
 
@@ -67,7 +73,7 @@ def test_paper_stars_only_beside_runs_with_the_papers_settings(tmp_path):
               falling(0.0))
     write_run(tmp_path / "others", "LSTM-Wiki2", "D-RR", 0, {**paper, "node_cnt": 8, "B": 32}, 3, falling(0.1))
     write_run(tmp_path / "others", "LSTM-Wiki2", "CD-GraB", 1, {**paper, "epochs": 10}, 3, falling(0.05))
-    fig = plots.plot_benchmark(load_runs(tmp_path / "others", include_incomplete=True, warn=False), "LSTM-Wiki2")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "others", include_incomplete=True, warn=False), "LSTM-Wiki2")
     assert len(fig.axes) == 2 and [stars(ax) for ax in fig.axes] == [[], []]
     plt.close(fig)
 
@@ -76,7 +82,7 @@ def test_paper_stars_only_beside_runs_with_the_papers_settings(tmp_path):
     write_run(tmp_path / "mixed", "LSTM-Wiki2", "CD-GraB", 0, paper, 3, falling(0.0))
     write_run(tmp_path / "mixed", "LSTM-Wiki2", "D-RR", 0, {**paper, "node_cnt": 8, "B": 32}, 3, falling(0.1))
     df = load_runs(tmp_path / "mixed", include_incomplete=True, warn=False)
-    fig = plots.plot_benchmark(df, "LSTM-Wiki2")
+    fig = plots.plot_benchmark(benchmark_curves(df), "LSTM-Wiki2")
     for ax, value in zip(fig.axes, (5.311, 223.6)):
         (star,) = stars(ax)
         assert (star.get_xdata()[0], star.get_ydata()[0]) == (50, value)
@@ -90,7 +96,7 @@ def test_two_settings_of_one_sorter_have_their_own_colours_and_legend_entries(tm
     for carry in (True, False):
         write_run(tmp_path, "LSTM-Wiki2", "CD-GraB", 0, {**paper, "carry_hidden": carry}, 3, falling(0.2 * carry))
     write_run(tmp_path, "LSTM-Wiki2", "D-RR", 0, paper, 3, falling(0.5))
-    fig = plots.plot_benchmark(load_runs(tmp_path, include_incomplete=True, warn=False), "LSTM-Wiki2")
+    fig = plots.plot_benchmark(curves_of(tmp_path, include_incomplete=True, warn=False), "LSTM-Wiki2")
     for ax in fig.axes:
         colors = {line.get_label(): to_hex(line.get_color()) for line in curves(ax)}
         assert sorted(colors) == ["CD-GraB (carried hidden state) (1 seed)", "CD-GraB (zero hidden state) (1 seed)",
@@ -114,7 +120,7 @@ def test_value_axes_show_small_differences_at_their_size(tmp_path):
     for sorter, shift in (("CD-GraB", 0.0), ("D-RR", 1e-4)):
         write_run(tmp_path / "close", "GPT2-Wiki103", sorter, 0, args, 3,
                   lambda column, epoch, shift=shift: 4.0 + shift + 1e-5 * epoch)
-    fig = plots.plot_benchmark(load_runs(tmp_path / "close", include_incomplete=True, warn=False), "GPT2-Wiki103")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "close", include_incomplete=True, warn=False), "GPT2-Wiki103")
     fig.canvas.draw()
     assert [ax.get_ylabel() for ax in fig.axes] == ["train loss", "validation perplexity", "test perplexity"]
     assert [ax.get_yscale() for ax in fig.axes] == ["linear"] * 3
@@ -132,7 +138,7 @@ def test_value_axes_show_small_differences_at_their_size(tmp_path):
     for sorter in ("CD-GraB", "D-RR"):
         write_run(tmp_path / "wide", "GPT2-Wiki103", sorter, 0, args, 3,
                   lambda column, epoch: 1000.0 / 4.5 ** (epoch - 1) if column.endswith("_ppl") else 4.0)
-    fig = plots.plot_benchmark(load_runs(tmp_path / "wide", include_incomplete=True, warn=False), "GPT2-Wiki103")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "wide", include_incomplete=True, warn=False), "GPT2-Wiki103")
     assert [ax.get_yscale() for ax in fig.axes] == ["linear", "log", "log"]
     plt.close(fig)
 
@@ -144,7 +150,7 @@ def test_a_far_paper_value_is_marked_at_the_edge_not_stretching_the_axis(tmp_pat
     for sorter, shift in (("CD-GraB", 0.0), ("D-RR", 0.001)):
         write_run(tmp_path, "LR-HMDA", sorter, 0, paper, 3,
                   lambda column, epoch, shift=shift: (0.276 if "loss" in column else 0.905) + shift + 0.001 / epoch)
-    fig = plots.plot_benchmark(load_runs(tmp_path, include_incomplete=True, warn=False), "LR-HMDA")
+    fig = plots.plot_benchmark(curves_of(tmp_path, include_incomplete=True, warn=False), "LR-HMDA")
     train = fig.axes[0]
     low, high = train.get_ylim()
     assert high < 0.3  # the curves' range, not up to the paper's 0.335
@@ -197,7 +203,7 @@ def test_a_curve_says_where_its_seeds_end_and_studies_with_figures_stay_out_of_s
     paper = shipped_args("LR-HMDA")
     write_run(tmp_path / "own", "LR-HMDA", "D-RR", 0, paper, 3, falling(0.0))
     write_run(tmp_path / "own", "LR-HMDA", "D-RR", 1, paper, 2, falling(0.01))  # partial: stopped at epoch 2
-    fig = plots.plot_benchmark(load_runs(tmp_path / "own", include_incomplete=True, warn=False), "LR-HMDA")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "own", include_incomplete=True, warn=False), "LR-HMDA")
     assert [line.get_label() for line in curves(fig.axes[0])] == ["D-RR (2 seeds to epoch 2, 1 after)"]
     plt.close(fig)
     # the reorderers study runs 1 and 4 workers at one batch: its own figure, not a worker-scaling row
@@ -205,7 +211,8 @@ def test_a_curve_says_where_its_seeds_end_and_studies_with_figures_stay_out_of_s
         write_run(tmp_path / "studies" / "reorderers", "LR-HMDA", "KH-SGD", 0, {**paper, "node_cnt": n}, 3,
                   falling(0.0))
     df = load_runs(tmp_path / "studies", include_incomplete=True, warn=False)
-    assert set(df["study"]) == {"reorderers"} and plots.plot_scaling(df) is None
+    tables = aggregate_all(df)
+    assert set(df["study"]) == {"reorderers"} and plots.plot_scaling(tables.scaling, tables.scaling_herding) is None
 
 
 def test_worker_scaling_draws_the_sketched_herding_runs_apart_from_exact_and_d_rr():
@@ -235,9 +242,9 @@ def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch():
 
     from analysis.studies import plot_sketching
 
-    df = load_runs(SHIPPED, warn=False)
+    tables = aggregate_all(load_runs(SHIPPED, warn=False))
     for benchmark, dims in {"MLP-M4": (64, 256, 1024), "LR-HMDA": (8, 16)}.items():
-        fig = plot_sketching(df, benchmark)
+        fig = plot_sketching(tables.sketching, tables.sketching_panels, tables.sketching_ratios, benchmark)
         titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
         assert titles[0].startswith("herding bound of the real gradients") and "10 epochs" in titles[0], titles
         assert titles[1].startswith("train loss (first") and "10 epochs" in titles[1], titles
