@@ -52,6 +52,54 @@ def falling(shift):
     return lambda column, epoch: (400.0 if column.endswith("_ppl") else 6.0) / epoch ** 0.1 + shift
 
 
+# what drawing may use from the load and aggregate stages: sort keys, no reading, no statistics
+DRAWING_MAY_CALL = {"variant_order", "reorderer_order"}
+
+
+def load_and_aggregate_functions() -> dict:
+    """{name: function} of every function defined in analysis/load.py and analysis/aggregate.py that drawing
+    must not call (DRAWING_MAY_CALL aside)."""
+    import importlib
+    import inspect
+
+    # the modules by name: the package's attribute `analysis.aggregate` is the function aggregate()
+    modules = [importlib.import_module(name) for name in ("analysis.load", "analysis.aggregate")]
+    return {name: f for module in modules for name, f in vars(module).items()
+            if inspect.isfunction(f) and f.__module__ == module.__name__ and name not in DRAWING_MAY_CALL}
+
+
+def forbid_loading_and_aggregating(monkeypatch):
+    """Make every load/aggregate function raise wherever analysis/ holds it (a module that imported it by
+    name included), so that drawing which reads runs or computes a table itself fails the test."""
+    banned = load_and_aggregate_functions()
+
+    def raiser(name):
+        def called(*args, **kwargs):
+            raise AssertionError(f"drawing called analysis {name}(): figures draw from aggregated tables only")
+        return called
+
+    for module in [m for name, m in sys.modules.items() if name == "analysis" or name.startswith("analysis.")]:
+        for attr, value in list(vars(module).items()):
+            if any(value is f for f in banned.values()):
+                monkeypatch.setattr(module, attr, raiser(attr))
+
+
+def test_figure_code_never_loads_or_aggregates():
+    """The one-pass shape (load -> aggregate -> draw), read from the code: no function of analysis/plots.py or
+    analysis/studies.py calls a function of analysis/load.py or analysis/aggregate.py (sort keys aside), so
+    no figure asks for its pieces itself. The tests that draw (here and in test_notebooks.py) do so with those
+    functions made to raise too (forbid_loading_and_aggregating)."""
+    import ast
+
+    banned = set(load_and_aggregate_functions())
+    for path in (REPO / "analysis" / "plots.py", REPO / "analysis" / "studies.py"):
+        tree = ast.parse(path.read_text())
+        for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            calls = [n.func for n in ast.walk(function) if isinstance(n, ast.Call)]
+            used = {getattr(f, "id", None) or getattr(f, "attr", None) for f in calls}  # f(...), module.f(...)
+            assert not used & banned, f"{path.name}:{function.name} calls {sorted(used & banned)}"
+
+
 def curves_of(*args, **kwargs):
     """The benchmark figures' table (aggregate.benchmark_curves) of load_runs(*args, **kwargs)."""
     return benchmark_curves(load_runs(*args, **kwargs))
@@ -232,7 +280,7 @@ def test_worker_scaling_draws_the_sketched_herding_runs_apart_from_exact_and_d_r
     plt.close(fig)
 
 
-def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch():
+def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch(monkeypatch):
     """Issue #31: the shipped structured-sketch runs (TensorSketch blocks for the weight matrices) are their own
     curves in the sketching figures' herding-bound and 10-epoch train-loss panels, in their D's colour but
     dashed with square markers, beside the CountSketch's solid round-marked curve, exact CD-GraB and D-RR;
@@ -243,8 +291,12 @@ def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch():
     from analysis.studies import plot_sketching
 
     tables = aggregate_all(load_runs(SHIPPED, warn=False))
+    with monkeypatch.context() as patch:  # drawn from the tables alone
+        forbid_loading_and_aggregating(patch)
+        figs = {benchmark: plot_sketching(tables.sketching, tables.sketching_panels, tables.sketching_ratios, benchmark)
+                for benchmark in ("MLP-M4", "LR-HMDA")}
     for benchmark, dims in {"MLP-M4": (64, 256, 1024), "LR-HMDA": (8, 16)}.items():
-        fig = plot_sketching(tables.sketching, tables.sketching_panels, tables.sketching_ratios, benchmark)
+        fig = figs[benchmark]
         titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
         assert titles[0].startswith("herding bound of the real gradients") and "10 epochs" in titles[0], titles
         assert titles[1].startswith("train loss (first") and "10 epochs" in titles[1], titles

@@ -23,6 +23,7 @@ from analysis.aggregate import benchmark_curves  # noqa: E402
 from analysis.load import RESUMABLE_ARGS  # noqa: E402
 from analysis.paper_values import PAPER_SETTINGS  # noqa: E402
 from tests.helpers import run_python  # noqa: E402
+from tests.test_figures import forbid_loading_and_aggregating  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -127,7 +128,7 @@ def study_results(tmp_path_factory):
     return root
 
 
-def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_path):
+def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_path, monkeypatch):
     df = load_runs(study_results, warn=False)
     runs = df.drop_duplicates("run_dir")
     assert runs.groupby("study")["run_dir"].nunique().to_dict() == {"": 1, "heterogeneity": 12, "scaling": 16}
@@ -148,7 +149,9 @@ def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_pat
     assert {line.get_label() for line in fig.axes[2].get_lines()} == {"CD-GraB, n=4", "CD-GraB, n=16", "D-RR, n=4",
                                                                      "D-RR, n=16"}
     plt.close(fig)
-    names = {Path(p).stem for p in plots.draw_all(tables, tmp_path)}
+    with monkeypatch.context() as patch:  # every figure drawn from the tables alone
+        forbid_loading_and_aggregating(patch)
+        names = {Path(p).stem for p in plots.draw_all(tables, tmp_path)}
     # the benchmarks' figures show their own runs only; each study has its own figure
     assert names == {"LR-HMDA-vs-epoch", "LR-HMDA-vs-seconds", "LR-HMDA-time-breakdown", "heterogeneity", "scaling"}
 
