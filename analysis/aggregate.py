@@ -372,21 +372,35 @@ def _curves(frame: pd.DataFrame, by: str, column: str) -> pd.DataFrame:
     return curves.assign(seeds=curves[by].map(frame.groupby(by)["run_dir"].nunique()))
 
 
+def variant_ranks(runs: pd.DataFrame) -> dict:
+    """{variant: its place in variant_order among the variants of sketching_runs' `runs`}: the figure's
+    order and colours follow it without sorting again."""
+    return {variant: i for i, variant in enumerate(sorted(runs["variant"].unique(), key=variant_order))}
+
+
+def sketch_dim(variant: str) -> float:
+    """A sketched variant's D ("CD-GraB, D = 64, structured": 64); NaN for exact CD-GraB and D-RR."""
+    return float(variant.removesuffix(STRUCTURED).rsplit(" ", 1)[1]) if variant.startswith("CD-GraB, D = ") \
+        else float("nan")
+
+
 def sketching_panels(runs: pd.DataFrame, benchmark: str) -> tuple:
     """The sketching figure's curve panels of sketching_runs' `runs`: (curves, panels).
 
     Panels, those with runs, in this order: the herding bound and the train loss of the runs with a logged
     herding bound, the train loss of the full-data runs. curves: per panel, variant and epoch, _curves'
-    mean, std, count, seeds. panels: one row per panel: column, examples (its --max-train-examples, NaN for
+    mean, std, count, seeds, and the variant's `rank` (variant_ranks). panels: one row per panel: column, examples (its --max-train-examples, NaN for
     the full data), epochs, first (the first epoch of its y range), low and high (that range: the later
     epochs' means ± their sample std: epoch 1's herding bound, the random first order, and the first
     epochs' losses would dwarf the differences between the variants), n and B (the figure's title)."""
     herding = runs[runs["herding_bound"].notna()] if "herding_bound" in runs else runs.iloc[:0]
     sources = [(frame, column) for frame, column in ((herding, "herding_bound"), (herding, "train_loss"),
                                                      (runs[runs["full_data"]], "train_loss")) if len(frame)]
+    rank = variant_ranks(runs)
     curves, panels = [], []
     for panel, (frame, column) in enumerate(sources):
-        curves.append(_curves(frame, "variant", column).assign(benchmark=benchmark, panel=panel))
+        curve = _curves(frame, "variant", column)
+        curves.append(curve.assign(benchmark=benchmark, panel=panel, rank=curve["variant"].map(rank)))
         examples = frame["max_train_examples"].dropna()
         first = 2 if column == "herding_bound" else max(2, int(frame["epoch"].max() * 0.3))
         later = frame[frame["epoch"] >= first].groupby(["variant", "epoch"])[column]
@@ -422,13 +436,14 @@ def reorderer_runs(df: pd.DataFrame, benchmark: str, configs: pd.DataFrame | Non
 def reorderer_curves(runs: pd.DataFrame, benchmark: str) -> pd.DataFrame:
     """The reorderers figure's curves of reorderer_runs' `runs`: per worker count n (a row of panels), metric
     (train loss, the headline metric), sorter and epoch, _curves' mean, std, count, seeds; B and lr of the
-    study's first run (the title)."""
+    study's first run (the title); rank: the sorter's reorderer_order."""
     parts = []
     for panel, metric in enumerate(["train_loss", *headline_metrics(runs, benchmark)[:1]]):
         for n, group in runs.groupby("node_cnt", sort=True):
             parts.append(_curves(group, "sorter", metric).assign(node_cnt=n, metric=metric, panel=panel))
     table = pd.concat(parts, ignore_index=True)
-    return table.assign(benchmark=benchmark, B=int(runs["B"].iloc[0]), lr=runs["lr"].iloc[0])
+    return table.assign(benchmark=benchmark, B=int(runs["B"].iloc[0]), lr=runs["lr"].iloc[0],
+                        rank=table["sorter"].map(reorderer_order))
 
 
 # ------------------------------------------------------------------------------------------- all at once
@@ -446,7 +461,7 @@ class Tables:
     communication: pd.DataFrame    # communication_table
     sketching: pd.DataFrame        # sketching_panels' curves, every benchmark
     sketching_panels: pd.DataFrame  # sketching_panels' panels, every benchmark
-    sketching_ratios: pd.DataFrame  # herding_ratios of the sketched variants and D-RR, with `benchmark`
+    sketching_ratios: pd.DataFrame  # herding_ratios of the sketched variants and D-RR; benchmark, rank, dim
     reorderers: pd.DataFrame       # reorderer_curves, every benchmark
     final: pd.DataFrame            # final_table of every run
 
@@ -461,8 +476,9 @@ def _sketching_tables(df: pd.DataFrame, configs: pd.DataFrame) -> tuple:
         curves.append(benchmark_curves_)
         panels.append(benchmark_panels)
         ratio = herding_ratios(runs)
-        ratios.append(ratio[ratio["variant"] != "CD-GraB exact"].dropna(subset=["mean_ratio"]).assign(
-            benchmark=benchmark))
+        ratio = ratio[ratio["variant"] != "CD-GraB exact"].dropna(subset=["mean_ratio"])
+        ratios.append(ratio.assign(benchmark=benchmark, rank=ratio["variant"].map(variant_ranks(runs)),
+                                   dim=ratio["variant"].map(sketch_dim)))
     return tuple(pd.concat(parts, ignore_index=True) if parts else pd.DataFrame() for parts in (curves, panels, ratios))
 
 

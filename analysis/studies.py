@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.aggregate import STRUCTURED, reorderer_order, variant_order
+from analysis.aggregate import STRUCTURED
 from analysis.style import (REDUCER_FILL, STRATEGY_MARKERS, metric_label, scale_value_axis, sketch_colours,
                             sketch_style, sorter_styles)
 
@@ -60,7 +60,7 @@ def plot_reorderers(curves: pd.DataFrame, benchmark: str):
     worker_counts = sorted(curves["node_cnt"].unique())
     fig, axes = plt.subplots(len(worker_counts), len(metrics), figsize=(6 * len(metrics), 3.8 * len(worker_counts)),
                              squeeze=False)
-    styles = sorter_styles(sorted(curves["sorter"].unique(), key=reorderer_order))
+    styles = sorter_styles(_in_order(curves, "sorter"))
     for row, n in zip(axes, worker_counts):
         for ax, metric in zip(row, metrics):
             _reorderer_panel(ax, curves[(curves["node_cnt"] == n) & (curves["metric"] == metric)], styles)
@@ -77,9 +77,9 @@ def plot_reorderers(curves: pd.DataFrame, benchmark: str):
 
 
 def _reorderer_panel(ax, curves, styles):
-    """A curve and std band per sorter (reorderer_order) of one worker count's and metric's curves."""
+    """A curve and std band per sorter (in rank order) of one worker count's and metric's curves."""
     means = []
-    for sorter in sorted(curves["sorter"].unique(), key=reorderer_order):
+    for sorter in _in_order(curves, "sorter"):
         curve = curves[curves["sorter"] == sorter].sort_values("epoch")
         colour = styles[sorter]["color"]
         means += curve["mean"].to_list()
@@ -118,8 +118,7 @@ def plot_sketching(curves: pd.DataFrame, panels: pd.DataFrame, ratios: pd.DataFr
     shape = (2, 2) if count == 4 else (1, count)
     fig, axes = plt.subplots(*shape, figsize=(6.5 * shape[1], 4.2 * shape[0]), squeeze=False)
     axes = axes.ravel()
-    variants = set(curves["variant"]) | set(ratios["variant"] if len(ratios) else [])
-    colours = sketch_colours(sorted(variants, key=variant_order))
+    colours = sketch_colours(_in_order(pd.concat([curves, ratios]), "variant"))
     for ax, panel in zip(axes, panels.itertuples()):
         _sketching_panel(ax, curves[curves["panel"] == panel.panel], panel, colours)
     if len(ratios):
@@ -137,7 +136,7 @@ def _sketching_panel(ax, curves, panel, colours):
     """One curve panel of plot_sketching: a curve and std band per variant; the y range that of the later
     epochs (the panel row's first, low and high), said in the title."""
     means = []
-    for variant in sorted(curves["variant"].unique(), key=variant_order):
+    for variant in _in_order(curves, "variant"):
         curve = curves[curves["variant"] == variant].sort_values("epoch")
         means += curve["mean"].to_list()
         style = sketch_style(variant, colours)
@@ -165,9 +164,9 @@ def plot_herding_ratios(ax, ratios: pd.DataFrame, colours: dict) -> None:
     and one for D-RR, with the lines 1 (exact) and 1.25 (issue #31's goal). Each variant's points are one
     Line2D per statistic, labelled "<variant>: mean of epochs 2+" / "<variant>: last epoch"; the legend
     explains the markers instead of listing them."""
-    bases = sorted({v.removesuffix(STRUCTURED) for v in ratios["variant"]},
-                   key=lambda v: (v == "D-RR", -variant_order(v)[1]))  # increasing D, then D-RR
-    for variant in sorted(ratios["variant"].unique(), key=variant_order):
+    # increasing D (D-RR's is NaN: last)
+    bases = list(ratios.sort_values("dim", kind="stable")["variant"].str.removesuffix(STRUCTURED).unique())
+    for variant in _in_order(ratios, "variant"):
         rows = ratios[ratios["variant"] == variant]
         style = sketch_style(variant, colours)
         shift = 0.0 if variant == "D-RR" else 0.15 if variant.endswith(STRUCTURED) else -0.15
@@ -187,6 +186,12 @@ def plot_herding_ratios(ax, ratios: pd.DataFrame, colours: dict) -> None:
     ax.set_title("herding bound vs exact CD-GraB, seed by seed (colour: D)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(handles=proxies, fontsize=7, loc="best")
+
+
+def _in_order(table: pd.DataFrame, column: str) -> list:
+    """The values of `column` in the order of the table's `rank` column (aggregate made it: variant_order,
+    reorderer_order), so that drawing need not know the order."""
+    return list(table.sort_values(["rank", column])[column].unique())
 
 
 def study_figures(tables) -> dict:

@@ -52,20 +52,16 @@ def falling(shift):
     return lambda column, epoch: (400.0 if column.endswith("_ppl") else 6.0) / epoch ** 0.1 + shift
 
 
-# what drawing may use from the load and aggregate stages: sort keys, no reading, no statistics
-DRAWING_MAY_CALL = {"variant_order", "reorderer_order"}
-
-
 def load_and_aggregate_functions() -> dict:
-    """{name: function} of every function defined in analysis/load.py and analysis/aggregate.py that drawing
-    must not call (DRAWING_MAY_CALL aside)."""
+    """{name: function} of every function defined in analysis/load.py and analysis/aggregate.py: drawing
+    calls none of them (the tables come in sorted, with rank columns where an order matters)."""
     import importlib
     import inspect
 
     # the modules by name: the package's attribute `analysis.aggregate` is the function aggregate()
     modules = [importlib.import_module(name) for name in ("analysis.load", "analysis.aggregate")]
     return {name: f for module in modules for name, f in vars(module).items()
-            if inspect.isfunction(f) and f.__module__ == module.__name__ and name not in DRAWING_MAY_CALL}
+            if inspect.isfunction(f) and f.__module__ == module.__name__}
 
 
 def forbid_loading_and_aggregating(monkeypatch):
@@ -86,7 +82,7 @@ def forbid_loading_and_aggregating(monkeypatch):
 
 def test_figure_code_never_loads_or_aggregates():
     """The one-pass shape (load -> aggregate -> draw), read from the code: no function of analysis/plots.py or
-    analysis/studies.py calls a function of analysis/load.py or analysis/aggregate.py (sort keys aside), so
+    analysis/studies.py calls a function of analysis/load.py or analysis/aggregate.py, so
     no figure asks for its pieces itself. The tests that draw (here and in test_notebooks.py) do so with those
     functions made to raise too (forbid_loading_and_aggregating)."""
     import ast
