@@ -472,9 +472,8 @@ def _sketching_tables(df: pd.DataFrame, configs: pd.DataFrame) -> tuple:
     benchmarks = sorted(df.loc[df["study"] == "sketching", "benchmark"].unique()) if len(df) else []
     for benchmark in benchmarks:
         runs = sketching_runs(df, benchmark, configs)
-        benchmark_curves_, benchmark_panels = sketching_panels(runs, benchmark)
-        curves.append(benchmark_curves_)
-        panels.append(benchmark_panels)
+        for parts, table in zip((curves, panels), sketching_panels(runs, benchmark)):
+            parts.append(table)
         ratio = herding_ratios(runs)
         ratio = ratio[ratio["variant"] != "CD-GraB exact"].dropna(subset=["mean_ratio"])
         ratios.append(ratio.assign(benchmark=benchmark, rank=ratio["variant"].map(variant_ranks(runs)),
