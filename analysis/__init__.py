@@ -1,21 +1,26 @@
-"""Logs to figures: read run directories and herding CSVs, aggregate over seeds, draw the paper's figures.
+"""Logs to figures in one pass: load the runs (analysis/load.py), aggregate everything the figures and tables
+need (analysis/aggregate.py), draw each figure from its table (analysis/plots.py, analysis/studies.py; colours
+and axes: analysis/style.py).
 
-    from analysis import load_runs, aggregate, final_table, plots
+    from analysis import aggregate_all, load_configs, load_herding, load_runs, plots
     df = load_runs("results")                     # one row per (run, epoch)
+    tables = aggregate_all(df, load_herding("results/herding"), load_configs(df))
+    plots.draw_all(tables, "figures")             # every figure; tables.final: the final-metric table
+    plots.plot_benchmark(tables.curves, "LR-HMDA")  # one figure
+
     agg = aggregate(df, ["train_loss"])           # mean/std/min/max/count over seeds per epoch
-    plots.draw_all(df, load_herding("results/herding"), "figures")
 
 Command line: python -m analysis [RESULTS_DIR] --out figures/   (see --help; without RESULTS_DIR: results/ if
 it holds runs, else the shipped reproduction/)
 """
 from analysis import plots
-from analysis.aggregate import (BENCHMARKS, EXPECTED_SORTERS, HEADLINE, aggregate, aggregate_herding,
-                                final_table, headline_metrics, missing_sorters, time_breakdown)
-from analysis.load import Problem, default_results_dir, load_herding, load_runs
+from analysis.aggregate import (BENCHMARKS, EXPECTED_SORTERS, HEADLINE, Tables, aggregate, aggregate_all,
+                                aggregate_herding, final_table, headline_metrics, missing_sorters, time_breakdown)
+from analysis.load import Problem, default_results_dir, load_configs, load_herding, load_runs
 
-__all__ = ["BENCHMARKS", "EXPECTED_SORTERS", "HEADLINE", "Problem", "aggregate", "aggregate_herding", "default_results_dir",
-           "final_table", "format_table", "headline_metrics", "load_herding", "load_runs", "missing_sorters",
-           "plots", "time_breakdown"]
+__all__ = ["BENCHMARKS", "EXPECTED_SORTERS", "HEADLINE", "Problem", "Tables", "aggregate", "aggregate_all",
+           "aggregate_herding", "default_results_dir", "final_table", "format_table", "headline_metrics",
+           "load_configs", "load_herding", "load_runs", "missing_sorters", "plots", "time_breakdown"]
 
 
 def format_table(table) -> str:

@@ -16,8 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; must precede the pyplot import in analysis.plots
 
-from analysis import (EXPECTED_SORTERS, default_results_dir, final_table, format_table, load_herding,  # noqa: E402
-                      load_runs, missing_sorters)
+from analysis import (EXPECTED_SORTERS, aggregate_all, default_results_dir, format_table, load_configs,  # noqa: E402
+                      load_herding, load_runs, missing_sorters)
 from analysis.load import SHIPPED_RESULTS  # noqa: E402
 from analysis.plots import draw_all  # noqa: E402
 from engine.errors import UserFacingError, exit_with_error  # noqa: E402
@@ -77,6 +77,7 @@ def analyse(argv=None) -> int:
     if Path(args.results_dir).resolve() == SHIPPED_RESULTS.resolve():
         args.include_incomplete = True  # the partial GPU runs are drawn as far as they got (REPRODUCTION.md)
 
+    # load -> aggregate -> draw: the run folders are read here once, every table made once, then drawn
     df, problems = load_runs(args.results_dir, include_incomplete=args.include_incomplete,
                              with_problems=True, warn=False)
     herding_dir = Path(args.herding_dir) if args.herding_dir else Path(args.results_dir) / "herding"
@@ -86,8 +87,10 @@ def analyse(argv=None) -> int:
     print(f"{df['run_dir'].nunique() if len(df) else 0} runs loaded from {args.results_dir}, "
           f"{len(hdf)} herding rows from {herding_dir}")
 
-    written = draw_all(df, hdf, args.out, band=args.band)
-    table = final_table(df)
+    configs = load_configs(df)
+    tables = aggregate_all(df, hdf, configs, band=args.band)
+    written = draw_all(tables, args.out)
+    table = tables.final
     Path(args.out).mkdir(parents=True, exist_ok=True)
     table.to_csv(Path(args.out) / "final-metrics.csv", index=False)
 

@@ -1,7 +1,16 @@
-"""Statistics over seeds (runs) and trials (herding simulation), as tidy long DataFrames."""
+"""Statistics over seeds (runs) and trials (herding simulation), as tidy long DataFrames: every table the
+figures (analysis/plots.py, analysis/studies.py) and the printed tables need, made once by aggregate_all from
+what analysis/load.py read. Nothing here draws, and nothing after this reads a run folder.
+
+Read top to bottom: the statistics; the per-benchmark tables; the heterogeneity and scaling studies' final
+values; the communication, sketching and reorderers studies; aggregate_all, which makes them all.
+"""
+import json
+from dataclasses import dataclass
+
 import pandas as pd
 
-from analysis.load import RUN_COLUMNS, SETTING
+from analysis.load import RUN_COLUMNS, SETTING, load_configs
 
 # The metric each benchmark's paper figure reports next to the train loss; the first available one
 # is the table's "final metric". GPT-2 reports validation perplexity (test perplexity when present too).
@@ -16,6 +25,7 @@ EXPECTED_SORTERS = ("CD-GraB", "D-RR")  # what the paper's figures compare
 TIME_PARTS = ["sorter_seconds", "comm_seconds", "compute_seconds"]
 GROUP = ["benchmark", "sorter", *SETTING]  # one curve per group
 BANDS = ("std", "minmax")
+STUDIES_WITH_FIGURES = ("communication", "sketching", "reorderers")  # studies with a figure of their own
 STAT_COLUMNS = ["mean", "std", "min", "max", "count", "lo", "hi"]
 
 
@@ -133,3 +143,358 @@ def missing_sorters(df: pd.DataFrame, benchmarks=BENCHMARKS, sorters=EXPECTED_SO
             continue
         notes += [f"{benchmark}: no finished runs of sorter {s}" for s in sorters if s not in have]
     return notes
+
+
+# ------------------------------------------------------------------------------------------- the benchmarks
+def paper_groups(df: pd.DataFrame) -> set:
+    """The GROUP tuples (curves) of a load_runs frame whose runs all have the paper's settings of their
+    benchmark (load_runs' paper_settings column; none when the frame lacks it)."""
+    if df.empty or "paper_settings" not in df.columns:
+        return set()
+    flags = df.groupby(GROUP, sort=False)["paper_settings"].all()
+    return {tuple(g) for g, ok in flags.items() if ok}
+
+
+def benchmark_curves(df: pd.DataFrame, band: str = "std") -> pd.DataFrame:
+    """The benchmark figures' curves: per benchmark of df, aggregate() of train_loss and its headline
+    metrics (the figure's panels, in that order: `panel`), and `paper`: whether the curve's runs all have the
+    paper's settings (paper_groups), the curves the paper's values are drawn beside."""
+    parts = []
+    for benchmark in sorted(df["benchmark"].unique()) if len(df) else []:
+        bench = df[df["benchmark"] == benchmark]
+        metrics = [m for m in ["train_loss"] + headline_metrics(bench, benchmark) if m in bench.columns]
+        agg = aggregate(bench, metrics, band=band)
+        paper = paper_groups(bench)
+        agg["paper"] = [tuple(g) in paper for g in agg[GROUP].itertuples(index=False)]
+        agg["panel"] = agg["metric"].map({m: i for i, m in enumerate(metrics)})
+        parts.append(agg)
+    columns = GROUP + ["epoch", "metric"] + STAT_COLUMNS + ["seconds", "paper", "panel"]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
+
+
+# ------------------------------------------------------------------------ final values vs partition, vs n
+def partition_order(partition: str) -> tuple:
+    """Sort key from least to most label skew: random, contiguous, dirichlet:ALPHA by falling ALPHA,
+    label-sorted; anything else after them."""
+    name, _, alpha = partition.partition(":")
+    if name == "dirichlet":
+        return (1, -float(alpha))
+    return {"random": (0, 0), "contiguous": (0, 1), "label-sorted": (2, 0)}.get(name, (3, 0))
+
+
+def study_groups(df: pd.DataFrame, column: str) -> list:
+    """[(benchmark, study, runs)] for every benchmark and study whose runs take >= 2 values of `column`,
+    studies with a figure of their own aside: the reorderers study's 1- and 4-worker runs at one batch are
+    no worker-scaling series."""
+    if df.empty or column not in df.columns:
+        return []
+    return [(benchmark, study, runs) for (benchmark, study), runs in df.groupby(["benchmark", "study"], sort=True)
+            if runs[column].nunique() >= 2 and study not in STUDIES_WITH_FIGURES]
+
+
+def final_points(df: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Each run's last train loss and headline metric, over seeds, against `column` ("partition" or
+    "node_cnt"), per benchmark and study whose runs differ in it (study_groups).
+
+    One row per (benchmark, study, metric, sorter, level: a value of `column`): mean, std (std_over_seeds),
+    count, min, max of the runs' final values; position (the level's place on the x axis: partitions by
+    partition_order, worker counts increasing); B (the global batch of the level's first run); last_epoch
+    (the group's last epoch); panel (0: train loss, 1: the headline metric).
+    """
+    order_key = partition_order if column == "partition" else None
+    parts = []
+    for benchmark, study, runs in study_groups(df, column):
+        order = sorted(runs[column].unique(), key=order_key)
+        batches = runs.drop_duplicates(column).set_index(column)["B"]
+        for panel, metric in enumerate(["train_loss"] + headline_metrics(runs, benchmark)[:1]):
+            last = final_values(runs, metric)
+            stats = last.groupby(["sorter", column])["value"].agg(["mean", std_over_seeds, "count", "min", "max"])
+            stats = stats.rename(columns={"std_over_seeds": "std"}).reset_index().rename(columns={column: "level"})
+            parts.append(stats.assign(benchmark=benchmark, study=study, metric=metric, panel=panel,
+                                      position=stats["level"].map(order.index), B=stats["level"].map(batches),
+                                      last_epoch=int(runs["epoch"].max())))
+    columns = ["benchmark", "study", "panel", "metric", "sorter", "level", "position", "B", "last_epoch",
+               "mean", "std", "count", "min", "max"]
+    table = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
+    return table[columns].sort_values(["benchmark", "study", "panel", "sorter", "position"], ignore_index=True)
+
+
+def herding_per_epoch(df: pd.DataFrame) -> pd.DataFrame:
+    """The scaling figure's third panel: the logged herding bound per epoch, mean over seeds, per benchmark,
+    study (those of study_groups(df, "node_cnt")), sorter and worker count n. Columns benchmark, study,
+    sorter, node_cnt, epoch, mean. Groups without a logged bound have no rows."""
+    parts = []
+    for benchmark, study, runs in study_groups(df, "node_cnt"):
+        if "herding_bound" in runs.columns and runs["herding_bound"].notna().any():
+            agg = aggregate(runs, ["herding_bound"], by=["sorter", "node_cnt"])
+            parts.append(agg[["sorter", "node_cnt", "epoch", "mean"]].assign(benchmark=benchmark, study=study))
+    columns = ["benchmark", "study", "sorter", "node_cnt", "epoch", "mean"]
+    return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
+
+
+# ------------------------------------------------------------------- the communication, sketching, reorderers
+COMMUNICATION_ARGS = ["sync", "H", "alpha", "H_base", "reducer", "density", "lr_schedule"]
+SYNC_ORDER = ("every-step", "constant", "qsr", "linear", "post-local")  # the table's order, the figure's markers
+
+
+def config_args(configs: pd.DataFrame, names) -> pd.DataFrame:
+    """run_dir and the config.json args `names` of each run of load_configs' table (None where a run
+    lacks one)."""
+    return pd.DataFrame([{"run_dir": run_dir, **{name: args.get(name) for name in names}}
+                         for run_dir, args in zip(configs["run_dir"], configs["args"])], columns=["run_dir", *names])
+
+
+def communication_table(df: pd.DataFrame, configs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per (benchmark, sorter, sync, reducer) of the communication study: the last epoch's
+    train loss and headline metric (mean and population std over seeds, as the paper's notebooks), the bytes
+    and averaging steps of the whole run (summed over epochs, mean over seeds), mean_H = the run's steps per averaging, the achieved density
+    (mean over epochs), and the median seconds per epoch (over every epoch of every seed: robust to an epoch
+    slowed by other work on a shared machine) with its ratio to every-step + dense of the same sorter.
+    configs: load_configs of df (read here when not given)."""
+    runs = df[df["study"] == "communication"] if len(df) else df
+    if not len(runs):
+        return pd.DataFrame()
+    configs = load_configs(runs) if configs is None else configs
+    runs = runs.merge(config_args(configs, COMMUNICATION_ARGS), on="run_dir", suffixes=("", "_arg"))
+    rows = []
+    for (benchmark, sorter, sync, reducer), group in runs.groupby(["benchmark", "sorter", "sync", "reducer"]):
+        metric = headline_metrics(group, benchmark)[0]
+        last = group[group["epoch"] == group.groupby("run_dir")["epoch"].transform("max")]
+        steps = (group["syncs"] * group["mean_H"]).groupby(group["run_dir"]).sum()
+        totals = group.groupby("run_dir")[["comm_bytes", "syncs"]].sum()
+        rows.append({"benchmark": benchmark, "sorter": sorter, "sync": sync, "reducer": reducer,
+                     "seeds": group["run_dir"].nunique(), "epochs": int(last["epoch"].max()),
+                     "train_loss": last["train_loss"].mean(), "train_loss_std": last["train_loss"].std(ddof=0),
+                     "metric": metric, "final": last[metric].mean(), "final_std": last[metric].std(ddof=0),
+                     "gigabytes": totals["comm_bytes"].mean() / 1e9, "syncs": totals["syncs"].mean(),
+                     "mean_H": (steps / totals["syncs"]).mean(), "density": group["density"].mean(),
+                     "epoch_seconds": group["epoch_seconds"].median()})
+    table = pd.DataFrame(rows)
+    baseline = table[(table["sync"] == "every-step") & (table["reducer"] == "dense")].set_index(
+        ["benchmark", "sorter"])["epoch_seconds"]
+    table["seconds_vs_every_step"] = [row.epoch_seconds / baseline.get((row.benchmark, row.sorter), float("nan"))
+                                      for row in table.itertuples()]
+    order = {name: i for i, name in enumerate(SYNC_ORDER)}
+    return table.sort_values(["benchmark", "sorter", "sync", "reducer"], key=lambda c: c.map(order) if c.name == "sync"
+                             else c).reset_index(drop=True)
+
+
+def _comparable(settings: dict) -> str:
+    """A run's result-changing args without those a sketching baseline may differ in: the sorter, the seed,
+    the sketch (its D and which weights are TensorSketch blocks) and the herding log (which does not change
+    the run)."""
+    return json.dumps({key: value for key, value in settings.items()
+                       if key not in ("sorter", "seed", "sketch_dim", "sketch_min_numel", "log_herding")},
+                      sort_keys=True, default=str)
+
+
+def study_with_baselines(df: pd.DataFrame, study: str, configs: pd.DataFrame) -> pd.DataFrame:
+    """The runs of `study` and, as their baselines, the exact CD-GraB and D-RR runs elsewhere (the
+    benchmark's own runs, other studies) whose settings equal a group of the study's runs in everything
+    but the sorter, seed and sketch (workers, batch, learning rate and schedule, data, synchronisation,
+    ...), cut at that group's last epoch. df: a load_runs frame with the `sketch_dim` column of config_args;
+    configs: its load_configs."""
+    comparable = dict(zip(configs["run_dir"], configs["settings"].map(_comparable)))
+    df = df.assign(comparable=df["run_dir"].map(comparable))
+    runs = df[df["study"] == study]
+    groups = runs.groupby("comparable")["epoch"].max().rename("last_epoch").reset_index()
+    baselines = df[(df["study"] != study) & df["sorter"].isin(["CD-GraB", "D-RR"]) & (df["sketch_dim"] == 0)]
+    baselines = baselines.merge(groups, on="comparable")
+    baselines = baselines[baselines["epoch"] <= baselines["last_epoch"]].drop(columns="last_epoch")
+    return pd.concat([runs, baselines], ignore_index=True).drop(columns="comparable")
+
+
+STRUCTURED = ", structured"  # the variant suffix of a map with TensorSketch blocks
+
+
+def variant_order(variant: str) -> tuple:
+    """CD-GraB exact, then the sketches by decreasing D (the CountSketch before the structured map of the
+    same D), then D-RR."""
+    if variant == "CD-GraB exact":
+        return (0, 0, 0)
+    if variant.startswith("CD-GraB, D = "):
+        structured = variant.endswith(STRUCTURED)
+        return (1, -int(variant.removesuffix(STRUCTURED).rsplit(" ", 1)[1]), int(structured))
+    return (2, 0, 0)
+
+
+def sketching_runs(df: pd.DataFrame, benchmark: str, configs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The sketching study's runs of `benchmark` with their baselines (study_with_baselines). One row per
+    (run, epoch), with `variant` ("D-RR", "CD-GraB exact", "CD-GraB, D = 64" for a plain CountSketch,
+    "CD-GraB, D = 64, structured" for a map with TensorSketch blocks), `structured` (the map has blocks),
+    `full_data` (no --max-train-examples) and `examples` (--max-train-examples, 0 for the full data).
+    Empty without sketching runs. configs: load_configs of df (read here when not given)."""
+    if not len(df):
+        return df
+    df = df[df["benchmark"] == benchmark]
+    if not (df["study"] == "sketching").any():
+        return df.iloc[:0]
+    configs = load_configs(df) if configs is None else configs[configs["run_dir"].isin(df["run_dir"])]
+    df = df.merge(config_args(configs, ["sketch_dim", "max_train_examples"]), on="run_dir")
+    df["examples"] = df["max_train_examples"].fillna(0)
+    runs = study_with_baselines(df, "sketching", configs)
+    runs["full_data"] = runs["examples"] == 0
+    runs["structured"] = runs["run_dir"].map(dict(zip(configs["run_dir"], configs["blocks"].map(bool))))
+    runs["variant"] = [sorter if sorter != "CD-GraB" else "CD-GraB exact" if not dim
+                       else f"CD-GraB, D = {int(dim)}" + (STRUCTURED if structured else "")
+                       for sorter, dim, structured in zip(runs["sorter"], runs["sketch_dim"].fillna(0),
+                                                          runs["structured"])]
+    return runs
+
+
+def herding_ratios(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (examples, variant, seed) of sketching_runs' runs with a logged herding bound: the bound at the
+    run's last epoch (`last`) and its mean over epochs 2 on (`mean`), and each divided by exact CD-GraB's of
+    the same data and seed (`last_ratio`, `mean_ratio`: the same seed has the same data split, initial model
+    and first order; NaN without that exact run). Empty without herding bounds."""
+    columns = ["examples", "variant", "seed", "last", "mean", "last_ratio", "mean_ratio"]
+    if not len(runs) or "herding_bound" not in runs or not runs["herding_bound"].notna().any():
+        return pd.DataFrame(columns=columns)
+    runs = runs[runs["herding_bound"].notna()]
+    last = runs[runs["epoch"] == runs.groupby("run_dir")["epoch"].transform("max")]
+    keys = ["examples", "variant", "seed"]
+    table = last.groupby(keys)["herding_bound"].mean().rename("last").to_frame()
+    table["mean"] = runs[runs["epoch"] >= 2].groupby(keys)["herding_bound"].mean()
+    table = table.reset_index()
+    exact = table[table["variant"] == "CD-GraB exact"].set_index(["examples", "seed"])[["last", "mean"]]
+    for column in ("last", "mean"):
+        table[f"{column}_ratio"] = [row[column] / exact[column].get((row["examples"], row["seed"]), float("nan"))
+                                    for _, row in table.iterrows()]
+    return table.sort_values(keys, key=lambda c: c.map(variant_order) if c.name == "variant" else c,
+                             ignore_index=True)[columns]
+
+
+def _curves(frame: pd.DataFrame, by: str, column: str) -> pd.DataFrame:
+    """Per value of `by` and epoch: mean, std (std_over_seeds) and count of `column` over the runs, and
+    `seeds`, the runs of that value of `by` (every epoch)."""
+    curves = frame.groupby([by, "epoch"])[column].agg(["mean", std_over_seeds, "count"])
+    curves = curves.rename(columns={"std_over_seeds": "std"}).reset_index()
+    return curves.assign(seeds=curves[by].map(frame.groupby(by)["run_dir"].nunique()))
+
+
+def variant_ranks(runs: pd.DataFrame) -> dict:
+    """{variant: its place in variant_order among the variants of sketching_runs' `runs`}: the figure's
+    order and colours follow it without sorting again."""
+    return {variant: i for i, variant in enumerate(sorted(runs["variant"].unique(), key=variant_order))}
+
+
+def sketch_dim(variant: str) -> float:
+    """A sketched variant's D ("CD-GraB, D = 64, structured": 64); NaN for exact CD-GraB and D-RR."""
+    return float(variant.removesuffix(STRUCTURED).rsplit(" ", 1)[1]) if variant.startswith("CD-GraB, D = ") \
+        else float("nan")
+
+
+def sketching_panels(runs: pd.DataFrame, benchmark: str) -> tuple:
+    """The sketching figure's curve panels of sketching_runs' `runs`: (curves, panels).
+
+    Panels, those with runs, in this order: the herding bound and the train loss of the runs with a logged
+    herding bound, the train loss of the full-data runs. curves: per panel, variant and epoch, _curves'
+    mean, std, count, seeds, and the variant's `rank` (variant_ranks). panels: one row per panel: column, examples (its --max-train-examples, NaN for
+    the full data), epochs, first (the first epoch of its y range), low and high (that range: the later
+    epochs' means ± their sample std: epoch 1's herding bound, the random first order, and the first
+    epochs' losses would dwarf the differences between the variants), n and B (the figure's title)."""
+    herding = runs[runs["herding_bound"].notna()] if "herding_bound" in runs else runs.iloc[:0]
+    sources = [(frame, column) for frame, column in ((herding, "herding_bound"), (herding, "train_loss"),
+                                                     (runs[runs["full_data"]], "train_loss")) if len(frame)]
+    rank = variant_ranks(runs)
+    curves, panels = [], []
+    for panel, (frame, column) in enumerate(sources):
+        curve = _curves(frame, "variant", column)
+        curves.append(curve.assign(benchmark=benchmark, panel=panel, rank=curve["variant"].map(rank)))
+        examples = frame["max_train_examples"].dropna()
+        first = 2 if column == "herding_bound" else max(2, int(frame["epoch"].max() * 0.3))
+        later = frame[frame["epoch"] >= first].groupby(["variant", "epoch"])[column]
+        low, high = (later.mean() - later.std().fillna(0)).min(), (later.mean() + later.std().fillna(0)).max()
+        panels.append({"benchmark": benchmark, "panel": panel, "column": column,
+                       "examples": examples.iloc[0] if len(examples) else float("nan"),
+                       "epochs": int(frame["epoch"].max()), "first": first, "low": low, "high": high,
+                       "n": int(runs["node_cnt"].iloc[0]), "B": int(runs["B"].iloc[0])})
+    return pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(), pd.DataFrame(panels)
+
+
+REORDERER_ORDER = ("CD-GraB", "KH-SGD", "SBW", "D-RR")
+
+
+def reorderer_order(sorter: str) -> int:
+    """CD-GraB, KH-SGD, SBW, D-RR, then any other sorter."""
+    return REORDERER_ORDER.index(sorter) if sorter in REORDERER_ORDER else len(REORDERER_ORDER)
+
+
+def reorderer_runs(df: pd.DataFrame, benchmark: str, configs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The reorderers study's runs of `benchmark` with their CD-GraB and D-RR baselines
+    (study_with_baselines): one row per (run, epoch). Empty without such runs. configs: load_configs of df
+    (read here when not given)."""
+    if not len(df):
+        return df
+    df = df[df["benchmark"] == benchmark]
+    if not (df["study"] == "reorderers").any():
+        return df.iloc[:0]
+    configs = load_configs(df) if configs is None else configs[configs["run_dir"].isin(df["run_dir"])]
+    return study_with_baselines(df.merge(config_args(configs, ["sketch_dim"]), on="run_dir"), "reorderers", configs)
+
+
+def reorderer_curves(runs: pd.DataFrame, benchmark: str) -> pd.DataFrame:
+    """The reorderers figure's curves of reorderer_runs' `runs`: per worker count n (a row of panels), metric
+    (train loss, the headline metric), sorter and epoch, _curves' mean, std, count, seeds; B and lr of the
+    study's first run (the title); rank: the sorter's reorderer_order."""
+    parts = []
+    for panel, metric in enumerate(["train_loss", *headline_metrics(runs, benchmark)[:1]]):
+        for n, group in runs.groupby("node_cnt", sort=True):
+            parts.append(_curves(group, "sorter", metric).assign(node_cnt=n, metric=metric, panel=panel))
+    table = pd.concat(parts, ignore_index=True)
+    return table.assign(benchmark=benchmark, B=int(runs["B"].iloc[0]), lr=runs["lr"].iloc[0],
+                        rank=table["sorter"].map(reorderer_order))
+
+
+# ------------------------------------------------------------------------------------------- all at once
+@dataclass
+class Tables:
+    """Every table the figures and the final-metric table are drawn from (aggregate_all); plain DataFrames,
+    each described by the function that makes it. `band` is what the curves' lo/hi columns are."""
+    band: str
+    curves: pd.DataFrame           # benchmark_curves of the benchmarks' own runs
+    times: pd.DataFrame            # time_breakdown of the benchmarks' own runs
+    herding: pd.DataFrame          # aggregate_herding of the herding simulation
+    heterogeneity: pd.DataFrame    # final_points vs partition
+    scaling: pd.DataFrame          # final_points vs node_cnt
+    scaling_herding: pd.DataFrame  # herding_per_epoch
+    communication: pd.DataFrame    # communication_table
+    sketching: pd.DataFrame        # sketching_panels' curves, every benchmark
+    sketching_panels: pd.DataFrame  # sketching_panels' panels, every benchmark
+    sketching_ratios: pd.DataFrame  # herding_ratios of the sketched variants and D-RR; benchmark, rank, dim
+    reorderers: pd.DataFrame       # reorderer_curves, every benchmark
+    final: pd.DataFrame            # final_table of every run
+
+
+def _sketching_tables(df: pd.DataFrame, configs: pd.DataFrame) -> tuple:
+    """(curves, panels, ratios) of the sketching study, every benchmark with sketching runs."""
+    curves, panels, ratios = [], [], []
+    benchmarks = sorted(df.loc[df["study"] == "sketching", "benchmark"].unique()) if len(df) else []
+    for benchmark in benchmarks:
+        runs = sketching_runs(df, benchmark, configs)
+        for parts, table in zip((curves, panels), sketching_panels(runs, benchmark)):
+            parts.append(table)
+        ratio = herding_ratios(runs)
+        ratio = ratio[ratio["variant"] != "CD-GraB exact"].dropna(subset=["mean_ratio"])
+        ratios.append(ratio.assign(benchmark=benchmark, rank=ratio["variant"].map(variant_ranks(runs)),
+                                   dim=ratio["variant"].map(sketch_dim)))
+    return tuple(pd.concat(parts, ignore_index=True) if parts else pd.DataFrame() for parts in (curves, panels, ratios))
+
+
+def aggregate_all(df: pd.DataFrame, hdf: pd.DataFrame | None = None, configs: pd.DataFrame | None = None,
+                  band: str = "std") -> Tables:
+    """Every table of the figures and the final-metric table, from a load_runs frame, a load_herding frame
+    (None: no herding simulation) and df's load_configs (read here when not given; python -m analysis reads
+    it with the runs). band: "std" or "minmax", the curves' shaded band."""
+    configs = load_configs(df) if configs is None else configs
+    own = df[df["study"] == ""] if len(df) else df  # the benchmarks' own runs; studies get their own figures
+    sketching, panels, ratios = _sketching_tables(df, configs)
+    reorderers = [reorderer_curves(reorderer_runs(df, benchmark, configs), benchmark)
+                  for benchmark in sorted(df.loc[df["study"] == "reorderers", "benchmark"].unique())] if len(df) else []
+    return Tables(band=band, curves=benchmark_curves(own, band), times=time_breakdown(own),
+                  herding=aggregate_herding(hdf if hdf is not None else pd.DataFrame(), band),
+                  heterogeneity=final_points(df, "partition"), scaling=final_points(df, "node_cnt"),
+                  scaling_herding=herding_per_epoch(df), communication=communication_table(df, configs),
+                  sketching=sketching, sketching_panels=panels, sketching_ratios=ratios,
+                  reorderers=pd.concat(reorderers, ignore_index=True) if reorderers else pd.DataFrame(),
+                  final=final_table(df))

@@ -179,15 +179,26 @@ def load_runs(results_dir, include_incomplete: bool = False, with_problems: bool
     return (df, problems) if with_problems else df
 
 
-def run_args(df, names) -> pd.DataFrame:
-    """One row per run of a load_runs frame: run_dir and the config.json args `names` (with the
-    values engine/flags.py gives the flags the run predates; None for others it lacks)."""
+def sketch_blocks(config: dict) -> list:
+    """The TensorSketch blocks [offset, rows, cols] of a run's map, as its parsed config.json records them
+    (`sorter.sketch.blocks`; [] for a plain CountSketch, exact CD-GraB, D-RR, or a run from before
+    --sketch-min-numel)."""
+    return list((config.get("sorter") or {}).get("sketch", {}).get("blocks") or [])
+
+
+def load_configs(df) -> pd.DataFrame:
+    """One row per run of a load_runs frame: what the tables need from its config.json beyond the
+    load_runs columns, read once here so that no table or figure opens a run folder again.
+
+    Columns: run_dir; args (dict: every config.json arg, with the values engine/flags.py gives the flags the
+    run predates); settings (dict: result_settings, the result-changing args); blocks (sketch_blocks).
+    """
     rows = []
     for run_dir in df["run_dir"].unique() if len(df) else []:
         config = json.loads((Path(run_dir) / "config.json").read_text())
-        args = with_added_defaults(config["args"], config["benchmark"])
-        rows.append({"run_dir": run_dir, **{name: args.get(name) for name in names}})
-    return pd.DataFrame(rows, columns=["run_dir", *names])
+        rows.append({"run_dir": run_dir, "args": with_added_defaults(config["args"], config["benchmark"]),
+                     "settings": result_settings(config), "blocks": sketch_blocks(config)})
+    return pd.DataFrame(rows, columns=["run_dir", "args", "settings", "blocks"])
 
 
 def load_herding(herding_dir, with_problems: bool = False, warn: bool = True):

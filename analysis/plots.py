@@ -1,5 +1,7 @@
-"""The paper's figures from load_runs / load_herding frames. Every function returns a matplotlib
-Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and PDF:
+"""The paper's figures, each drawn from a table analysis.aggregate.aggregate_all has already made (the
+runs are read once by analysis/load.py, aggregated once by analysis/aggregate.py; nothing here reads a run
+folder or computes a statistic over seeds). Every function returns a matplotlib Figure (or None when there
+is nothing to draw); `draw_all` saves them as PNG and PDF:
 
     <out>/<benchmark>-vs-epoch.{png,pdf}        train loss + headline metric(s) vs epoch, band over seeds
     <out>/<benchmark>-vs-seconds.{png,pdf}      the same vs cumulative training seconds (mean over seeds)
@@ -11,27 +13,27 @@ Figure (or None when there is nothing to draw); `draw_all` saves them as PNG and
     <out>/heterogeneity.{png,pdf}               final train loss and metric vs --partition (runs that differ in it)
     <out>/scaling.{png,pdf}                     final train loss and metric vs workers n, herding_bound per epoch
 
+    tables = aggregate_all(load_runs("results"), load_herding("results/herding"))
+    plot_benchmark(tables.curves, "LR-HMDA")    # one figure
+    draw_all(tables, "figures")                 # every figure
+
 plot_worker_scaling (not in draw_all: it reads bench/scaling_cost.py's model, not runs) draws docs/scaling.md's
 figure: modelled step time vs n, and the simulated herding bound vs n.
 
-The benchmarks' own figures use the runs outside study folders (load_runs' `study` == ""); the
-heterogeneity and scaling figures find their runs by what varies within one benchmark and study.
-
-The caller picks the backend: `python -m analysis` uses Agg, notebooks their inline backend.
+Colours, labels and axis scales come from analysis/style.py. The caller picks the backend: `python -m
+analysis` uses Agg, notebooks their inline backend.
 """
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from analysis.aggregate import (GROUP, TIME_PARTS, aggregate, aggregate_herding, final_values, headline_metrics,
-                                std_over_seeds, time_breakdown)
+from analysis.aggregate import GROUP, TIME_PARTS, Tables
 from analysis.paper_values import PAPER_VALUES, paper_epoch
-from analysis.studies import STUDIES_WITH_FIGURES, study_figures
-from analysis.style import LINESTYLES, SORTER_COLORS, curve_styles, metric_label as _label, scale_value_axis
+from analysis.studies import study_figures
+from analysis.style import (LINESTYLES, PART_COLORS, SORTER_COLORS, curve_styles, metric_label as _label,
+                            WORKER_LINESTYLES, scale_value_axis, sorter_styles)
 
-PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
-               "other_seconds": "tab:gray"}
 SECONDS_LABEL = "training seconds (cumulative; evaluation excluded)"  # what cum_seconds sums: epoch_seconds
 
 
@@ -45,70 +47,27 @@ def _curve_labels(groups):
     return labels
 
 
-def _sorter_styles(sorters) -> dict:
-    """{sorter: {"color", "linestyle"}} for figures with one curve (or point set) per sorter."""
-    return {sorter: style for (sorter, _), style in curve_styles((sorter, None) for sorter in sorters).items()}
-
-
-def paper_groups(df) -> set:
-    """The GROUP tuples (curves) of a load_runs frame whose runs all have the paper's settings of their
-    benchmark (load_runs' paper_settings column; none when the frame lacks it)."""
-    if df.empty or "paper_settings" not in df.columns:
-        return set()
-    flags = df.groupby(GROUP, sort=False)["paper_settings"].all()
-    return {tuple(g) for g, ok in flags.items() if ok}
-
-
-def plot_benchmark(df, benchmark, x="epoch", band="std", metrics=None):
+def plot_benchmark(curves, benchmark, x="epoch", band="std"):
     """One panel per metric (train_loss + the headline metrics), one curve per sorter (x setting),
     mean over seeds with a shaded band, each curve its own colour and legend entry (style.curve_styles).
-    x: "epoch" or "seconds" (mean cumulative wall clock). Against epochs, the paper's values are drawn
-    as stars beside the curves whose runs have the paper's settings (paper_groups), only for their sorters.
-    Each panel's y axis follows style.scale_value_axis."""
+    curves: aggregate.benchmark_curves (Tables.curves), made with this `band`. x: "epoch" or "seconds"
+    (mean cumulative wall clock). Against epochs, the paper's values are drawn as stars beside the curves
+    whose runs have the paper's settings (its `paper` column), only for their sorters. Each panel's y axis
+    follows style.scale_value_axis."""
     if x not in ("epoch", "seconds"):
         raise ValueError(f"x must be 'epoch' or 'seconds', got {x!r}")
-    bench = df[df["benchmark"] == benchmark]
-    if bench.empty:
-        return None
-    metrics = metrics or [m for m in ["train_loss"] + headline_metrics(bench, benchmark) if m in bench.columns]
-    agg = aggregate(bench, metrics, band=band)
+    agg = curves[curves["benchmark"] == benchmark] if len(curves) else curves
     if agg.empty:
         return None
-    paper = paper_groups(bench)
+    metrics = list(agg.sort_values("panel")["metric"].unique())
+    paper = {tuple(g) for g in agg.loc[agg["paper"].astype(bool), GROUP].itertuples(index=False)}
     # a sorter's curve with the paper's settings first: it keeps the sorter's own colour, as its star does
     groups = sorted({tuple(g) for g in agg[GROUP].itertuples(index=False)},
                     key=lambda g: (g[1], g not in paper, g))
-    labels = _curve_labels(groups)
-    styles = curve_styles((g[1], g) for g in groups)
     # + room for the legend beside the panels
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.8 * len(metrics) + 2.6, 3.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        means, lows, highs, star_colors = [], [], [], {}
-        for g in groups:
-            rows = agg[(agg["metric"] == metric) & (agg[GROUP] == list(g)).all(axis=1)].sort_values("epoch")
-            if rows.empty:
-                continue
-            xs, style = rows[x].to_numpy(float), styles[(g[1], g)]
-            # markers: a one-epoch run is a single point, which a line alone does not draw
-            ax.plot(xs, rows["mean"], marker="o", markersize=3, **style,
-                    label=f"{labels[g]} ({_seeds_text(rows)})")
-            ax.fill_between(xs, rows["lo"].to_numpy(float), rows["hi"].to_numpy(float), color=style["color"],
-                            alpha=0.2, lw=0)
-            means += rows["mean"].to_list()
-            lows += rows["lo"].to_list()
-            highs += rows["hi"].to_list()
-            if g in paper:
-                star_colors.setdefault(g[1], style["color"])
-        stars = _paper_values(benchmark, metric, star_colors) if x == "epoch" else []
-        near, far = _split_stars(stars, lows + means, highs + means)
-        for star in near:
-            _draw_star(ax, star)
-        scale_value_axis([ax], means + [star["value"] for star in near])
-        if far:
-            _draw_far_stars(ax, far)
-        ax.set_xlabel("epoch" if x == "epoch" else SECONDS_LABEL)
-        ax.set_ylabel(_label(metric, benchmark))
-        ax.grid(alpha=0.3)
+        _curve_panel(ax, agg[agg["metric"] == metric], groups, paper, benchmark, x)
     handles = {}  # every curve and star of every panel (a panel may lack some), once each
     for ax in axes[0]:
         handles.update(zip(*reversed(ax.get_legend_handles_labels())))
@@ -121,6 +80,39 @@ def plot_benchmark(df, benchmark, x="epoch", band="std", metrics=None):
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _curve_panel(ax, agg, groups, paper, benchmark, x):
+    """One metric's panel of plot_benchmark: a curve and band per group (GROUP tuple) with rows in `agg`,
+    the paper's stars beside the groups in `paper`, the value axis scaled to what is drawn."""
+    styles = curve_styles((g[1], g) for g in groups)
+    labels = _curve_labels(groups)
+    metric = agg["metric"].iloc[0]
+    means, lows, highs, star_colors = [], [], [], {}
+    for g in groups:
+        rows = agg[(agg[GROUP] == list(g)).all(axis=1)].sort_values("epoch")
+        if rows.empty:
+            continue
+        xs, style = rows[x].to_numpy(float), styles[(g[1], g)]
+        # markers: a one-epoch run is a single point, which a line alone does not draw
+        ax.plot(xs, rows["mean"], marker="o", markersize=3, **style, label=f"{labels[g]} ({_seeds_text(rows)})")
+        ax.fill_between(xs, rows["lo"].to_numpy(float), rows["hi"].to_numpy(float), color=style["color"],
+                        alpha=0.2, lw=0)
+        means += rows["mean"].to_list()
+        lows += rows["lo"].to_list()
+        highs += rows["hi"].to_list()
+        if g in paper:
+            star_colors.setdefault(g[1], style["color"])
+    stars = _paper_values(benchmark, metric, star_colors) if x == "epoch" else []
+    near, far = _split_stars(stars, lows + means, highs + means)
+    for star in near:
+        _draw_star(ax, star)
+    scale_value_axis([ax], means + [star["value"] for star in near])
+    if far:
+        _draw_far_stars(ax, far)
+    ax.set_xlabel("epoch" if x == "epoch" else SECONDS_LABEL)
+    ax.set_ylabel(_label(metric, benchmark))
+    ax.grid(alpha=0.3)
 
 
 def _seeds_text(rows) -> str:
@@ -186,10 +178,10 @@ def _draw_far_stars(ax, stars):
                         bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
 
 
-def plot_time_breakdown(df, benchmark):
+def plot_time_breakdown(times, benchmark):
     """Stacked bars, one per sorter (x setting): mean seconds per epoch in sorter / communication /
-    compute / other (epoch minus those three)."""
-    times = time_breakdown(df[df["benchmark"] == benchmark])
+    compute / other (epoch minus those three). times: aggregate.time_breakdown (Tables.times)."""
+    times = times[times["benchmark"] == benchmark] if len(times) else times
     if times.empty:
         return None
     groups = [tuple(g) for g in times[GROUP].itertuples(index=False)]
@@ -212,17 +204,16 @@ def plot_time_breakdown(df, benchmark):
     return fig
 
 
-def plot_herding(hdf, band="std"):
+def plot_herding(agg):
     """Parallel herding bound vs reorder round, one panel per worker count, one curve per method, mean
     over trials with a band; one y scale for all panels (style.scale_value_axis: log when the bounds
     span a factor of 10, as they do from the random start to a balancer's floor). Titles use the suite's
-    letters (n workers, m units each; the paper swaps them)."""
-    agg = aggregate_herding(hdf, band=band)
+    letters (n workers, m units each; the paper swaps them). agg: aggregate.aggregate_herding (Tables.herding)."""
     if agg.empty:
         return None
     panels = sorted(agg[["n_workers", "m"]].drop_duplicates().itertuples(index=False))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, sharey=True)
-    styles = _sorter_styles(sorted(agg["method"].unique()))
+    styles = sorter_styles(sorted(agg["method"].unique()))
     for ax, (n, m) in zip(axes[0], panels):
         panel = agg[(agg["n_workers"] == n) & (agg["m"] == m)]
         for method in sorted(panel["method"].unique()):
@@ -250,105 +241,102 @@ def plot_herding(hdf, band="std"):
     return fig
 
 
-def partition_order(partition: str) -> tuple:
-    """Sort key from least to most label skew: random, contiguous, dirichlet:ALPHA by falling ALPHA,
-    label-sorted; anything else after them."""
-    name, _, alpha = partition.partition(":")
-    if name == "dirichlet":
-        return (1, -float(alpha))
-    return {"random": (0, 0), "contiguous": (0, 1), "label-sorted": (2, 0)}.get(name, (3, 0))
-
-
-def _study_groups(df, column):
-    """[(benchmark, study, runs)] for every benchmark and study whose runs take >= 2 values of `column`,
-    studies with a figure of their own (analysis/studies.py) aside: the reorderers study's 1- and
-    4-worker runs at one batch are no worker-scaling series."""
-    if df.empty or column not in df.columns:
-        return []
-    return [(benchmark, study, runs) for (benchmark, study), runs in df.groupby(["benchmark", "study"], sort=True)
-            if runs[column].nunique() >= 2 and study not in STUDIES_WITH_FIGURES]
-
-
-def _final_points(ax, runs, metric, column, order):
-    """Mean ± std over seeds of each run's last `metric` value vs `column` (x positions from `order`,
-    a list of its values), one line per sorter, sorters a little apart so the error bars do not overlap."""
-    last = final_values(runs, metric)
-    sorters = sorted(last["sorter"].unique())
-    styles = _sorter_styles(sorters)
+def _final_points(ax, points):
+    """One panel of final values (aggregate.final_points' rows of one group and metric): mean ± std over
+    seeds at each level's position, one line per sorter, sorters a little apart so the error bars do not
+    overlap."""
+    sorters = sorted(points["sorter"].unique())
+    styles = sorter_styles(sorters)
     for i, sorter in enumerate(sorters):
-        stats = last[last["sorter"] == sorter].groupby(column)["value"].agg(["mean", std_over_seeds, "count"]) \
-            .rename(columns={"std_over_seeds": "std"})
-        stats = stats.reindex([v for v in order if v in stats.index])
-        xs = [order.index(v) + 0.06 * (i - (len(sorters) - 1) / 2) for v in stats.index]
+        stats = points[points["sorter"] == sorter].sort_values("position")
+        xs = [position + 0.06 * (i - (len(sorters) - 1) / 2) for position in stats["position"]]
         seeds = int(stats["count"].max())
         ax.errorbar(xs, stats["mean"], yerr=stats["std"].fillna(0), marker="o", capsize=3,
                     color=styles[sorter]["color"], label=f"{sorter} ({seeds} seed{'s' * (seeds > 1)})")
-    scale_value_axis([ax], last["value"].to_list())
-    ax.set_ylabel(f"final {_label(metric, runs['benchmark'].iloc[0])}")
+    scale_value_axis([ax], points["min"].to_list() + points["max"].to_list())  # the runs' values span these
+    ax.set_ylabel(f"final {_label(points['metric'].iloc[0], points['benchmark'].iloc[0])}")
     ax.grid(alpha=0.3)
 
 
-def plot_heterogeneity(df):
+def _point_groups(points) -> list:
+    """[(benchmark, study, rows)] of a final_points table, in its order; rows: the group's points."""
+    return [(benchmark, study, rows) for (benchmark, study), rows in points.groupby(["benchmark", "study"], sort=True)]
+
+
+def _levels(rows) -> list:
+    """The x axis of a group's panels: its levels in their positions."""
+    return list(rows.drop_duplicates("position").sort_values("position")["level"])
+
+
+def _group_title(ax, benchmark, study, rows):
+    ax.set_title(f"{benchmark}{f' ({study})' if study else ''}, epoch {int(rows['last_epoch'].iloc[0])}", fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def plot_heterogeneity(points):
     """One row per benchmark and study whose runs differ in --partition: final train loss and final
-    headline metric (mean ± std over seeds) against the partition, from least to most label skew."""
-    groups = _study_groups(df, "partition")
+    headline metric (mean ± std over seeds) against the partition, from least to most label skew.
+    points: aggregate.final_points(df, "partition") (Tables.heterogeneity)."""
+    groups = _point_groups(points)
     if not groups:
         return None
     fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.6 * len(groups)), squeeze=False)
-    for row, (benchmark, study, runs) in zip(axes, groups):
-        order = sorted(runs["partition"].unique(), key=partition_order)
-        for ax, metric in zip(row, ["train_loss"] + headline_metrics(runs, benchmark)[:1]):
-            _final_points(ax, runs, metric, "partition", order)
+    for row, (benchmark, study, rows) in zip(axes, groups):
+        order = _levels(rows)
+        for ax, (_, panel) in zip(row, rows.groupby("panel", sort=True)):
+            _final_points(ax, panel)
             ax.set_xticks(range(len(order)), order)
             ax.set_xlabel("--partition (label skew across workers grows to the right)")
-        row[0].set_title(f"{benchmark}{f' ({study})' if study else ''}, epoch {int(runs['epoch'].max())}", fontsize=9)
-        row[0].legend(fontsize=8)
+        _group_title(row[0], benchmark, study, rows)
     fig.suptitle("Heterogeneous workers: final values vs partition (mean ± 1 std over seeds)")
     fig.tight_layout()
     return fig
 
 
-def plot_scaling(df):
+def plot_scaling(points, herding):
     """One row per benchmark and study whose runs differ in the worker count n: final train loss and
     final headline metric vs n, and, where logged, herding_bound per epoch (colour: sorter, line style: n;
-    y scale: style.scale_value_axis)."""
-    groups = _study_groups(df, "node_cnt")
+    y scale: style.scale_value_axis). points: aggregate.final_points(df, "node_cnt") (Tables.scaling);
+    herding: aggregate.herding_per_epoch (Tables.scaling_herding)."""
+    groups = _point_groups(points)
     if not groups:
         return None
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.6 * len(groups)), squeeze=False)
-    styles = ["-", "--", ":", "-."]
-    for row, (benchmark, study, runs) in zip(axes, groups):
-        order = sorted(runs["node_cnt"].unique())
-        for ax, metric in zip(row, ["train_loss"] + headline_metrics(runs, benchmark)[:1]):
-            _final_points(ax, runs, metric, "node_cnt", order)
-            batches = runs.drop_duplicates("node_cnt").set_index("node_cnt")["B"]
+    for row, (benchmark, study, rows) in zip(axes, groups):
+        order = _levels(rows)
+        batches = rows.drop_duplicates("level").set_index("level")["B"]
+        for ax, (_, panel) in zip(row, rows.groupby("panel", sort=True)):
+            _final_points(ax, panel)
             ax.set_xticks(range(len(order)), [f"n={n}\nB={batches[n]}" for n in order])
             ax.set_xlabel("workers n (global batch B)")
-        row[0].set_title(f"{benchmark}{f' ({study})' if study else ''}, epoch {int(runs['epoch'].max())}", fontsize=9)
-        row[0].legend(fontsize=8)
-        ax = row[2]
-        if "herding_bound" in runs.columns and runs["herding_bound"].notna().any():
-            agg = aggregate(runs, ["herding_bound"], by=["sorter", "node_cnt"])
-            colors = _sorter_styles(sorted(agg["sorter"].unique()))
-            for sorter in sorted(agg["sorter"].unique()):
-                for j, n in enumerate(order):
-                    line = agg[(agg["sorter"] == sorter) & (agg["node_cnt"] == n)].sort_values("epoch")
-                    if len(line):
-                        ax.plot(line["epoch"], line["mean"], ls=styles[j % len(styles)], marker=".",
-                                color=colors[sorter]["color"], label=f"{sorter}, n={n}")
-            scale_value_axis([ax], agg["mean"].to_list())
-            ax.set_xlabel("epoch")
-            ax.set_ylabel("herding bound (mean over seeds)")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3, which="both")
-            ax.legend(fontsize=7, ncol=2)
-        else:
-            ax.text(0.5, 0.5, "no herding_bound column\n(run with --log-herding)", ha="center", va="center",
-                    transform=ax.transAxes)
-            ax.set_axis_off()
+        _group_title(row[0], benchmark, study, rows)
+        bounds = herding[(herding["benchmark"] == benchmark) & (herding["study"] == study)] if len(herding) else herding
+        _herding_per_epoch(row[2], bounds, order)
     fig.suptitle("Worker scaling, same batch per worker: final values vs n (mean ± 1 std over seeds)")
     fig.tight_layout()
     return fig
+
+
+def _herding_per_epoch(ax, bounds, order):
+    """The scaling figure's third panel: herding_per_epoch's rows of one group, a line per sorter and n."""
+    if bounds.empty:
+        ax.text(0.5, 0.5, "no herding_bound column\n(run with --log-herding)", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    colors = sorter_styles(sorted(bounds["sorter"].unique()))
+    for sorter in sorted(bounds["sorter"].unique()):
+        for j, n in enumerate(order):
+            line = bounds[(bounds["sorter"] == sorter) & (bounds["node_cnt"] == n)].sort_values("epoch")
+            if len(line):
+                ax.plot(line["epoch"], line["mean"], ls=WORKER_LINESTYLES[j % len(WORKER_LINESTYLES)], marker=".",
+                        color=colors[sorter]["color"], label=f"{sorter}, n={n}")
+    scale_value_axis([ax], bounds["mean"].to_list())
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("herding bound (mean over seeds)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
 
 
 SKETCH_MARKERS = "x^v+"
@@ -421,26 +409,19 @@ def save_figure(fig, out_dir, name) -> list:
     return paths
 
 
-def benchmark_figures(df, benchmark, band="std") -> dict:
-    """{file stem: Figure} of one benchmark (those with data)."""
-    figs = {f"{benchmark}-vs-epoch": plot_benchmark(df, benchmark, "epoch", band),
-            f"{benchmark}-vs-seconds": plot_benchmark(df, benchmark, "seconds", band),
-            f"{benchmark}-time-breakdown": plot_time_breakdown(df, benchmark)}
-    return {k: v for k, v in figs.items() if v is not None}
-
-
-def draw_all(df, hdf, out_dir, band="std") -> list:
-    """Save every figure the data allows into out_dir (closing each); return the written paths."""
-    written = []
+def draw_all(tables: Tables, out_dir) -> list:
+    """Save every figure the tables (aggregate.aggregate_all) allow into out_dir (closing each); return the
+    written paths."""
     figs = {}
-    own = df[df["study"] == ""] if len(df) else df  # the benchmarks' own runs; studies get their own figures
-    for benchmark in sorted(own["benchmark"].unique()) if len(own) else []:
-        figs.update(benchmark_figures(own, benchmark, band))
-    if hdf is not None and len(hdf):
-        figs["herding-bound"] = plot_herding(hdf, band)
-    figs["heterogeneity"] = plot_heterogeneity(df)
-    figs["scaling"] = plot_scaling(df)
-    figs.update(study_figures(df))
+    for benchmark in sorted(tables.curves["benchmark"].unique()) if len(tables.curves) else []:
+        figs[f"{benchmark}-vs-epoch"] = plot_benchmark(tables.curves, benchmark, "epoch", tables.band)
+        figs[f"{benchmark}-vs-seconds"] = plot_benchmark(tables.curves, benchmark, "seconds", tables.band)
+        figs[f"{benchmark}-time-breakdown"] = plot_time_breakdown(tables.times, benchmark)
+    figs["herding-bound"] = plot_herding(tables.herding)
+    figs["heterogeneity"] = plot_heterogeneity(tables.heterogeneity)
+    figs["scaling"] = plot_scaling(tables.scaling, tables.scaling_herding)
+    figs.update(study_figures(tables))
+    written = []
     for name, fig in figs.items():
         if fig is not None:
             written += save_figure(fig, out_dir, name)

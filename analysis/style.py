@@ -4,6 +4,8 @@ import math
 
 from matplotlib.colors import to_hex, to_rgb
 
+from analysis.aggregate import STRUCTURED, SYNC_ORDER
+
 LABELS = {
     "train_loss": "train loss", "test_loss": "test loss", "valid_loss": "validation loss",
     "train_acc": "train accuracy", "test_acc": "test accuracy",
@@ -21,7 +23,16 @@ SPARE_COLORS = ["tab:cyan", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5
 # and a line style of its own, so that a reader tells the settings apart in print too
 SHADES = [0.0, -0.45, 0.45, -0.7, 0.7]
 LINESTYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
+WORKER_LINESTYLES = ["-", "--", ":", "-."]  # the scaling figure's herding panel: a line style per worker count
 LOG_RATIO = 10.0  # a value axis is logarithmic only when its values span at least this factor
+PART_COLORS = {"sorter_seconds": "tab:red", "comm_seconds": "tab:blue", "compute_seconds": "tab:green",
+               "other_seconds": "tab:gray"}  # the time breakdown's stacked parts
+# the communication study: a marker per synchronisation rule, a fill per reducer (the colour is the sorter's)
+STRATEGY_MARKERS = dict(zip(SYNC_ORDER, "os^vD"))  # every-step o, constant s, qsr ^, linear v, post-local D
+REDUCER_FILL = {"dense": "full", "topk": "left", "exdyna": "none"}
+# the sketching study: exact CD-GraB and D-RR keep their sorters' colours, each sketch dimension D gets one
+# of these (the structured map of a D shares its colour, dashed)
+SKETCH_SHADES = ["tab:orange", "tab:purple", "tab:green", "tab:brown", "tab:olive"]
 
 
 def metric_label(metric: str, benchmark: str | None = None) -> str:
@@ -54,6 +65,32 @@ def curve_styles(curves) -> dict:
             color = next(spare, "black")
         styles[(sorter, key)] = {"color": color, "linestyle": LINESTYLES[i % len(LINESTYLES)]}
     return styles
+
+
+def sorter_styles(sorters) -> dict:
+    """{sorter: {"color", "linestyle"}} for figures with one curve (or point set) per sorter."""
+    return {sorter: style for (sorter, _), style in curve_styles((sorter, None) for sorter in sorters).items()}
+
+
+def sketch_colours(variants) -> dict:
+    """{variant without the structured suffix: colour} for the sketching figure's variants, given in
+    analysis.aggregate.variant_order: exact CD-GraB red, D-RR blue, each D the next of SKETCH_SHADES, so the
+    colours follow D whichever panel draws a variant first."""
+    colours = {"CD-GraB exact": "tab:red", "D-RR": "tab:blue"}
+    for variant in variants:
+        base = variant.removesuffix(STRUCTURED)
+        if base not in colours:
+            used = set(colours.values())
+            colours[base] = next((c for c in SKETCH_SHADES if c not in used), "tab:gray")
+    return colours
+
+
+def sketch_style(variant: str, colours: dict) -> dict:
+    """A variant's line style in the sketching figure: its colour (sketch_colours), the CountSketch solid
+    with round markers, the structured map (TensorSketch blocks) of the same D dashed with square markers."""
+    structured = variant.endswith(STRUCTURED)
+    return {"color": colours[variant.removesuffix(STRUCTURED)], "linestyle": "--" if structured else "-",
+            "marker": "s" if structured else "o"}
 
 
 def wants_log_scale(values) -> bool:

@@ -20,10 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from analysis import default_results_dir, load_herding, load_runs, lstm_setting  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
-from analysis.plots import partition_order  # noqa: E402
-from analysis.aggregate import headline_metrics  # noqa: E402
-from analysis.studies import (communication_table, herding_ratios, reorderer_order, reorderer_runs,  # noqa: E402
-                              sketching_runs, variant_order)
+from analysis.aggregate import (communication_table, headline_metrics, herding_ratios, partition_order,  # noqa: E402
+                                reorderer_order, reorderer_runs, sketching_runs, variant_order)
 
 
 def mean_std(values) -> str:
@@ -282,7 +280,7 @@ def sketching_markdown(df) -> list[str]:
 
 def sketching_ratio_markdown(df) -> list[str]:
     """The sketching study's herding bounds as multiples of exact CD-GraB's of the same seed
-    (analysis.studies.herding_ratios), per benchmark and data, one row per variant (the CountSketch and the
+    (analysis.aggregate.herding_ratios), per benchmark and data, one row per variant (the CountSketch and the
     structured map of each D, D-RR): the ratio of the mean over epochs 2 on and of the last epoch, seed by
     seed, with their min and max, and whether every seed's ratio is within issue #31's 1.25x."""
     lines = []

@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
-from analysis import load_runs, plots  # noqa: E402
+from analysis import aggregate_all, load_runs, plots  # noqa: E402
+from analysis.aggregate import benchmark_curves  # noqa: E402
 from engine.flags import FLAGS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +52,55 @@ def falling(shift):
     return lambda column, epoch: (400.0 if column.endswith("_ppl") else 6.0) / epoch ** 0.1 + shift
 
 
+def load_and_aggregate_functions() -> dict:
+    """{name: function} of every function defined in analysis/load.py and analysis/aggregate.py: drawing
+    calls none of them (the tables come in sorted, with rank columns where an order matters)."""
+    import importlib
+    import inspect
+
+    # the modules by name: the package's attribute `analysis.aggregate` is the function aggregate()
+    modules = [importlib.import_module(name) for name in ("analysis.load", "analysis.aggregate")]
+    return {name: f for module in modules for name, f in vars(module).items()
+            if inspect.isfunction(f) and f.__module__ == module.__name__}
+
+
+def forbid_loading_and_aggregating(monkeypatch):
+    """Make every load/aggregate function raise wherever analysis/ holds it (a module that imported it by
+    name included), so that drawing which reads runs or computes a table itself fails the test."""
+    banned = load_and_aggregate_functions()
+
+    def raiser(name):
+        def called(*args, **kwargs):
+            raise AssertionError(f"drawing called analysis {name}(): figures draw from aggregated tables only")
+        return called
+
+    for module in [m for name, m in sys.modules.items() if name == "analysis" or name.startswith("analysis.")]:
+        for attr, value in list(vars(module).items()):
+            if any(value is f for f in banned.values()):
+                monkeypatch.setattr(module, attr, raiser(attr))
+
+
+def test_figure_code_never_loads_or_aggregates():
+    """The one-pass shape (load -> aggregate -> draw), read from the code: no function of analysis/plots.py or
+    analysis/studies.py calls a function of analysis/load.py or analysis/aggregate.py, so
+    no figure asks for its pieces itself. The tests that draw (here and in test_notebooks.py) do so with those
+    functions made to raise too (forbid_loading_and_aggregating)."""
+    import ast
+
+    banned = set(load_and_aggregate_functions())
+    for path in (REPO / "analysis" / "plots.py", REPO / "analysis" / "studies.py"):
+        tree = ast.parse(path.read_text())
+        for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+            calls = [n.func for n in ast.walk(function) if isinstance(n, ast.Call)]
+            used = {getattr(f, "id", None) or getattr(f, "attr", None) for f in calls}  # f(...), module.f(...)
+            assert not used & banned, f"{path.name}:{function.name} calls {sorted(used & banned)}"
+
+
+def curves_of(*args, **kwargs):
+    """The benchmark figures' table (aggregate.benchmark_curves) of load_runs(*args, **kwargs)."""
+    return benchmark_curves(load_runs(*args, **kwargs))
+
+
 def stars(ax):
     return [line for line in ax.get_lines() if line.get_marker() == "*"]
 
@@ -67,7 +117,7 @@ def test_paper_stars_only_beside_runs_with_the_papers_settings(tmp_path):
               falling(0.0))
     write_run(tmp_path / "others", "LSTM-Wiki2", "D-RR", 0, {**paper, "node_cnt": 8, "B": 32}, 3, falling(0.1))
     write_run(tmp_path / "others", "LSTM-Wiki2", "CD-GraB", 1, {**paper, "epochs": 10}, 3, falling(0.05))
-    fig = plots.plot_benchmark(load_runs(tmp_path / "others", include_incomplete=True, warn=False), "LSTM-Wiki2")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "others", include_incomplete=True, warn=False), "LSTM-Wiki2")
     assert len(fig.axes) == 2 and [stars(ax) for ax in fig.axes] == [[], []]
     plt.close(fig)
 
@@ -76,7 +126,7 @@ def test_paper_stars_only_beside_runs_with_the_papers_settings(tmp_path):
     write_run(tmp_path / "mixed", "LSTM-Wiki2", "CD-GraB", 0, paper, 3, falling(0.0))
     write_run(tmp_path / "mixed", "LSTM-Wiki2", "D-RR", 0, {**paper, "node_cnt": 8, "B": 32}, 3, falling(0.1))
     df = load_runs(tmp_path / "mixed", include_incomplete=True, warn=False)
-    fig = plots.plot_benchmark(df, "LSTM-Wiki2")
+    fig = plots.plot_benchmark(benchmark_curves(df), "LSTM-Wiki2")
     for ax, value in zip(fig.axes, (5.311, 223.6)):
         (star,) = stars(ax)
         assert (star.get_xdata()[0], star.get_ydata()[0]) == (50, value)
@@ -90,7 +140,7 @@ def test_two_settings_of_one_sorter_have_their_own_colours_and_legend_entries(tm
     for carry in (True, False):
         write_run(tmp_path, "LSTM-Wiki2", "CD-GraB", 0, {**paper, "carry_hidden": carry}, 3, falling(0.2 * carry))
     write_run(tmp_path, "LSTM-Wiki2", "D-RR", 0, paper, 3, falling(0.5))
-    fig = plots.plot_benchmark(load_runs(tmp_path, include_incomplete=True, warn=False), "LSTM-Wiki2")
+    fig = plots.plot_benchmark(curves_of(tmp_path, include_incomplete=True, warn=False), "LSTM-Wiki2")
     for ax in fig.axes:
         colors = {line.get_label(): to_hex(line.get_color()) for line in curves(ax)}
         assert sorted(colors) == ["CD-GraB (carried hidden state) (1 seed)", "CD-GraB (zero hidden state) (1 seed)",
@@ -114,7 +164,7 @@ def test_value_axes_show_small_differences_at_their_size(tmp_path):
     for sorter, shift in (("CD-GraB", 0.0), ("D-RR", 1e-4)):
         write_run(tmp_path / "close", "GPT2-Wiki103", sorter, 0, args, 3,
                   lambda column, epoch, shift=shift: 4.0 + shift + 1e-5 * epoch)
-    fig = plots.plot_benchmark(load_runs(tmp_path / "close", include_incomplete=True, warn=False), "GPT2-Wiki103")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "close", include_incomplete=True, warn=False), "GPT2-Wiki103")
     fig.canvas.draw()
     assert [ax.get_ylabel() for ax in fig.axes] == ["train loss", "validation perplexity", "test perplexity"]
     assert [ax.get_yscale() for ax in fig.axes] == ["linear"] * 3
@@ -132,7 +182,7 @@ def test_value_axes_show_small_differences_at_their_size(tmp_path):
     for sorter in ("CD-GraB", "D-RR"):
         write_run(tmp_path / "wide", "GPT2-Wiki103", sorter, 0, args, 3,
                   lambda column, epoch: 1000.0 / 4.5 ** (epoch - 1) if column.endswith("_ppl") else 4.0)
-    fig = plots.plot_benchmark(load_runs(tmp_path / "wide", include_incomplete=True, warn=False), "GPT2-Wiki103")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "wide", include_incomplete=True, warn=False), "GPT2-Wiki103")
     assert [ax.get_yscale() for ax in fig.axes] == ["linear", "log", "log"]
     plt.close(fig)
 
@@ -144,7 +194,7 @@ def test_a_far_paper_value_is_marked_at_the_edge_not_stretching_the_axis(tmp_pat
     for sorter, shift in (("CD-GraB", 0.0), ("D-RR", 0.001)):
         write_run(tmp_path, "LR-HMDA", sorter, 0, paper, 3,
                   lambda column, epoch, shift=shift: (0.276 if "loss" in column else 0.905) + shift + 0.001 / epoch)
-    fig = plots.plot_benchmark(load_runs(tmp_path, include_incomplete=True, warn=False), "LR-HMDA")
+    fig = plots.plot_benchmark(curves_of(tmp_path, include_incomplete=True, warn=False), "LR-HMDA")
     train = fig.axes[0]
     low, high = train.get_ylim()
     assert high < 0.3  # the curves' range, not up to the paper's 0.335
@@ -197,7 +247,7 @@ def test_a_curve_says_where_its_seeds_end_and_studies_with_figures_stay_out_of_s
     paper = shipped_args("LR-HMDA")
     write_run(tmp_path / "own", "LR-HMDA", "D-RR", 0, paper, 3, falling(0.0))
     write_run(tmp_path / "own", "LR-HMDA", "D-RR", 1, paper, 2, falling(0.01))  # partial: stopped at epoch 2
-    fig = plots.plot_benchmark(load_runs(tmp_path / "own", include_incomplete=True, warn=False), "LR-HMDA")
+    fig = plots.plot_benchmark(curves_of(tmp_path / "own", include_incomplete=True, warn=False), "LR-HMDA")
     assert [line.get_label() for line in curves(fig.axes[0])] == ["D-RR (2 seeds to epoch 2, 1 after)"]
     plt.close(fig)
     # the reorderers study runs 1 and 4 workers at one batch: its own figure, not a worker-scaling row
@@ -205,7 +255,8 @@ def test_a_curve_says_where_its_seeds_end_and_studies_with_figures_stay_out_of_s
         write_run(tmp_path / "studies" / "reorderers", "LR-HMDA", "KH-SGD", 0, {**paper, "node_cnt": n}, 3,
                   falling(0.0))
     df = load_runs(tmp_path / "studies", include_incomplete=True, warn=False)
-    assert set(df["study"]) == {"reorderers"} and plots.plot_scaling(df) is None
+    tables = aggregate_all(df)
+    assert set(df["study"]) == {"reorderers"} and plots.plot_scaling(tables.scaling, tables.scaling_herding) is None
 
 
 def test_worker_scaling_draws_the_sketched_herding_runs_apart_from_exact_and_d_rr():
@@ -225,7 +276,7 @@ def test_worker_scaling_draws_the_sketched_herding_runs_apart_from_exact_and_d_r
     plt.close(fig)
 
 
-def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch():
+def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch(monkeypatch):
     """Issue #31: the shipped structured-sketch runs (TensorSketch blocks for the weight matrices) are their own
     curves in the sketching figures' herding-bound and 10-epoch train-loss panels, in their D's colour but
     dashed with square markers, beside the CountSketch's solid round-marked curve, exact CD-GraB and D-RR;
@@ -235,9 +286,13 @@ def test_sketching_figure_draws_the_structured_map_apart_from_the_countsketch():
 
     from analysis.studies import plot_sketching
 
-    df = load_runs(SHIPPED, warn=False)
+    tables = aggregate_all(load_runs(SHIPPED, warn=False))
+    with monkeypatch.context() as patch:  # drawn from the tables alone
+        forbid_loading_and_aggregating(patch)
+        figs = {benchmark: plot_sketching(tables.sketching, tables.sketching_panels, tables.sketching_ratios, benchmark)
+                for benchmark in ("MLP-M4", "LR-HMDA")}
     for benchmark, dims in {"MLP-M4": (64, 256, 1024), "LR-HMDA": (8, 16)}.items():
-        fig = plot_sketching(df, benchmark)
+        fig = figs[benchmark]
         titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
         assert titles[0].startswith("herding bound of the real gradients") and "10 epochs" in titles[0], titles
         assert titles[1].startswith("train loss (first") and "10 epochs" in titles[1], titles

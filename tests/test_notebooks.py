@@ -18,10 +18,12 @@ import matplotlib
 matplotlib.use("Agg")  # files only, before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 
-from analysis import aggregate, final_table, format_table, load_runs, plots  # noqa: E402
+from analysis import aggregate, aggregate_all, aggregate_herding, final_table, format_table, load_runs, plots  # noqa: E402
+from analysis.aggregate import benchmark_curves  # noqa: E402
 from analysis.load import RESUMABLE_ARGS  # noqa: E402
 from analysis.paper_values import PAPER_SETTINGS  # noqa: E402
 from tests.helpers import run_python  # noqa: E402
+from tests.test_figures import forbid_loading_and_aggregating  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -126,7 +128,7 @@ def study_results(tmp_path_factory):
     return root
 
 
-def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_path):
+def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_path, monkeypatch):
     df = load_runs(study_results, warn=False)
     runs = df.drop_duplicates("run_dir")
     assert runs.groupby("study")["run_dir"].nunique().to_dict() == {"": 1, "heterogeneity": 12, "scaling": 16}
@@ -136,17 +138,20 @@ def test_study_runs_are_labelled_and_drawn_by_what_varies(study_results, tmp_pat
     assert set(het["setting"]) == {"heterogeneity: partition=random", "heterogeneity: partition=dirichlet:1",
                                    "heterogeneity: partition=label-sorted"}
     assert set(runs.loc[runs["study"] == "scaling", "setting"]) == {"scaling: B=16, n=4", "scaling: B=64, n=16"}
-    fig = plots.plot_heterogeneity(df)
+    tables = aggregate_all(df)
+    fig = plots.plot_heterogeneity(tables.heterogeneity)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["random", "dirichlet:1", "label-sorted"]
     cd_loss = fig.axes[0].get_lines()[0].get_ydata()  # CD-GraB's mean final train loss per partition
     assert list(cd_loss) == pytest.approx([0.3005, 0.3105, 0.3505])
     plt.close(fig)
-    fig = plots.plot_scaling(df)
+    fig = plots.plot_scaling(tables.scaling, tables.scaling_herding)
     assert len(fig.axes) == 6 and fig.axes[2].get_yscale() == "log"  # 2 benchmarks x (loss, metric, herding)
     assert {line.get_label() for line in fig.axes[2].get_lines()} == {"CD-GraB, n=4", "CD-GraB, n=16", "D-RR, n=4",
                                                                      "D-RR, n=16"}
     plt.close(fig)
-    names = {Path(p).stem for p in plots.draw_all(df, None, tmp_path)}
+    with monkeypatch.context() as patch:  # every figure drawn from the tables alone
+        forbid_loading_and_aggregating(patch)
+        names = {Path(p).stem for p in plots.draw_all(tables, tmp_path)}
     # the benchmarks' figures show their own runs only; each study has its own figure
     assert names == {"LR-HMDA-vs-epoch", "LR-HMDA-vs-seconds", "LR-HMDA-time-breakdown", "heterogeneity", "scaling"}
 
@@ -221,7 +226,7 @@ def test_runs_differing_in_any_setting_are_separate_curves(tmp_path):
     table = final_table(df)
     assert len(table) == 5 and set(table.loc[table["benchmark"] == "LSTM-Wiki2", "seeds"]) == {1, 2}
     assert "zero hidden state" in format_table(table)
-    fig = plots.plot_benchmark(df, "LSTM-Wiki2")
+    fig = plots.plot_benchmark(benchmark_curves(df), "LSTM-Wiki2")
     assert sorted(label for label in fig.axes[0].get_legend_handles_labels()[1] if not label.startswith("paper")) == [
         "CD-GraB (carried hidden state) (2 seeds)", "CD-GraB (zero hidden state) (2 seeds)",
         "D-RR (carried hidden state) (1 seed)"]
@@ -233,7 +238,7 @@ def test_figures_show_one_epoch_runs_the_paper_values_and_say_what_they_measure(
     for sorter in ("CD-GraB", "D-RR"):
         write_run(tmp_path, "LSTM-Wiki2", sorter, 0, epochs=50, rows=1, args=PAPER_SETTINGS["LSTM-Wiki2"])
     df = load_runs(tmp_path, include_incomplete=True, warn=False)
-    fig = plots.plot_benchmark(df, "LSTM-Wiki2")
+    fig = plots.plot_benchmark(benchmark_curves(df), "LSTM-Wiki2")
     curves = [line for line in fig.axes[0].get_lines() if not line.get_label().startswith("paper")]
     # one epoch is one point: drawn only as a marker
     assert len(curves) == 2 and all(len(line.get_xdata()) == 1 and line.get_marker() not in (None, "None", "")
@@ -245,14 +250,14 @@ def test_figures_show_one_epoch_runs_the_paper_values_and_say_what_they_measure(
     test_ppl = fig.axes[[ax.get_ylabel() for ax in fig.axes].index("test perplexity")]
     assert {line.get_ydata()[0] for line in test_ppl.get_lines() if line.get_label().startswith("paper")} == {223.6, 231.9}
     plt.close(fig)
-    fig = plots.plot_benchmark(df, "LSTM-Wiki2", x="seconds")
+    fig = plots.plot_benchmark(benchmark_curves(df), "LSTM-Wiki2", x="seconds")
     assert "training seconds" in fig.axes[0].get_xlabel() and "evaluation excluded" in fig.axes[0].get_xlabel()
     assert not [line for line in fig.axes[0].get_lines() if line.get_label().startswith("paper")]  # no time known
     plt.close(fig)
     # the herding figure speaks the suite's letters: n workers, m units each
     hdf = pd.DataFrame([{"n_workers": 5, "m": 200, "d": 16, "trial": 0, "method": "CD-GraB", "round": r, "bound": 3.0}
                         for r in range(3)])
-    fig = plots.plot_herding(hdf)
+    fig = plots.plot_herding(aggregate_herding(hdf))
     assert fig.axes[0].get_title() == "n=5 workers, m=200 units each"
     plt.close(fig)
 

@@ -59,7 +59,7 @@ def test_shipped_studies_are_complete():
 def test_shipped_communication_study_is_complete():
     """Issue #9: {every-step, constant, qsr} x {dense, exdyna} x {CD-GraB, D-RR} x 3 seeds on MLP-M4; QSR's
     rounds tile every run and grow as the cosine learning rate decays."""
-    from analysis.studies import communication_table
+    from analysis.aggregate import communication_table
 
     df = load_runs(SHIPPED, warn=False)
     table = communication_table(df)
@@ -77,7 +77,8 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     the same with the structured map (--sketch-min-numel 16: every weight matrix a TensorSketch block), on
     MLP-M4 and LR-HMDA. Bytes per epoch from the documented formula, steps * 4 * (n k D + n d) for a sketch
     of either family, steps * 4 * n k d exact and steps * 4 * n d for D-RR (n = k = 4, d = 5,569, 500 steps)."""
-    from analysis.studies import sketch_blocks, sketching_runs
+    from analysis.aggregate import sketching_runs
+    from analysis.load import load_configs
 
     runs = sketching_runs(load_runs(SHIPPED, warn=False), "MLP-M4")
     herding = runs[~runs["full_data"]]
@@ -92,9 +93,8 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
                    for suffix in ("", ", structured")}}
     assert herding.groupby("variant")["comm_bytes"].agg(set).to_dict() == {v: {b} for v, b in expected.items()}
     # the structured runs' maps: the MLP's three weight matrices (20 -> 64, 64 -> 64, 64 -> 1) are the blocks
-    structured = herding.loc[herding["structured"], "run_dir"].unique()
-    assert len(structured) == 9 and all(sketch_blocks(run) == [[0, 64, 20], [1344, 64, 64], [5504, 1, 64]]
-                                        for run in structured)
+    structured = load_configs(herding[herding["structured"]])["blocks"]
+    assert len(structured) == 9 and all(blocks == [[0, 64, 20], [1344, 64, 64], [5504, 1, 64]] for blocks in structured)
     full = runs[runs["full_data"]]  # the paper figure's setting, 30 epochs: 6,711 steps per epoch
     assert full.groupby("variant")["run_dir"].nunique().to_dict() == {"CD-GraB exact": 3, "CD-GraB, D = 64": 3, "D-RR": 3}
     assert (full.groupby("run_dir")["epoch"].max() == 30).all()
@@ -105,7 +105,7 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     for variant in ("CD-GraB, D = 8", "CD-GraB, D = 8, structured"):
         assert set(lr.loc[lr["variant"] == variant, "comm_bytes"]) == {1250 * 4 * (n * k * 8 + n * 26)}
     # LR's one weight is 1 x 25: a one-row block (the bias stays CountSketched)
-    assert {str(sketch_blocks(run)) for run in lr.loc[lr["structured"], "run_dir"].unique()} == {"[[0, 1, 25]]"}
+    assert {str(blocks) for blocks in load_configs(lr[lr["structured"]])["blocks"]} == {"[[0, 1, 25]]"}
 
 
 def test_shipped_reorderers_study_is_complete_and_matched_with_its_baselines():
@@ -113,7 +113,7 @@ def test_shipped_reorderers_study_is_complete_and_matched_with_its_baselines():
     and 4 workers (seeds 0-4), and on MLP-M4 with 4 workers (seeds 0-2), each drawn against the CD-GraB and
     D-RR runs of exactly its settings (the benchmark's own runs for 4 workers; not e.g. the scaling or
     heterogeneity studies' runs of other worker counts or data), all 50 epochs."""
-    from analysis.studies import reorderer_runs
+    from analysis.aggregate import reorderer_runs
 
     df = load_runs(SHIPPED, warn=False)
     sorters = ["CD-GraB", "D-RR", "KH-SGD", "SBW"]
