@@ -40,10 +40,7 @@ import torch.nn.functional as F
 
 from sorters.checks import check_int, check_module, check_seed
 from sorters.sketch import GradientSketch
-
-# a layer weight with at least this many entries is a TensorSketch block, never formed per example; smaller
-# weights are formed per example (B * numel floats) and CountSketched with the plain map
-STRUCTURED_MIN_NUMEL = 2**16
+from sorters.thresholds import STRUCTURED_MIN_NUMEL  # the library's row of the table (thresholds.py: why)
 
 
 def layer_kind(module: torch.nn.Module) -> str | None:
