@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sorters.checks import check_int, check_seed
+from sorters.layer_sketch import LayerSketch
 from sorters.per_example import PerExampleGrads, PerExampleLossGrads
 from sorters.registry import SORTERS
 from sorters.sampler import CDGraBSampler
@@ -99,6 +100,13 @@ class CDGraBSettings:
             return None
         return PerExampleLossGrads(model, params=self.grad_params, chunk_size=self.grad_chunk_size,
                                    sketch_dim=self.sketch_dim, sketch_seed=self.resolved_seed)
+
+    def layer_sketch(self, model):
+        """structured: the LayerSketch of `model` with these settings (sketch_dim, seed, grad_params,
+        min_numel), for glue that records the training step's own backward (Lightning's CDGraBCallback)."""
+        if not self.structured:
+            raise ValueError("CDGraBSettings: layer_sketch() builds structured sketches: set structured=True")
+        return LayerSketch(model, self.sketch_dim, self.resolved_seed, params=self.grad_params, min_numel=self.min_numel)
 
     def sampler(self, dataset, batch_size: int, d: int | None, cls=CDGraBSampler, **kwargs) -> CDGraBSampler:
         """A CDGraBSampler (or the subclass `cls`, e.g. LightningCDGraBSampler) with these settings' sorter,
