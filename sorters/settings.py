@@ -83,21 +83,17 @@ class CDGraBSettings:
         """seed, or 0 when None (a framework with its own seed passes that instead)."""
         return 0 if self.seed is None else self.seed
 
-    def gradients(self, model, loss_fn) -> PerExampleGrads | None:
+    def gradients(self, model, loss_fn) -> PerExampleGrads:
         """The per-example gradients these settings balance, for (inputs, targets) batches: a PerExampleGrads
         whose call gives (B, d) gradients, (B, sketch_dim) sketches, or with structured the layer-by-layer
-        sketches. None for a sorter that balances no gradients."""
-        if not self.uses_grads:
-            return None
+        sketches. Building it computes nothing; call it only when `uses_grads`."""
         return PerExampleGrads(model, loss_fn, params=self.grad_params, chunk_size=self.grad_chunk_size,
                                sketch_dim=self.sketch_dim, sketch_seed=self.resolved_seed,
                                structured=self.structured, min_numel=self.min_numel)
 
-    def loss_gradients(self, model) -> PerExampleLossGrads | None:
+    def loss_gradients(self, model) -> PerExampleLossGrads:
         """As gradients(), of the model's own loss on dict batches (transformers models; not structured:
         the HF glue builds those sketches from the Trainer's own backward)."""
-        if not self.uses_grads:
-            return None
         return PerExampleLossGrads(model, params=self.grad_params, chunk_size=self.grad_chunk_size,
                                    sketch_dim=self.sketch_dim, sketch_seed=self.resolved_seed)
 
