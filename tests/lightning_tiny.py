@@ -106,7 +106,7 @@ class TinySketchModel(TinyModel):
         self.sketches = []
 
     def setup(self, stage):
-        self.sampler = LightningCDGraBSampler(self.train_set, batch_size=BATCH, d=self.sketcher.d,
+        self.sampler = LightningCDGraBSampler(self.train_set, batch_size=BATCH, d=self.sketcher.d, seed=2,
                                               sketch_dim=self.sketcher.dim, num_replicas=REPLICAS, epochs=EPOCHS)
         step = self.sampler.step
         self.sampler.step = lambda grads: (self.sketches.append(grads.clone()), step(grads))
