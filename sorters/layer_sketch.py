@@ -137,7 +137,7 @@ class LayerSketch:
                  min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0):
         check_module("LayerSketch", model)
         dim, seed = check_int("LayerSketch", "dim", dim, 1), check_seed("LayerSketch", seed)
-        min_numel = check_int("LayerSketch", "min_numel", min_numel, 0)
+        min_numel = check_int("LayerSketch", "min_numel", min_numel, 1)  # as CDGraBSettings and --sketch-min-numel
         if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
             raise ValueError(f"LayerSketch: batch_dim must be 0 or 1, got {batch_dim}")
         self.batch_dim = batch_dim

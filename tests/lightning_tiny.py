@@ -102,7 +102,7 @@ class TinySketchModel(TinyModel):
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
         self.grads_of = PerExampleGrads(self.net, mse)
-        self.sketcher = LayerSketch(self.net, dim, seed=2, min_numel=0)
+        self.sketcher = LayerSketch(self.net, dim, seed=2, min_numel=1)
         self.sketches = []
 
     def setup(self, stage):

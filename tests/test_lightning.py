@@ -92,7 +92,7 @@ def test_sketches_from_the_steps_own_backward_are_the_map_of_each_examples_gradi
             sorter.step(next(sketches).reshape(REPLICAS, BATCH, -1), range(t, t + BATCH))
     state = callback.state_dict()
     assert state["sketch_map"]["blocks"] == [[0, 6, 3], [24, 1, 6]]
-    for other in (None, lit.LayerSketch(model.net, 5, seed=3, min_numel=0)):
+    for other in (None, lit.LayerSketch(model.net, 5, seed=3, min_numel=1)):
         resumed = lit.CDGraBCallback(sampler=model.sampler, sketcher=other)
         with pytest.raises(ValueError, match="resume with the same sketcher"):
             resumed.load_state_dict(state)
@@ -120,7 +120,7 @@ def test_settings_refuse_a_sampler_or_sketcher_built_otherwise(lit):
     assert "seed=2 (settings: 3)" in refusal(CDGraBSettings(**{**right, "seed": 3}), sketcher=model.sketcher)
     assert "num_replicas=2 (settings: 4)" in refusal(CDGraBSettings(**right, num_replicas=4), sketcher=model.sketcher)
     assert "needs a sketcher" in refusal(CDGraBSettings(**right))
-    other = lit.LayerSketch(model.net, 4, seed=2, min_numel=0)
+    other = lit.LayerSketch(model.net, 4, seed=2, min_numel=1)
     assert "dim=4, seed=2" in refusal(CDGraBSettings(**right), sketcher=other)
     with pytest.raises(ValueError, match="structured=True"):
         lit.CDGraBCallback(sketcher=model.sketcher, settings=CDGraBSettings(sketch_dim=5))
