@@ -1,5 +1,6 @@
 """CD-GraB example ordering inside the Hugging Face `Trainer`: `CDGraBTrainer` and `CDGraBTrainerMixin`.
 
+    from sorters import CDGraBSettings
     from sorters.hf import CDGraBTrainer
     trainer = CDGraBTrainer(model=model, args=TrainingArguments(..., dataloader_drop_last=True),
                             train_dataset=train_set, cdgrab=CDGraBSettings(sorter="CD-GraB"))
@@ -362,6 +363,8 @@ class CDGraBTrainerMixin:
         now, then = self._gradient_settings(), saved["gradients"]
         if isinstance(then["grad_params"], (list, tuple)):  # a list of expressions, saved as a list
             then = {**then, "grad_params": list(then["grad_params"])}
+        if then["sketch_min_numel"] == 0:  # accepted before it had to be >= 1; chose the weights 1 does
+            then = {**then, "sketch_min_numel": 1}
         if self._uses_grads and (now["structured"], now["grad_params"]) != (then["structured"], then["grad_params"]) \
                 or now["structured"] and now["sketch_min_numel"] != then["sketch_min_numel"]:
             changed = ", ".join(f"{key}={then[key]!r} (now {now[key]!r})" for key in now if now[key] != then[key])

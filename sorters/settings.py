@@ -3,7 +3,7 @@ r"""CDGraBSettings: what a framework's glue needs to know to order examples, one
     from sorters import CDGraBSettings
     settings = CDGraBSettings(sorter="CD-GraB", grad_params=r"^head\.", sketch_dim=256, structured=True)
     trainer = CDGraBTrainer(model=model, args=args, train_dataset=train_set, cdgrab=settings)   # sorters/hf.py
-    callback = CDGraBCallback(settings)                                                        # sorters/lightning.py
+    callback = CDGraBCallback(settings=settings)                                               # sorters/lightning.py
     grads_of = settings.gradients(model, loss_fn)              # your own loop, Accelerate: PerExampleGrads
     sampler = settings.sampler(train_set, batch_size=16, d=grads_of.d, drop_last=True, view="global")
 
