@@ -17,8 +17,7 @@ the previous step belongs to an unrelated place in the text). --carry-hidden rep
 the ordering unit: worker r owns m * B/n units (unit u = chunk u // (B/n), column r*B/n + u % (B/n))
 and takes B/n of them per step, so a step sees the same number of tokens; gradient sorters then
 get one gradient per sequence and CD-GraB pairs units inside a step. With a balancing sorter a step
-costs about 2x the chunk unit's (one backward per sequence, B/n times the gradients to gather and
-balance; measured 0.55 vs 0.31 s at B=16, n=4 on one CPU thread); D-RR costs the same in both.
+gathers and balances B/n times the gradients of the chunk unit; D-RR costs the same in both.
 Not with --carry-hidden: a worker's units are no longer one stream whose state could be carried.
 
 Evaluation after every epoch: mean per-token NLL (train_loss / valid_loss / test_loss) and
@@ -44,7 +43,7 @@ from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.task import Task, shard, sum_over_processes
 from engine.train import run_entry_point
-from models.lstm import LSTMModel, without_cudnn
+from models.lstm import LSTMModel, unit_gradients, without_cudnn
 
 BENCHMARK = "LSTM-Wiki2"
 # the original README command: --sorter CD-GraB --lr 5.0 --B 16 --node_cnt 4 --epochs 50
@@ -52,6 +51,8 @@ BENCHMARK = "LSTM-Wiki2"
 DEFAULTS = dict(sorter="CD-GraB", seed=0, lr=5.0, momentum=0.9, weight_decay=0.0, B=16, node_cnt=4, epochs=50)
 EMBED, HIDDEN, LAYERS = 32, 32, 2
 EVAL_TOKENS = 1024  # tokens per evaluation forward (one chunk of one column block when that is more)
+# units per pass of the batched per-unit gradients: the block-diagonal LSTM's weights grow as its square
+UNITS_PER_PASS = 16
 
 
 class LSTMWiki2(Task):
@@ -59,6 +60,7 @@ class LSTMWiki2(Task):
     metric_columns = ("valid_loss", "train_ppl", "valid_ppl", "test_ppl")
     lr_decay_every = 10
     lr_decay_gamma = 0.1
+    units_per_pass = UNITS_PER_PASS  # 0: one backward per unit (the reference path of the tests)
 
     def __init__(self, args, device):
         if args.carry_hidden and args.order_unit == "example":
@@ -158,17 +160,24 @@ class LSTMWiki2(Task):
         return loss, (back(h), back(c))
 
     def unit_grads(self, flat, batch, n_local, k):
-        """One plain backward per unit into one reused (U, d) buffer (torch.vmap has no batching rule
-        for the CPU LSTM kernel and falls back to a slower loop). Returns (n_local, k, d), (n_local, k);
-        the gradients are valid until the next call."""
+        """Per-unit gradients (n_local, k, d) and losses (n_local, k) into one reused (U, d) buffer, valid
+        until the next call: the units side by side in one pass (models.lstm.unit_gradients: a block-diagonal
+        LSTM, UNITS_PER_PASS units at a time), or, through torch.func or with `units_per_pass` 0, one plain
+        backward per unit (torch.vmap has no batching rule for the CPU LSTM kernel)."""
         units = n_local * k
         buffer = self._unit_grad_buffer(units)
         losses, states = torch.empty(units, dtype=flat.dtype, device=flat.device), []
         with self._gradient_kernels(flat):
-            for u in range(units):
-                g, losses[u], aux = self.batch_grad(flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
-                buffer[u].copy_(g)
-                states.append(aux)
+            if flat is self.model.flat and self.units_per_pass:
+                for start in range(0, units, self.units_per_pass):
+                    rows = slice(start, min(start + self.units_per_pass, units))
+                    losses[rows], aux = unit_gradients(self.model.module, *(t[rows] for t in batch), out=buffer[rows])
+                    states.append(aux)
+            else:
+                for u in range(units):
+                    g, losses[u], aux = self.batch_grad(flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
+                    buffer[u].copy_(g)
+                    states.append(aux)
         if self.carry_hidden:
             self._pending_hidden = tuple(torch.cat([s[i] for s in states]) for i in range(2))
         return buffer.view(n_local, k, -1), losses.view(n_local, k)

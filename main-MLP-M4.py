@@ -30,7 +30,7 @@ from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.task import Task, eval_batches, sum_over_processes, unit_multiple, units_per_worker
 from engine.train import run_entry_point
-from models.mlp import AutoregressiveMLP
+from models.mlp import AutoregressiveMLP, window_gradients
 
 BENCHMARK = "MLP-M4"
 # the original README command: --sorter CD-GraB --node_cnt 32 --B 32 --lr 1e-3 (momentum 0.9, lr x0.25
@@ -96,6 +96,16 @@ class MLPM4(Task):
     def unit_losses(self, flat, batch):
         x, y = batch
         return (self.model(flat, x, y.shape[-1]) - y).square().mean(dim=1)  # (U,)
+
+    def unit_grads(self, flat, batch, n_local, k):
+        """Per-window gradients (n_local, k, d) and losses (n_local, k): the rollout's backward written out
+        (models.mlp.window_gradients: no autograd graph, no module calls), into the reused buffer; the
+        general paths where outer products do not apply (a vmap tracer, --unit-grads vmap)."""
+        if not self.outer_products_apply(flat):
+            return super().unit_grads(flat, batch, n_local, k)
+        grads = self._unit_grad_buffer(n_local * k)
+        losses = window_gradients(self.model.module, *batch, out=grads)
+        return grads.view(n_local, k, -1), losses.view(n_local, k)
 
     def _squared_error_sum(self, flat, x, y, comm):
         """Sum of squared errors of a rollout of len y over all rows; fixed chunks split over processes."""

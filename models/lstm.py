@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import _VF
 
 
 class LSTMModel(nn.Module):
@@ -52,3 +53,59 @@ def without_cudnn():
         yield
     finally:
         torch.backends.cudnn.enabled = enabled
+
+
+@torch.no_grad()
+def unit_gradients(model: LSTMModel, inputs, targets, h0, c0, out: torch.Tensor):
+    """Every unit's gradient of its own mean token NLL from ONE forward and ONE backward for all units.
+
+    inputs, targets (U, T, w) token ids (unit u: w columns of T tokens); h0, c0 (U, layers, w, nhid);
+    out (U, d) receives unit u's gradient in row u, the parameters in `model.named_parameters()` order
+    (the tied embedding / decoder weight once, then each layer's weight_ih, weight_hh, bias_ih, bias_hh).
+    Returns (losses (U,), final (h, c) each (U, layers, w, nhid)).
+
+    The units run side by side as ONE LSTM whose hidden state is the units' states concatenated (U * nhid
+    features) and whose weights are block-diagonal, unit u's block the model's weights: unit u's outputs
+    depend on its own block only, so the gradient of the summed losses on block u is unit u's gradient of
+    the LSTM weights. The decoder and the embedding, whose weight is shared, get theirs from the records
+    as in FlatModel.outer_unit_gradients: the token logits' gradients times the LSTM outputs, one batched
+    product over the units, plus each token's input gradient added to the embedding row it read.
+    """
+    U, T, w = inputs.shape
+    H, V, layers = model.nhid, model.ntoken, model.nlayers
+    E = model.encoder.weight
+    eye = torch.eye(U, dtype=E.dtype, device=E.device)
+    weights = []  # the block-diagonal LSTM, gate-major rows (gate, unit, hidden), unit-major columns
+    for layer in range(layers):
+        w_ih, w_hh, b_ih, b_hh = (getattr(model.rnn, f"{name}_l{layer}")
+                                  for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+        for weight in (w_ih, w_hh):
+            block = torch.einsum("uv,ghc->guhvc", eye, weight.view(4, H, -1))  # exact copies and zeros
+            weights.append(block.reshape(4 * U * H, -1).requires_grad_())
+        for bias in (b_ih, b_hh):
+            weights.append(bias.view(4, 1, H).expand(4, U, H).reshape(-1).requires_grad_())
+    x = F.embedding(inputs, E).permute(1, 2, 0, 3).reshape(T, w, U * H).requires_grad_()  # (T, w, U * H)
+    state = tuple(s.permute(1, 2, 0, 3).reshape(layers, w, U * H).contiguous() for s in (h0, c0))
+    with torch.enable_grad():
+        output, h, c = _VF.lstm(x, state, weights, True, layers, 0.0, True, False, False)
+        hidden = output.view(T, w, U, H).permute(2, 0, 1, 3).reshape(U, T * w, H)  # unit-major tokens
+        logits = hidden @ E.T                                                     # (U, T * w, V)
+        token_nll = F.cross_entropy(logits.view(-1, V), targets.reshape(-1), reduction="none")
+        losses = token_nll.view(U, T * w).mean(1)
+        grads = torch.autograd.grad(losses.sum(), [logits, hidden, x, *weights])
+    g_logits, g_hidden, g_x, g_weights = grads[0], grads[1], grads[2], grads[3:]
+    tied = torch.bmm(g_logits.transpose(1, 2), hidden.detach())                   # (U, V, H): decoder
+    g_emb = g_x.view(T, w, U, H).permute(2, 0, 1, 3).reshape(U, T * w, H)
+    units = torch.arange(U, device=E.device)[:, None].expand(U, T * w)
+    tied.index_put_((units, inputs.reshape(U, T * w)), g_emb, accumulate=True)   # embedding rows
+    pieces = [tied.view(U, -1)]
+    for i, g in enumerate(g_weights):
+        if i % 4 < 2:  # a block-diagonal weight: unit u's gradient is block (u, u)
+            g = torch.diagonal(g.view(4, U, H, U, -1), dim1=1, dim2=3)           # (4, H, in, U)
+            pieces.append(g.permute(3, 0, 1, 2).reshape(U, -1))
+        else:
+            pieces.append(g.view(4, U, H).transpose(0, 1).reshape(U, -1))
+    torch.cat(pieces, dim=1, out=out)
+    del g_hidden
+    final = tuple(s.view(layers, w, U, H).permute(2, 0, 1, 3) for s in (h, c))
+    return losses.detach(), final

@@ -7,9 +7,9 @@ directory, environment, standard streams, exit status, `__main__`), without the 
 launcher runs here too, and its workers (`PYTHON_EXEC`, see script_shim.py) are forked here as well, so a
 two-process run starts no new interpreter with torch at all.
 
-What differs from a fresh interpreter, and why it is safe here: the modules of PRELOAD are already
-imported (their import-time code ran once, under the server's environment: OMP_NUM_THREADS=1, as every
-test run has it), the sorters' numba loops are loaded from numba's disk cache (load_compiled_loops; numba
+What differs from a fresh interpreter, and why it is safe here: the modules of PRELOAD (and
+PRELOAD_OPTIONAL) are already imported (their import-time code ran once, under the server's environment:
+OMP_NUM_THREADS=1, as every test run has it; none starts a thread), the sorters' numba loops are loaded from numba's disk cache (load_compiled_loops; numba
 starts no thread for them, so a fork keeps them usable), the HMDA sample under $CDGRAB_DATA is read
 (keep_hmda_loaded: a run reading it gets the copy read here), and sys.path keeps the checkout.
 tests/test_device.py (every entry script's --help), tests/test_scripts_help.py and tests/test_notebooks.py
@@ -32,6 +32,9 @@ from pathlib import Path
 
 PRELOAD = ("numpy", "pandas", "tqdm", "torch", "torch.distributed.run", "transformers", "sorters", "engine.train",
            "data.hmda", "data.m4", "data.wikitext2", "data.wikitext103", "models")
+# imported too where they import (transformers' GPT-2 and Trainer behind its lazy package: about two seconds
+# that each GPT-2 run and Hugging Face example would spend again); where they do not, their tests skip
+PRELOAD_OPTIONAL = ("models.gpt2", "sorters.hf")
 
 
 def serve(path: str) -> None:
@@ -39,6 +42,11 @@ def serve(path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in PRELOAD_OPTIONAL:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     load_compiled_loops()
     keep_hmda_loaded()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -154,6 +162,7 @@ def run_child(request: dict, fds: list, conn) -> None:
             code = exit_code(lambda: run_source(source, "<stdin>" if argv[0] == "-" else "<string>"))
         elif argv[:1] == ["-m"]:
             module, rest = argv[1], argv[2:]
+            sys.modules.pop(module, None)  # preloaded (torch.distributed.run): runpy would warn on stderr
             sys.argv = [module, *rest]
             sys.path[0] = os.getcwd()
             code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))

@@ -119,7 +119,7 @@ def test_bad_communication_settings_get_one_line(tmp_path, args, message):
 @pytest.mark.parametrize("bench_name, script, quick", [
     pytest.param("LR-HMDA", "main-LR-HMDA.py", BENCHMARKS["LR-HMDA"][1], marks=needs_data(HMDA)),
     pytest.param("LSTM-Wiki2", "main-LSTM-Wiki2.py", ["--max-train-examples", "8", "--max-eval-examples", "2",
-                                                      "--carry-hidden", "--lr", "1.0"],
+                                                      "--bptt", "10", "--carry-hidden", "--lr", "1.0"],
                  marks=needs_data("wikitext-2/train.txt")),
 ])
 def test_averaging_every_step_equals_gradient_averaging(tmp_path, bench_name, script, quick):

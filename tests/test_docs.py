@@ -195,7 +195,9 @@ def test_performance_and_gpu_pages_state_their_bench_results():
     cpu = bench_result("cpu-epochs.json")["runs"]
     rows = {"LR-HMDA, 64,000 examples (4,000 steps), epoch 2": "LR-HMDA --max-train-examples 64000",
             "MLP-M4 (32 workers, B 32), 32,000 windows, epoch 2": "MLP-M4 --max-train-examples 32000 (32 workers, B 32)",
-            "MLP-M4 (4 workers, B 16), 32,000 windows, epoch 2": "MLP-M4 --max-train-examples 32000 --node_cnt 4 --B 16"}
+            "MLP-M4 (4 workers, B 16), 32,000 windows, epoch 2": "MLP-M4 --max-train-examples 32000 --node_cnt 4 --B 16",
+            "LSTM-Wiki2 (4 workers, B 16), 30 of 3,728 steps, epoch 2":
+                "LSTM-Wiki2 --max-train-examples 30 --max-eval-examples 10"}
     for label, run in rows.items():
         seconds = cpu[run]["seconds"]
         row = (f"| {label} | {seconds['D-RR']['epoch_seconds']:.2f} s | {seconds['CD-GraB']['epoch_seconds']:.2f} s "

@@ -92,6 +92,15 @@ def test_units_gradients_hidden_state_and_evaluation():
         loss = F.nll_loss(log_probs, targets[r].reshape(-1))
         torch.testing.assert_close(grads[r, 0], torch.autograd.grad(loss, p)[0])
         torch.testing.assert_close(losses[r, 0], loss.detach())
+    # the same in passes of one unit, and from the loop of one backward per unit (units_per_pass 0)
+    batched, batched_losses = grads.clone(), losses.clone()  # the next call reuses the buffer
+    for per_pass in (1, 0):
+        task.units_per_pass = per_pass
+        other, other_losses = task.unit_grads(flat, (inputs, targets, h0, c0), 2, 1)
+        torch.testing.assert_close(other, batched, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(other_losses, batched_losses)
+    task.units_per_pass = module.UNITS_PER_PASS
+    grads, losses = task.unit_grads(flat, (inputs, targets, h0, c0), 2, 1)
     # ... and their mean is the batch gradient the non-balancing sorters use
     mean_grad, _, _ = batch_gradient(task.loss, flat, (inputs, targets, h0, c0))
     torch.testing.assert_close(mean_grad, grads.mean((0, 1)), rtol=1e-4, atol=1e-7)

@@ -88,6 +88,12 @@ def test_worker_split_units_and_metrics():
     assert y.shape == (6, 6)
     grads, losses = task.unit_grads(task.model.flat, (x, y), 2, 3)
     assert grads.shape == (2, 3, 5_569) and losses.shape == (2, 3)
+    # the hand-written rollout backward (models.mlp.window_gradients) agrees with the general vmap path
+    task.unit_grad_path = "vmap"
+    vmap_grads, vmap_losses = task.unit_grads(task.model.flat, (x, y), 2, 3)
+    task.unit_grad_path = "auto"
+    torch.testing.assert_close(grads, vmap_grads, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(losses, vmap_losses)
 
     # metrics: every window weighs the same; the test rollout covers the 13-week horizon; sMAPE as stated
     flat = task.model.flat

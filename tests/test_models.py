@@ -4,8 +4,8 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from models.gpt2 import build_gpt2, causal_mask, lm_loss
-from models.lstm import LSTMModel
-from models.mlp import AutoregressiveMLP
+from models.lstm import LSTMModel, unit_gradients
+from models.mlp import AutoregressiveMLP, window_gradients
 
 
 def n_params(model) -> int:
@@ -42,6 +42,36 @@ def test_lstm_forward_shapes_and_hidden_carry():
     assert not torch.allclose(again, logp)
 
 
+def test_lstm_unit_gradients_in_one_pass_match_a_float64_oracle():
+    """models.lstm.unit_gradients (the units side by side as one block-diagonal LSTM, one backward) = each
+    unit's own float64 backward of its mean token NLL, for the tied weight, every LSTM weight and bias,
+    with nonzero initial states and repeated tokens; its losses and final states too."""
+    torch.manual_seed(0)
+    V, U, T, w = 40, 3, 6, 2
+    m = LSTMModel(V, 32, 32, 2)
+    inputs, targets = torch.randint(0, V, (U, T, w)), torch.randint(0, V, (U, T, w))
+    inputs[0, :3, 0] = 7  # one row read several times by one unit, and by another
+    inputs[1, 0, 1] = 7
+    h0, c0 = torch.randn(U, 2, w, 32), torch.randn(U, 2, w, 32)
+    d = n_params(m)
+    out = torch.full((U, d), float("nan"))
+    losses, (h, c) = unit_gradients(m, inputs, targets, h0, c0, out)
+
+    m64 = LSTMModel(V, 32, 32, 2).double()
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    for u in range(U):
+        m64.zero_grad()
+        log_probs, (hu, cu) = m64(inputs[u], (h0[u].double(), c0[u].double()))
+        loss = torch.nn.functional.nll_loss(log_probs, targets[u].reshape(-1))
+        loss.backward()
+        expected = torch.cat([p.grad.reshape(-1) for p in m64.parameters()])
+        assert expected.numel() == d
+        torch.testing.assert_close(out[u].double(), expected, rtol=0, atol=1e-6 * expected.abs().max().item())
+        torch.testing.assert_close(losses[u].double(), loss.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(h[u].double(), hu.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(c[u].double(), cu.detach(), rtol=0, atol=1e-6)
+
+
 # ---------------------------------------------------------------- MLP
 
 def test_mlp_size():
@@ -66,6 +96,38 @@ def test_mlp_rollout_feeds_back_its_own_predictions():
     assert (g[:, 0] != 0).all()
     # a shorter horizon is a prefix of a longer one
     torch.testing.assert_close(m(x, 6), out[:, :6])
+
+
+@pytest.mark.parametrize("layers", [2, 3, 4])
+def test_mlp_window_gradients_match_a_float64_autograd_oracle(layers):
+    """The hand-written rollout backward = per-window autograd gradients of the rollout MSE in float64
+    (vmap over windows), to float32 rounding, in mlp.parameters() order; and its losses."""
+    torch.manual_seed(layers)
+    m = AutoregressiveMLP(in_len=8, hidden=16, n_layers=layers)
+    x, y = torch.randn(5, 8), torch.randn(5, 6)
+    # large weights, so that some ReLUs are off and later predictions depend strongly on earlier ones
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3)
+    d = n_params(m)
+    out = torch.full((5, d), float("nan"))
+    losses = window_gradients(m, x, y, out)
+
+    m64 = AutoregressiveMLP(in_len=8, hidden=16, n_layers=layers).double()
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    params = dict(m64.named_parameters())
+
+    def loss(p, xi, yi):
+        pred = functional_call(m64, p, (xi[None], yi.shape[0]))[0]
+        return (pred - yi).square().mean()
+
+    per_window = vmap(grad(loss), in_dims=(None, 0, 0))(params, x.double(), y.double())
+    expected = torch.cat([per_window[name].reshape(5, -1) for name, _ in m64.named_parameters()], dim=1)
+    scale = expected.abs().max().item()
+    assert scale > 1 and (expected != 0).float().mean() > 0.3  # not a degenerate case
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * scale)
+    oracle = torch.stack([loss(params, xi, yi) for xi, yi in zip(x.double(), y.double())])
+    torch.testing.assert_close(losses.double(), oracle, rtol=1e-5, atol=0)
 
 
 # ---------------------------------------------------------------- GPT-2

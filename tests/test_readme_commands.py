@@ -37,8 +37,8 @@ SKIPPED_SCRIPTS = ("scripts/gpu_session.py", "scripts/mutation.py")
 TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slowly, so they get less
     "main-LSTM-Wiki2.py": ["--max-train-examples", "8", "--max-eval-examples", "4", "--epochs", "1",
                            "--progress", "off"],
-    "main-GPT2-Wiki103.py": ["--max-train-examples", "128", "--max-eval-examples", "4", "--epochs", "1",
-                             "--progress", "off"],  # 64 workers x 1 block: two steps at least
+    "main-GPT2-Wiki103.py": ["--max-train-examples", "128", "--max-seq-length", "32", "--max-eval-examples", "4",
+                             "--epochs", "1", "--progress", "off"],  # 64 workers x 1 block of 32 tokens: two steps
     "main-": ["--max-train-examples", "128", "--max-eval-examples", "32", "--epochs", "{epochs}",
               "--progress", "off"],
     "examples/lightning_mlp.py": ["--max-train-examples", "64", "--epochs", "1", "--progress", "off"],
