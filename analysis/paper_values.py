@@ -23,6 +23,8 @@ PAPER_HERDING = {"CD-GraB": "2.3-2.7 for every n", "I-B": "4.2, 5.8, 8.5, 12.5, 
 # scripts/sweep-<benchmark>.sh runs them when the data are complete. tests/test_figures.py checks this
 # table against the sweeps' commands as the entry scripts parse them, so a new flag or a changed sweep
 # default shows up there. The run length (--epochs) is no setting here: see has_paper_settings.
+# sketch_min_numel: sorters/thresholds.py's engine row, written out (importing sorters imports torch);
+# tests/test_sorters_imports.py checks the two agree.
 _COMMON = {"momentum": 0.9, "weight_decay": 0.0, "tf32": False, "max_train_examples": None,
            "max_eval_examples": None, "sketch_dim": 0, "sketch_min_numel": 2**20, "lr_schedule": "step", "warmup_epochs": 0.0, "min_lr": 0.0,
            "sync": "every-step", "H": 4, "alpha": None, "H_base": 4, "H_init": None, "power": 2.0,

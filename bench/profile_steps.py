@@ -8,6 +8,8 @@ CPU by default). Prints per sorter the profiler's table of the operators with th
 (CPU, and CUDA when the run is on a GPU), and the engine's own sorter / comm / compute split.
 """
 import argparse
+import importlib.util
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -18,9 +20,28 @@ from torch.profiler import ProfilerActivity, profile
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
+from engine.cli import check_args  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
+from engine.device import set_tf32  # noqa: E402
 from engine.train import train  # noqa: E402
-from tests.helpers import entry_task  # noqa: E402
+
+
+def entry_task(script: str, device, *argv):
+    """(task, args): the Task the entry script builds for this command line (--data-dir $CDGRAB_DATA unless
+    given), on `device`, as its main() hands it to run_entry_point, with TF32 set from --tf32."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem.replace("-", "_"), REPO / Path(script).name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    captured = []
+    module.run_entry_point = lambda *handed: captured.extend(handed)
+    module.main()  # builds the parser and hands it to (our) run_entry_point
+    benchmark, parser, build = captured
+    data_dir = ["--data-dir", os.environ.get("CDGRAB_DATA") or "./datasets"] if "--data-dir" not in argv else []
+    args = parser.parse_args([*data_dir, *argv])
+    check_args(args, benchmark, defaults=vars(parser.parse_args([])))
+    set_tf32(args.tf32)
+    torch.manual_seed(args.seed)
+    return build(args, device), args
 
 
 def main():

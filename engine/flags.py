@@ -62,7 +62,7 @@ FLAGS = {
     "unit_grad_gather": Flag(resumable=True, added="round", out="never"),  # the same bytes and orders
     "density": Flag(added=None),
     "sketch_dim": Flag(added=0),  # -sketch-dim<D> in the default --out
-    "sketch_min_numel": Flag(added=2**20),  # which weights are TensorSketch blocks of the map
+    "sketch_min_numel": Flag(added=2**20),  # sorters/thresholds.py's engine row (no torch here: tests/test_sorters_imports.py checks)
     # main-LR-HMDA.py
     "hmda_file": Flag(),
     # main-MLP-M4.py

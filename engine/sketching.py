@@ -7,10 +7,7 @@ sorters.GradientSketch(d, D, seed=--seed), the same in every process (docs/sketc
 """
 from engine.errors import UserFacingError
 from sorters import SORTERS, GradientSketch
-
-# a layer weight with at least this many entries is tensor-sketched (its (units, out, in) per-unit
-# gradients are the cost the records path avoids); smaller ones are formed per unit and CountSketched
-STRUCTURED_MIN_NUMEL = 2**20
+from sorters.thresholds import ENGINE_STRUCTURED_MIN_NUMEL as STRUCTURED_MIN_NUMEL  # the engine's row: why there
 
 
 def check_sketch_args(args) -> None:

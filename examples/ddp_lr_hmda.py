@@ -19,10 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters` and `data`
-from data.common import default_data_dir  # noqa: E402
 from data.hmda import load_hmda  # noqa: E402
-from engine.cli import OneLineErrorParser  # noqa: E402
-from engine.errors import UserFacingError, exit_with_error  # noqa: E402
+from examples._common import OneLineErrorParser, default_data_dir, exit_with_error, load_or_exit  # noqa: E402
 from sorters import SORTER_NAMES, CDGraBSampler, PerExampleGrads  # noqa: E402
 
 parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])  # argparse's, with one-line errors
@@ -45,10 +43,7 @@ if distributed:
 rank = dist.get_rank() if distributed else 0
 torch.manual_seed(args.seed)  # the same initial model in every process
 
-try:
-    data = load_hmda(args.data_dir)
-except UserFacingError as error:  # a missing or unreadable data set: say what to do in one line, exit 2
-    exit_with_error(str(error))
+data = load_or_exit(load_hmda, args.data_dir)  # a missing or unreadable data set: one line, exit 2
 train_set = TensorDataset(data.train_x[:args.max_train_examples], data.train_y[:args.max_train_examples])
 model = torch.nn.Linear(data.num_features, 1)
 ddp_model = DistributedDataParallel(model) if distributed else model

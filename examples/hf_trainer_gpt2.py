@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters` and `data`
-from data.common import default_data_dir  # noqa: E402
-from engine.cli import OneLineErrorParser  # noqa: E402
-from engine.errors import UserFacingError, exit_with_error  # noqa: E402
-from sorters import SORTER_NAMES  # noqa: E402
+from examples._common import (OneLineErrorParser, default_data_dir, exit_with_error, load_or_exit,  # noqa: E402
+                              settings_or_exit)
+from sorters import SORTER_NAMES, CDGraBSettings  # noqa: E402
 
 try:
     from transformers import PrinterCallback, ProgressCallback, TrainerCallback, TrainingArguments
@@ -62,6 +61,9 @@ parser.add_argument("--progress", choices=("on", "off"), default="on", help="the
 args = parser.parse_args()
 if args.replicas is not None and args.replicas < 1:
     exit_with_error(f"--replicas must be at least 1, got {args.replicas}")
+# the sorter's settings, checked before any data is loaded: bad ones are one line and nothing else
+cdgrab = settings_or_exit(CDGraBSettings, sorter=args.sorter, seed=args.seed, grad_params=args.grad_params,
+                          sketch_dim=args.sketch_dim, structured=args.structured, num_replicas=args.replicas)
 
 hf_logging.set_verbosity_error()  # the Trainer's info lines; the example prints its own
 training_args = TrainingArguments(
@@ -72,12 +74,9 @@ training_args = TrainingArguments(
     ddp_find_unused_parameters=False,  # every parameter gets a gradient (DDP would search the graph each step)
     save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
     per_device_eval_batch_size=32)
-try:
-    with training_args.main_process_first():  # one process tokenizes (and caches), the others read the cache
-        train_blocks = load_blocks(args.data_dir, "valid", args.block_size)[:args.max_train_examples]
-        eval_blocks = load_blocks(args.data_dir, "test", args.block_size)[:64]
-except UserFacingError as error:  # a missing or unreadable data set: say what to do in one line, exit 2
-    exit_with_error(str(error))
+with training_args.main_process_first():  # one process tokenizes (and caches), the others read the cache
+    train_blocks = load_or_exit(load_blocks, args.data_dir, "valid", args.block_size)[:args.max_train_examples]
+    eval_blocks = load_or_exit(load_blocks, args.data_dir, "test", args.block_size)[:64]
 
 
 def as_examples(blocks: torch.Tensor) -> list[dict]:
@@ -89,9 +88,8 @@ torch.manual_seed(args.seed)  # the same initial model in every process
 model = build_gpt2(n_positions=args.block_size)
 try:
     trainer = CDGraBTrainer(model=model, args=training_args, train_dataset=as_examples(train_blocks),
-                            eval_dataset=as_examples(eval_blocks), sorter=args.sorter, grad_params=args.grad_params,
-                            sketch_dim=args.sketch_dim, structured=args.structured, num_replicas=args.replicas)
-except ValueError as error:  # settings that contradict each other (e.g. --structured without --sketch-dim)
+                            eval_dataset=as_examples(eval_blocks), cdgrab=cdgrab)
+except ValueError as error:  # what the Trainer's own arguments refuse
     exit_with_error(str(error))
 
 

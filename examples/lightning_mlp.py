@@ -20,12 +20,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters` and `data`
-from data.common import default_data_dir  # noqa: E402
 from data.m4 import load_m4  # noqa: E402
-from engine.cli import OneLineErrorParser  # noqa: E402
-from engine.errors import UserFacingError, exit_with_error  # noqa: E402
+from examples._common import (OneLineErrorParser, default_data_dir, exit_with_error, load_or_exit,  # noqa: E402
+                              settings_or_exit)
 from models.mlp import AutoregressiveMLP  # noqa: E402
-from sorters import SORTER_NAMES, PerExampleGrads  # noqa: E402
+from sorters import SORTER_NAMES, CDGraBSettings  # noqa: E402
 
 try:
     import lightning.pytorch as L
@@ -56,11 +55,10 @@ args = parser.parse_args()
 devices = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else args.devices
 if devices > 1 and args.replicas != 1:
     exit_with_error("--replicas hosts several replicas in ONE process: use it with --devices 1")
-
-try:
-    data = load_m4(args.data_dir)
-except UserFacingError as error:  # a missing or unreadable data set: say what to do in one line, exit 2
-    exit_with_error(str(error))
+# the sorter's settings (the same object the HF Trainer's glue takes), checked before any data is loaded
+cdgrab = settings_or_exit(CDGraBSettings, sorter=args.sorter, seed=args.seed,
+                          num_replicas=None if devices > 1 else args.replicas)
+data = load_or_exit(load_m4, args.data_dir)  # a missing or unreadable data set: one line, exit 2
 train_set = TensorDataset(data.train_x[:args.max_train_examples], data.train_y[:args.max_train_examples])
 
 
@@ -75,7 +73,7 @@ class Forecaster(L.LightningModule):
         torch.manual_seed(args.seed)  # the same initial model in every process
         self.mlp = AutoregressiveMLP(in_len=data.train_x.shape[1], hidden=64, n_layers=3)
         # (B, d) per-example gradients of the training loss, through forward() (which gives the horizon)
-        self.grads_of = PerExampleGrads(self, loss_fn)
+        self.grads_of = cdgrab.gradients(self, loss_fn)
         self.history = {"orders": [], "train_loss": [], "valid_loss": []}
         self.loss_sum = torch.zeros(())
 
@@ -84,10 +82,8 @@ class Forecaster(L.LightningModule):
         # takes its world size and rank from it (CDGraBCallback finds it as self.sampler)
         try:
             # drop_last: each replica gets a whole number of batches, the tail of the data set is not used
-            self.sampler = LightningCDGraBSampler(
-                train_set, batch_size=args.batch_size, d=self.grads_of.d, sorter=args.sorter,
-                num_replicas=None if devices > 1 else args.replicas, seed=args.seed, drop_last=True,
-                epochs=args.epochs)  # KH-SGD's and SBW's thresholds depend on the run's length
+            self.sampler = cdgrab.sampler(train_set, args.batch_size, d=self.grads_of.d, cls=LightningCDGraBSampler,
+                                          drop_last=True, epochs=args.epochs)  # KH-SGD's, SBW's thresholds: the run's length
         except ValueError as error:  # settings the sampler refuses, e.g. too few examples for the batch size
             exit_with_error(str(error))
 
@@ -125,7 +121,7 @@ class Forecaster(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9)
 
 
-callbacks = [CDGraBCallback()]
+callbacks = [CDGraBCallback(settings=cdgrab)]
 if args.checkpoint_dir:
     callbacks.append(L.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, save_top_k=0))
 last = Path(args.checkpoint_dir or ".") / "last.ckpt"

@@ -1,8 +1,9 @@
 """CD-GraB example ordering inside the Hugging Face `Trainer`: `CDGraBTrainer` and `CDGraBTrainerMixin`.
 
+    from sorters import CDGraBSettings
     from sorters.hf import CDGraBTrainer
     trainer = CDGraBTrainer(model=model, args=TrainingArguments(..., dataloader_drop_last=True),
-                            train_dataset=train_set, sorter="CD-GraB")
+                            train_dataset=train_set, cdgrab=CDGraBSettings(sorter="CD-GraB"))
     trainer.train()                                   # or train(resume_from_checkpoint=True)
 
     class CDGraBSFTTrainer(CDGraBTrainerMixin, SFTTrainer):   # any Trainer subclass (TRL's): mixin first
@@ -35,6 +36,7 @@ transformers and accelerate are imported here only, so `import sorters` never ne
 `_get_output_dir` and `_save_checkpoint` are used, as documented subclassing points are not enough:
 the loader's batch size and the checkpoint folder).
 """
+import dataclasses
 import importlib.metadata
 import importlib.util
 import inspect
@@ -43,8 +45,9 @@ import os
 
 import torch
 
-from sorters import SORTERS, CDGraBSampler, PerExampleLossGrads
-from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch
+from sorters import CDGraBSampler, PerExampleLossGrads
+from sorters.layer_sketch import LayerSketch
+from sorters.settings import CDGraBSettings
 
 try:
     from transformers import Trainer
@@ -54,6 +57,11 @@ except ImportError as error:  # the package depends on torch, numpy and numba on
                       "'accelerate>=1.15' (or the package's extra: pip install '.[hf]')") from error
 
 SAMPLER_FILE = "cdgrab_sampler.pt"
+
+# the keyword arguments the mixin took before CDGraBSettings, and the settings' field each one sets
+KEYWORDS = {"sorter": "sorter", "sorter_seed": "seed", "grad_params": "grad_params",
+            "grad_chunk_size": "grad_chunk_size", "sketch_dim": "sketch_dim", "structured": "structured",
+            "sketch_min_numel": "min_numel", "num_replicas": "num_replicas"}
 
 
 def _ignore_a_datasets_folder() -> None:
@@ -77,46 +85,28 @@ _ignore_a_datasets_folder()
 class CDGraBTrainerMixin:
     """Mix into a `transformers.Trainer` (sub)class, first in the bases, to train on CD-GraB's orders.
 
-    Keyword arguments (the rest go to the Trainer):
-    sorter:          one of sorters.SORTER_NAMES (default "CD-GraB").
-    sorter_seed:     seeds the sorter and the sketch; default `args.seed`. The same in every process.
-    grad_params:     which parameters' per-example gradients are balanced: None (all trainable), a regular
-                     expression or a list of them, matched with re.search against `named_parameters()`
-                     names (PerExampleGrads' `params`). Fewer coordinates cost less.
-    grad_chunk_size: examples per torch.func call (None: the whole micro-batch); bounds memory.
-    sketch_dim:      0: balance the gradients; D > 0: balance their D-dimensional sketches
-                     (docs/sketching.md); recorded in the checkpoint with the other settings.
-    structured:      with sketch_dim, and a causal LM (outputs.logits, labels shifted by one, -100 ignored):
-                     build the sketches layer by layer from the Trainer's own forward and backward
-                     (LayerSketch.recording), never forming a per-example gradient of the weights of at
-                     least sketch_min_numel entries: no second pass, no torch.func. The loss is then
-                     computed here from the logits, as the model computes it (a token mean, or a token sum
-                     over num_items_in_batch), so that each example's own loss can be watched.
-    sketch_min_numel: with structured: which Linear / Conv1D / Embedding weights are TensorSketch blocks.
-    num_replicas:    replicas (workers) the data is split over; default the number of processes. In one
-                     process, R > 1 hosts R replicas: each micro-batch holds R x per_device_train_batch_size
-                     examples, as R processes would together.
+    cdgrab: a sorters.CDGraBSettings (sorters/settings.py: sorter, seed, grad_params, grad_chunk_size,
+            sketch_dim, structured, min_numel, num_replicas); the rest of the keyword arguments go to the
+            Trainer. Its seed None means `args.seed`. num_replicas R > 1 in one process hosts R replicas:
+            each micro-batch holds R x per_device_train_batch_size examples, as R processes would together.
+            structured=True (with sketch_dim, for a causal LM: outputs.logits, labels shifted by one, -100
+            ignored) builds the sketches layer by layer from the Trainer's own forward and backward
+            (LayerSketch.recording): no second pass; the loss is then computed here from the logits, as
+            the model computes it, so that each example's own loss can be watched.
+    The settings' fields may also be given as keyword arguments, as before CDGraBSettings (`sorter=`,
+    `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the others by their names): they
+    build the settings (not together with `cdgrab=`).
 
     After `train()` starts: `cdgrab_sampler` (the CDGraBSampler) and `cdgrab_grads` (the
     PerExampleLossGrads, or with structured the LayerSketch; None for sorters that ignore gradients).
     """
 
-    def __init__(self, *args, sorter: str = "CD-GraB", sorter_seed: int | None = None,
-                 grad_params=None, grad_chunk_size: int | None = None, sketch_dim: int = 0,
-                 structured: bool = False, sketch_min_numel: int = STRUCTURED_MIN_NUMEL,
-                 num_replicas: int | None = None, **kwargs):
-        if sorter not in SORTERS:
-            raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTERS)}")
-        if structured and not (sketch_dim > 0 and SORTERS[sorter].uses_grads):
-            raise ValueError(f"structured=True builds sketches of the gradients a sorter balances: it needs "
-                             f"sketch_dim > 0 and a balancing sorter, got sketch_dim={sketch_dim}, sorter={sorter}")
-        if sketch_min_numel < 0:
-            raise ValueError(f"sketch_min_numel must be >= 0, got {sketch_min_numel}")
+    def __init__(self, *args, cdgrab: CDGraBSettings | None = None, **kwargs):
+        settings = self.settings_from(cdgrab, {key: kwargs.pop(key) for key in KEYWORDS if key in kwargs})
         super().__init__(*args, **kwargs)
-        self.cdgrab_settings = dict(sorter=sorter, seed=self.args.seed if sorter_seed is None else sorter_seed,
-                                    grad_params=grad_params, grad_chunk_size=grad_chunk_size,
-                                    sketch_dim=sketch_dim, structured=bool(structured),
-                                    sketch_min_numel=sketch_min_numel, num_replicas=num_replicas)
+        if settings.seed is None:
+            settings = dataclasses.replace(settings, seed=self.args.seed)
+        self.cdgrab_settings: CDGraBSettings = settings
         self.cdgrab_sampler: CDGraBSampler | None = None
         self.cdgrab_grads: PerExampleLossGrads | LayerSketch | None = None
         self._cdgrab_resume_from: str | None = None
@@ -124,15 +114,25 @@ class CDGraBTrainerMixin:
 
     # ------------------------------------------------------------------ set-up
 
+    @staticmethod
+    def settings_from(cdgrab: CDGraBSettings | None, keywords: dict) -> CDGraBSettings:
+        """The settings: `cdgrab`, or those the keyword arguments (KEYWORDS) build; one line if both."""
+        if cdgrab is not None and keywords:
+            raise TypeError(f"CDGraBTrainer: pass cdgrab=CDGraBSettings(...) or the keyword arguments "
+                            f"{', '.join(keywords)}, not both")
+        if cdgrab is not None and not isinstance(cdgrab, CDGraBSettings):
+            raise TypeError(f"CDGraBTrainer: cdgrab must be a sorters.CDGraBSettings, got {type(cdgrab).__name__}")
+        return cdgrab or CDGraBSettings(**{KEYWORDS[key]: value for key, value in keywords.items()})
+
     @property
     def _uses_grads(self) -> bool:
-        return SORTERS[self.cdgrab_settings["sorter"]].uses_grads
+        return self.cdgrab_settings.uses_grads
 
     @property
     def _replicas(self) -> tuple[int, int]:
         """(replicas in all, replicas hosted by this process)."""
         world = self.args.world_size
-        wanted = self.cdgrab_settings["num_replicas"] or world
+        wanted = self.cdgrab_settings.num_replicas or world
         return wanted, (wanted if world == 1 else 1)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -187,7 +187,7 @@ class CDGraBTrainerMixin:
         args, name = self.args, type(self).__name__
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
             raise ValueError(f"{name}: gradient checkpointing cannot be traced by torch.func, which forms the "
-                             f"per-example gradients {self.cdgrab_settings['sorter']} balances; turn it off")
+                             f"per-example gradients {self.cdgrab_settings.sorter} balances; turn it off")
         if args.neftune_noise_alpha is not None:
             raise ValueError(f"{name}: NEFTune adds random noise in the forward, which per-example gradients cannot "
                              "replay; leave neftune_noise_alpha unset")
@@ -214,21 +214,17 @@ class CDGraBTrainerMixin:
         settings, args = self.cdgrab_settings, self.args
         world, here = self._replicas
         if self._uses_grads and self.cdgrab_grads is None:
-            if settings["structured"]:
-                self.cdgrab_grads = LayerSketch(self.model, settings["sketch_dim"], settings["seed"],
-                                                params=settings["grad_params"], min_numel=settings["sketch_min_numel"])
+            if settings.structured:  # the sketches come from the Trainer's own backward (training_step)
+                self.cdgrab_grads = LayerSketch(self.model, settings.sketch_dim, settings.seed,
+                                                params=settings.grad_params, min_numel=settings.min_numel)
                 self._first_sketch_dry_run(dataset)
             else:
-                self.cdgrab_grads = PerExampleLossGrads(self.model, params=settings["grad_params"],
-                                                        chunk_size=settings["grad_chunk_size"],
-                                                        sketch_dim=settings["sketch_dim"], sketch_seed=settings["seed"])
+                self.cdgrab_grads = settings.loss_gradients(self.model)
                 self._first_gradients_dry_run(dataset)
-        self.cdgrab_sampler = CDGraBSampler(
+        self.cdgrab_sampler = dataclasses.replace(settings, num_replicas=world).sampler(
             len(dataset), batch_size=args.per_device_train_batch_size,
-            d=self.cdgrab_grads.d if self.cdgrab_grads else None, sorter=settings["sorter"],
-            num_replicas=world, seed=settings["seed"], drop_last=args.dataloader_drop_last,
-            epochs=self._total_epochs(len(dataset) // world), sketch_dim=settings["sketch_dim"],
-            view="rank" if here > 1 else "global")
+            d=self.cdgrab_grads.d if self.cdgrab_grads else None, drop_last=args.dataloader_drop_last,
+            epochs=self._total_epochs(len(dataset) // world), view="rank" if here > 1 else "global")
         if self._cdgrab_resume_from is not None:
             self.cdgrab_sampler.load_state_dict(self._saved_sampler_state(), replay_from_epoch_start=True)
         return self.cdgrab_sampler
@@ -304,7 +300,7 @@ class CDGraBTrainerMixin:
         sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
         structured, the sketches come from the step's own forward and backward (compute_loss)."""
         grads = None
-        if self._uses_grads and not self.cdgrab_settings["structured"]:
+        if self._uses_grads and not self.cdgrab_settings.structured:
             self.model.train()
             grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
         elif self._uses_grads:
@@ -363,8 +359,12 @@ class CDGraBTrainerMixin:
                              "checkpoint") from None
         if "sampler" not in saved:  # written before the gradient settings were recorded
             saved = {"sampler": saved, "gradients": {"structured": False, "sketch_min_numel": None,
-                                                     "grad_params": self.cdgrab_settings["grad_params"]}}
+                                                     "grad_params": self._gradient_settings()["grad_params"]}}
         now, then = self._gradient_settings(), saved["gradients"]
+        if isinstance(then["grad_params"], (list, tuple)):  # a list of expressions, saved as a list
+            then = {**then, "grad_params": list(then["grad_params"])}
+        if then["sketch_min_numel"] == 0:  # accepted before it had to be >= 1; chose the weights 1 does
+            then = {**then, "sketch_min_numel": 1}
         if self._uses_grads and (now["structured"], now["grad_params"]) != (then["structured"], then["grad_params"]) \
                 or now["structured"] and now["sketch_min_numel"] != then["sketch_min_numel"]:
             changed = ", ".join(f"{key}={then[key]!r} (now {now[key]!r})" for key in now if now[key] != then[key])
@@ -375,8 +375,9 @@ class CDGraBTrainerMixin:
     def _gradient_settings(self) -> dict:
         """What the balanced vectors are, beside the sampler's own settings (sketch_dim, seed, d)."""
         settings = self.cdgrab_settings
-        return {"structured": settings["structured"], "grad_params": settings["grad_params"],
-                "sketch_min_numel": settings["sketch_min_numel"] if settings["structured"] else None}
+        params = list(settings.grad_params) if isinstance(settings.grad_params, tuple) else settings.grad_params
+        return {"structured": settings.structured, "grad_params": params,
+                "sketch_min_numel": settings.min_numel if settings.structured else None}
 
 
 def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,10 +40,7 @@ import torch.nn.functional as F
 
 from sorters.checks import check_int, check_module, check_seed
 from sorters.sketch import GradientSketch
-
-# a layer weight with at least this many entries is a TensorSketch block, never formed per example; smaller
-# weights are formed per example (B * numel floats) and CountSketched with the plain map
-STRUCTURED_MIN_NUMEL = 2**16
+from sorters.thresholds import STRUCTURED_MIN_NUMEL  # the library's row of the table (thresholds.py: why)
 
 
 def layer_kind(module: torch.nn.Module) -> str | None:
@@ -140,7 +137,7 @@ class LayerSketch:
                  min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0):
         check_module("LayerSketch", model)
         dim, seed = check_int("LayerSketch", "dim", dim, 1), check_seed("LayerSketch", seed)
-        min_numel = check_int("LayerSketch", "min_numel", min_numel, 0)
+        min_numel = check_int("LayerSketch", "min_numel", min_numel, 1)  # as CDGraBSettings and --sketch-min-numel
         if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
             raise ValueError(f"LayerSketch: batch_dim must be 0 or 1, got {batch_dim}")
         self.batch_dim = batch_dim

@@ -11,6 +11,16 @@
 
     trainer = L.Trainer(use_distributed_sampler=False, callbacks=[CDGraBCallback()], strategy="ddp", devices=2)
 
+With a sorters.CDGraBSettings (the same object the HF Trainer's glue takes), build the pieces from it and
+hand it to the callback, which checks at on_fit_start that the sampler (and sketcher) agree with it:
+
+    CDGRAB = CDGraBSettings(sorter="CD-GraB", seed=0)
+    def setup(self, stage):
+        self.grads_of = CDGRAB.gradients(self.net, loss_fn)            # PerExampleGrads
+        self.sampler = CDGRAB.sampler(train_set, batch_size=16, d=self.grads_of.d, drop_last=True,
+                                      cls=LightningCDGraBSampler)
+    trainer = L.Trainer(use_distributed_sampler=False, callbacks=[CDGraBCallback(settings=CDGRAB)], ...)
+
 What the callback does:
 - setup: refuses `Trainer(use_distributed_sampler=True)` (Lightning would wrap the sampler in a
   DistributedSampler and every rank would see other examples than the sampler chose);
@@ -34,11 +44,12 @@ though, counts the batches left itself (the loader's len() less the batches done
 `LightningCDGraBSampler` keeps len() at the whole epoch's. The run then continues with the orders of an
 uninterrupted run (Lightning's warning still appears: it looks at the loader, not the sampler).
 
-Sketches from the training step's own backward (`CDGraBCallback(sketcher=LayerSketch(...))`, issue #31):
+Sketches from the training step's own backward (`CDGraBSettings(structured=True, sketch_dim=D)`, issue #31):
 instead of a second per-example pass, the callback records the layers during the step's forward
 (LayerSketch.recording, sorters/layer_sketch.py) and steps the sampler with the sketches after its
 backward (on_after_backward). The step builds its loss from its (B,) per-example losses and hands them
-over with `watch(self, losses)`:
+over with `watch(self, losses)`. The sketcher is `self.sketcher = CDGRAB.layer_sketch(self.net)` in the
+LightningModule (found there at on_fit_start, as the sampler is), or `CDGraBCallback(sketcher=...)`:
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -52,6 +63,7 @@ Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgr
 """
 from sorters.layer_sketch import LayerSketch
 from sorters.sampler import CDGraBSampler
+from sorters.settings import CDGraBSettings
 
 try:
     from lightning.pytorch import Callback
@@ -85,12 +97,24 @@ class CDGraBCallback(Callback):
     sketcher: a LayerSketch of the module's network instead of grads_fn: the (B, D) sketches come from the
               training step's own forward and backward; training_step must pass its (B,) per-example
               losses to `watch(self, losses)` and build its loss from them (see the module docstring).
+              None: with settings.structured, the LightningModule's attribute `sketcher`.
+    settings: a sorters.CDGraBSettings, or None: the sampler and sketcher are then taken as built. Given,
+              on_fit_start refuses in one line a sampler (or sketcher) built with other settings;
+              structured=True means sketches from the step's own backward (a sketcher).
     """
 
-    def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None, sketcher: LayerSketch | None = None):
+    def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None, sketcher: LayerSketch | None = None,
+                 *, settings: CDGraBSettings | None = None):
         if sketcher is not None and grads_fn is not None:
             raise ValueError("CDGraBCallback: pass grads_fn or sketcher, not both")
-        self.sampler, self.grads_fn, self.sketcher = sampler, grads_fn, sketcher
+        if settings is not None and not isinstance(settings, CDGraBSettings):
+            raise TypeError(f"CDGraBCallback: settings must be a sorters.CDGraBSettings, got {type(settings).__name__}")
+        if settings is not None and not settings.structured and sketcher is not None:
+            raise ValueError("CDGraBCallback: a sketcher builds structured sketches: pass "
+                             "CDGraBSettings(structured=True, sketch_dim=...) with it")
+        if settings is not None and settings.structured and grads_fn is not None:
+            raise ValueError("CDGraBCallback: structured=True takes the sketches from the step's own backward: drop grads_fn")
+        self.sampler, self.grads_fn, self.sketcher, self.settings = sampler, grads_fn, sketcher, settings
         self._pending_state = None  # a checkpoint's state loaded before the sampler was found
         self._recording = None      # sketcher: the current batch's LayerSketch recording
 
@@ -110,6 +134,8 @@ class CDGraBCallback(Callback):
             else:
                 raise ValueError("CDGraBCallback: no sampler: pass CDGraBCallback(sampler=...) or set "
                                  "self.sampler = CDGraBSampler(...) in the LightningModule's setup()")
+        if self.settings is not None:
+            self._check_settings(pl_module)
         if self.sketcher is not None:
             self._check_sketcher()
         if self._pending_state is not None:
@@ -118,6 +144,28 @@ class CDGraBCallback(Callback):
                 and not hasattr(pl_module, "per_example_grads"):
             raise ValueError(f"CDGraBCallback: {self.sampler.sorter.name} balances per-example gradients: define "
                              "per_example_grads(self, batch) -> (B, d) in the LightningModule, or pass grads_fn")
+
+    def _check_settings(self, pl_module) -> None:
+        """The sampler (and, structured, the sketcher) must be the ones these settings build."""
+        settings, sampler = self.settings, self.sampler
+        built = {"sorter": sampler.sorter.name, "seed": sampler.seed, "sketch_dim": sampler.sketch_dim}
+        wanted = {"sorter": settings.sorter, "seed": settings.resolved_seed, "sketch_dim": settings.sketch_dim}
+        if settings.num_replicas is not None:
+            built["num_replicas"], wanted["num_replicas"] = sampler.num_replicas, settings.num_replicas
+        if built != wanted:
+            changed = ", ".join(f"{key}={built[key]!r} (settings: {wanted[key]!r})" for key in built if built[key] != wanted[key])
+            raise ValueError(f"CDGraBCallback: the sampler was built with {changed}: build it with settings.sampler(...)")
+        if not settings.structured:
+            return
+        if self.sketcher is None:
+            self.sketcher = getattr(pl_module, "sketcher", None)
+        if not isinstance(self.sketcher, LayerSketch):
+            raise ValueError("CDGraBCallback: structured=True needs a sketcher: set self.sketcher = "
+                             "settings.layer_sketch(self.net) in the LightningModule, or pass CDGraBCallback(sketcher=...)")
+        if (self.sketcher.dim, self.sketcher.sketch.seed) != (min(settings.sketch_dim, self.sketcher.d), settings.resolved_seed):
+            raise ValueError(f"CDGraBCallback: the sketcher has dim={self.sketcher.dim}, seed={self.sketcher.sketch.seed}, "
+                             f"the settings sketch_dim={settings.sketch_dim}, seed={settings.resolved_seed}: build it "
+                             "with settings.layer_sketch(...)")
 
     def _check_sketcher(self) -> None:
         sampler, sketcher = self.sampler, self.sketcher

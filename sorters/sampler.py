@@ -59,7 +59,7 @@ if dist.is_available():
     # called without an active exception", SIGABRT) after a run that succeeded.
     import torch.distributed.nn  # noqa: F401
 
-from sorters import SORTER_NAMES, SORTERS, build_sorter
+from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters.balance import sign_loop_for
 from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
                             check_seed, check_state_keys)

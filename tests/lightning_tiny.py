@@ -102,11 +102,11 @@ class TinySketchModel(TinyModel):
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
         self.grads_of = PerExampleGrads(self.net, mse)
-        self.sketcher = LayerSketch(self.net, dim, seed=2, min_numel=0)
+        self.sketcher = LayerSketch(self.net, dim, seed=2, min_numel=1)
         self.sketches = []
 
     def setup(self, stage):
-        self.sampler = LightningCDGraBSampler(self.train_set, batch_size=BATCH, d=self.sketcher.d,
+        self.sampler = LightningCDGraBSampler(self.train_set, batch_size=BATCH, d=self.sketcher.d, seed=2,
                                               sketch_dim=self.sketcher.dim, num_replicas=REPLICAS, epochs=EPOCHS)
         step = self.sampler.step
         self.sampler.step = lambda grads: (self.sketches.append(grads.clone()), step(grads))

@@ -216,7 +216,7 @@ def structured_trainer(hf, out, **kwargs):
     args = kwargs.pop("args", {})
     return hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(out, **args),
                                train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS,
-                               structured=True, sketch_min_numel=0, **kwargs)
+                               structured=True, sketch_min_numel=1, **kwargs)
 
 
 def test_structured_with_the_identity_map_is_the_exact_trainer(hf, uninterrupted, tmp_path):
@@ -274,6 +274,28 @@ def test_causal_lm_losses_are_the_models_own_loss_of_each_example_and_of_the_bat
     torch.testing.assert_close(((losses * counts).sum() / counts.sum()).float(), batch, rtol=1e-6, atol=0)
 
 
+def test_the_settings_object_and_the_keyword_arguments_are_one_door(hf, tmp_path):
+    """cdgrab=CDGraBSettings(...) and the old keyword arguments give the same settings (seed None: args.seed);
+    both at once, or bad settings, are one line before the Trainer is built."""
+    from sorters import CDGraBSettings
+
+    def make(**kwargs):
+        return hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path, seed=7),
+                                   train_dataset=hf.examples(hf.token_rows()), **kwargs)
+    settings = CDGraBSettings(sorter="D-RR", grad_params=[r"\.h\.0\."], sketch_dim=8, num_replicas=2)
+    by_object = make(cdgrab=settings).cdgrab_settings
+    by_keywords = make(sorter="D-RR", grad_params=[r"\.h\.0\."], sketch_dim=8, num_replicas=2).cdgrab_settings
+    assert by_object == by_keywords == CDGraBSettings(sorter="D-RR", seed=7, grad_params=(r"\.h\.0\.",),
+                                                      sketch_dim=8, num_replicas=2)
+    assert make(sorter_seed=3, sketch_min_numel=5).cdgrab_settings.seed == 3
+    with pytest.raises(TypeError, match="not both"):
+        make(cdgrab=settings, sorter="D-RR")
+    with pytest.raises(TypeError, match="must be a sorters.CDGraBSettings"):
+        make(cdgrab={"sorter": "D-RR"})
+    with pytest.raises(ValueError, match="min_numel must be >= 1"):
+        make(sketch_min_numel=0)
+
+
 def test_structured_needs_a_sketch_and_labels(hf, tmp_path):
     with pytest.raises(ValueError, match="sketch_dim > 0"):
         structured_trainer(hf, tmp_path)
@@ -301,8 +323,8 @@ WIKITEXT_103 = needs_data("wikitext-103/wiki.valid.tokens", "wikitext-103/wiki.t
 
 @pytest.mark.parametrize("args,message", [
     (["--data-dir", "no-such-folder"], "no-such-folder/wikitext-103"),  # the data set
-    pytest.param(["--data-dir", DATA_DIR, "--structured"], "needs sketch_dim > 0",  # the trainer's settings
-                 marks=WIKITEXT_103),
+    # the sorter's settings, refused before any data is read: no data folder is needed to see it
+    (["--data-dir", "no-such-folder", "--structured"], "needs sketch_dim > 0"),
     pytest.param(["--data-dir", DATA_DIR, "--max-train-examples", "3"], "3 examples are too few",  # the sampler
                  marks=WIKITEXT_103),
 ])

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sorters.layer_sketch import LayerSketch, layer_blocks
 
-ALL_BLOCKS, NO_BLOCKS = 0, 10**9  # min_numel: every weight a TensorSketch block / every weight formed
+ALL_BLOCKS, NO_BLOCKS = 1, 10**9  # min_numel: every weight a TensorSketch block / every weight formed
 
 
 def oracle(model, losses_of, B, names):
@@ -241,7 +241,7 @@ def test_per_example_grads_structured_and_the_samplers_orders():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
     n, m, k, dim = 2, 12, 3, 6
     x, y = torch.randn(n * m, 8, dtype=torch.float64), torch.randint(0, 3, (n * m,))
-    structured = PerExampleGrads(model, F.cross_entropy, sketch_dim=dim, sketch_seed=5, structured=True, min_numel=0)
+    structured = PerExampleGrads(model, F.cross_entropy, sketch_dim=dim, sketch_seed=5, structured=True, min_numel=1)
     formed = PerExampleGrads(model, F.cross_entropy)
     assert len(structured.sketch.blocks) == 2 and structured.names == formed.names
     expected = structured.sketch(formed(x, y))

@@ -2,7 +2,7 @@
 a TypeError for a wrong type and a ValueError for a bad value; and non-finite gradients stopped at step().
 
 Tables: every constructor argument of CDGraBSampler, every sorter (through build_sorter), PerExampleGrads,
-LayerSketch and GradientSketch with wrong types and out-of-range values; load_state_dict of the sampler and
+LayerSketch, GradientSketch and CDGraBSettings with wrong types and out-of-range values; load_state_dict of the sampler and
 of every sorter with states that are not theirs; step() with a list."""
 from pathlib import Path
 
@@ -13,8 +13,8 @@ import torch
 import sorters
 import sorters.balance as sorters_balance
 import sorters.base as sorters_base
-from sorters import (SORTER_NAMES, SORTERS, CDGraBSampler, GradientSketch, LayerSketch, NonFiniteGradientError,
-                     PerExampleGrads, build_sorter)
+from sorters import (SORTER_NAMES, SORTERS, CDGraBSampler, CDGraBSettings, GradientSketch, LayerSketch,
+                     NonFiniteGradientError, PerExampleGrads, build_sorter)
 
 SORTERS_DIR = Path(sorters.__file__).parent
 BALANCING = [name for name, cls in SORTERS.items() if cls.uses_grads]
@@ -117,7 +117,7 @@ MODEL_ARGS = {
         ("sketch_seed", 0.5, TypeError, "sketch_seed"),
         ("structured", "yes", TypeError, "structured must be True or False"),
         ("structured", True, ValueError, "structured=True needs sketch_dim > 0"),
-        ("min_numel", -1, ValueError, "min_numel must be >= 0"),
+        ("min_numel", 0, ValueError, "min_numel must be >= 1"),
     ],
     LayerSketch: [
         ("model", None, TypeError, "model must be a torch.nn.Module"),
@@ -126,6 +126,7 @@ MODEL_ARGS = {
         ("seed", None, TypeError, "seed must be an integer"),
         ("params", ["0.weight", 2], TypeError, "params must be None"),
         ("min_numel", 1.0, TypeError, "min_numel must be an integer"),
+        ("min_numel", 0, ValueError, "min_numel must be >= 1"),
         ("batch_dim", 2, ValueError, "batch_dim must be 0 or 1"),
         ("batch_dim", True, ValueError, "batch_dim must be 0 or 1"),
     ],
@@ -141,6 +142,41 @@ def test_per_example_grads_and_layer_sketch_refuse_each_bad_argument(cls, arg, v
     args[arg] = value
     raised, message = refusal(lambda: cls(**args))
     assert raised is kind and fragment in message and message.startswith(cls.__name__), message
+
+
+SETTINGS_ARGS = [
+    ("sorter", "GraB", ValueError, "unknown sorter 'GraB'; choose one of CD-GraB"),
+    ("sorter", None, ValueError, "unknown sorter None"),
+    ("seed", 0.5, TypeError, "seed must be an integer"),
+    ("seed", 2**64, ValueError, "seed must be in "),
+    ("grad_params", 3, TypeError, "grad_params must be None, a regular expression or a list of them"),
+    ("grad_params", [], TypeError, "grad_params must be None"),
+    ("grad_params", ["a", 2], TypeError, "grad_params must be None"),
+    ("grad_chunk_size", 0, ValueError, "grad_chunk_size must be >= 1"),
+    ("grad_chunk_size", 2.5, TypeError, "grad_chunk_size must be an integer or None"),
+    ("sketch_dim", -1, ValueError, "sketch_dim must be >= 0"),
+    ("sketch_dim", 8.0, TypeError, "sketch_dim must be an integer"),
+    ("structured", "yes", TypeError, "structured must be True or False"),
+    ("structured", True, ValueError, "it needs sketch_dim > 0 and a balancing sorter"),
+    ("min_numel", 0, ValueError, "min_numel must be >= 1"),
+    ("min_numel", 2.0**16, TypeError, "min_numel must be an integer"),
+    ("num_replicas", 0, ValueError, "num_replicas must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("arg,value,kind,fragment", SETTINGS_ARGS, ids=[f"{a}={v!r}" for a, v, *_ in SETTINGS_ARGS])
+def test_the_settings_refuse_each_bad_field_in_one_line(arg, value, kind, fragment):
+    raised, message = refusal(lambda: CDGraBSettings(**{arg: value}))
+    assert raised is kind and fragment in message and message.startswith("CDGraBSettings: "), message
+
+
+def test_structured_settings_need_a_balancing_sorter_and_are_frozen():
+    raised, message = refusal(lambda: CDGraBSettings(sorter="D-RR", sketch_dim=8, structured=True))
+    assert raised is ValueError and "sorter=D-RR" in message
+    settings = CDGraBSettings(sketch_dim=8, structured=True, grad_params=["a", "b"])
+    assert settings.grad_params == ("a", "b")  # a list, kept as a tuple: the object stays immutable
+    with pytest.raises(AttributeError):
+        settings.sketch_dim = 0
 
 
 @pytest.mark.parametrize("args,kind,fragment", [

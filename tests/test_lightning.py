@@ -69,11 +69,14 @@ def test_resume_mid_epoch_or_at_epoch_end_gives_the_uninterrupted_orders_and_los
 
 
 def test_sketches_from_the_steps_own_backward_are_the_map_of_each_examples_gradient(lit):
-    """CDGraBCallback(sketcher=...): one sampler step per batch with the map of the examples' own gradients
-    (formed independently at the same parameters), the orders the library sorter gives for those sketches;
-    a checkpoint of it is refused by a callback with another map, or none."""
+    """CDGraBCallback(settings=CDGraBSettings(structured=True, ...)), the sketcher found as the module's: one
+    sampler step per batch with the map of the examples' own gradients (formed independently at the same
+    parameters), the orders the library sorter gives for those sketches; a checkpoint of it is refused by a
+    callback with another map, or none."""
+    from sorters import CDGraBSettings
+
     model = lit.TinySketchModel()
-    callback = lit.CDGraBCallback(sketcher=model.sketcher)
+    callback = lit.CDGraBCallback(settings=CDGraBSettings(sketch_dim=5, seed=2, structured=True, min_numel=1))
     settings = dict(max_epochs=EPOCHS, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     lit.L.Trainer(callbacks=[callback], **settings).fit(model)
@@ -81,7 +84,7 @@ def test_sketches_from_the_steps_own_backward_are_the_map_of_each_examples_gradi
     for sketch, grads in zip(model.sketches, model.grads):
         expected = model.sketcher.sketch(grads)
         torch.testing.assert_close(sketch, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
-    sorter = build_sorter("CD-GraB", REPLICAS, N // REPLICAS, model.sketcher.dim, seed=0)
+    sorter = build_sorter("CD-GraB", REPLICAS, N // REPLICAS, model.sketcher.dim, seed=2)
     sketches = iter(model.sketches)
     for epoch in range(EPOCHS):
         assert torch.equal(sorter.sort() + torch.arange(REPLICAS)[:, None] * (N // REPLICAS), model.orders[epoch])
@@ -89,10 +92,40 @@ def test_sketches_from_the_steps_own_backward_are_the_map_of_each_examples_gradi
             sorter.step(next(sketches).reshape(REPLICAS, BATCH, -1), range(t, t + BATCH))
     state = callback.state_dict()
     assert state["sketch_map"]["blocks"] == [[0, 6, 3], [24, 1, 6]]
-    for other in (None, lit.LayerSketch(model.net, 5, seed=3, min_numel=0)):
+    for other in (None, lit.LayerSketch(model.net, 5, seed=3, min_numel=1)):
         resumed = lit.CDGraBCallback(sampler=model.sampler, sketcher=other)
         with pytest.raises(ValueError, match="resume with the same sketcher"):
             resumed.load_state_dict(state)
+
+
+def test_settings_refuse_a_sampler_or_sketcher_built_otherwise(lit):
+    """CDGraBCallback(settings=...) checks at on_fit_start that the sampler (and, structured, the module's
+    sketcher) are what the settings build; each mismatch is one line naming the field."""
+    from types import SimpleNamespace
+
+    from sorters import CDGraBSettings
+
+    trainer = SimpleNamespace(datamodule=None)
+    model = lit.TinySketchModel()
+    model.setup("fit")  # its sampler: CD-GraB, seed 2, sketch_dim 5, REPLICAS replicas
+
+    def refusal(settings, **module):
+        with pytest.raises(ValueError) as refused:
+            lit.CDGraBCallback(settings=settings).on_fit_start(trainer, SimpleNamespace(sampler=model.sampler, **module))
+        assert "\n" not in str(refused.value)
+        return str(refused.value)
+    right = dict(sketch_dim=5, seed=2, structured=True, min_numel=1)
+    lit.CDGraBCallback(settings=CDGraBSettings(**right)).on_fit_start(trainer, model)  # accepted
+    assert "sorter='CD-GraB' (settings: 'I-PB')" in refusal(CDGraBSettings(**right, sorter="I-PB"), sketcher=model.sketcher)
+    assert "seed=2 (settings: 3)" in refusal(CDGraBSettings(**{**right, "seed": 3}), sketcher=model.sketcher)
+    assert "num_replicas=2 (settings: 4)" in refusal(CDGraBSettings(**right, num_replicas=4), sketcher=model.sketcher)
+    assert "needs a sketcher" in refusal(CDGraBSettings(**right))
+    other = lit.LayerSketch(model.net, 4, seed=2, min_numel=1)
+    assert "dim=4, seed=2" in refusal(CDGraBSettings(**right), sketcher=other)
+    with pytest.raises(ValueError, match="structured=True"):
+        lit.CDGraBCallback(sketcher=model.sketcher, settings=CDGraBSettings(sketch_dim=5))
+    with pytest.raises(TypeError, match="CDGraBSettings"):
+        lit.CDGraBCallback(settings={"sorter": "CD-GraB"})
 
 
 def test_a_sketcher_without_watched_losses_is_refused_in_one_line(lit):

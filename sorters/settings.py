@@ -1,0 +1,112 @@
+r"""CDGraBSettings: what a framework's glue needs to know to order examples, one typed object for all of them.
+
+    from sorters import CDGraBSettings
+    settings = CDGraBSettings(sorter="CD-GraB", grad_params=r"^head\.", sketch_dim=256, structured=True)
+    trainer = CDGraBTrainer(model=model, args=args, train_dataset=train_set, cdgrab=settings)   # sorters/hf.py
+    callback = CDGraBCallback(settings=settings)                                               # sorters/lightning.py
+    grads_of = settings.gradients(model, loss_fn)              # your own loop, Accelerate: PerExampleGrads
+    sampler = settings.sampler(train_set, batch_size=16, d=grads_of.d, drop_last=True, view="global")
+
+The fields are checked once, when the object is made (one line per bad value: TypeError for a wrong
+type, ValueError for a bad value), so a script can build its settings from its flags before it loads any
+data and refuse bad ones at once. Frozen: a run's settings do not change under it.
+"""
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sorters.checks import check_int, check_seed
+from sorters.layer_sketch import LayerSketch
+from sorters.per_example import PerExampleGrads, PerExampleLossGrads
+from sorters.registry import SORTERS
+from sorters.sampler import CDGraBSampler
+from sorters.thresholds import STRUCTURED_MIN_NUMEL
+
+
+@dataclass(frozen=True)
+class CDGraBSettings:
+    """How the glue orders examples and forms what the sorter balances.
+
+    sorter:          one of sorters.SORTER_NAMES.
+    seed:            seeds the sorter and the sketch, the same in every process; None: the framework's own
+                     (the HF Trainer's args.seed), else 0.
+    grad_params:     which parameters' per-example gradients are balanced: None (every trainable one), a
+                     regular expression or a sequence of them, matched with re.search against
+                     named_parameters() names. Fewer coordinates cost less.
+    grad_chunk_size: examples per torch.func call (None: the whole batch); bounds memory.
+    sketch_dim:      0: balance the (B, d) gradients; D > 0: their (B, D) sketches (docs/sketching.md).
+    structured:      with sketch_dim > 0 and a sorter that balances gradients: build the sketches layer by
+                     layer from one batched backward (LayerSketch), never forming per example the
+                     Linear / Conv1D / Embedding weights of at least min_numel entries.
+    min_numel:       with structured: that threshold (>= 1; default the library's row of
+                     sorters/thresholds.py, which says why it differs from the engine's).
+    num_replicas:    replicas the data is split over; None: the number of processes.
+    """
+    sorter: str = "CD-GraB"
+    seed: int | None = None
+    grad_params: str | tuple[str, ...] | None = None
+    grad_chunk_size: int | None = None
+    sketch_dim: int = 0
+    structured: bool = False
+    min_numel: int = STRUCTURED_MIN_NUMEL
+    num_replicas: int | None = None
+
+    def __post_init__(self):
+        owner = "CDGraBSettings"
+        if not isinstance(self.sorter, str) or self.sorter not in SORTERS:
+            raise ValueError(f"{owner}: unknown sorter {self.sorter!r}; choose one of {', '.join(SORTERS)}")
+        if self.seed is not None:
+            check_seed(owner, self.seed)
+        params = self.grad_params
+        if not (params is None or isinstance(params, str) or isinstance(params, Sequence)
+                and params and all(isinstance(p, str) for p in params)):
+            raise TypeError(f"{owner}: grad_params must be None, a regular expression or a list of them, got {params!r}")
+        if params is not None and not isinstance(params, str):
+            object.__setattr__(self, "grad_params", tuple(params))  # frozen, and comparable with a saved one
+        check_int(owner, "grad_chunk_size", self.grad_chunk_size, 1, none_ok=True)
+        check_int(owner, "sketch_dim", self.sketch_dim, 0)
+        if not isinstance(self.structured, bool):
+            raise TypeError(f"{owner}: structured must be True or False, got {self.structured!r}")
+        check_int(owner, "min_numel", self.min_numel, 1)
+        check_int(owner, "num_replicas", self.num_replicas, 1, none_ok=True)
+        if self.structured and not (self.sketch_dim > 0 and self.uses_grads):
+            raise ValueError(f"{owner}: structured=True builds sketches of the gradients a sorter balances: it needs "
+                             f"sketch_dim > 0 and a balancing sorter, got sketch_dim={self.sketch_dim}, "
+                             f"sorter={self.sorter}")
+
+    @property
+    def uses_grads(self) -> bool:
+        """Whether the sorter balances gradients (False for D-RR, D-SO, Fold: no gradients are formed)."""
+        return SORTERS[self.sorter].uses_grads
+
+    @property
+    def resolved_seed(self) -> int:
+        """seed, or 0 when None (a framework with its own seed passes that instead)."""
+        return 0 if self.seed is None else self.seed
+
+    def gradients(self, model, loss_fn) -> PerExampleGrads:
+        """The per-example gradients these settings balance, for (inputs, targets) batches: a PerExampleGrads
+        whose call gives (B, d) gradients, (B, sketch_dim) sketches, or with structured the layer-by-layer
+        sketches. Building it computes nothing; call it only when `uses_grads`."""
+        return PerExampleGrads(model, loss_fn, params=self.grad_params, chunk_size=self.grad_chunk_size,
+                               sketch_dim=self.sketch_dim, sketch_seed=self.resolved_seed,
+                               structured=self.structured, min_numel=self.min_numel)
+
+    def loss_gradients(self, model) -> PerExampleLossGrads:
+        """As gradients(), of the model's own loss on dict batches (transformers models; not structured:
+        the HF glue builds those sketches from the Trainer's own backward)."""
+        return PerExampleLossGrads(model, params=self.grad_params, chunk_size=self.grad_chunk_size,
+                                   sketch_dim=self.sketch_dim, sketch_seed=self.resolved_seed)
+
+    def layer_sketch(self, model):
+        """structured: the LayerSketch of `model` with these settings (sketch_dim, seed, grad_params,
+        min_numel), for glue that records the training step's own backward (Lightning's CDGraBCallback)."""
+        if not self.structured:
+            raise ValueError("CDGraBSettings: layer_sketch() builds structured sketches: set structured=True")
+        return LayerSketch(model, self.sketch_dim, self.resolved_seed, params=self.grad_params, min_numel=self.min_numel)
+
+    def sampler(self, dataset, batch_size: int, d: int | None, cls=CDGraBSampler, **kwargs) -> CDGraBSampler:
+        """A CDGraBSampler (or the subclass `cls`, e.g. LightningCDGraBSampler) with these settings' sorter,
+        seed, sketch_dim and num_replicas; d: the gradients' length (the `d` of gradients(); ignored for
+        sorters that balance none). kwargs: the sampler's others (drop_last, epochs, view, rank, ...)."""
+        return cls(dataset, batch_size=batch_size, d=d if self.uses_grads else None, sorter=self.sorter,
+                   num_replicas=self.num_replicas, seed=self.resolved_seed, sketch_dim=self.sketch_dim, **kwargs)
