@@ -14,10 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers is
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from common.errors import UserFacingError  # noqa: E402
 from data.wikitext103 import load_blocks, split_file  # noqa: E402
 from engine.cli import common_parser, int_flag  # noqa: E402
 from engine.comm import node_leader_first  # noqa: E402
-from engine.errors import UserFacingError  # noqa: E402
 from engine.functional import FlatModel  # noqa: E402
 from engine.task import Task, eval_batches, sum_over_processes, units_per_worker  # noqa: E402
 from engine.train import run_entry_point  # noqa: E402

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
+from common.errors import UserFacingError
 from data.wikitext2 import batchify, load_wikitext2, n_chunks
 from engine.cli import MAX_LR, common_parser, float_flag, int_flag
-from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.task import Task, shard, sum_over_processes
 from engine.train import run_entry_point

@@ -23,10 +23,10 @@ in percent (0 where p = t = 0).
 import torch
 import torch.nn.functional as F
 
+from common.errors import UserFacingError
 from data.m4 import destandardise, load_m4, smape
 from data.partition import partition_type, whole_groups
 from engine.cli import common_parser, int_flag
-from engine.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.task import Task, eval_batches, sum_over_processes, unit_multiple, units_per_worker
 from engine.train import run_entry_point

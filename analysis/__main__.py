@@ -20,7 +20,7 @@ from analysis import (EXPECTED_SORTERS, aggregate_all, default_results_dir, form
                       load_herding, load_runs, missing_sorters)
 from analysis.load import SHIPPED_RESULTS  # noqa: E402
 from analysis.plots import draw_all  # noqa: E402
-from engine.errors import UserFacingError, exit_with_error  # noqa: E402
+from common.errors import UserFacingError, exit_with_error  # noqa: E402
 from engine.rundir import RUN_FILES, check_out_path  # noqa: E402
 
 

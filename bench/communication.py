@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 
 from engine.cli import check_args  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
-from engine.errors import UserFacingError  # noqa: E402
+from common.errors import UserFacingError  # noqa: E402
 from engine.train import train  # noqa: E402
 
 STRATEGIES = {  # {density}: ExDyna's target density, per benchmark (below)

@@ -58,12 +58,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
 from bench.step_overhead import entry_module  # noqa: E402
-from data.common import default_data_dir  # noqa: E402
-from engine.cli import OneLineErrorParser, check_args  # noqa: E402
+from common.paths import default_data_dir  # noqa: E402
+from common.errors import OneLineErrorParser  # noqa: E402
+from engine.cli import check_args  # noqa: E402
 from engine import runlog  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.device import set_tf32, setup_device  # noqa: E402
-from engine.errors import UserFacingError  # noqa: E402
+from common.errors import UserFacingError  # noqa: E402
 from engine.train import LOSS_CHECK_EVERY, train  # noqa: E402
 
 # benchmark -> its entry script's flags for the paper's settings ({data}: --data-dir)

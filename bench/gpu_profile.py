@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
 from bench.gpu_epochs import SETTINGS, build_task  # noqa: E402
-from data.common import default_data_dir  # noqa: E402
+from common.paths import default_data_dir  # noqa: E402
 from engine import runlog  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.device import setup_device  # noqa: E402

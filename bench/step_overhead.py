@@ -33,7 +33,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
-from data.common import default_data_dir  # noqa: E402
+from common.paths import default_data_dir  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.cli import check_args  # noqa: E402
 from engine.functional import FlatModel, unit_gradients  # noqa: E402

@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 # path under the data folder: (bytes, sha256). Counts from the data READMEs.
 KNOWN = {

@@ -53,9 +53,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from common.errors import UserFacingError
 from data.checksums import verify
-from data.common import DOWNLOAD_HINT, require_files
-from engine.errors import UserFacingError
+from data.files import DOWNLOAD_HINT, require_files
 
 __all__ = ["HMDAData", "load_hmda", "split_80_20", "LAR_NUMERIC", "LAR_CATEGORICAL", "LAR_NEVER_USED",
            "SAMPLE_COLUMNS", "SAMPLE_GROUPS", "SAMPLE_LABEL"]

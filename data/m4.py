@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from data.common import require_files
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
+from data.files import require_files
 
 
 @dataclass

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from tokenizers import ByteLevelBPETokenizer
 
+from common.errors import UserFacingError
 from data.checksums import sha256_of, verify
-from data.common import DOWNLOAD_HINT, require_files
-from engine.errors import UserFacingError
+from data.files import DOWNLOAD_HINT, require_files
 
 SPLITS = ("train", "valid", "test")
 LINES_PER_BATCH = 10_000  # encode_batch this many lines at a time: fast, and bounded memory on big files

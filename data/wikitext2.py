@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from data.common import require_files
+from data.files import require_files
 
 SPLITS = ("train", "valid", "test")
 

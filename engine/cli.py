@@ -4,8 +4,8 @@ import json
 import math
 from pathlib import Path
 
-from data.common import default_data_dir
-from engine.errors import UserFacingError, exit_with_error
+from common.errors import OneLineErrorParser, UserFacingError
+from common.paths import default_data_dir
 from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS, changed_on_resume
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
@@ -19,13 +19,6 @@ from sorters import SORTER_NAMES
 # take under 15 s; not much less, so that a day-long run's log stays short. $CDGRAB_PROGRESS_EVERY
 # overrides it (the tests use a tiny one).
 PROGRESS_EVERY_SECONDS = 45.0
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a bad command line in one line (argparse prints the whole usage block first)."""
-
-    def error(self, message):
-        exit_with_error(f"{message}; see {self.prog} --help")  # once per torchrun job, status 2
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

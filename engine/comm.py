@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; GPU images may be older

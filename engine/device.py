@@ -19,8 +19,8 @@ import os
 
 import torch
 
+from common.errors import UserFacingError
 from engine.comm import launched_by_torchrun
-from engine.errors import UserFacingError
 
 
 def choose_device(choice: str, backend: str | None, local_rank: int, local_processes: int, visible_gpus: int,

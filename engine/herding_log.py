@@ -15,7 +15,7 @@ they gathered anyway; for the others (D-RR, D-SO, Fold) the per-unit gradients a
 """
 import torch
 
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 MAX_BYTES = 512 * 2**20
 COLUMN_CHUNK = 4096  # coordinates per pass of the bound: the float64 working copy stays n * m * 4096 * 8 bytes

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from engine.optim import Optimizer
 
 SYNC_RULES = ("every-step", "constant", "qsr", "linear", "post-local")

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 REDUCER_NAMES = ("dense", "topk", "exdyna")
 

@@ -19,7 +19,7 @@ import os
 import socket
 from pathlib import Path
 
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from engine.flags import changed_on_resume
 
 RUN_FILES = ("checkpoint.pt", "orders.pt", "metrics.csv", "config.json")  # all an entry script writes in --out

@@ -5,7 +5,7 @@ all-gather (engine.comm.GradientExchange), the sorter is built for D-dimensional
 update is all-reduced as D-RR's is: n * (d + k * D) floats per step instead of n * k * d. The map is
 sorters.GradientSketch(d, D, seed=--seed), the same in every process (docs/sketching.md).
 """
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from sorters import SORTERS, GradientSketch
 from sorters.thresholds import ENGINE_STRUCTURED_MIN_NUMEL as STRUCTURED_MIN_NUMEL  # the engine's row: why there
 

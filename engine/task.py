@@ -6,8 +6,8 @@ import torch
 from torch.func import vmap
 from torch.utils._pytree import tree_map
 
+from common.errors import UserFacingError
 from engine import linear_stack
-from engine.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 
 

@@ -30,18 +30,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.errors import UserFacingError, exit_with_error, tell_launcher
 from engine import runlog
 from engine.cli import PROGRESS_EVERY_SECONDS, check_args, check_resume, describe_changes
 from engine.comm import GradientExchange, make_communicator
 from engine.device import set_tf32, setup_device, tf32_settings
-from engine.errors import UserFacingError, exit_with_error, tell_launcher
 from engine.flags import benchmark_of, changed_on_resume
 from engine.herding_log import HerdingLog
-from engine.rundir import RunFinished, check_run_folder, claim_run_folder, metrics_rows
 from engine.local_sgd import LocalWorkers, SyncSchedule
 from engine.optim import LRSchedule, Optimizer
 from engine.overlap import BackgroundSorter
 from engine.reducers import make_reducer
+from engine.rundir import RunFinished, check_run_folder, claim_run_folder, metrics_rows
 from engine.sketching import make_sketch, sketch_config
 from sorters import NonFiniteGradientError, build_sorter
 from sorters.balance import sign_loop_for

@@ -1,35 +1,8 @@
-"""What the examples share, so that they need the library (`sorters`) and the data loaders (`data/`) only,
-never the suite's engine: a one-line error exit, argparse with one-line errors, the data folder's default."""
-import argparse
-import os
-import sys
-import time
-
-from data.common import UserFacingError  # the one error type the data loaders raise (a missing file, ...)
-
-# Under torchrun every process runs the same checks; rank 0 alone reports, and torchrun stops the others
-# when it exits. A rank that sees an error rank 0 does not reports it itself after this many seconds.
-PEER_REPORT_DELAY_SECONDS = 10.0
-
-
-def default_data_dir() -> str:
-    """`$CDGRAB_DATA` when set, else `./datasets` (the suite's own default)."""
-    return os.environ.get("CDGRAB_DATA") or "./datasets"
-
-
-def exit_with_error(message: str, status: int = 2):
-    """`error: <message>` on stderr, exit `status`; under torchrun rank 0 at once, another rank later."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
-        time.sleep(PEER_REPORT_DELAY_SECONDS)
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(status)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a bad command line in one line (argparse prints the whole usage block first)."""
-
-    def error(self, message):
-        exit_with_error(f"{message}; see {self.prog} --help")
+"""What the examples share, so that they need the library (`sorters`), the data loaders (`data/`) and
+the suite's ground floor (`common/`: the one-line error and the data folder's default) only, never its
+engine: one-line exits for data and settings refused."""
+from common.errors import OneLineErrorParser, UserFacingError, exit_with_error  # noqa: F401 (the examples')
+from common.paths import default_data_dir  # noqa: F401 (the examples')
 
 
 def load_or_exit(load, *args, **kwargs):

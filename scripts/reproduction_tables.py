@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
+from common.errors import OneLineErrorParser  # noqa: E402
 from analysis import default_results_dir, load_herding, load_runs, lstm_setting  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
 from analysis.aggregate import (communication_table, headline_metrics, herding_ratios, partition_order,  # noqa: E402
@@ -347,13 +348,6 @@ def reorderers_markdown(df) -> list[str]:
         lines += ["", f"| {benchmark}, workers | sorter | train loss minus CD-GraB's, {names[-1]}, per seed | "
                       "seeds where lower than CD-GraB |", "|---|---|---|---|", *differences, ""]
     return lines
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a bad command line in one line, as the entry scripts do (argparse prints its usage first)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
 def main():

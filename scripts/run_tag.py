@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     script = Path(script).resolve()
     sys.path.insert(0, str(script.parent))  # the repository root, beside the entry scripts
     from engine.cli import sweep_tags
-    from engine.errors import UserFacingError, exit_with_error
+    from common.errors import UserFacingError, exit_with_error
 
     spec = importlib.util.spec_from_file_location(script.stem.replace("-", "_"), script)
     module = importlib.util.module_from_spec(spec)

@@ -21,7 +21,7 @@ import torch
 
 from engine import runlog
 from engine.cli import check_args, check_resume
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from engine.rundir import RunLock, claim_run_folder
 from tests.helpers import DATA_DIR, REPO, entry_point, needs_data, run_python, run_script
 

@@ -9,7 +9,7 @@ import torch
 
 from data.hmda import (LAR_CATEGORICAL, LAR_NEVER_USED, LAR_NUMERIC, SAMPLE_COLUMNS, load_hmda,
                        split_80_20)
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 from tests.helpers import DATA_DIR as REAL_DATA  # noqa: E402
 from tests.helpers import require_data  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from data.m4 import destandardise, load_m4, read_series, smape
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 from tests.helpers import DATA_DIR  # noqa: E402
 from tests.helpers import needs_data as needs  # noqa: E402

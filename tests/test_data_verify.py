@@ -13,7 +13,7 @@ from data.hmda import load_hmda
 from data.m4 import load_m4
 from data.wikitext2 import load_wikitext2
 from data.wikitext103 import load_blocks
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from tests.helpers import DATA_DIR
 from tests.test_data_hmda import write_sample
 

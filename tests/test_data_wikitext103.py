@@ -8,7 +8,7 @@ import torch
 
 import data.wikitext103 as wt
 from data.wikitext103 import cache_folder, gpt2_tokenizer, load_blocks
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 from tests.helpers import DATA_DIR, require_data  # noqa: E402
 from tests.helpers import needs_data as needs  # noqa: E402

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from data.wikitext2 import batchify, get_chunk, load_wikitext2, n_chunks
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 
 from tests.helpers import DATA_DIR  # noqa: E402
 from tests.helpers import needs_data as needs  # noqa: E402

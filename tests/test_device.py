@@ -20,7 +20,7 @@ from engine import train as train_module
 from engine.cli import check_args, common_parser
 from engine.comm import DistributedCommunicator, LocalCommunicator, node_leader_first
 from engine.device import choose_device, set_tf32, setup_device, tf32_settings
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.optim import Optimizer, LRSchedule
 from engine.task import Task

@@ -256,8 +256,8 @@ def test_herding_time_is_the_shipped_csvs_sum():
 
 
 def test_run_directory_states_the_peer_report_delay_the_code_uses():
-    """docs/run-directory.md's delay before other ranks report bad input is engine/errors.py's setting."""
-    setting = re.search(r"^PEER_REPORT_DELAY_SECONDS = ([\d.]+)$", (REPO / "engine" / "errors.py").read_text(), flags=re.M)
+    """docs/run-directory.md's delay before other ranks report bad input is common/errors.py's setting."""
+    setting = re.search(r"^PEER_REPORT_DELAY_SECONDS = ([\d.]+)$", (REPO / "common" / "errors.py").read_text(), flags=re.M)
     page = " ".join((REPO / "docs" / "run-directory.md").read_text().split())
     assert f"by those ranks after {float(setting.group(1)):g} s: `PEER_REPORT_DELAY_SECONDS`" in page
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine import runlog
 from engine.comm import GradientExchange, LocalCommunicator
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 from engine.optim import Optimizer, LRSchedule
 from engine.flags import FLAGS, RESUMABLE_FLAGS
@@ -364,7 +364,7 @@ def test_rotated_unit_gradients_never_hand_out_a_buffer_in_use(count):
 def test_a_torchrun_error_is_printed_at_once_by_rank_0_only(monkeypatch, capsys, rank):
     """Rank 0 prints at once; another rank waits for torchrun to stop it, and prints only if it is still
     running after the wait (an error rank 0 did not see). Both exit 2."""
-    from engine import errors
+    from common import errors
 
     waits = []
     monkeypatch.setattr(errors.time, "sleep", waits.append)
@@ -383,7 +383,7 @@ def test_the_launcher_summary_shows_our_line_as_the_root_cause(monkeypatch, tmp_
     without the variable (a plain python start, or torchrun's empty one) nothing is written."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from engine import errors
+    from common import errors
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))

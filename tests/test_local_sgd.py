@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.comm import LocalCommunicator
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from engine.local_sgd import LocalWorkers, SyncSchedule, qsr_period
 from engine.optim import LRSchedule, Optimizer
 from engine.reducers import make_reducer

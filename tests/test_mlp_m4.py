@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.comm import LocalCommunicator
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from sorters import SORTER_NAMES
 from tests.helpers import (DATA_DIR, REPO, check_run_files, check_torchrun_agrees, check_trained_two_epochs,
                            metrics_header, needs_data, run_every_sorter)

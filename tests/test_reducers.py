@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.comm import DistributedCommunicator, LocalCommunicator
-from engine.errors import UserFacingError
+from common.errors import UserFacingError
 from engine.reducers import REDUCER_NAMES, ExDynaReducer, make_reducer
 
 

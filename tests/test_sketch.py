@@ -511,7 +511,7 @@ def test_sketched_lr_and_lstm_send_sketches_and_one_process_equals_torchrun(scri
 def test_sign_loop_auto_follows_the_sorters_rule_and_compiled_stays_on_the_cpu():
     from argparse import Namespace
 
-    from engine.errors import UserFacingError
+    from common.errors import UserFacingError
     from engine.train import resolve_sign_loop
 
     for sorter, sign_loop, device, d, sorted_d, expected in (

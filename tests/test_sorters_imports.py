@@ -1,11 +1,17 @@
-"""The library's import graph, read from its source (ast, no import): no circle inside sorters/, no arrow
-to the engine, the data loaders or the analysis; and the one threshold table (sorters/thresholds.py) that
+"""The import graph, read from the source (ast, no import): the suite's rooms stand in layers (LAYERS) with
+no arrow from a lower room up to a higher one and no circle; no circle inside sorters/, and no arrow from
+it to any room of the suite; and the one threshold table (sorters/thresholds.py) that
 the torch-free engine/flags.py and analysis/paper_values.py write out, agreeing with them."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = ("engine", "data", "analysis")
+FORBIDDEN = ("common", "engine", "data", "models", "analysis")
+# each room's floor: a module may import its own room's modules and those of lower floors, never a higher
+# one. common/ (the one-line error, the data folder) is the ground floor; sorters/ (the pip library)
+# stands beside it and imports nothing of the suite; the data loaders and models on them; the engine
+# above; the analysis of the run folders on top (it reads the engine's flag table).
+LAYERS = {"common": 0, "sorters": 0, "data": 1, "models": 1, "engine": 2, "analysis": 3}
 
 
 def imported_modules(path: Path, package: str = "sorters") -> set[str]:
@@ -63,6 +69,27 @@ def test_the_package_imports_no_circle():
     assert "sorters.registry" in graph["sorters.sampler"], "the sampler takes the registry from its own module"
     assert "sorters" not in set().union(*(graph[m] for m in graph if m != "sorters" and not m.startswith(
         ("sorters.hf", "sorters.lightning")))), "only the framework glue imports the package's __init__"
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def rooms_graph() -> dict[str, set[str]]:
+    """module -> the suite's modules it imports, for every module of the rooms in LAYERS."""
+    graph = {}
+    for room in LAYERS:
+        for path in sorted((ROOT / room).glob("*.py")):
+            name = room if path.stem == "__init__" else f"{room}.{path.stem}"
+            graph[name] = {m for m in imported_modules(path) if m.split(".")[0] in LAYERS} - {name}
+    return graph
+
+
+def test_the_rooms_stand_in_layers_with_no_arrow_up_and_no_circle():
+    graph = rooms_graph()
+    assert "common.errors" in graph["data.files"] and "common.paths" in graph["engine.cli"], graph["engine.cli"]
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                    if LAYERS[target.split(".")[0]] > LAYERS[module.split(".")[0]]
+                    or (LAYERS[target.split(".")[0]] == LAYERS[module.split(".")[0]]
+                        and target.split(".")[0] != module.split(".")[0]))
+    assert not upward, f"imports that run up or sideways between rooms: {upward}"
     assert find_cycle(graph) is None, find_cycle(graph)
 
 

@@ -1,5 +1,6 @@
-"""The one exception type whose message is shown to the user as a single line (no traceback), and
-how that line is printed once per job."""
+"""The one exception type whose message is shown to the user as a single line (no traceback), how that
+line is printed once per job, and argparse with the same one-line errors."""
+import argparse
 import json
 import os
 import sys
@@ -49,3 +50,10 @@ def tell_launcher(line: str) -> None:
                       file)
     except OSError:
         pass  # the line is on stderr already
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (argparse prints the whole usage block first)."""
+
+    def error(self, message):
+        exit_with_error(f"{message}; see {self.prog} --help")  # once per torchrun job, status 2

@@ -1,16 +1,10 @@
-"""Where data sets live and how a missing one is reported."""
-import os
+"""How a missing or altered data file is reported (where the data sets live: common/paths.py)."""
 from pathlib import Path
 
+from common.errors import UserFacingError
 from data.checksums import verify
-from engine.errors import UserFacingError
 
 DOWNLOAD_HINT = "run scripts/download_data.sh DATA_DIR (needs the internet) or pass --data-dir"
-
-
-def default_data_dir() -> str:
-    """`$CDGRAB_DATA` when set, else `./datasets`."""
-    return os.environ.get("CDGRAB_DATA") or "./datasets"
 
 
 def require_files(folder: Path, names: list[str], what: str) -> list[Path]:
