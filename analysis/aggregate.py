@@ -318,18 +318,24 @@ def variant_order(variant: str) -> tuple:
     return (2, 0, 0)
 
 
+def study_rows(df: pd.DataFrame, benchmark: str, study: str, configs: pd.DataFrame | None):
+    """(df's rows of `benchmark`, their configs) when they hold runs of `study`, else (no rows, None);
+    configs: load_configs of df (read here when not given)."""
+    df = df[df["benchmark"] == benchmark] if len(df) else df
+    if not len(df) or not (df["study"] == study).any():
+        return df.iloc[:0], None
+    return df, load_configs(df) if configs is None else configs[configs["run_dir"].isin(df["run_dir"])]
+
+
 def sketching_runs(df: pd.DataFrame, benchmark: str, configs: pd.DataFrame | None = None) -> pd.DataFrame:
     """The sketching study's runs of `benchmark` with their baselines (study_with_baselines). One row per
     (run, epoch), with `variant` ("D-RR", "CD-GraB exact", "CD-GraB, D = 64" for a plain CountSketch,
     "CD-GraB, D = 64, structured" for a map with TensorSketch blocks), `structured` (the map has blocks),
     `full_data` (no --max-train-examples) and `examples` (--max-train-examples, 0 for the full data).
     Empty without sketching runs. configs: load_configs of df (read here when not given)."""
+    df, configs = study_rows(df, benchmark, "sketching", configs)
     if not len(df):
         return df
-    df = df[df["benchmark"] == benchmark]
-    if not (df["study"] == "sketching").any():
-        return df.iloc[:0]
-    configs = load_configs(df) if configs is None else configs[configs["run_dir"].isin(df["run_dir"])]
     df = df.merge(config_args(configs, ["sketch_dim", "max_train_examples"]), on="run_dir")
     df["examples"] = df["max_train_examples"].fillna(0)
     runs = study_with_baselines(df, "sketching", configs)
@@ -424,12 +430,9 @@ def reorderer_runs(df: pd.DataFrame, benchmark: str, configs: pd.DataFrame | Non
     """The reorderers study's runs of `benchmark` with their CD-GraB and D-RR baselines
     (study_with_baselines): one row per (run, epoch). Empty without such runs. configs: load_configs of df
     (read here when not given)."""
+    df, configs = study_rows(df, benchmark, "reorderers", configs)
     if not len(df):
         return df
-    df = df[df["benchmark"] == benchmark]
-    if not (df["study"] == "reorderers").any():
-        return df.iloc[:0]
-    configs = load_configs(df) if configs is None else configs[configs["run_dir"].isin(df["run_dir"])]
     return study_with_baselines(df.merge(config_args(configs, ["sketch_dim"]), on="run_dir"), "reorderers", configs)
 
 
