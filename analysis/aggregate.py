@@ -397,7 +397,7 @@ def sketching_panels(runs: pd.DataFrame, benchmark: str) -> tuple:
     herding bound, the train loss of the full-data runs. curves: per panel, variant and epoch, _curves'
     mean, std, count, seeds, and the variant's `rank` (variant_ranks). panels: one row per panel: column, examples (its --max-train-examples, NaN for
     the full data), epochs, first (the first epoch of its y range), low and high (that range: the later
-    epochs' means ± their sample std: epoch 1's herding bound, the random first order, and the first
+    epochs' means ± their std over seeds: epoch 1's herding bound, the random first order, and the first
     epochs' losses would dwarf the differences between the variants), n and B (the figure's title)."""
     herding = runs[runs["herding_bound"].notna()] if "herding_bound" in runs else runs.iloc[:0]
     sources = [(frame, column) for frame, column in ((herding, "herding_bound"), (herding, "train_loss"),
@@ -410,7 +410,8 @@ def sketching_panels(runs: pd.DataFrame, benchmark: str) -> tuple:
         examples = frame["max_train_examples"].dropna()
         first = 2 if column == "herding_bound" else max(2, int(frame["epoch"].max() * 0.3))
         later = frame[frame["epoch"] >= first].groupby(["variant", "epoch"])[column]
-        low, high = (later.mean() - later.std().fillna(0)).min(), (later.mean() + later.std().fillna(0)).max()
+        spread = later.agg(std_over_seeds).fillna(0)  # the bands' std, so that the range holds every band
+        low, high = (later.mean() - spread).min(), (later.mean() + spread).max()
         panels.append({"benchmark": benchmark, "panel": panel, "column": column,
                        "examples": examples.iloc[0] if len(examples) else float("nan"),
                        "epochs": int(frame["epoch"].max()), "first": first, "low": low, "high": high,
