@@ -57,6 +57,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # engine.runlog: the code's tree hash and the commit it is (imported where used)
+
+from engine.rundir import metrics_rows  # noqa: E402  (no torch: the epochs a run's metrics.csv holds)
+
 MIB = 1 << 20
 MAX_FILES, MAX_FILE_BYTES, MAX_TOTAL_BYTES = 8, 16 * MIB, 64 * MIB  # what the device tool brings back
 
@@ -167,11 +170,7 @@ class Run:
         return f"{self.benchmark}/{self.name}"
 
     def epochs_done(self) -> int:
-        try:
-            lines = (self.dir / "metrics.csv").read_text().splitlines()
-        except OSError:
-            return 0
-        return max(0, len([line for line in lines[1:] if line.strip()]))
+        return metrics_rows(self.dir / "metrics.csv")
 
     def finished(self) -> bool:
         return self.epochs_done() >= self.epochs
@@ -254,13 +253,6 @@ def stop_decision(epoch_ends: list[float], now: float, stop_at: float) -> str | 
     if epoch_ends[-1] + last > stop_at:
         return "now"
     return "after this epoch" if epoch_ends[-1] + 2 * last > stop_at else None
-
-
-def metrics_rows(path: Path) -> int:
-    """Epochs a metrics.csv holds (0 when there is none)."""
-    if not path.exists():
-        return 0
-    return len([line for line in path.read_text().splitlines()[1:] if line.strip()])
 
 
 def seed_from_shipped(run: Run, shipped: Path) -> str:
