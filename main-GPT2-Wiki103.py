@@ -20,7 +20,7 @@ from engine.cli import common_parser, int_flag  # noqa: E402
 from engine.comm import node_leader_first  # noqa: E402
 from engine.functional import FlatModel  # noqa: E402
 from engine.task import Task, eval_batches, sum_over_processes, units_per_worker  # noqa: E402
-from engine.train import run_entry_point  # noqa: E402
+from engine.entry import run_entry_point  # noqa: E402
 
 BENCHMARK = "GPT2-Wiki103"
 # the original README command: --sorter {CD-GraB|D-RR} --seed 0 (B 64 = node_cnt 64, AdamW 5e-4, wd 0, 50 epochs)

@@ -14,7 +14,7 @@ from data.partition import partition_type, split_by_labels
 from engine.cli import common_parser
 from engine.functional import FlatModel
 from engine.task import Task, eval_batches, sum_over_processes, units_per_worker
-from engine.train import run_entry_point
+from engine.entry import run_entry_point
 
 BENCHMARK = "LR-HMDA"
 # the original README command: --lr 5e-3 --node_cnt 4 --B 16 --epochs 50 (momentum 0.9, constant lr)

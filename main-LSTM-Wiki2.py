@@ -42,7 +42,7 @@ from data.wikitext2 import batchify, load_wikitext2, n_chunks
 from engine.cli import MAX_LR, common_parser, float_flag, int_flag
 from engine.functional import FlatModel
 from engine.task import Task, shard, sum_over_processes
-from engine.train import run_entry_point
+from engine.entry import run_entry_point
 from models.lstm import LSTMModel, unit_gradients, without_cudnn
 
 BENCHMARK = "LSTM-Wiki2"

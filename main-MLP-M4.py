@@ -29,7 +29,7 @@ from data.partition import partition_type, whole_groups
 from engine.cli import common_parser, int_flag
 from engine.functional import FlatModel
 from engine.task import Task, eval_batches, sum_over_processes, unit_multiple, units_per_worker
-from engine.train import run_entry_point
+from engine.entry import run_entry_point
 from models.mlp import AutoregressiveMLP, window_gradients
 
 BENCHMARK = "MLP-M4"

@@ -13,7 +13,7 @@ same initial parameters:
   hyper-parameters (SGD with momentum 0.9 for LR, MLP and LSTM, AdamW for GPT-2; gradient clipping only
   where the settings clip, which the paper's do not), no ordering: step t takes the batch the engine
   would take at step t in the identity order, sliced from the task's tensors. Like the engine it reads
-  the loss on the host every engine.train.LOSS_CHECK_EVERY steps, so the two differ by the engine's work,
+  the loss on the host every engine.progress.LOSS_CHECK_EVERY steps, so the two differ by the engine's work,
   not by a read of the loss. The LSTM runs on cuDNN in both (TF32 off, as the suite sets it).
 - D-RR and CD-GraB: `engine.train.train` in the same process, on the benchmark's Task.
 
@@ -65,7 +65,8 @@ from engine import runlog  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.device import set_tf32, setup_device  # noqa: E402
 from common.errors import UserFacingError  # noqa: E402
-from engine.train import LOSS_CHECK_EVERY, train  # noqa: E402
+from engine.progress import LOSS_CHECK_EVERY  # noqa: E402
+from engine.train import train  # noqa: E402
 
 # benchmark -> its entry script's flags for the paper's settings ({data}: --data-dir)
 SETTINGS = {

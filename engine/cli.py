@@ -15,7 +15,7 @@ from engine.sketching import STRUCTURED_MIN_NUMEL, check_sketch_args
 from sorters import SORTER_NAMES
 
 # --progress auto without a terminal (nohup, sweeps' logs, CI): seconds between plain progress lines
-# (engine.train.ProgressLines). Under a minute, so that a log shows the run alive every minute while steps
+# (engine.progress.ProgressLines). Under a minute, so that a log shows the run alive every minute while steps
 # take under 15 s; not much less, so that a day-long run's log stays short. $CDGRAB_PROGRESS_EVERY
 # overrides it (the tests use a tiny one).
 PROGRESS_EVERY_SECONDS = 45.0

@@ -30,7 +30,7 @@ import socket
 import sys
 from pathlib import Path
 
-PRELOAD = ("numpy", "pandas", "tqdm", "torch", "torch.distributed.run", "transformers", "sorters", "engine.train",
+PRELOAD = ("numpy", "pandas", "tqdm", "torch", "torch.distributed.run", "transformers", "sorters", "engine.entry",
            "data.hmda", "data.m4", "data.wikitext2", "data.wikitext103", "models")
 # imported too where they import (transformers' GPT-2 and Trainer behind its lazy package: about two seconds
 # that each GPT-2 run and Hugging Face example would spend again); where they do not, their tests skip

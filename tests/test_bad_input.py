@@ -214,7 +214,7 @@ def test_run_files_are_written_with_the_umask_s_mode(tmp_path):
 
 
 def test_sigterm_names_torchrun_only_under_torchrun(monkeypatch):
-    from engine.train import terminated_line
+    from engine.entry import terminated_line
 
     args = type("Args", (), {"out": "results/run"})()
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
@@ -245,7 +245,7 @@ def runlog_rng():
 
 
 def test_a_checkpoint_of_another_benchmark_or_with_non_finite_parameters_is_named_as_such(tmp_path):
-    from engine.train import restore
+    from engine.checkpoint import restore
 
     cpu = torch.device("cpu")
     args = {"lr": 0.1, "hmda_file": None}
@@ -261,7 +261,7 @@ def test_a_checkpoint_of_another_benchmark_or_with_non_finite_parameters_is_name
 
 
 def test_a_failed_write_is_one_line_and_keeps_the_last_version(tmp_path, monkeypatch):
-    from engine.train import writing
+    from engine.checkpoint import writing
 
     path = tmp_path / "checkpoint.pt"
     runlog.atomic_torch_save({"epoch": 1}, path)
@@ -332,7 +332,7 @@ def test_a_full_disk_is_one_line_and_resuming_a_finished_run_changes_nothing(tmp
     """In this process, through run_entry_point: the disk fills while epoch 2's checkpoint is written (the
     fourth fsync: config.json, epoch 1's checkpoint.pt and metrics.csv before it): one line, exit 2, epoch
     1 kept; --resume then finishes the run, and --resume of the finished run rewrites nothing."""
-    from engine.train import run_entry_point
+    from engine.entry import run_entry_point
 
     benchmark, parser, build = entry_point("main-LR-HMDA.py")
     out = tmp_path / "run"

@@ -14,17 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import checkpoint as checkpoint_module
 from engine import comm as comm_module
 from engine import device as device_module
-from engine import train as train_module
+from engine import progress as progress_module
+from engine.checkpoint import restore
 from engine.cli import check_args, common_parser
 from engine.comm import DistributedCommunicator, LocalCommunicator, node_leader_first
 from engine.device import choose_device, set_tf32, setup_device, tf32_settings
 from common.errors import UserFacingError
 from engine.functional import FlatModel
 from engine.optim import Optimizer, LRSchedule
+from engine.progress import RegionTimer
 from engine.task import Task
-from engine.train import RegionTimer, restore, train
+from engine.train import train
 from sorters import build_sorter
 from tests.helpers import REPO, check_ok, error_lines, needs_data, run_script
 
@@ -121,8 +124,8 @@ def test_cuda_region_timing_reads_the_device_once_per_epoch(monkeypatch):
         def elapsed_time(self, end):  # milliseconds, like CUDA's
             return 1000.0 * (end.at - self.at)
 
-    monkeypatch.setattr(train_module.torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(train_module.torch.cuda, "synchronize", lambda *a: host_waits.append("sync"))
+    monkeypatch.setattr(progress_module.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(progress_module.torch.cuda, "synchronize", lambda *a: host_waits.append("sync"))
     timer = RegionTimer(GPU(3))
     for _ in range(3):  # three steps: compute 1 tick, comm 1, sorter 1, compute 1
         for region in ("compute", "comm", "sorter", "compute"):
@@ -263,7 +266,7 @@ def test_checkpoint_restores_onto_another_device(tmp_path, monkeypatch):
 
     locations = []
     real_load = torch.load
-    monkeypatch.setattr(train_module.torch, "load", lambda *a, **k: locations.append(k.get("map_location"))
+    monkeypatch.setattr(checkpoint_module.torch, "load", lambda *a, **k: locations.append(k.get("map_location"))
                         or real_load(*a, **k))
     torch.manual_seed(123)  # something else, to see the restore
     meta = torch.device("meta")
@@ -294,17 +297,17 @@ def test_checkpoint_with_a_cuda_rng_state_resumes_on_the_cpu(tmp_path):
 
 
 def test_rng_states_hold_the_gpu_generator_only_on_cuda(monkeypatch):
-    assert "cuda" not in train_module.rng_states(CPU)
-    monkeypatch.setattr(train_module.torch.cuda, "get_rng_state", lambda device: torch.full((4,), device.index,
+    assert "cuda" not in checkpoint_module.rng_states(CPU)
+    monkeypatch.setattr(checkpoint_module.torch.cuda, "get_rng_state", lambda device: torch.full((4,), device.index,
                                                                                            dtype=torch.uint8))
     restored = []
-    monkeypatch.setattr(train_module.torch.cuda, "set_rng_state", lambda state, device: restored.append(
+    monkeypatch.setattr(checkpoint_module.torch.cuda, "set_rng_state", lambda state, device: restored.append(
         (state, device)))
-    states = train_module.rng_states(GPU(1))
+    states = checkpoint_module.rng_states(GPU(1))
     assert states["cuda"].tolist() == [1, 1, 1, 1]
-    train_module.set_rng_states(states, GPU(1))
+    checkpoint_module.set_rng_states(states, GPU(1))
     assert len(restored) == 1 and restored[0][1] == GPU(1) and restored[0][0] is states["cuda"]
-    train_module.set_rng_states(states, CPU)  # resuming on the CPU: the GPU state is not used
+    checkpoint_module.set_rng_states(states, CPU)  # resuming on the CPU: the GPU state is not used
     assert len(restored) == 1
 
 

@@ -14,7 +14,8 @@ from common.errors import UserFacingError
 from engine.functional import FlatModel, batch_gradient, unit_gradients
 from engine.optim import Optimizer, LRSchedule
 from engine.flags import FLAGS, RESUMABLE_FLAGS
-from engine.train import clip_to_norm, restore
+from engine.checkpoint import restore
+from engine.steps import clip_to_norm
 from sorters import build_sorter
 from tests.helpers import entry_point
 

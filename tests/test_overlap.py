@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import overlap as overlap_module
+from engine import run_setup as run_setup_module
 from engine import train as train_module
 from engine.comm import LocalCommunicator
 from engine.overlap import BackgroundSorter
@@ -69,7 +70,7 @@ class SlowSteps:
 def toy_sorter_seconds(tmp_path, monkeypatch, overlap: str, compute_seconds: float) -> float:
     """sorter_seconds of one epoch (4 steps) of the toy regression whose sorter steps take
     STEP_SECONDS each and whose per-unit gradients take compute_seconds per step."""
-    monkeypatch.setattr(train_module, "build_sorter",
+    monkeypatch.setattr(run_setup_module, "build_sorter",
                         lambda *a, **k: SlowSteps(build_sorter(*a, **k), STEP_SECONDS))
     args = toy_args(tmp_path / f"{overlap}-{compute_seconds}")
     args.overlap = overlap

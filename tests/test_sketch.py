@@ -512,7 +512,7 @@ def test_sign_loop_auto_follows_the_sorters_rule_and_compiled_stays_on_the_cpu()
     from argparse import Namespace
 
     from common.errors import UserFacingError
-    from engine.train import resolve_sign_loop
+    from engine.run_setup import resolve_sign_loop
 
     for sorter, sign_loop, device, d, sorted_d, expected in (
             ("CD-GraB", "auto", "cpu", 2**20, 64, "gram"), ("CD-GraB", "auto", "cpu", 2**20, 2**20, "compiled"),

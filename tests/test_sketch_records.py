@@ -15,7 +15,7 @@ from engine import functional
 from engine.functional import FlatModel, unit_gradients
 from engine.sketching import STRUCTURED_MIN_NUMEL, make_sketch
 from engine.task import Task
-from engine.train import data_parallel_step
+from engine.steps import data_parallel_step
 from sorters import GradientSketch
 from tests.helpers import (DATA_DIR, check_ok, check_run_files, check_torchrun_agrees, needs_data, read_metrics,
                            run_script)

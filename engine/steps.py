@@ -1,0 +1,123 @@
+"""The three kinds of training step. Each takes every local worker's units of the step, computes
+gradients, exchanges them, hands the sorter the unit gradients it balances, and steps the optimizer:
+
+data_parallel_step  the paper's: one shared parameter vector, the workers' mean gradient all-reduced
+sparsified_step     the same, the mean going through a sparsifying --reducer (needs each worker's gradient)
+local_step          --sync local SGD: each worker steps on its own parameters, averaged every H steps
+
+They differ in what is averaged and when the sorter sees the unit gradients; the timer's laps charge
+each part to its region (engine.progress.RegionTimer).
+"""
+import torch
+
+
+def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer, herding_log=None):
+    """One step of the paper's data-parallel training on the shared parameters; returns the local loss.
+    herding_log (--log-herding): keeps this step's per-unit gradients (computed on the side for D-RR & co.)."""
+    flat, (n_local, k) = task.model.flat, unit_ids.shape
+    batch = task.units(exchange.comm.local_workers, unit_ids)
+    real_unit_grads = None  # this step's (n_local, k, d) per-unit gradients, where they were formed
+    if sorter.uses_grads and task.sketches_from_records(flat, exchange.sketch):  # --sketch-dim, no (units, d)
+        unit_grads, local_mean_grad, unit_losses = task.unit_sketches(flat, batch, n_local, k, exchange.sketch)
+        local_loss, aux = unit_losses.mean(), None
+    elif sorter.uses_grads:
+        unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
+        local_mean_grad, local_loss, aux, real_unit_grads = None, unit_losses.mean(), None, unit_grads
+    else:
+        unit_grads = None
+        local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)
+    timer.lap("compute")
+    update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
+    timer.lap("comm")
+    if herding_log:  # the real gradients: not the sketches a --sketch-dim sorter gathered
+        gathered = every_unit_grad if exchange.sketch is None else None
+        herding_log.record(positions.start // k, gathered, lambda: real_unit_grads if real_unit_grads is not None
+                           else task.unit_grads(flat, batch, n_local, k)[0])
+        timer.lap("compute")
+    sorter.step(every_unit_grad, positions)
+    del unit_grads, real_unit_grads, every_unit_grad  # (n, k, d) can be GBs: free before the next step computes
+    timer.lap("sorter")
+    if task.clip_grad_norm:
+        update = clip_to_norm(update, task.clip_grad_norm)
+    optimizer.step(update)
+    task.end_step(aux)
+    return local_loss
+
+
+def sparsified_step(task, sorter, exchange, optimizer, unit_ids, positions, timer):
+    """One step on the shared parameters whose gradient average goes through a sparsifying reducer
+    (--reducer topk / exdyna: its error feedback needs each worker's own gradient). Returns the local loss."""
+    worker_grads, unit_grads, losses = task.worker_gradients(task.model.flat, exchange.comm.local_workers,
+                                                             unit_ids, per_unit=sorter.uses_grads)
+    timer.lap("compute")
+    update = exchange_and_sort(exchange, sorter, unit_grads, worker_grads, positions, timer)
+    del unit_grads  # (n_local, k, d): free before the next step computes
+    if task.clip_grad_norm:
+        update = clip_to_norm(update, task.clip_grad_norm)
+    optimizer.step(update)
+    return losses.mean()
+
+
+def local_step(task, sorter, exchange, local, unit_ids, positions, global_step, timer,
+               gather_per_round: bool = True):
+    """One step of local SGD (`local`: LocalWorkers): each worker steps on its own gradient, and the
+    round's last step averages the workers; --sync post-local before its switch: a data-parallel step.
+    Returns the local loss.
+
+    The balancing sorters' unit gradients are all-gathered once per round (gather_per_round; at the
+    latest every GradientExchange.DEFER_LIMIT_BYTES) or every step: the same bytes and the same
+    orders, fewer collectives (bench/gather_batching.py)."""
+    worker_grads, unit_grads, losses = task.worker_gradients(local.params, exchange.comm.local_workers, unit_ids,
+                                                             per_unit=sorter.uses_grads)
+    timer.lap("compute")
+    data_parallel = local.data_parallel(global_step)
+    if data_parallel:
+        gradients = exchange_and_sort(exchange, sorter, unit_grads, worker_grads, positions, timer)
+        del unit_grads
+    else:
+        gradients = worker_grads
+    if task.clip_grad_norm:  # per worker with local steps, as the reference clips the local gradient
+        gradients = clip_to_norm(gradients, task.clip_grad_norm)
+    round_over = local.step(gradients, global_step)
+    timer.lap("compute")
+    if round_over:
+        local.average()
+        timer.lap("comm")
+    if data_parallel:  # the sorter has had this step's gradients
+        return losses.mean()
+    if not sorter.uses_grads:
+        sorter.step(None, positions)
+    elif not gather_per_round:
+        sorter.step(exchange.gather_unit_grads(unit_grads), positions)
+    elif exchange.defer_unit_grads(unit_grads, positions) or round_over:
+        flush_deferred(exchange, sorter, timer)
+    timer.lap("sorter")
+    return losses.mean()
+
+
+def exchange_and_sort(exchange, sorter, unit_grads, worker_grads, positions, timer) -> torch.Tensor:
+    """Average the workers' gradients worker_grads (n_local, d) through the reducer, and hand every
+    worker's unit gradients (unit_grads (n_local, k, d) gathered, or None) to the sorter. Returns the
+    average (d,)."""
+    update, every_unit_grad = exchange.exchange(unit_grads, None, worker_grads)
+    timer.lap("comm")
+    sorter.step(every_unit_grad, positions)
+    del every_unit_grad
+    timer.lap("sorter")
+    return update
+
+
+def flush_deferred(exchange, sorter, timer) -> None:
+    """Gather the deferred unit gradients in one collective and hand them to the sorter in step order."""
+    gathered = exchange.flush_unit_grads()
+    timer.lap("comm")
+    for every_unit_grad, positions in gathered:
+        sorter.step(every_unit_grad, positions)
+
+
+def clip_to_norm(gradient: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """(d,) gradient, or (n_local, d) one per worker, each scaled down to L2 norm max_norm when larger
+    (torch's clip_grad_norm_ rule)."""
+    norm = gradient.norm(dim=-1, keepdim=True)
+    return gradient * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
