@@ -84,6 +84,18 @@ def common_parser(benchmark: str, description: str, defaults: dict,
         raise ValueError(f"common_parser: help_texts may replace max_train_examples and max_eval_examples, "
                          f"got {sorted(texts)}")
     p = OneLineErrorParser(description=description.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    # --help lists the flags in the order added: the paper's settings, the run's files and device, how a
+    # step is computed, then the two groups
+    add_paper_flags(p, defaults)
+    add_run_flags(p, benchmark, texts)
+    add_step_flags(p)
+    add_schedule_flags(p)
+    add_communication_flags(p)
+    return p
+
+
+def add_paper_flags(p, defaults: dict) -> None:
+    """The settings the paper states per benchmark (defaults: the benchmark's values)."""
     p.add_argument("--sorter", choices=SORTER_NAMES, default=defaults["sorter"],
                    help="example-order algorithm: CD-GraB (coordinated pair balance), D-RR (random "
                         "reshuffling per worker), D-SO (shuffle once), I-B / I-PB (independent mean / pair balance), "
@@ -103,6 +115,10 @@ def common_parser(benchmark: str, description: str, defaults: dict,
     p.add_argument("--node_cnt", "--node-cnt", type=int_flag(1), metavar="N", default=defaults["node_cnt"],
                    help="number of logical workers n (all in one process, or n / nproc per torchrun process)")
     p.add_argument("--epochs", type=int_flag(1), default=defaults["epochs"], help="training epochs")
+
+
+def add_run_flags(p, benchmark: str, texts: dict) -> None:
+    """The run's data and folder, its device, and what it shows; texts: common_parser's help_texts."""
     p.add_argument("--data-dir", default=default_data_dir(),
                    help="folder holding the data sets (default: $CDGRAB_DATA, else ./datasets)")
     p.add_argument("--out", default=None,
@@ -144,6 +160,10 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                         "loss and estimated time left; on: the tqdm bar even when stderr is no terminal; off: "
                         "neither. Every mode prints the run directory when the run starts and ends, and one line "
                         "per epoch")
+
+
+def add_step_flags(p) -> None:
+    """How a step computes, sketches and exchanges its gradients, and how long a collective may wait."""
     p.add_argument("--unit-grads", choices=("auto", "vmap"), default="auto",
                    help="per-unit gradients for the balancing sorters: auto = one backward plus per-unit outer "
                         "products where the model allows it (Linear/Conv1D/Embedding/LayerNorm: LR, MLP, GPT-2), "
@@ -178,6 +198,9 @@ def common_parser(benchmark: str, description: str, defaults: dict,
     p.add_argument("--dist-timeout", type=float_flag(0, 7 * 24 * 3600, low_open=True), default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 
+
+def add_schedule_flags(p) -> None:
+    """The learning-rate schedule (LRSchedule), in a group of its own in --help."""
     schedule = p.add_argument_group("learning-rate schedule")
     schedule.add_argument("--lr-schedule", choices=LRSchedule.KINDS, default="step",
                           help="step: the benchmark's paper schedule (constant, or the step decay its script "
@@ -186,6 +209,9 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                           help="linear warm-up from --min-lr to --lr over the first E epochs (fractions allowed)")
     schedule.add_argument("--min-lr", type=float_flag(0, MAX_LR), default=0.0, help="floor of the cosine/linear decay and warm-up start")
 
+
+def add_communication_flags(p) -> None:
+    """Local SGD (--sync, engine/local_sgd.py) and sparsified reduction (--reducer, engine/reducers.py)."""
     sync = p.add_argument_group("communication: local SGD (--sync) and sparsified reduction (--reducer)")
     sync.add_argument("--sync", choices=SYNC_RULES, default="every-step",
                       help="every-step: average gradients every step (data-parallel, the paper). constant: each "
@@ -221,7 +247,6 @@ def common_parser(benchmark: str, description: str, defaults: dict,
                            "exdyna: ExDyna (Yoon & Oh 2024) exclusive partitions with an adaptive threshold")
     sync.add_argument("--density", type=float_flag(0, 1, low_open=True), default=None,
                       help="fraction of the d coordinates selected per exchange for --reducer topk / exdyna")
-    return p
 
 
 def out_tags(args, defaults: dict) -> str:

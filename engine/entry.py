@@ -62,19 +62,23 @@ def run_entry_point(benchmark: str, parser, build_task) -> None:
                             "(--B, the model's size flags, --max-train-examples) or use a larger device")
         if comm is None or comm.world_size == 1:
             raise
-        # under torchrun a failed collective almost always means a peer died; say so in one line
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        line = (f"error: rank {comm.rank}: a collective failed ({first_line}); did another rank die? see its "
-                f"output above. The last finished epoch is in {args.out}/checkpoint.pt (continue with --resume)")
-        print(line, file=sys.stderr)
-        tell_launcher(line)
-        sys.exit(1)
+        exit_lost_peer(error, args, comm)
     finally:
         quiet_sigterm()
         if comm is not None:
             comm.close()
         if lock is not None:
             lock.release()
+
+
+def exit_lost_peer(error: BaseException, args, comm) -> None:
+    """Exit 1 with one line: under torchrun a failed collective almost always means a peer died."""
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    line = (f"error: rank {comm.rank}: a collective failed ({first_line}); did another rank die? see its "
+            f"output above. The last finished epoch is in {args.out}/checkpoint.pt (continue with --resume)")
+    print(line, file=sys.stderr)
+    tell_launcher(line)
+    sys.exit(1)
 
 
 def terminated_line(args, comm) -> str:

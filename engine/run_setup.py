@@ -30,7 +30,8 @@ OVERLAP_MIN_D, OVERLAP_MAX_BUFFER = 65_536, 256 * 2**20
 
 @dataclass
 class Run:
-    """What train() builds once, from the task and the args, for its helpers below.
+    """What train() builds once, from the task and the args, and hands to the steps, the checkpoint and
+    the progress lines.
     optimizer: what steps and is checkpointed (LocalWorkers with local steps, `local`; else an
     Optimizer and local None)."""
     task: object
