@@ -74,46 +74,61 @@ class LSTMWiki2(Task):
         self.device = device
         self.cudnn = getattr(args, "cudnn", "on") == "on"  # see _gradient_kernels; callers may predate --cudnn
 
-        train = batchify(corpus.train, self.B)  # (rows, B)
-        available = n_chunks(train.size(0), self.bptt)
-        chunks = min(available, args.max_train_examples or available) // 2 * 2  # pair sorters need m even
-        if chunks == 0:
-            limit = f" (--max-train-examples {args.max_train_examples})" if args.max_train_examples else ""
-            raise UserFacingError(f"WikiText-2 train with --B {self.B} --bptt {self.bptt} gives {available} chunk(s)"
-                                  f"{limit}; need at least 2")
-        self.n_chunks = chunks
-        # only the rows the used chunks read (inputs and their next-token targets)
-        self.train_matrix = train[: chunks * self.bptt + 1].to(device)
-        # (n, m, bptt + 1, mb): worker j's view of chunk i, input rows + the one extra target row
-        rows = self.train_matrix.unfold(0, self.bptt + 1, self.bptt)[:chunks]  # (m, B, bptt + 1)
-        rows = rows.reshape(chunks, self.n_workers, self.mb, self.bptt + 1)
-        self.worker_chunks = rows.permute(1, 0, 3, 2).contiguous()
-
-        self.eval_matrices = {}
-        for split in ("valid", "test"):
-            matrix = batchify(getattr(corpus, split), self.B)
-            n_split = min(n_chunks(matrix.size(0), self.bptt), args.max_eval_examples or matrix.size(0))
-            if n_split == 0:
-                raise UserFacingError(f"WikiText-2 {split} with --B {self.B} --bptt {self.bptt} has no full chunk")
-            self.eval_matrices[split] = (matrix[: n_split * self.bptt + 1].to(device), n_split)
-        self.eval_matrices["train"] = (self.train_matrix, chunks)
-
+        available = self._load_training_chunks(corpus.train, args.max_train_examples)
+        self.eval_matrices = self._evaluation_matrices(corpus, args.max_eval_examples)
         if self.order_unit == "chunk":
-            self.n_units, self.units_per_step = chunks, 1
+            self.n_units, self.units_per_step = self.n_chunks, 1
         else:
-            self.n_units, self.units_per_step = chunks * self.mb, self.mb
+            self.n_units, self.units_per_step = self.n_chunks * self.mb, self.mb
         self.global_batch = self.B
         self.model = FlatModel(LSTMModel(corpus.vocab_size, EMBED, HIDDEN, LAYERS)).to(device)
         self.hidden = None          # carried (h, c), each (n, layers, mb, hidden), with --carry-hidden
         self._local_workers = None  # the workers of the current step (set by `units`)
         self._pending_hidden = None  # new states computed in unit_grads, installed by end_step
-        self.data_info = {
-            "source": "wikitext-2 (pytorch/examples word level)", "files": [f"{args.data_dir}/wikitext-2/{s}.txt"
+        self.data_info = self._describe_data(args.data_dir, corpus, available)
+
+    def _load_training_chunks(self, tokens, max_chunks) -> int:
+        """The training split as B columns cut into bptt chunks: sets n_chunks (rounded down to even: the
+        pair sorters need m even; at most max_chunks), train_matrix (the rows those chunks read, on the
+        device) and worker_chunks (n, m, bptt + 1, mb): worker j's view of chunk i, its input rows and the
+        one extra target row. Returns the number of chunks available."""
+        train = batchify(tokens, self.B)  # (rows, B)
+        available = n_chunks(train.size(0), self.bptt)
+        chunks = min(available, max_chunks or available) // 2 * 2
+        if chunks == 0:
+            limit = f" (--max-train-examples {max_chunks})" if max_chunks else ""
+            raise UserFacingError(f"WikiText-2 train with --B {self.B} --bptt {self.bptt} gives {available} chunk(s)"
+                                  f"{limit}; need at least 2")
+        self.n_chunks = chunks
+        # only the rows the used chunks read (inputs and their next-token targets)
+        self.train_matrix = train[: chunks * self.bptt + 1].to(self.device)
+        rows = self.train_matrix.unfold(0, self.bptt + 1, self.bptt)[:chunks]  # (m, B, bptt + 1)
+        rows = rows.reshape(chunks, self.n_workers, self.mb, self.bptt + 1)
+        self.worker_chunks = rows.permute(1, 0, 3, 2).contiguous()
+        return available
+
+    def _evaluation_matrices(self, corpus, max_chunks) -> dict:
+        """{split: ((rows, B) token matrix on the device, chunks evaluated)} for valid, test (at most
+        max_chunks chunks) and train (the chunks trained on)."""
+        matrices = {}
+        for split in ("valid", "test"):
+            matrix = batchify(getattr(corpus, split), self.B)
+            n_split = min(n_chunks(matrix.size(0), self.bptt), max_chunks or matrix.size(0))
+            if n_split == 0:
+                raise UserFacingError(f"WikiText-2 {split} with --B {self.B} --bptt {self.bptt} has no full chunk")
+            matrices[split] = (matrix[: n_split * self.bptt + 1].to(self.device), n_split)
+        matrices["train"] = (self.train_matrix, self.n_chunks)
+        return matrices
+
+    def _describe_data(self, data_dir, corpus, available: int) -> dict:
+        """config.json's "data": the files, the sizes and how units and evaluation are cut."""
+        return {
+            "source": "wikitext-2 (pytorch/examples word level)", "files": [f"{data_dir}/wikitext-2/{s}.txt"
                                                                            for s in ("train", "valid", "test")],
             "vocab_size": corpus.vocab_size,
             "tokens": {s: len(getattr(corpus, s)) for s in ("train", "valid", "test")},
             "bptt": self.bptt, "columns": self.B, "columns_per_worker": self.mb,
-            "train_chunks_available": available, "train_chunks_used": chunks,
+            "train_chunks_available": available, "train_chunks_used": self.n_chunks,
             "valid_chunks": self.eval_matrices["valid"][1], "test_chunks": self.eval_matrices["test"][1],
             "order_unit": self.order_unit, "hidden_state": "carried" if self.carry_hidden else "zero per chunk",
             "clip_grad_norm": self.clip_grad_norm,
