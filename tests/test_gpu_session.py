@@ -116,6 +116,11 @@ def test_a_failed_lstm_check_turns_cudnn_off_for_the_lstm_runs_only(tmp_path, mo
     assert "--cudnn" not in gpt2.command(args, cudnn="off")
 
 
+
+def test_every_flag_has_help():
+    flags = [action for action in gpu_session.make_parser()._actions if action.dest != "help"]
+    assert len(flags) == 28 and all(action.help for action in flags)
+
 # ---------------------------------------------------------------------------------------------- the plan
 def test_stop_rule():
     decide = plan.stop_decision
