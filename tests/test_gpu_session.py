@@ -121,6 +121,15 @@ def test_every_flag_has_help():
     flags = [action for action in gpu_session.make_parser()._actions if action.dest != "help"]
     assert len(flags) == 28 and all(action.help for action in flags)
 
+
+@pytest.mark.parametrize("flags", [["--parallel", "0"], ["--deadline", "40", "--pack-seconds", "40"], []])
+def test_a_call_that_cannot_work_is_refused_in_one_line(tmp_path, flags):
+    """No --out, no slot for a run, or no time left once packing is kept aside: exit 2 before anything."""
+    out = [] if not flags else ["--out", tmp_path / "out"]
+    result = call_kit("--device", "cpu", "--work", tmp_path / "work", *out, *flags)
+    assert result.returncode == 2 and result.stderr.strip() == error_lines(result)[0], result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
 # ---------------------------------------------------------------------------------------------- the plan
 def test_stop_rule():
     decide = plan.stop_decision
