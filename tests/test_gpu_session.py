@@ -559,7 +559,8 @@ def test_unpack_changes_a_finished_run_only_when_asked(tmp_path):
     assert (folder / "metrics.csv").read_bytes() != before and len(read_metrics(folder)) == 50
 
 
-def test_a_run_that_ignores_its_stop_signal_is_killed_after_the_grace_and_the_kit_goes_on(tmp_path):
+def stubborn_and_obedient(tmp_path) -> list:
+    """Two runs of the kit as processes: one ignores SIGINT (the kit's stop signal), one obeys it."""
     script = "import signal, sys, time; {}; print('ready', flush=True); time.sleep(60)"
     ignores = "signal.signal(signal.SIGINT, signal.SIG_IGN)"
     obeys = "signal.signal(signal.SIGINT, signal.default_int_handler)"  # also where SIGINT came ignored
@@ -568,6 +569,11 @@ def test_a_run_that_ignores_its_stop_signal_is_killed_after_the_grace_and_the_ki
         fake.process = subprocess.Popen([sys.executable, "-c", script.format(setup)], stdout=subprocess.PIPE,
                                         start_new_session=True, text=True)
         assert fake.process.stdout.readline() == "ready\n"
+    return runs
+
+
+def test_a_run_that_ignores_its_stop_signal_is_killed_after_the_grace_and_the_kit_goes_on(tmp_path):
+    runs = stubborn_and_obedient(tmp_path)
     stubborn, obedient = runs
     active = list(runs)
     try:
@@ -582,6 +588,19 @@ def test_a_run_that_ignores_its_stop_signal_is_killed_after_the_grace_and_the_ki
             if fake.process.poll() is None:
                 fake.process.kill()
 
+
+
+def test_the_calls_end_stops_every_run_and_kills_one_that_ignores_it_after_the_grace(tmp_path):
+    runs = stubborn_and_obedient(tmp_path)
+    try:
+        start = time.monotonic()
+        run.stop_all(runs, grace=0.5)
+        assert all(fake.process.poll() is not None for fake in runs) and time.monotonic() - start < 20
+        assert runs[0].failed.startswith("killed") and runs[1].failed is None
+    finally:
+        for fake in runs:
+            if fake.process.poll() is None:
+                fake.process.kill()
 
 @pytest.mark.slow
 @needs_data(*DRY_RUN_DATA)
