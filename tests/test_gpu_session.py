@@ -316,7 +316,7 @@ def test_the_first_call_on_a_machine_checks_and_later_calls_there_do_not(dry_run
     """--checks all: the LSTM check, the bench and the profile before the runs, the CUDA tests beside them;
     a second call on the machine checks nothing; --checks tests on a new machine: the profile (every lent
     GPU measures itself) and the tests, no bench."""
-    first, second, third = dry_run.results
+    second = dry_run.results[1]
     assert dry_run.checks_run == [["gpu-epochs.json", "gpu-profile.txt"], [], ["gpu-profile.txt"]]
     out = [dry_run.tmp / f"out{n}" for n in (1, 2, 3)]
     assert session_json(out[0])["checks"] == {"lstm_cudnn": "on", "bench_exit": 0, "profile_exit": 0}
