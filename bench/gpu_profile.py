@@ -80,7 +80,7 @@ def profile_run(benchmark: str, sorter: str, steps: int, data_dir: str, device: 
     return f"{head}\n{table}\n"
 
 
-def main():
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
@@ -93,7 +93,11 @@ def main():
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--rows", type=int, default=20, help="operators and kernels listed per run (default 20)")
     parser.add_argument("--out", required=True, help="the summary's text file")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None):
+    args = make_parser().parse_args(argv)
     device, _ = setup_device(args.device, None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = Path(args.out)

@@ -159,6 +159,28 @@ def test_textbook_steps_compute_the_engines_loss(name):
         assert [float(step_loss(step)) for step in range(2)] == pytest.approx(engine_losses, rel=1e-6)
 
 
+@pytest.mark.slow
+@needs_data(HMDA)
+def test_the_profile_summarises_every_run_it_was_asked_for(tmp_path, capsys):
+    """bench/gpu_profile.py as the GPU kit's dry run calls it (the CPU's activity, LR-HMDA, 2 steps), in
+    this process: a header naming the code tree, then per sorter its training seconds and the operators
+    with the most self time, from the profiled epoch's steps."""
+    from bench import gpu_profile
+    from engine import runlog
+
+    out = tmp_path / "profile" / "gpu-profile.txt"
+    gpu_profile.main(["--device", "cpu", "--benchmarks", "LR-HMDA", "--steps", "2", "--rows", "5", "--out", str(out)])
+    text = out.read_text()
+    header, _, sections = text.partition("\n\n")
+    assert header.startswith("# bench/gpu_profile.py on cpu, torch ") and f"code tree {runlog.code_tree()}" in header
+    runs = re.findall(r"^== LR-HMDA (\S+): 2 steps profiled, ([0-9.]+) s of training .*; per step: kernel launches and "
+                      r"host synchronisations: none on the CPU$", sections, flags=re.M)
+    assert [sorter for sorter, _ in runs] == ["D-RR", "CD-GraB"] and all(float(s) > 0 for _, s in runs)
+    tables = re.split(r"^== .*$", sections, flags=re.M)[1:]
+    assert all("Self CPU" in table and "aten::" in table for table in tables), sections
+    assert f"{out}: 2 runs profiled" in capsys.readouterr().err
+
+
 def one_error_line(result) -> str:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
