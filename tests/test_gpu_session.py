@@ -563,12 +563,15 @@ def stubborn_and_obedient(tmp_path) -> list:
     """Two runs of the kit as processes: one ignores SIGINT (the kit's stop signal), one obeys it."""
     script = "import signal, sys, time; {}; print('ready', flush=True); time.sleep(60)"
     ignores = "signal.signal(signal.SIGINT, signal.SIG_IGN)"
-    obeys = "signal.signal(signal.SIGINT, signal.default_int_handler)"  # also where SIGINT came ignored
+    obeys = "pass"  # Python's own KeyboardInterrupt handler, which run.spawn makes sure it installs
     runs = [fake_run(tmp_path, "LSTM-Wiki2", sorter, 1) for sorter in ("CD-GraB", "D-RR")]
-    for fake, setup in zip(runs, (ignores, obeys)):
-        fake.process = subprocess.Popen([sys.executable, "-c", script.format(setup)], stdout=subprocess.PIPE,
-                                        start_new_session=True, text=True)
-        assert fake.process.stdout.readline() == "ready\n"
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a kit started with `&` without job control
+    try:
+        for fake, setup in zip(runs, (ignores, obeys)):
+            fake.process = run.spawn([sys.executable, "-c", script.format(setup)], stdout=subprocess.PIPE, text=True)
+            assert fake.process.stdout.readline() == "ready\n"
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     return runs
 
 

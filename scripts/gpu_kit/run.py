@@ -14,6 +14,18 @@ from scripts.gpu_kit.base import ROOT, log
 from scripts.gpu_kit.grid import BENCHMARKS, TINY_EPOCHS, run_name, variant
 from scripts.gpu_kit.plan import start_refusal, stop_decision
 
+def spawn(argv: list, **popen_kwargs) -> subprocess.Popen:
+    """Start a run in a session of its own (the kit signals its whole process group), with SIGINT's default
+    action restored: a kit started in the background by a shell without job control has SIGINT ignored,
+    children inherit that, and Python then installs no KeyboardInterrupt handler, so the kit's stop signal
+    would be lost and the run killed after --grace."""
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=_default_sigint, **popen_kwargs)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """One queued run: its directory on this machine, its process, and when its epochs ended."""
 
@@ -67,8 +79,7 @@ class Run:
         logfile.flush()
         self.epochs_at_start = self.epochs_done()
         self.epoch_ends = [time.monotonic()]
-        self.process = subprocess.Popen(self.command(args, cudnn), cwd=ROOT, env=env, stdout=logfile,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = spawn(self.command(args, cudnn), cwd=ROOT, env=env, stdout=logfile, stderr=subprocess.STDOUT)
         logfile.close()
 
     def poll_epochs(self) -> None:
