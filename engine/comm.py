@@ -171,8 +171,9 @@ class GradientExchange:
         return [(every[:, i], positions) for i, (_, positions) in enumerate(steps)]
 
     def gather_unit_grads(self, local_unit_grads):
-        """(n_local, ..., d) -> (n, ..., D) every worker's unit gradients (sketched with a sketch; ones that come
-        sketched, (n_local, ..., D), as deferred ones do, are only gathered), or None when the sorter needs none."""
+        """(n_local, ..., d) -> (n, ..., D) every worker's unit gradients, sketched first with a sketch (ones
+        that come sketched, (n_local, ..., D), as deferred ones do, are only gathered); or None when the
+        sorter needs none."""
         if not self.sorter_needs_unit_grads:
             return None
         every = sketch_then_gather(local_unit_grads, self.sketch, self.comm.all_gather)
