@@ -18,10 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import UserFacingError
-
-
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; GPU images may be older
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from sorters.gather import all_gather_rows, sketch_rows, sketch_then_gather
 
 
 class LocalCommunicator:
@@ -71,9 +68,7 @@ class DistributedCommunicator:
         return total
 
     def all_gather(self, local):
-        out = torch.empty((self.n_workers,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        _all_gather_single(out, local.contiguous())
-        return out
+        return all_gather_rows(local)  # (n_local, ...) -> (n_workers, ...), rank r's workers at its block
 
     def barrier(self):
         dist.barrier()
@@ -138,9 +133,10 @@ class GradientExchange:
     `gather_unit_grads` alone between its averaging steps.
 
     With a `sketch` (--sketch-dim D: a sorters.GradientSketch, never the identity) each process maps
-    its own (n_local, k, d) unit gradients to (n_local, k, D) before they are gathered or deferred,
-    so the balancing sorters receive (n, k, D) sketches: n * k * D floats per step, and the update
-    (no longer the mean of what was gathered) is all-reduced or reduced as without a balancing sorter.
+    its own (n_local, k, d) unit gradients to (n_local, k, D) before they are gathered or deferred
+    (the library's sorters.gather, which CDGraBSampler uses too), so the balancing sorters receive
+    (n, k, D) sketches: n * k * D floats per step, and the update (no longer the mean of what was
+    gathered) is all-reduced or reduced as without a balancing sorter.
     """
 
     # deferred unit gradients are gathered at the latest when they reach this many bytes per process
@@ -160,7 +156,7 @@ class GradientExchange:
         (local SGD: once per round). Returns True when the kept ones reach DEFER_LIMIT_BYTES: the caller
         should flush now."""
         if self.sorter_needs_unit_grads:
-            local_unit_grads = self._sketched(local_unit_grads)
+            local_unit_grads = sketch_rows(local_unit_grads, self.sketch)  # (n_local, k, D)
             self._deferred.append((local_unit_grads, positions))
             self._deferred_bytes += local_unit_grads.numel() * local_unit_grads.element_size()
         return self._deferred_bytes >= self.DEFER_LIMIT_BYTES
@@ -175,18 +171,14 @@ class GradientExchange:
         return [(every[:, i], positions) for i, (_, positions) in enumerate(steps)]
 
     def gather_unit_grads(self, local_unit_grads):
-        """(n_local, k, d) -> (n, k, d) every worker's unit gradients, or None when the sorter needs none."""
+        """(n_local, ..., d) -> (n, ..., D) every worker's unit gradients, sketched first with a sketch (ones
+        that come sketched, (n_local, ..., D), as deferred ones do, are only gathered); or None when the
+        sorter needs none."""
         if not self.sorter_needs_unit_grads:
             return None
-        every = self.comm.all_gather(self._sketched(local_unit_grads))
+        every = sketch_then_gather(local_unit_grads, self.sketch, self.comm.all_gather)
         self.comm_bytes += every.numel() * every.element_size()
         return every
-
-    def _sketched(self, local_unit_grads):
-        """(n_local, k, d) -> (n_local, k, D) with a sketch, else unchanged. Deferred ones come sketched."""
-        if self.sketch is None or local_unit_grads.shape[-1] != self.sketch.d:
-            return local_unit_grads
-        return self.sketch(local_unit_grads)
 
     def exchange(self, local_unit_grads, local_mean_grad, local_worker_grads=None):
         n = self.comm.n_workers

@@ -25,8 +25,9 @@ Where the replicas live:
   one step, and step() takes the gradients of that whole batch.
 
 Sketched balancing (sketch_dim=D > 0, balancing sorters only): step() maps each example's gradient to
-D numbers with `GradientSketch(d, D, seed)` (sorters/sketch.py) BEFORE the all-gather, so each step
-gathers world size * batch_size * D floats and the sorter balances the sketches (docs/sketching.md).
+D numbers with `GradientSketch(d, D, seed)` (sorters/sketch.py) BEFORE the all-gather (sorters/gather.py,
+which the engine's exchange uses too), so each step gathers world size * batch_size * D floats and the
+sorter balances the sketches (docs/sketching.md).
 step() also takes gradients already sketched by `PerExampleGrads(..., sketch_dim=D, sketch_seed=seed)`.
 
 view="global" (for Accelerate's `prepare` and the HF Trainer, which shard a sampler's batches over the
@@ -63,10 +64,8 @@ from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters.balance import sign_loop_for
 from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
                             check_seed, check_state_keys)
+from sorters.gather import all_gather_rows, sketch_then_gather
 from sorters.sketch import GradientSketch
-
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 VIEWS = ("rank", "global")
@@ -308,15 +307,12 @@ class CDGraBSampler(Sampler[int]):
         if grads is not None or self.uses_grads:
             grads = self._check_shape(grads, R, b)
         if self.uses_grads:
-            grads = grads.detach()
-            if self.sketch_dim and grads.shape[-1] == self.d != self._sketched_width:
-                grads = self.sketch(grads)  # before the gather: that is what it saves
-            width = grads.shape[-1]
-            grads = grads.reshape(R, b, width)
-            if self.gathers:
-                every = torch.empty((self.num_replicas * b, width), dtype=grads.dtype, device=grads.device)
-                _all_gather_single(every, grads[0].contiguous())
-                grads = every.view(self.num_replicas, b, width)
+            rows = grads.detach()  # (R * b, d or D) or (R, b, d or D): replica after replica
+            # the map is built only where it changes something: full-width gradients and D < d (a caller
+            # handing sketches never needs it)
+            sketch = self.sketch if self.sketch_dim and rows.shape[-1] == self.d != self._sketched_width else None
+            every = sketch_then_gather(rows, sketch, all_gather_rows if self.gathers else None)
+            grads = every.reshape(self.num_replicas, b, every.shape[-1])  # (num_replicas, b, D)
         try:
             self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
         except NonFiniteGradientError as error:

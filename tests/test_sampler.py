@@ -325,7 +325,7 @@ def test_under_a_process_group_each_rank_yields_its_replica_and_gathers_every_st
     all-gather returns every rank's rows of the step (its sketches, with sketch_dim) after checking that rank r
     gave its own. Each rank, built with the defaults, yields its own replica's examples, and every rank's orders
     equal those of one sampler hosting all three replicas (m = 7: batches of 2, 2, 2, 1)."""
-    import sorters.sampler as sampler_module
+    import sorters.gather as gather_module
     from sorters import GradientSketch
 
     n, m, k, d = 3, 7, 2, 4
@@ -348,7 +348,7 @@ def test_under_a_process_group_each_rank_yields_its_replica_and_gathers_every_st
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: n)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: world["rank"])
-    monkeypatch.setattr(sampler_module, "_all_gather_single", all_gather)
+    monkeypatch.setattr(gather_module, "_all_gather_single", all_gather)
     ranks = []
     for r in range(n):
         world["rank"] = r
@@ -377,7 +377,7 @@ def test_under_a_process_group_each_rank_yields_its_replica_and_gathers_every_st
 def test_the_gather_buffer_is_made_where_the_gradients_are(monkeypatch):
     """Under a process group step() all-gathers into a buffer on the gradients' device and in their dtype (NCCL
     gathers GPU tensors): float64 meta tensors stand in, and the simulated gather stops the step there."""
-    import sorters.sampler as sampler_module
+    import sorters.gather as gather_module
 
     class Gathered(Exception):
         pass
@@ -389,7 +389,7 @@ def test_the_gather_buffer_is_made_where_the_gradients_are(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(sampler_module, "_all_gather_single", all_gather)
+    monkeypatch.setattr(gather_module, "_all_gather_single", all_gather)
     sampler = CDGraBSampler(8, batch_size=2, d=3)
     iter(sampler)
     with pytest.raises(Gathered) as info:
