@@ -69,6 +69,26 @@ class Sink:
         self.add(p, scatter_rows(g.new_zeros(ids.shape[0], *p.shape), ids, g))
 
 
+class FormedSink(Sink):
+    """The units' formed gradients, grads {id(p): (U, *p.shape)}. A parameter's first value is kept as given
+    (the rules pass fresh tensors, so no copy), later ones (a tied weight, a layer used twice) are added in
+    place, and rows are scattered onto it (onto zeros when nothing came first)."""
+
+    def __init__(self):
+        self.grads = {}
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        if id(p) in self.grads:
+            self.grads[id(p)].add_(value)
+        else:
+            self.grads[id(p)] = value
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        if id(p) not in self.grads:
+            self.grads[id(p)] = g.new_zeros(ids.shape[0], *p.shape)
+        scatter_rows(self.grads[id(p)], ids, g)
+
+
 class BlockSink(Sink):
     """Sends the weights that are TensorSketch blocks to their block (never forming their (U, rows, cols)
     gradients: TensorBlock.add_outer / add_rows add their sketches to out (U, D)), and every other parameter

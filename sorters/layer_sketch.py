@@ -40,7 +40,7 @@ import torch
 from sorters.checks import check_int, check_module, check_seed
 from sorters.layer_rules import BlockSink, Layout, Sink, apply_rule, check_units, scatter_rows, tokens
 from sorters.sketch import GradientSketch
-from sorters.thresholds import STRUCTURED_MIN_NUMEL  # the library's row of the table (thresholds.py: why)
+from sorters.thresholds import STRUCTURED_MIN_NUMEL, check_min_numel  # the library's row (thresholds.py: why)
 
 
 def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | None, owner: str) -> list:
@@ -91,7 +91,7 @@ class LayerSketch:
                  min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0):
         check_module("LayerSketch", model)
         dim, seed = check_int("LayerSketch", "dim", dim, 1), check_seed("LayerSketch", seed)
-        min_numel = check_int("LayerSketch", "min_numel", min_numel, 1)  # as CDGraBSettings and --sketch-min-numel
+        min_numel = check_min_numel("LayerSketch", min_numel)
         if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
             raise ValueError(f"LayerSketch: batch_dim must be 0 or 1, got {batch_dim}")
         self.batch_dim = batch_dim
