@@ -19,7 +19,8 @@ applied to explicitly formed per-example gradients g (B, d) gives the same (B, d
 the same (model structure, dim, seed, params, min_numel) gives the same map in every process.
 
 Per layer, from the input a_t and output gradient g_t at each position t of each call (every call of a
-layer used several times, and every layer sharing a tied weight, add into the same coordinates):
+layer used several times, and every layer sharing a tied weight, add into the same coordinates), by the
+rules of sorters/layer_rules.py (the one table, which the engine uses too):
   - Linear weight (out, in): sum_t g_t a_t^T; Conv1D weight (in, out): sum_t a_t g_t^T. A block: TensorSketch
     of the sum (TensorBlock.add_outer: circular convolution of CountSketches, never the matrix); a smaller
     weight: formed per example (B, out, in) by one bmm and CountSketched.
