@@ -12,7 +12,9 @@ gradient is then a function of the layer's input a and that output gradient g al
 | Conv1D    | weight (in, out)  | sum_t a_t g_t^T  (transformers' y = a W + b)      | sink.add_outer(W, a, g)|
 | Embedding | weight (rows, C)  | g_t added to row ids_t (none to padding_idx's row)| sink.add_rows(W, ids, g)|
 | LayerNorm | weight (n,)       | sum_t g_t * xhat_t (xhat: the normalised input)   | sink.add(w, ...)       |
-| all four  | bias (width,)     | sum_t g_t                                         | sink.add(b, ...)       |
+| the other 3| bias (width,)    | sum_t g_t                                         | sink.add(b, ...)       |
+
+(A LayerNorm over several last dims: n is their product, its weight and bias keep their shape.)
 
 (Opacus keeps its per-sample-gradient rules in one such registry.) The rules only say WHAT each parameter's
 gradient is; a Sink says where it goes and in which form: the engine writes formed gradients into a (U, d)
