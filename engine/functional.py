@@ -11,14 +11,17 @@ views into one (d,) gradient buffer, so the plain path is the textbook one: call
 
 - `FlatModel.batch_gradient`: mean gradient of a batch, one ordinary backward;
 - `FlatModel.outer_unit_gradients`: per-unit gradients from ONE batched backward to the outputs of
-  the Linear / Conv1D / Embedding / LayerNorm layers, then per-unit outer products (for models
-  made only of those layers: LR, MLP, GPT-2);
+  the Linear / Conv1D / Embedding / LayerNorm layers, then the library's per-layer rules
+  (sorters/layer_rules.py, the same table LayerSketch uses) for models made only of those layers
+  (LR, MLP, GPT-2); `outer_unit_sketches` applies the same rules to sketch instead;
 - `unit_gradients`: per-unit gradients by torch.func.vmap over grad, the general path.
 """
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
+
+from sorters.layer_rules import STRUCTURED_KINDS, BlockSink, Layout, Sink, apply_rule, calls_as_tokens, check_units, \
+    scatter_rows
 
 
 class FlatModel:
@@ -48,13 +51,11 @@ class FlatModel:
             self.offsets[id(p)] = offset
             offset += numel
         self.buffers = dict(self.module.named_buffers())
-        # module -> its outer-product rule, for every layer that has parameters and a rule
-        self.rules = {module: OUTER_PRODUCT_RULES[type(module).__name__] for module in self.module.modules()
-                      if type(module).__name__ in OUTER_PRODUCT_RULES
-                      and any(True for _ in module.parameters(recurse=False))}
-        covered = {id(p) for module in self.rules for p in module.parameters(recurse=False)}
-        # every parameter must belong to a layer with an outer-product rule, else only vmap is exact
-        self.supports_outer = covered == set(self.offsets)
+        # the library's view of the flat vector (sorters/layer_rules.py): which layers have a per-unit rule
+        self.layout = Layout(self.module, named)
+        self.layers = self.layout.layers  # module -> its rule's kind, for every layer holding a parameter
+        # every parameter must belong to layers with a rule, else only vmap is exact
+        self.supports_outer = not self.layout.formed
 
     def params(self, flat: torch.Tensor) -> dict:
         """name -> view of `flat` with the parameter's shape."""
@@ -101,9 +102,10 @@ class FlatModel:
             # embeddings last: a tied weight's dense product (GPT-2's lm_head) is then copied into its slot
             # first and the embedding's few rows are scattered onto it, instead of zeroing the slot, scattering,
             # and adding the dense product (two more passes over a (U, V, C) slot)
-            in_order = sorted(calls.items(), key=lambda call: type(call[0]).__name__ == "Embedding")
+            in_order = sorted(calls.items(), key=lambda call: self.layers[call[0]] == "Embedding")
             for module, (ins, outs) in in_order:  # a layer used several times (the MLP's rollout): one call
-                self.rules[module](module, _calls_as_tokens(ins, module), _calls_as_tokens(outs), slots)
+                kind = self.layers[module]
+                apply_rule(module, kind, *calls_as_tokens(module, kind, ins, outs), slots)
             if len(slots.written) < len(self.offsets):
                 slots.zero_untouched()  # parameters the forward did not use have zero gradient
         return grads, losses.detach()
@@ -114,39 +116,43 @@ class FlatModel:
         if not self.supports_outer:
             raise ValueError("outer_unit_gradients needs a model made only of Linear, Conv1D, Embedding "
                              "and LayerNorm layers; use unit_gradients (vmap)")
-        records = []  # (module, its input, its output), one per call, in call order
-        for module in self.rules:  # record through the forward itself: cheaper than a forward hook per call
-            module.forward = _recording_forward(module, records)
+        losses, records = self._recorded_forward(unit_loss_fn, batch, keep_grad=False)
+        output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
+        return losses.shape[0], self._calls(records, output_grads, losses.shape[0], "outer_unit_gradients"), losses
+
+    def _recorded_forward(self, unit_loss_fn, batch, keep_grad: bool):
+        """unit_loss_fn(self.flat, batch) -> losses (U,), with every call of a layer with a rule recorded in
+        call order as (module, input, output) (keep_grad: (module, input, [output gradient]), filled by the
+        backward). Returns (losses, records)."""
+        records = []
+        for module in self.layers:  # record through the forward itself: cheaper than a forward hook per call
+            module.forward = _recording_forward(module, records, keep_grad)
         try:
             losses = unit_loss_fn(self.flat, batch)
         finally:
-            for module in self.rules:
+            for module in self.layers:
                 del module.forward  # the class's forward again
-        U = losses.shape[0]
-        output_grads = torch.autograd.grad(losses.sum(), [output for _, _, output in records])
-        calls = {}  # module -> ([inputs], [output grads]), one entry per call of the module
+        return losses, records
+
+    @staticmethod
+    def _calls(records: list, output_grads: list, U: int, owner: str) -> dict:
+        """{module: ([inputs], [output grads])}, one entry per call that got an output gradient (None: none)."""
+        calls = {}
         for (module, inputs, _), output_grad in zip(records, output_grads):
-            if inputs.shape[0] != U or output_grad.shape[0] != U:
-                raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for "
-                                 f"{U} units: per-unit gradients need the units on dim 0 of every layer input")
+            if output_grad is None:  # the output got no gradient: this call adds nothing
+                continue
+            check_units(owner, module, inputs, output_grad, U)
             ins, outs = calls.setdefault(module, ([], []))
             ins.append(inputs)
             outs.append(output_grad)
-        return U, calls, losses
+        return calls
 
     def sketch_blocks(self, min_numel: int) -> list:
         """(offset, rows, cols) of every 2-D weight of a Linear, Conv1D or Embedding layer with at least
-        min_numel entries (a tied weight once): the matrices a GradientSketch may tensor-sketch so that
-        `outer_unit_sketches` never forms them per unit. Empty unless outer products apply to the model."""
-        if not self.supports_outer:
-            return []
-        blocks = {}
-        for module in self.rules:
-            weight = getattr(module, "weight", None)
-            if type(module).__name__ in _STRUCTURED and weight is not None and weight.dim() == 2 \
-                    and weight.numel() >= min_numel:
-                blocks[id(weight)] = (self.offsets[id(weight)], *weight.shape)
-        return sorted(blocks.values())
+        min_numel entries (a tied weight once; sorters.layer_rules.Layout.blocks): the matrices a GradientSketch
+        may tensor-sketch so that `outer_unit_sketches` never forms them per unit. Empty unless outer
+        products apply to the model."""
+        return self.layout.blocks(min_numel) if self.supports_outer else []
 
     def outer_unit_sketches(self, unit_loss_fn, batch, sketch):
         """Per-unit sketches P g_u (U, D) from the layer records, without the (U, d) per-unit gradients.
@@ -154,80 +160,53 @@ class FlatModel:
         One recording forward, then ONE ordinary backward of the summed unit losses: it ADDS their
         gradient to `self.grad` (the update's share, as batch_gradient(accumulate=True) would), and hooks
         on the layer outputs keep the output gradients (the outputs themselves are not kept, unlike
-        outer_unit_gradients: GPT-2's 50,257-way logits are freed as in a plain backward). Then, per layer:
+        outer_unit_gradients: GPT-2's 50,257-way logits are freed as in a plain backward). Then, per layer,
+        the layer's rule (sorters.layer_rules) writes into a BlockSink:
 
         - a weight that is a large TensorSketch block of `sketch` (a sorters.GradientSketch; more than
           formed_block_numel(block) entries) gets its per-unit sketches from the layer's inputs and output
           gradients, never formed (TensorBlock.add_outer; an Embedding's lookups: add_rows);
         - every other parameter (the coordinates outside the blocks, and small blocks) gets its per-unit
-          gradients from the layer's rule, one layer at a time, and they are scattered at once into the
-          map's buckets (_SketchSlots): no (U, d_rest) buffer is made.
+          gradients formed, one layer at a time, and they are scattered at once into the map's buckets
+          (_SketchSlots): no (U, d_rest) buffer is made.
 
         So the result is `sketch` applied to the per-unit gradients, up to rounding.
         Returns (sketches (U, D), losses (U,) detached).
         """
         if not self.supports_outer:
             raise ValueError("outer_unit_sketches needs a model made only of Linear, Conv1D, Embedding and LayerNorm layers")
-        records = []  # (module, its input, [its output gradient, once the backward has run])
-        for module in self.rules:
-            module.forward = _recording_forward(module, records, keep_grad=True)
-        try:
-            losses = unit_loss_fn(self.flat, batch)
-        finally:
-            for module in self.rules:
-                del module.forward
+        losses, records = self._recorded_forward(unit_loss_fn, batch, keep_grad=True)
         U = losses.shape[0]
         losses.sum().backward()
         layout = self._sketch_layout(sketch)
         with torch.no_grad():
-            calls = {}
-            for module, inputs, grad in records:
-                if not grad:  # the output got no gradient: this call adds nothing
-                    continue
-                if inputs.shape[0] != U or grad[0].shape[0] != U:
-                    raise ValueError(f"{type(module).__name__} got an input of shape {tuple(inputs.shape)} for "
-                                     f"{U} units: per-unit sketches need the units on dim 0 of every layer input")
-                ins, outs = calls.setdefault(module, ([], []))
-                ins.append(inputs)
-                outs.append(grad[0])
+            calls = self._calls(records, [grad[0] if grad else None for _, _, grad in records], U,
+                                "outer_unit_sketches")
             del records
             out = torch.zeros(U, sketch.dim, dtype=self.flat.dtype, device=self.flat.device)
             slots = _SketchSlots(out, layout["signed"](out.device))
+            sink = BlockSink(slots, layout["records"], out)
             for module, (ins, outs) in calls.items():
-                a, g = _calls_as_tokens(ins, module), _calls_as_tokens(outs)
-                block = layout["records"].get(module)
-                if block is None:
-                    self.rules[module](module, a, g, slots)
-                    continue
-                kind = type(module).__name__
-                if kind == "Linear":        # weight (out, in): sum_t g_t a_t^T
-                    block.add_outer(g, a, out)
-                elif kind == "Conv1D":      # weight (in, out): sum_t a_t g_t^T
-                    block.add_outer(a, g, out)
-                else:                       # Embedding (rows, dim): g_t into row ids_t
-                    block.add_rows(a, g, out)
-                if getattr(module, "bias", None) is not None:
-                    slots.add(module.bias, g.sum(1))
+                kind = self.layers[module]
+                apply_rule(module, kind, *calls_as_tokens(module, kind, ins, outs), sink)
             slots.finish()
         return out, losses.detach()
 
     def _sketch_layout(self, sketch) -> dict:
-        """For outer_unit_sketches: "records", {module: its TensorBlock} for the layers whose weight is a block
-        of `sketch` sketched from the records; "signed"(device), {id(p): (p.numel(),) int64 signed buckets
+        """For outer_unit_sketches: "records", {id(weight): its TensorBlock} for the weights that are blocks of
+        `sketch` sketched from the records; "signed"(device), {id(p): (p.numel(),) int64 signed buckets
         2 h + (s < 0) of p's coordinates} for every other parameter; "numel", how many coordinates that is."""
         cache = self.__dict__.setdefault("_layouts", {})
         if id(sketch) in cache and cache[id(sketch)]["sketch"] is sketch:
             return cache[id(sketch)]
         blocks = {block.offset: block for block in sketch.blocks}
-        records = {}  # the layers whose weight is a block too large to form per unit
-        for module in self.rules:
+        records = {}  # the weights whose block is too large to form per unit
+        for module, kind in self.layers.items():
             weight = getattr(module, "weight", None)
-            block = blocks.get(self.offsets[id(weight)]) if type(module).__name__ in _STRUCTURED and \
-                weight is not None else None
+            block = blocks.get(self.offsets[id(weight)]) if kind in STRUCTURED_KINDS and weight is not None else None
             if block is not None and block.rows * block.cols > formed_block_numel(block):
-                records[module] = block
-        in_records = {id(module.weight) for module in records}
-        params = {id(p): p for module in self.rules for p in module.parameters(recurse=False) if id(p) not in in_records}
+                records[id(weight)] = block
+        params = {id(p): p for module in self.layers for p in module.parameters(recurse=False) if id(p) not in records}
         params = sorted(params.values(), key=lambda p: self.offsets[id(p)])  # increasing coordinates
         formed, outside = {}, []  # the blocks formed per unit; the parameters outside every block
         for p in params:
@@ -294,11 +273,11 @@ def _recording_forward(module, records: list, keep_grad: bool = False):
     return recording
 
 
-class _Slots:
-    """The (U, *p.shape) views of each parameter's columns of a (U, d) gradient matrix, written without
-    zeroing the matrix first: a parameter's first contribution is copied in, later ones (a tied
-    weight, a layer used twice) are added. Writing into the strided views directly (baddbmm_ in
-    place) costs several times a contiguous product plus one copy."""
+class _Slots(Sink):
+    """outer_unit_gradients' sink (sorters.layer_rules.Sink): the (U, *p.shape) views of each parameter's
+    columns of a (U, d) gradient matrix, written without zeroing the matrix first: a parameter's first
+    contribution is copied in, later ones (a tied weight, a layer used twice) are added. Writing into the
+    strided views directly (baddbmm_ in place) costs several times a contiguous product plus one copy."""
 
     def __init__(self, model: FlatModel, grads: torch.Tensor):
         self.model, self.grads, self.written = model, grads, set()
@@ -326,18 +305,17 @@ class _Slots:
 
     def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
         """Add g[u, t] (U, T, cols) to row ids[u, t] of unit u's gradient of p (rows, cols): an embedding."""
-        units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-        self.zeroed(p).index_put_((units, ids), g, accumulate=True)
+        scatter_rows(self.zeroed(p), ids, g)
 
     def zero_untouched(self) -> None:
-        for module in self.model.rules:
+        for module in self.model.layers:
             for p in module.parameters(recurse=False):
                 if id(p) in self.offsets:
                     self.zeroed(p)
 
 
-class _SketchSlots:
-    """outer_unit_sketches' stand-in for _Slots: the rules' per-unit gradients of a parameter are not kept
+class _SketchSlots(Sink):
+    """outer_unit_sketches' sink for the parameters formed per unit: their per-unit gradients are not kept
     but scattered into sums (U, 2 D) at once, coordinate i into column 2 h_i + (s_i < 0) (the sign folded
     into the index: no signed copy of the gradients), and finish() adds the sums' even columns less their
     odd ones to out (U, D). signed: id(p) -> (p.numel(),) int64 2 h + (s < 0) of p's coordinates."""
@@ -358,53 +336,6 @@ class _SketchSlots:
 
     def finish(self) -> None:
         self.out += self.sums[:, 0::2] - self.sums[:, 1::2]
-
-
-def _calls_as_tokens(tensors: list, module=None) -> torch.Tensor:
-    """The inputs (or output gradients) of every call of one layer, units on dim 0, as one (U, T, features)
-    tensor, or (U, T) token ids for an Embedding's inputs: the calls' tokens side by side on dim 1.
-    (U, features) tensors, one token per call (the MLP's rollout), are stacked in one operation."""
-    if len(tensors) > 1 and all(t.dim() == 2 for t in tensors) and type(module).__name__ != "Embedding":
-        return torch.stack(tensors, dim=1)
-    if type(module).__name__ == "Embedding":
-        pieces = [t.reshape(t.shape[0], -1) for t in tensors]
-    else:
-        pieces = [t.reshape(t.shape[0], -1, t.shape[-1]) for t in tensors]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-
-
-# Per-layer rules for outer_unit_gradients: rule(module, a (U, T, in), g (U, T, out), slots) adds every
-# unit's gradient of the module's parameters through slots (a _Slots).
-def _linear_rule(module, a, g, slots):
-    slots.add(module.weight, torch.bmm(g.transpose(1, 2), a))  # sum_t g_t a_t^T: (U, out, in)
-    if module.bias is not None:
-        slots.add(module.bias, g.sum(1))
-
-
-def _conv1d_rule(module, a, g, slots):
-    """transformers' Conv1D: y = a @ W + b with W (in, out)."""
-    slots.add(module.weight, torch.bmm(a.transpose(1, 2), g))  # (U, in, out)
-    slots.add(module.bias, g.sum(1))
-
-
-def _embedding_rule(module, ids, g, slots):
-    """ids (U, T): scatter each unit's output gradients into the rows it looked up."""
-    slots.add_rows(module.weight, ids, g)
-
-
-def _layer_norm_rule(module, a, g, slots):
-    if len(module.normalized_shape) != 1:
-        raise ValueError("outer_unit_gradients supports LayerNorm over the last dimension only")
-    if module.weight is not None:
-        slots.add(module.weight, (g * F.layer_norm(a, module.normalized_shape, eps=module.eps)).sum(1))
-    if module.bias is not None:
-        slots.add(module.bias, g.sum(1))
-
-
-_STRUCTURED = ("Linear", "Conv1D", "Embedding")  # layers whose weight a TensorSketch block can take
-
-OUTER_PRODUCT_RULES = {"Linear": _linear_rule, "Conv1D": _conv1d_rule, "Embedding": _embedding_rule,
-                       "LayerNorm": _layer_norm_rule}
 
 
 def unit_gradients(loss_fn, flat: torch.Tensor, units):

@@ -8,16 +8,24 @@ sorters.GradientSketch(d, D, seed=--seed), the same in every process (docs/sketc
 from common.errors import UserFacingError
 from sorters import SORTERS, GradientSketch
 from sorters.thresholds import ENGINE_STRUCTURED_MIN_NUMEL as STRUCTURED_MIN_NUMEL  # the engine's row: why there
+from sorters.thresholds import MIN_NUMEL_FLOOR
+
+
+def sketch_settings(args) -> tuple[int, int]:
+    """(--sketch-dim, --sketch-min-numel) of a run's args, read in this one place: args without them (a
+    script or test that builds its own, a checkpoint older than the flags) mean no sketch (0) and the
+    engine's threshold."""
+    return getattr(args, "sketch_dim", 0), getattr(args, "sketch_min_numel", STRUCTURED_MIN_NUMEL)
 
 
 def check_sketch_args(args) -> None:
-    """One-line errors for --sketch-dim (before any data is loaded)."""
-    dim = getattr(args, "sketch_dim", 0)
+    """One-line errors for --sketch-dim and --sketch-min-numel (before any data is loaded)."""
+    dim, min_numel = sketch_settings(args)
     if dim < 0:
         raise UserFacingError(f"--sketch-dim must be >= 0 (0: exact balancing), got {dim}")
-    min_numel = getattr(args, "sketch_min_numel", STRUCTURED_MIN_NUMEL)
-    if min_numel < 1:
-        raise UserFacingError(f"--sketch-min-numel must be >= 1 (the fewest entries of a tensor-sketched weight), got {min_numel}")
+    if min_numel < MIN_NUMEL_FLOOR:  # the library's floor of the setting (sorters/thresholds.py), in the flag's words
+        raise UserFacingError(f"--sketch-min-numel must be >= {MIN_NUMEL_FLOOR} (the fewest entries of a "
+                              f"tensor-sketched weight), got {min_numel}")
     if min_numel != STRUCTURED_MIN_NUMEL and not dim:
         raise UserFacingError("--sketch-min-numel applies to a sketch: add --sketch-dim D, or drop --sketch-min-numel")
     if dim and not SORTERS[args.sorter].uses_grads:
@@ -31,16 +39,16 @@ def make_sketch(args, d: int, model=None):
     where the sketch would be the identity: the run is then exact balancing, bit for bit).
 
     model (an engine.functional.FlatModel, optional): its layer weights of at least --sketch-min-numel
-    (default STRUCTURED_MIN_NUMEL) entries (GPT-2: the tied 50,257 x 128 wte/lm_head) become TensorSketch blocks of the map, so that the
+    (default STRUCTURED_MIN_NUMEL) entries (GPT-2: the tied 50,257 x 128 wte/lm_head) become TensorSketch
+    blocks of the map (FlatModel.sketch_blocks: the library's sorters.layer_rules.Layout.blocks), so that the
     per-unit sketches come from the layer records without forming those weights' per-unit gradients
     (Task.unit_sketches; blocks of at most engine.functional.formed_block_numel entries are formed there
     all the same, which costs less). Every other coordinate, and every model without such a weight (LR,
-    MLP, LSTM), keeps the plain CountSketch. The map depends only on (model structure, D, seed): every process and
-    every gradient path apply the same one."""
-    dim = getattr(args, "sketch_dim", 0)
+    MLP, LSTM), keeps the plain CountSketch. The map depends only on (model structure, D, seed): every
+    process and every gradient path apply the same one."""
+    dim, min_numel = sketch_settings(args)
     if not dim:
         return None
-    min_numel = getattr(args, "sketch_min_numel", STRUCTURED_MIN_NUMEL)
     blocks = model.sketch_blocks(min_numel) if model is not None and dim < d else []
     sketch = GradientSketch(d, dim, seed=args.seed, blocks=blocks)
     return None if sketch.is_identity else sketch
@@ -48,8 +56,8 @@ def make_sketch(args, d: int, model=None):
 
 def sketch_config(args, sketch) -> dict:
     """config.json's record of the sketch actually applied."""
+    dim, min_numel = sketch_settings(args)
     if sketch is None:
-        return {"sketch_dim": getattr(args, "sketch_dim", 0), "applied": False}
+        return {"sketch_dim": dim, "applied": False}
     return {"sketch_dim": sketch.dim, "applied": True, "family": sketch.family, "seed": sketch.seed,
-            "min_numel": getattr(args, "sketch_min_numel", STRUCTURED_MIN_NUMEL),
-            "blocks": [[block.offset, block.rows, block.cols] for block in sketch.blocks]}
+            "min_numel": min_numel, "blocks": [[block.offset, block.rows, block.cols] for block in sketch.blocks]}

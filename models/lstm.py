@@ -11,6 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import _VF
 
+from sorters.layer_rules import FormedSink, apply_rule
+
 
 class LSTMModel(nn.Module):
     def __init__(self, ntoken: int, ninp: int = 32, nhid: int = 32, nlayers: int = 2):
@@ -67,9 +69,12 @@ def unit_gradients(model: LSTMModel, inputs, targets, h0, c0, out: torch.Tensor)
     The units run side by side as ONE LSTM whose hidden state is the units' states concatenated (U * nhid
     features) and whose weights are block-diagonal, unit u's block the model's weights: unit u's outputs
     depend on its own block only, so the gradient of the summed losses on block u is unit u's gradient of
-    the LSTM weights. The decoder and the embedding, whose weight is shared, get theirs from the records
-    as in FlatModel.outer_unit_gradients: the token logits' gradients times the LSTM outputs, one batched
-    product over the units, plus each token's input gradient added to the embedding row it read.
+    the LSTM weights. The decoder and the embedding, whose weight is shared, get theirs from the library's
+    per-layer rules (sorters/layer_rules.py, as FlatModel.outer_unit_gradients does): the token logits'
+    gradients times the LSTM outputs, one batched product over the units, plus each token's input gradient
+    added to the embedding row it read. (The LSTM's own weights are not such a rule: a unit's gradient of
+    them needs the recurrence's backward through time for that unit alone, which the records of an
+    ordinary batched forward do not hold; the block-diagonal LSTM above gives it in the same one pass.)
     """
     U, T, w = inputs.shape
     H, V, layers = model.nhid, model.ntoken, model.nlayers
@@ -94,11 +99,12 @@ def unit_gradients(model: LSTMModel, inputs, targets, h0, c0, out: torch.Tensor)
         losses = token_nll.view(U, T * w).mean(1)
         grads = torch.autograd.grad(losses.sum(), [logits, hidden, x, *weights])
     g_logits, g_hidden, g_x, g_weights = grads[0], grads[1], grads[2], grads[3:]
-    tied = torch.bmm(g_logits.transpose(1, 2), hidden.detach())                   # (U, V, H): decoder
+    # the tied weight by the library's rules: the decoder's product first, then the embedding's rows onto it
+    sink = FormedSink()
+    apply_rule(model.decoder, "Linear", hidden.detach(), g_logits, sink)        # (U, V, H)
     g_emb = g_x.view(T, w, U, H).permute(2, 0, 1, 3).reshape(U, T * w, H)
-    units = torch.arange(U, device=E.device)[:, None].expand(U, T * w)
-    tied.index_put_((units, inputs.reshape(U, T * w)), g_emb, accumulate=True)   # embedding rows
-    pieces = [tied.view(U, -1)]
+    apply_rule(model.encoder, "Embedding", inputs.reshape(U, T * w), g_emb, sink)
+    pieces = [sink.grads[id(E)].view(U, -1)]
     for i, g in enumerate(g_weights):
         if i % 4 < 2:  # a block-diagonal weight: unit u's gradient is block (u, u)
             g = torch.diagonal(g.view(4, U, H, U, -1), dim1=1, dim2=3)           # (4, H, in, U)

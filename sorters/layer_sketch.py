@@ -19,7 +19,8 @@ applied to explicitly formed per-example gradients g (B, d) gives the same (B, d
 the same (model structure, dim, seed, params, min_numel) gives the same map in every process.
 
 Per layer, from the input a_t and output gradient g_t at each position t of each call (every call of a
-layer used several times, and every layer sharing a tied weight, add into the same coordinates):
+layer used several times, and every layer sharing a tied weight, add into the same coordinates), by the
+rules of sorters/layer_rules.py (the one table, which the engine uses too):
   - Linear weight (out, in): sum_t g_t a_t^T; Conv1D weight (in, out): sum_t a_t g_t^T. A block: TensorSketch
     of the sum (TensorBlock.add_outer: circular convolution of CountSketches, never the matrix); a smaller
     weight: formed per example (B, out, in) by one bmm and CountSketched.
@@ -36,25 +37,11 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from sorters.checks import check_int, check_module, check_seed
+from sorters.layer_rules import BlockSink, Layout, Sink, apply_rule, check_units, scatter_rows, tokens
 from sorters.sketch import GradientSketch
-from sorters.thresholds import STRUCTURED_MIN_NUMEL  # the library's row of the table (thresholds.py: why)
-
-
-def layer_kind(module: torch.nn.Module) -> str | None:
-    """'Linear', 'Conv1D' (transformers'), 'Embedding', 'LayerNorm', or None for a layer without a rule."""
-    if isinstance(module, torch.nn.Linear):
-        return "Linear"
-    if isinstance(module, torch.nn.Embedding):
-        # with scale_grad_by_freq an example's gradient depends on the other examples' ids
-        return None if module.scale_grad_by_freq else "Embedding"
-    if isinstance(module, torch.nn.LayerNorm):
-        return "LayerNorm"
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
-        return "Conv1D"
-    return None
+from sorters.thresholds import STRUCTURED_MIN_NUMEL, check_min_numel  # the library's row (thresholds.py: why)
 
 
 def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | None, owner: str) -> list:
@@ -73,42 +60,10 @@ def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | No
     return chosen
 
 
-class _Layout:
-    """Which selected parameter is computed how: offsets in the flat (d,) vector, the layers with a rule
-    (those owning a parameter computed from their records), and the parameters formed by the batched VJP."""
-
-    def __init__(self, model: torch.nn.Module, chosen: list):
-        self.offsets, offset = {}, 0  # id(parameter) -> its first coordinate
-        for _, p in chosen:
-            self.offsets[id(p)] = offset
-            offset += p.numel()
-        self.d = offset
-        owners = {}  # id(parameter) -> the layer kinds of every module that holds it
-        for module in model.modules():
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), []).append(layer_kind(module))
-        # a parameter comes from the records only when every module holding it has a rule
-        self.recorded = {key for key in self.offsets if None not in owners.get(key, [None])}
-        self.layers = {module: layer_kind(module) for module in model.modules()
-                       if any(id(p) in self.recorded for p in module.parameters(recurse=False))}
-        self.formed = [(name, p) for name, p in chosen if id(p) not in self.recorded]
-
-    def blocks(self, min_numel: int) -> list:
-        """(offset, rows, cols) of every recorded 2-D weight of a Linear, Conv1D or Embedding with at least
-        min_numel entries, a tied one once."""
-        found = {}
-        for module, kind in self.layers.items():
-            weight = getattr(module, "weight", None)
-            if kind != "LayerNorm" and weight is not None and id(weight) in self.recorded \
-                    and weight.dim() == 2 and weight.numel() >= min_numel:
-                found[id(weight)] = (self.offsets[id(weight)], *weight.shape)
-        return sorted(found.values())
-
-
 def layer_blocks(model: torch.nn.Module, params=None, min_numel: int = STRUCTURED_MIN_NUMEL) -> list:
     """The TensorSketch blocks of LayerSketch's map for these selected parameters: GradientSketch(d, dim,
     seed, blocks=layer_blocks(model, params, min_numel)) is that map (PerExampleGrads(structured=True))."""
-    return _Layout(model, selected_parameters(model, params, "layer_blocks")).blocks(min_numel)
+    return Layout(model, selected_parameters(model, params, "layer_blocks")).blocks(min_numel)
 
 
 class LayerSketch:
@@ -137,14 +92,14 @@ class LayerSketch:
                  min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0):
         check_module("LayerSketch", model)
         dim, seed = check_int("LayerSketch", "dim", dim, 1), check_seed("LayerSketch", seed)
-        min_numel = check_int("LayerSketch", "min_numel", min_numel, 1)  # as CDGraBSettings and --sketch-min-numel
+        min_numel = check_min_numel("LayerSketch", min_numel)
         if isinstance(batch_dim, bool) or batch_dim not in (0, 1):
             raise ValueError(f"LayerSketch: batch_dim must be 0 or 1, got {batch_dim}")
         self.batch_dim = batch_dim
         self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         chosen = selected_parameters(self.model, params, "LayerSketch")
         self.names = [name for name, _ in chosen]
-        self.layout = _Layout(self.model, chosen)
+        self.layout = Layout(self.model, chosen)
         self.d = self.layout.d
         self.sketch = GradientSketch(self.d, dim, seed, blocks=self.layout.blocks(min_numel) if dim < self.d else ())
         self.dim = self.sketch.dim
@@ -235,9 +190,10 @@ class LayerSketch:
 
     def _start(self, state, B: int) -> None:
         dtype, device = self._like.dtype, self._like.device
-        state.B, state.active = B, True
+        state.B, state.active, state.sketcher = B, True, self
         state.rest = torch.zeros(B, self._rest_numel, dtype=dtype, device=device)
         state.out = state.rest if self.sketch.is_identity else torch.zeros(B, self.dim, dtype=dtype, device=device)
+        state.sink = BlockSink(state, self._blocks, state.out)  # the rules write through it (layer_rules.py)
 
     def _on_grad(self, entry: list, g: torch.Tensor, state) -> None:
         """A recorded call's output gradient arrived: add its contribution, then drop its input."""
@@ -252,52 +208,9 @@ class LayerSketch:
         g = g if g.dtype == dtype else g.to(dtype)
         a = a if not a.is_floating_point() or a.dtype == dtype else a.to(dtype)
         with torch.no_grad():
-            self._add_call(module, self.layout.layers[module], a, g, state)
-
-    def _add_call(self, module, kind: str, a: torch.Tensor, g: torch.Tensor, state) -> None:
-        """One call's contribution: a its input (B, ..., in) (ids for an Embedding), g its output's gradient."""
-        B = state.B
-        if a.shape[0] != B or g.shape[0] != B:
-            raise ValueError(f"LayerSketch: {type(module).__name__} got an input of shape {tuple(a.shape)} for {B} "
-                             "examples: every recorded layer's input needs the examples on dim 0")
-        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        if kind == "LayerNorm":
-            n = weight.numel() if weight is not None else bias.numel()
-            g = g.reshape(B, -1, n)
-            if weight is not None and id(weight) in self.layout.recorded:
-                xhat = F.layer_norm(a.reshape(B, -1, n), (n,), eps=module.eps)
-                state.add(self, weight, (g * xhat).sum(1))
-        elif kind == "Embedding":
-            ids = a.reshape(B, -1)
-            g = g.reshape(B, ids.shape[1], -1)
-            if module.padding_idx is not None:  # the padding row's gradient is zero
-                g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
-            if id(weight) in self.layout.recorded:
-                self._add_embedding(weight, ids, g, state)
-        else:
-            a, g = a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1])
-            if id(weight) in self.layout.recorded:
-                self._add_product(weight, kind, a, g, state)
-        if bias is not None and id(bias) in self.layout.recorded:
-            state.add(self, bias, g.sum(1))
-
-    def _add_product(self, weight, kind: str, a, g, state) -> None:
-        """Linear: sum_t g_t a_t^T (out, in); Conv1D: sum_t a_t g_t^T (in, out); per example."""
-        left, right = (g, a) if kind == "Linear" else (a, g)
-        block = self._blocks.get(id(weight))
-        if block is not None:
-            block.add_outer(left, right, state.out)
-        else:
-            state.add(self, weight, torch.bmm(left.transpose(1, 2), right))
-
-    def _add_embedding(self, weight, ids, g, state) -> None:
-        """g[b, t] (dim,) into row ids[b, t] of example b's gradient."""
-        block = self._blocks.get(id(weight))
-        if block is not None:
-            block.add_rows(ids, g, state.out)
-            return
-        examples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-        state.view(self, weight).index_put_((examples, ids), g, accumulate=True)
+            kind = self.layout.layers[module]
+            check_units("LayerSketch", module, a, g, state.B, "examples")
+            apply_rule(module, kind, *tokens(module, kind, a, g), state.sink)
 
     def _update_params(self) -> list:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -333,7 +246,7 @@ class LayerSketch:
                                     retain_graph=keep_graph)
         for p, g in zip(params, grads):
             if g is not None:
-                state.add(self, p, g)
+                state.add(p, g)
 
     def _finish(self, state) -> torch.Tensor:
         """out += P(rest): the coordinates outside the blocks, with the map's own buckets and signs."""
@@ -405,16 +318,24 @@ class Recording:
         return sketcher._finish(state)
 
 
-class _Pass:
-    """One call's buffers: rest (B, d_rest) per-example gradients outside the blocks, out (B, dim)."""
+class _Pass(Sink):
+    """One call's buffers: rest (B, d_rest) per-example gradients outside the blocks, out (B, dim); the rules'
+    sink for the parameters outside the blocks (the blocks go to `sink`, a BlockSink over this one)."""
 
     def __init__(self):
         self.B, self.active, self.rest, self.out, self.called = 0, False, None, None, set()
+        self.sketcher, self.sink = None, None
 
-    def view(self, sketcher: LayerSketch, p: torch.Tensor) -> torch.Tensor:
+    def view(self, p: torch.Tensor) -> torch.Tensor:
         """p's (B, *p.shape) columns of rest."""
-        start = sketcher._rest[id(p)]
+        start = self.sketcher._rest[id(p)]
         return self.rest[:, start:start + p.numel()].view(self.B, *p.shape)
 
-    def add(self, sketcher: LayerSketch, p: torch.Tensor, value: torch.Tensor) -> None:
-        self.view(sketcher, p).add_(value.reshape(self.B, *p.shape))
+    def wants(self, p: torch.Tensor) -> bool:
+        return id(p) in self.sketcher.layout.recorded  # a parameter not selected, or formed by the batched VJP
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        self.view(p).add_(value.reshape(self.B, *p.shape))
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        scatter_rows(self.view(p), ids, g)

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch, selected_parameters
 from sorters.checks import check_int, check_module, check_seed
 from sorters.sketch import GradientSketch
+from sorters.thresholds import check_min_numel
 
 
 class PerExampleGrads:
@@ -77,7 +78,7 @@ class PerExampleGrads:
             raise TypeError(f"{owner}: loss_fn must be callable (outputs, targets) -> scalar loss, got {loss_fn!r}")
         chunk_size = check_int(owner, "chunk_size", chunk_size, 1, none_ok=True)
         sketch_dim, sketch_seed = check_int(owner, "sketch_dim", sketch_dim, 0), check_seed(owner, sketch_seed, "sketch_seed")
-        min_numel = check_int(owner, "min_numel", min_numel, 1)  # a weight has >= 1 entry (thresholds.py)
+        min_numel = check_min_numel(owner, min_numel)
         if not isinstance(structured, bool):
             raise TypeError(f"{owner}: structured must be True or False, got {structured!r}")
         model = getattr(model, "module", model) if isinstance(

@@ -19,7 +19,7 @@ from sorters.layer_sketch import LayerSketch
 from sorters.per_example import PerExampleGrads, PerExampleLossGrads
 from sorters.registry import SORTERS
 from sorters.sampler import CDGraBSampler
-from sorters.thresholds import STRUCTURED_MIN_NUMEL
+from sorters.thresholds import STRUCTURED_MIN_NUMEL, check_min_numel
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class CDGraBSettings:
         check_int(owner, "sketch_dim", self.sketch_dim, 0)
         if not isinstance(self.structured, bool):
             raise TypeError(f"{owner}: structured must be True or False, got {self.structured!r}")
-        check_int(owner, "min_numel", self.min_numel, 1)
+        check_min_numel(owner, self.min_numel)
         check_int(owner, "num_replicas", self.num_replicas, 1, none_ok=True)
         if self.structured and not (self.sketch_dim > 0 and self.uses_grads):
             raise ValueError(f"{owner}: structured=True builds sketches of the gradients a sorter balances: it needs "

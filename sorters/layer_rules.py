@@ -1,0 +1,247 @@
+r"""The one table of per-layer rules for per-unit gradients, used by the library (LayerSketch) and the engine
+(engine.functional.FlatModel's outer_unit_gradients and outer_unit_sketches).
+
+A "unit" is what one row of the result belongs to: an example (LayerSketch), or a block of examples (the
+engine's units). ONE backward of the summed unit losses gives, at each layer output, every unit's own output
+gradient on the units' rows (the units must not interact in the forward). A layer's per-unit parameter
+gradient is then a function of the layer's input a and that output gradient g alone, token by token:
+
+| kind      | parameter         | unit u's gradient                                 | written by the rule as |
+|-----------|-------------------|---------------------------------------------------|------------------------|
+| Linear    | weight (out, in)  | sum_t g_t a_t^T                                   | sink.add_outer(W, g, a)|
+| Conv1D    | weight (in, out)  | sum_t a_t g_t^T  (transformers' y = a W + b)      | sink.add_outer(W, a, g)|
+| Embedding | weight (rows, C)  | g_t added to row ids_t (none to padding_idx's row)| sink.add_rows(W, ids, g)|
+| LayerNorm | weight (n,)       | sum_t g_t * xhat_t (xhat: the normalised input)   | sink.add(w, ...)       |
+| the other 3| bias (width,)    | sum_t g_t                                         | sink.add(b, ...)       |
+
+(A LayerNorm over several last dims: n is their product, its weight and bias keep their shape.)
+
+(Opacus keeps its per-sample-gradient rules in one such registry.) The rules only say WHAT each parameter's
+gradient is; a Sink says where it goes and in which form: the engine writes formed gradients into a (U, d)
+matrix or scatters them into a sketch's buckets, LayerSketch into its (B, d_rest) buffer, and a BlockSink
+sends a large weight's outer products and rows to its TensorSketch block (sorters.sketch.TensorBlock), which
+sketches them without ever forming the (U, rows, cols) gradient.
+
+`layer_kind` says which rule a module takes (by isinstance; None: no rule), and `Layout` which parameters come
+from these rules, where each sits in the flat (d,) vector of the chosen parameters, and which weights a
+structured sketch may make blocks (`Layout.blocks(min_numel)`).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def layer_kind(module: torch.nn.Module) -> str | None:
+    """'Linear', 'Conv1D' (transformers'), 'Embedding', 'LayerNorm', or None for a layer without a rule."""
+    if isinstance(module, torch.nn.Linear):
+        return "Linear"
+    if isinstance(module, torch.nn.Embedding):
+        # with scale_grad_by_freq an example's gradient depends on the other examples' ids
+        return None if module.scale_grad_by_freq else "Embedding"
+    if isinstance(module, torch.nn.LayerNorm):
+        return "LayerNorm"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
+        return "Conv1D"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- sinks
+
+class Sink:
+    """Where the rules write every unit's gradient of one parameter p. Subclasses define `add`; the others
+    fall back on it by forming the gradient (a subclass may override them to avoid that).
+
+    wants(p):               whether p's gradient is wanted at all (a rule skips the work for the others);
+    add(p, value):          add value (U, *p.shape) to the units' gradients of p;
+    add_outer(p, l, r):     add sum_t l[u, t] r[u, t]^T, l (U, T, rows), r (U, T, cols), p (rows, cols);
+    add_rows(p, ids, g):    add g[u, t] (U, T, cols) to row ids[u, t] (U, T) of p (rows, cols).
+    """
+
+    def wants(self, p: torch.Tensor) -> bool:
+        return True
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        self.add(p, torch.bmm(left.transpose(1, 2), right))
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        self.add(p, scatter_rows(g.new_zeros(ids.shape[0], *p.shape), ids, g))
+
+
+class FormedSink(Sink):
+    """The units' formed gradients, grads {id(p): (U, *p.shape)}. A parameter's first value is kept as given
+    (the rules pass fresh tensors, so no copy), later ones (a tied weight, a layer used twice) are added in
+    place, and rows are scattered onto it (onto zeros when nothing came first)."""
+
+    def __init__(self):
+        self.grads = {}
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        if id(p) in self.grads:
+            self.grads[id(p)].add_(value)
+        else:
+            self.grads[id(p)] = value
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        if id(p) not in self.grads:
+            self.grads[id(p)] = g.new_zeros(ids.shape[0], *p.shape)
+        scatter_rows(self.grads[id(p)], ids, g)
+
+
+class BlockSink(Sink):
+    """Sends the weights that are TensorSketch blocks to their block (never forming their (U, rows, cols)
+    gradients: TensorBlock.add_outer / add_rows add their sketches to out (U, D)), and every other parameter
+    to the sink `formed`. blocks: id(weight) -> its TensorBlock."""
+
+    def __init__(self, formed: Sink, blocks: dict, out: torch.Tensor):
+        self.formed, self.blocks, self.out = formed, blocks, out
+
+    def wants(self, p: torch.Tensor) -> bool:
+        return id(p) in self.blocks or self.formed.wants(p)
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        self.formed.add(p, value)
+
+    def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        block = self.blocks.get(id(p))
+        if block is None:
+            self.formed.add_outer(p, left, right)
+        else:
+            block.add_outer(left, right, self.out)
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        block = self.blocks.get(id(p))
+        if block is None:
+            self.formed.add_rows(p, ids, g)
+        else:
+            block.add_rows(ids, g, self.out)
+
+
+def scatter_rows(view: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """view (U, rows, cols) += g[u, t] (U, T, cols) at row ids[u, t] (U, T), in place; returns view."""
+    units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+    return view.index_put_((units, ids), g, accumulate=True)
+
+
+# ------------------------------------------------------------------------------------------- the rules
+
+def _add_bias(module, g: torch.Tensor, sink: Sink) -> None:
+    bias = getattr(module, "bias", None)
+    if bias is not None and sink.wants(bias):
+        sink.add(bias, g.sum(1))
+
+
+def linear_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+    """nn.Linear, y = a W^T + b with W (out, in); a (U, T, in), g (U, T, out)."""
+    if sink.wants(module.weight):
+        sink.add_outer(module.weight, g, a)
+    _add_bias(module, g, sink)
+
+
+def conv1d_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+    """transformers' Conv1D, y = a W + b with W (in, out); a (U, T, in), g (U, T, out)."""
+    if sink.wants(module.weight):
+        sink.add_outer(module.weight, a, g)
+    _add_bias(module, g, sink)
+
+
+def embedding_rule(module, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+    """nn.Embedding; ids (U, T) the looked-up rows, g (U, T, C)."""
+    if module.padding_idx is not None:  # F.embedding gives the padding row no gradient
+        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    if sink.wants(module.weight):
+        sink.add_rows(module.weight, ids, g)
+
+
+def layer_norm_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+    """nn.LayerNorm over its last dims, flattened to n entries; a (U, T, n), g (U, T, n)."""
+    U, weight, bias = g.shape[0], module.weight, module.bias
+    if weight is not None and sink.wants(weight):
+        xhat = F.layer_norm(a, (a.shape[-1],), eps=module.eps)
+        sink.add(weight, (g * xhat).sum(1).view(U, *weight.shape))
+    if bias is not None and sink.wants(bias):
+        sink.add(bias, g.sum(1).view(U, *bias.shape))
+
+
+RULES = {"Linear": linear_rule, "Conv1D": conv1d_rule, "Embedding": embedding_rule, "LayerNorm": layer_norm_rule}
+STRUCTURED_KINDS = ("Linear", "Conv1D", "Embedding")  # the layers whose 2-D weight may be a TensorSketch block
+
+
+def tokens(module, kind: str, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call's input a (U, ..., in) (ids (U, ...) for an Embedding) and output gradient g (U, ..., out)
+    as the rule's (U, T, in) and (U, T, out) (ids (U, T)): every position of the call a token."""
+    U = a.shape[0]
+    if kind == "Embedding":
+        ids = a.reshape(U, -1)
+        return ids, g.reshape(U, ids.shape[1], -1)
+    if kind == "LayerNorm":
+        n = math.prod(module.normalized_shape)
+        return a.reshape(U, -1, n), g.reshape(U, -1, n)
+    return a.reshape(U, -1, a.shape[-1]), g.reshape(U, -1, g.shape[-1])
+
+
+def calls_as_tokens(module, kind: str, inputs: list, grads: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every call of one layer (a layer used several times) as ONE token batch, the calls' tokens side by
+    side on dim 1, so the rule runs once: inputs, grads lists of each call's a and g (as `tokens`)."""
+    if len(inputs) > 1 and kind != "Embedding" and all(t.dim() == 2 for t in inputs + grads):
+        # (U, features) calls, one token each (the MLP's rollout): one stack each instead of views and a cat
+        return torch.stack(inputs, dim=1), torch.stack(grads, dim=1)
+    pairs = [tokens(module, kind, a, g) for a, g in zip(inputs, grads)]
+    if len(pairs) == 1:
+        return pairs[0]
+    return torch.cat([a for a, _ in pairs], dim=1), torch.cat([g for _, g in pairs], dim=1)
+
+
+def apply_rule(module, kind: str, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+    """Add the units' gradients of module's parameters from its tokens a, g (as `tokens` gives them)."""
+    RULES[kind](module, a, g, sink)
+
+
+def check_units(owner: str, module, a: torch.Tensor, g: torch.Tensor, U: int, what: str = "units") -> None:
+    """A recorded call must have the U units (examples) on dim 0 of its input and output gradient."""
+    if a.shape[0] != U or g.shape[0] != U:
+        raise ValueError(f"{owner}: {type(module).__name__} got an input of shape {tuple(a.shape)} for {U} {what}: "
+                         f"every recorded layer's input needs the {what} on dim 0")
+
+
+# ------------------------------------------------------------------------------------------- the layout
+
+class Layout:
+    """Which chosen parameter is computed how, for a model and its chosen [(name, parameter)] (the flat (d,)
+    vector's order; the engine's FlatModel passes every parameter, LayerSketch the selected ones).
+
+    offsets:  id(parameter) -> its first coordinate in the flat vector; d its length.
+    recorded: the ids of the chosen parameters every module holding them has a rule for (their per-unit
+              gradients come from the rules; a tied weight counts when every layer sharing it has one).
+    layers:   {module: its kind} of every module owning a recorded parameter (the layers to record).
+    formed:   [(name, parameter)] of the chosen parameters without a rule.
+    """
+
+    def __init__(self, model: torch.nn.Module, chosen: list):
+        self.offsets, offset = {}, 0
+        for _, p in chosen:
+            self.offsets[id(p)] = offset
+            offset += p.numel()
+        self.d = offset
+        owners = {}  # id(parameter) -> the layer kinds of every module that holds it
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(layer_kind(module))
+        self.recorded = {key for key in self.offsets if None not in owners.get(key, [None])}
+        self.layers = {module: layer_kind(module) for module in model.modules()
+                       if any(id(p) in self.recorded for p in module.parameters(recurse=False))}
+        self.formed = [(name, p) for name, p in chosen if id(p) not in self.recorded]
+
+    def blocks(self, min_numel: int) -> list:
+        """(offset, rows, cols) of every recorded 2-D weight of a Linear, Conv1D or Embedding with at least
+        min_numel entries, a tied one once, in increasing offset: the TensorSketch blocks of a structured map."""
+        found = {}
+        for module, kind in self.layers.items():
+            weight = getattr(module, "weight", None)
+            if kind in STRUCTURED_KINDS and weight is not None and id(weight) in self.recorded \
+                    and weight.dim() == 2 and weight.numel() >= min_numel:
+                found[id(weight)] = (self.offsets[id(weight)], *weight.shape)
+        return sorted(found.values())
