@@ -44,10 +44,17 @@ NEAR_TIE = 1e-5
 class UnitGradients:
     """The gradients of U units, never formed whole: per selected parameter (by id), a list of
     (first unit, contribution) whose sum is the units' gradients; `scale` (U,): each unit's records hold
-    scale_u times its gradient (the loss weight of a training loop's own backward)."""
+    scale_u times its gradient (the loss weight of a training loop's own backward).
 
-    def __init__(self, owner: "ExactGradients", units: int, pieces: dict, scale: torch.Tensor):
+    step_grads: None, or {id(p): the backward's own gradient of p}, which is the sum of the records of
+    units 0..step_units-1: add_to() then takes sum_u w_u g_u as lam * that gradient plus the records of
+    the units whose w_u / scale_u differs from lam (the most common ratio; with equal loss weights, one
+    unit of each pair), half the products of the records."""
+
+    def __init__(self, owner: "ExactGradients", units: int, pieces: dict, scale: torch.Tensor,
+                 step_grads: dict | None = None, step_units: int = 0):
         self.owner, self.units, self.pieces, self.scale = owner, units, pieces, scale
+        self.step_grads, self.step_units = step_grads, step_units
 
     def products(self, running_sum: torch.Tensor, how: str | None = None):
         """(a (U,), G (U, U)) float64: <S, g_u> and <g_u, g_v>, summed over the parameters."""
@@ -67,11 +74,20 @@ class UnitGradients:
 
     def add_to(self, running_sum: torch.Tensor, w: torch.Tensor) -> None:
         """running_sum (d,) += sum_u w_u g_u, w (U,)."""
-        w = (w.to(self.scale.device, torch.float64) / self.scale.double()).to(running_sum.dtype)
+        ratio = w.to(self.scale.device, torch.float64) / self.scale.double()  # weights of the records
+        lam = 0.0
+        if self.step_grads is not None and self.step_units:
+            values, counts = ratio[:self.step_units].unique(return_counts=True)
+            lam = float(values[counts.argmax()])
+            ratio[:self.step_units] -= lam  # exactly 0 for the units of that ratio: their records are skipped
+        ratio = ratio.to(running_sum.dtype)
         for p in self.owner.params:
+            view = self.owner.view(running_sum, p)
+            if lam and self.step_grads.get(id(p)) is not None:
+                view.add_(self.step_grads[id(p)].reshape(view.shape), alpha=lam)
             pieces = self.pieces.get(id(p))
             if pieces:
-                add_weighted(pieces, self.owner.view(running_sum, p), w)
+                add_weighted(pieces, view, ratio)
 
     def select(self, units: list[int]) -> "UnitGradients":
         """These units only, each rescaled to its own gradient (scale 1): copies, not views of the records."""
@@ -93,7 +109,8 @@ class UnitGradients:
         pieces = {key: list(parts) for key, parts in self.pieces.items()}
         for key, parts in other.pieces.items():
             pieces.setdefault(key, []).extend((first + self.units, x) for first, x in parts)
-        return UnitGradients(self.owner, self.units + other.units, pieces, torch.cat([self.scale, other.scale]))
+        return UnitGradients(self.owner, self.units + other.units, pieces, torch.cat([self.scale, other.scale]),
+                             self.step_grads, self.step_units)
 
 
 class ExactGradients:
@@ -137,8 +154,10 @@ class ExactGradients:
         with self.recording() as rec:
             losses = losses_fn()
             rec.watch(losses)
-        torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
-        return rec.units()
+        grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
+        units = rec.units()
+        units.step_grads, units.step_units = {id(p): g for p, g in zip(self.params, grads)}, units.units
+        return units
 
     def flat(self, units: UnitGradients) -> torch.Tensor:
         """(U, d) the units' gradients formed (for tests and small models)."""
@@ -156,7 +175,7 @@ class ExactRecording:
     kept until then (autograd keeps it too)."""
 
     def __init__(self, owner: ExactGradients):
-        self.owner, self.handles, self.pieces, self.scale, self.B = owner, [], {}, None, None
+        self.owner, self.handles, self.pieces, self.scale, self.B, self.fresh = owner, [], {}, None, None, False
         self.selected = {id(p) for p in owner.params}
 
     def __enter__(self) -> "ExactRecording":
@@ -191,14 +210,18 @@ class ExactRecording:
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or not losses.requires_grad:
             raise ValueError("ExactGradients: watch() takes the (B,) per-example losses, attached to the graph")
         self.B = losses.shape[0]
+        self.fresh = all(p.grad is None for p in self.owner.params)  # .grad will be this backward's alone
 
         def read_scale(g):
             self.scale = g.detach()
 
         losses.register_hook(read_scale)
 
-    def units(self) -> UnitGradients:
-        """The B units' gradients, after the backward; the recording's records are handed over."""
+    def units(self, from_grad: bool = False) -> UnitGradients:
+        """The B units' gradients, after the backward; the recording's records are handed over.
+        from_grad: the parameters' .grad hold this backward's gradient alone (they were None at watch(); the
+        units go to the sorter before anything changes .grad: clipping, an optimizer step), which spares
+        half of the running sum's update (UnitGradients.step_grads)."""
         if self.scale is None:
             raise ValueError("ExactGradients: no gradient reached the watched losses; run the backward of a loss "
                              "built from them before units()")
@@ -206,6 +229,8 @@ class ExactRecording:
             raise ValueError("ExactGradients: the loss gives an example a zero or non-finite weight, so its gradient "
                              "cannot be recovered from the backward")
         units = UnitGradients(self.owner, self.B, self.pieces, self.scale.to(self.owner.params[0].dtype))
+        if from_grad and self.fresh:
+            units.step_grads, units.step_units = {id(p): p.grad for p in self.owner.params}, self.B
         self.pieces, self.scale = {}, None
         return units
 

@@ -57,9 +57,9 @@ class Outer:
         return ((self.right @ S.T) * self.left).sum((1, 2))
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
-        """S (R, C) += sum_u w_u x_u."""
-        left = (self.left * w[:, None, None]).reshape(-1, self.left.shape[2])
-        S.addmm_(left.T, self.right.reshape(-1, self.right.shape[2]))
+        """S (R, C) += sum_u w_u x_u: unit by unit, so that no weighted copy of the records is made."""
+        for u, weight in enumerate(w.tolist()):
+            S.addmm_(self.left[u].T, self.right[u], alpha=weight)
 
     def select(self, units) -> "Outer":
         return Outer(self.left[units], self.right[units])
@@ -84,7 +84,8 @@ class Rows:
         return (S[self.ids] * self.values).sum((1, 2))
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
-        S.index_add_(0, self.ids.reshape(-1), (self.values * w[:, None, None]).reshape(-1, self.values.shape[2]))
+        for u, weight in enumerate(w.tolist()):
+            S.index_add_(0, self.ids[u], self.values[u], alpha=weight)
 
     def select(self, units) -> "Rows":
         return Rows(self.ids[units], self.values[units], self.num_rows)
@@ -215,12 +216,19 @@ def stream_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor
     a = torch.zeros(U, dtype=torch.float64, device=S.device)
     G = torch.zeros(U, U, dtype=torch.float64, device=S.device)
     block = torch.empty(U, rows, C, dtype=S.dtype, device=S.device)
+    # an Outer of every unit writes the block (bmm into it) instead of adding to zeros: a pass less
+    lead = next((i for i, (first, x) in enumerate(pieces) if isinstance(x, Outer) and x.units == U), None)
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         out = block[:, :r1 - r0]
-        out.zero_()
-        for first, x in pieces:
-            x.add_rows(out[first:first + x.units], r0, r1)
+        if lead is None:
+            out.zero_()
+        else:
+            x = pieces[lead][1]
+            torch.bmm(x.left[:, :, r0:r1].transpose(1, 2), x.right, out=out)
+        for i, (first, x) in enumerate(pieces):
+            if i != lead:
+                x.add_rows(out[first:first + x.units], r0, r1)
         flat = out.reshape(U, -1)
         a += (flat @ S[r0:r1].reshape(-1)).double()
         G += (flat @ flat.T).double()

@@ -332,7 +332,7 @@ class CDGraBTrainerMixin:
         try:
             loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
             if exact:
-                self.cdgrab_sampler.step_units(self._cdgrab_recording.units())  # (micro-batch) units
+                self.cdgrab_sampler.step_units(self._cdgrab_recording.units(from_grad=True))  # (micro-batch) units
                 return loss
             if self._cdgrab_recording is not None:
                 grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)
