@@ -186,9 +186,9 @@ class CDGraBTrainerMixin:
                              f"{len(dataset) % (world * batch)} examples are never used) or trim the dataset")
         if self._uses_grads:
             self._check_gradients_can_be_formed()
-        if self.cdgrab_settings.exact_low_memory and (args.world_size > 1 or world > 1):
-            raise ValueError(f"{name}: exact_low_memory=True runs in one process with one replica for now; drop "
-                             "num_replicas and torchrun, or use exact_low_memory=False")
+        if self.cdgrab_settings.exact_low_memory and args.world_size > 1:
+            raise ValueError(f"{name}: exact_low_memory=True runs in one process for now (num_replicas may host "
+                             "several replicas there); start without torchrun, or use exact_low_memory=False")
 
     def _check_gradients_can_be_formed(self) -> None:
         args, name = self.args, type(self).__name__
