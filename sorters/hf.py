@@ -278,10 +278,11 @@ class CDGraBTrainerMixin:
         """structured: refuse now, in one line, a model or batch the layer records cannot serve: no labels,
         no logits, or a model whose loss changes when it is given explicit (B, T) position ids."""
         name = type(self).__name__
+        mode = "exact_low_memory=True" if self.cdgrab_settings.exact_low_memory else "structured=True"
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         batch = self._prepare_inputs(collate([dataset[0], dataset[min(1, len(dataset) - 1)]]))
         if "labels" not in batch:
-            raise ValueError(f"{name}: structured=True computes the causal LM loss from the batch's labels; the "
+            raise ValueError(f"{name}: {mode} computes the causal LM loss from the batch's labels; the "
                              "collator gives none (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
         was_training = self.model.training
         self.model.eval()
@@ -290,14 +291,14 @@ class CDGraBTrainerMixin:
                 outputs = self.model(**batch)
                 logits = getattr(outputs, "logits", None)
                 if not isinstance(logits, torch.Tensor) or logits.shape[:2] != batch["labels"].shape:
-                    raise ValueError(f"{name}: structured=True needs a causal LM whose outputs.logits are "
-                                     "(B, T, vocab) for (B, T) labels; use structured=False for this model")
+                    raise ValueError(f"{name}: {mode} needs a causal LM whose outputs.logits are "
+                                     f"(B, T, vocab) for (B, T) labels; use {mode.split('=')[0]}=False for this model")
                 with_positions = self._with_positions(batch)
                 if with_positions is not batch and not torch.allclose(
                         self.model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
-                    raise ValueError(f"{name}: structured=True passes position_ids (B, T) = 0..T-1 so that the "
+                    raise ValueError(f"{name}: {mode} passes position_ids (B, T) = 0..T-1 so that the "
                                      "position embedding sees the examples, but this model's logits change with "
-                                     "them (left padding?); use structured=False")
+                                     f"them (left padding?); use {mode.split('=')[0]}=False")
         finally:
             self.model.train(was_training)
 
