@@ -30,6 +30,7 @@ sign, |<S_i, v_i>| <= NEAR_TIE * ||S_i|| * (||g_first|| + ||g_second||), the ste
 """
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from sorters.balance import gram_signs
@@ -96,11 +97,10 @@ class UnitGradients:
         pieces = {}
         for key, parts in self.pieces.items():
             for first, x in parts:
-                inside = [u - first for u in units if first <= u < first + x.units]
-                if inside:
-                    where = [i for i, u in enumerate(units) if first <= u < first + x.units]
-                    taken = x.select(torch.tensor(inside, device=index.device)).scaled(factors[where])
-                    pieces.setdefault(key, []).append((where[0], taken))  # units kept in order
+                for i, u in enumerate(units):  # one contribution per kept unit: any order, any overlap
+                    if first <= u < first + x.units:
+                        taken = x.select(torch.tensor([u - first], device=index.device)).scaled(factors[i:i + 1])
+                        pieces.setdefault(key, []).append((i, taken))
         return UnitGradients(self.owner, len(units), pieces, torch.ones(len(units), dtype=self.scale.dtype,
                                                                          device=self.scale.device))
 
@@ -325,8 +325,6 @@ class ExactCDGraB(PairBalancer):
         return firsts, seconds
 
     def _place(self, plus, n: int, k: int, pending: bool) -> None:
-        import numpy as np
-
         at = 0
         if pending:
             self._place_pairs(np, plus[:n].reshape(n, 1), self.pending_position)

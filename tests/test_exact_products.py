@@ -128,11 +128,13 @@ def test_the_units_loss_weights_are_divided_out_and_a_selected_unit_keeps_its_ow
     a, G = units.products(S)
     torch.testing.assert_close(a, oracle @ S, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G, oracle @ oracle.T, rtol=1e-10, atol=1e-12)
-    kept = units.select([4, 1])
-    torch.testing.assert_close(exact.flat(kept), oracle[[4, 1]], rtol=1e-10, atol=1e-12)
+    kept = units.join(units.select([5])).select([4, 6, 1])  # across contributions, out of order
+    torch.testing.assert_close(exact.flat(kept), oracle[[4, 5, 1]], rtol=1e-10, atol=1e-12)
     both = units.join(kept)
     a2, G2 = both.products(S)
-    torch.testing.assert_close(a2, oracle[[0, 1, 2, 3, 4, 5, 4, 1]] @ S, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(a2, oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]] @ S, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G2, oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]] @ oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]].T, rtol=1e-10,
+                               atol=1e-12)
 
 
 def mlp_case():
