@@ -38,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-STREAM_BLOCK_BYTES = 64 * 2**20  # the (U, rows, C) block of formed gradients that streaming holds at once
+STREAM_BLOCK_BYTES = 8 * 2**20  # the (U, rows, C) block streaming holds at once: small enough to stay in cache
 
 
 class Outer:
