@@ -20,7 +20,11 @@ its own:
   sketch_min_numel (2^16): every weight of 2^16 entries or more (all of GPT-2 small's but the biases and
   LayerNorms) is a TensorSketch block, never formed per example;
 - "exact": CDGraBTrainer(sorter="CD-GraB") forming the (8, d) per-example gradients with torch.func
-  (grad_chunk_size 1: one example's at a time, written into the (8, d) rows), a second pass.
+  (grad_chunk_size 1: one example's at a time, written into the (8, d) rows), a second pass;
+- "exact_low_memory": CDGraBTrainer(cdgrab=CDGraBSettings(exact_low_memory=True)): the same orders from
+  the products of the per-example gradients, taken layer by layer from the Trainer's own forward and
+  backward (sorters/exact.py), never the (8, d) gradients. `exact_low_memory_orders_equal_exact`: whether
+  its next epoch's orders equal "exact"'s after the run (one epoch of `--steps` steps), every round.
 
 Step time: wall and CPU seconds from the Trainer's step begin to its step end, the median over the steps
 after the first (first-call allocations), per variant the median over the rounds; rounds are
@@ -45,7 +49,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 BATCH, BLOCK = 8, 128
 
 
-def variants(dims, exact: bool, min_numels=()) -> dict:
+def variants(dims, exact: bool, min_numels=(), low_memory: bool = True) -> dict:
     """name -> CDGraBTrainer keyword arguments (None: the plain Trainer)."""
     out = {"plain": None}
     for dim in dims:
@@ -55,6 +59,8 @@ def variants(dims, exact: bool, min_numels=()) -> dict:
                                                               "structured": True, "sketch_min_numel": min_numel}
     if exact:
         out["exact"] = {"sorter": "CD-GraB", "grad_chunk_size": 1}
+    if low_memory:
+        out["exact_low_memory"] = {"sorter": "CD-GraB", "exact_low_memory": True}
     return out
 
 
@@ -101,6 +107,13 @@ def child(settings: dict | None, steps: int, threads: int) -> dict:
     result = {"steps": len(timer.walls), "peak_rss_mb": peak_kb / 1024,
               "step_seconds": statistics.median(timer.walls[1:]), "step_cpu_seconds": statistics.median(timer.cpus[1:]),
               "d": d}
+    if settings is not None and settings.get("sorter") == "CD-GraB" and not settings.get("sketch_dim"):
+        sorter = trainer.cdgrab_sampler.sorter  # one epoch done: the orders it chose for the next
+        result["next_orders"] = sorter.next_orders.tolist()
+        if settings.get("exact_low_memory"):
+            result["near_ties"] = sorter.near_ties
+            how = trainer.cdgrab_grads.last_how
+            result["products_by"] = {kind: sum(1 for v in how.values() if v == kind) for kind in ("stream", "ghost")}
     if settings is not None and settings.get("structured"):
         sketcher = trainer.cdgrab_grads
         result.update(blocks=len(sketcher.sketch.blocks), formed_per_example=sketcher.formed,
@@ -127,11 +140,15 @@ def headline(summary: dict, dims: list) -> dict:
     every D's in "sketched_by_dim"; "exact" None when it was left out."""
     def pick(key, scale=1.0, digits=3):
         value = {name: round(m[key] * scale, digits) for name, m in summary.items()}
-        return {"plain": value["plain"], "sketched": value[f"sketched D={dims[0]}"],
-                "sketched_by_dim": {str(dim): value[f"sketched D={dim}"] for dim in dims},
-                "exact": value.get("exact")}
+        return {"plain": value["plain"], "sketched": value.get(f"sketched D={dims[0]}"),
+                "sketched_by_dim": {str(dim): value.get(f"sketched D={dim}") for dim in dims},
+                "exact": value.get("exact"), "exact_low_memory": value.get("exact_low_memory")}
 
-    return {"sketch_dim": dims[0], "step_seconds": pick("step_seconds"),
+    equal = None
+    if "exact" in summary and "exact_low_memory" in summary:
+        equal = all(a["next_orders"] == b["next_orders"] for a, b in
+                    zip(summary["exact"]["rounds"], summary["exact_low_memory"]["rounds"]))
+    return {"sketch_dim": dims[0], "exact_low_memory_orders_equal_exact": equal, "step_seconds": pick("step_seconds"),
             "step_cpu_seconds": pick("step_cpu_seconds"), "peak_memory_gib": pick("peak_rss_mb", 1 / 1024)}
 
 
@@ -151,6 +168,9 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each child")
     parser.add_argument("--no-exact", action="store_true", help="leave out exact CD-GraB (its (8, d) gradients: 4 GB)")
+    parser.add_argument("--no-low-memory", action="store_true",
+                        help="leave out exact CD-GraB from layer records (CDGraBSettings(exact_low_memory=True))")
+    parser.add_argument("--no-sketched", action="store_true", help="leave out the sketched variants (--dims)")
     parser.add_argument("--min-numels", nargs="+", type=int, default=[],
                         help="also run the sketched variants with these sketch_min_numel (default only 2^16)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sketch-gpt2-small.json"))
@@ -167,7 +187,10 @@ def main():
     load_before = os.getloadavg()
     rounds = {}
     for round_ in range(args.rounds):
-        for name, settings in variants(args.dims, not args.no_exact, args.min_numels).items():
+        chosen = variants(args.dims, not args.no_exact, args.min_numels, not args.no_low_memory)
+        if args.no_sketched:
+            chosen = {name: s for name, s in chosen.items() if not name.startswith("sketched")}
+        for name, settings in chosen.items():
             command = [sys.executable, __file__, "--child", json.dumps(settings), "--steps", str(args.steps),
                        "--threads", str(args.threads)]
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)

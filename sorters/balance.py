@@ -148,16 +148,25 @@ def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tenso
     <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij (S_i = S + sum_{j<i} sign_j v_j). Columns are widened to
     float64 GRAM_CHUNK_BYTES at a time, so the extra memory stays bounded for any d.
     """
-    r = diffs.shape[0]
     a, gram, widened = gram_products(running_sum, diffs)
-    signs = torch.zeros(r, dtype=torch.float64, device=diffs.device)  # sign_j, 0 until decided
+    signs = gram_signs(a, gram)
+    add_signed(running_sum, diffs, signs, widened)
+    return signs > 0
+
+
+def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """The sequential rule's signs from products alone: a (r,) = <S, v_i>, gram (r, r) = <v_i, v_j>, both
+    float64, for r differences in visiting order. Returns (r,) float64 of +-1: sign_i = +1 when
+    <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij <= 0. (Exact CD-GraB, sorters/exact.py, gets a and G without
+    the differences.)"""
+    r = a.shape[0]
+    signs = torch.zeros(r, dtype=torch.float64, device=a.device)  # sign_j, 0 until decided
     plus_one, minus_one = signs.new_ones(()), -signs.new_ones(())
-    dot = torch.empty(1, dtype=torch.float64, device=diffs.device)
+    dot = torch.empty(1, dtype=torch.float64, device=a.device)
     for i in range(r):  # the k-step recursion: three small kernels per difference
         torch.addmv(a[i:i + 1], gram[i:i + 1], signs, out=dot)  # signs[j >= i] are still 0
         torch.where(dot <= 0, plus_one, minus_one, out=signs[i:i + 1])
-    add_signed(running_sum, diffs, signs, widened)
-    return signs > 0
+    return signs
 
 
 def gram_products(running_sum: torch.Tensor, diffs: torch.Tensor):

@@ -46,6 +46,7 @@ import os
 import torch
 
 from sorters import CDGraBSampler, PerExampleLossGrads
+from sorters.exact import ExactCDGraB
 from sorters.layer_sketch import LayerSketch
 from sorters.settings import CDGraBSettings
 
@@ -61,7 +62,7 @@ SAMPLER_FILE = "cdgrab_sampler.pt"
 # the keyword arguments the mixin took before CDGraBSettings, and the settings' field each one sets
 KEYWORDS = {"sorter": "sorter", "sorter_seed": "seed", "grad_params": "grad_params",
             "grad_chunk_size": "grad_chunk_size", "sketch_dim": "sketch_dim", "structured": "structured",
-            "sketch_min_numel": "min_numel", "num_replicas": "num_replicas"}
+            "sketch_min_numel": "min_numel", "num_replicas": "num_replicas", "exact_low_memory": "exact_low_memory"}
 
 
 def _ignore_a_datasets_folder() -> None:
@@ -93,6 +94,9 @@ class CDGraBTrainerMixin:
             ignored) builds the sketches layer by layer from the Trainer's own forward and backward
             (LayerSketch.recording): no second pass; the loss is then computed here from the logits, as
             the model computes it, so that each example's own loss can be watched.
+            exact_low_memory=True (CD-GraB, one process, the same causal LM loss) balances the exact
+            gradients from the same records (sorters/exact.py): the orders of exact CD-GraB without
+            forming the per-example gradients whole (docs/exact-cdgrab.md).
     The settings' fields may also be given as keyword arguments, as before CDGraBSettings (`sorter=`,
     `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the others by their names): they
     build the settings (not together with `cdgrab=`).
@@ -110,7 +114,7 @@ class CDGraBTrainerMixin:
         self.cdgrab_sampler: CDGraBSampler | None = None
         self.cdgrab_grads: PerExampleLossGrads | LayerSketch | None = None
         self._cdgrab_resume_from: str | None = None
-        self._cdgrab_recording = None  # structured: the LayerSketch recording of the current micro-batch
+        self._cdgrab_recording = None  # structured / exact: the recording of the current micro-batch
 
     # ------------------------------------------------------------------ set-up
 
@@ -182,6 +186,9 @@ class CDGraBTrainerMixin:
                              f"{len(dataset) % (world * batch)} examples are never used) or trim the dataset")
         if self._uses_grads:
             self._check_gradients_can_be_formed()
+        if self.cdgrab_settings.exact_low_memory and args.world_size > 1:
+            raise ValueError(f"{name}: exact_low_memory=True runs in one process for now (num_replicas may host "
+                             "several replicas there); start without torchrun, or use exact_low_memory=False")
 
     def _check_gradients_can_be_formed(self) -> None:
         args, name = self.args, type(self).__name__
@@ -214,20 +221,35 @@ class CDGraBTrainerMixin:
         settings, args = self.cdgrab_settings, self.args
         world, here = self._replicas
         if self._uses_grads and self.cdgrab_grads is None:
-            if settings.structured:  # the sketches come from the Trainer's own backward (training_step)
+            if settings.exact_low_memory:  # products from the Trainer's own backward (training_step)
+                self.cdgrab_grads = settings.exact_gradients(self.model)
+                self._first_sketch_dry_run(dataset)
+            elif settings.structured:  # the sketches come from the Trainer's own backward (training_step)
                 self.cdgrab_grads = LayerSketch(self.model, settings.sketch_dim, settings.seed,
                                                 params=settings.grad_params, min_numel=settings.min_numel)
                 self._first_sketch_dry_run(dataset)
             else:
                 self.cdgrab_grads = settings.loss_gradients(self.model)
                 self._first_gradients_dry_run(dataset)
-        self.cdgrab_sampler = dataclasses.replace(settings, num_replicas=world).sampler(
+        # exact_low_memory: built with D-RR (no (d,) state), then given the exact sorter
+        built = {"sorter": "D-RR", "exact_low_memory": False} if settings.exact_low_memory else {}
+        self.cdgrab_sampler = dataclasses.replace(settings, num_replicas=world, **built).sampler(
             len(dataset), batch_size=args.per_device_train_batch_size,
             d=self.cdgrab_grads.d if self.cdgrab_grads else None, drop_last=args.dataloader_drop_last,
             epochs=self._total_epochs(len(dataset) // world), view="rank" if here > 1 else "global")
+        if settings.exact_low_memory:
+            self._install_exact_sorter(len(dataset), world)
         if self._cdgrab_resume_from is not None:
             self.cdgrab_sampler.load_state_dict(self._saved_sampler_state(), replay_from_epoch_start=True)
         return self.cdgrab_sampler
+
+    def _install_exact_sorter(self, dataset_size: int, world: int) -> None:
+        """exact_low_memory: the sampler's sorter is an ExactCDGraB (the orders of CD-GraB, a float32 running
+        sum, no (d,) float64 one). The sampler was built with CD-GraB, which allocates that sum: rebuilt
+        with D-RR (no state of size d), then given the exact sorter."""
+        sampler = self.cdgrab_sampler
+        sampler.sorter = ExactCDGraB(world, sampler.m, self.cdgrab_grads.d, seed=self.cdgrab_settings.seed)
+        sampler.d = self.cdgrab_grads.d
 
     def _total_epochs(self, per_replica: int) -> int:
         """The run's epochs (KH-SGD's and SBW's thresholds depend on it): num_train_epochs, or max_steps'."""
@@ -256,10 +278,11 @@ class CDGraBTrainerMixin:
         """structured: refuse now, in one line, a model or batch the layer records cannot serve: no labels,
         no logits, or a model whose loss changes when it is given explicit (B, T) position ids."""
         name = type(self).__name__
+        mode = "exact_low_memory=True" if self.cdgrab_settings.exact_low_memory else "structured=True"
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         batch = self._prepare_inputs(collate([dataset[0], dataset[min(1, len(dataset) - 1)]]))
         if "labels" not in batch:
-            raise ValueError(f"{name}: structured=True computes the causal LM loss from the batch's labels; the "
+            raise ValueError(f"{name}: {mode} computes the causal LM loss from the batch's labels; the "
                              "collator gives none (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
         was_training = self.model.training
         self.model.eval()
@@ -268,14 +291,14 @@ class CDGraBTrainerMixin:
                 outputs = self.model(**batch)
                 logits = getattr(outputs, "logits", None)
                 if not isinstance(logits, torch.Tensor) or logits.shape[:2] != batch["labels"].shape:
-                    raise ValueError(f"{name}: structured=True needs a causal LM whose outputs.logits are "
-                                     "(B, T, vocab) for (B, T) labels; use structured=False for this model")
+                    raise ValueError(f"{name}: {mode} needs a causal LM whose outputs.logits are "
+                                     f"(B, T, vocab) for (B, T) labels; use {mode.split('=')[0]}=False for this model")
                 with_positions = self._with_positions(batch)
                 if with_positions is not batch and not torch.allclose(
                         self.model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
-                    raise ValueError(f"{name}: structured=True passes position_ids (B, T) = 0..T-1 so that the "
+                    raise ValueError(f"{name}: {mode} passes position_ids (B, T) = 0..T-1 so that the "
                                      "position embedding sees the examples, but this model's logits change with "
-                                     "them (left padding?); use structured=False")
+                                     f"them (left padding?); use {mode.split('=')[0]}=False")
         finally:
             self.model.train(was_training)
 
@@ -299,14 +322,19 @@ class CDGraBTrainerMixin:
         """The Trainer's step, and the sampler's: per-example gradients of this micro-batch (rows in the
         sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
         structured, the sketches come from the step's own forward and backward (compute_loss)."""
-        grads = None
-        if self._uses_grads and not self.cdgrab_settings.structured:
+        grads, exact = None, self.cdgrab_settings.exact_low_memory
+        if exact:
+            self._cdgrab_recording = self.cdgrab_grads.recording()
+        elif self._uses_grads and not self.cdgrab_settings.structured:
             self.model.train()
             grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
         elif self._uses_grads:
             self._cdgrab_recording = self.cdgrab_grads.recording()
         try:
             loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+            if exact:
+                self.cdgrab_sampler.step_units(self._cdgrab_recording.units(from_grad=True))  # (micro-batch) units
+                return loss
             if self._cdgrab_recording is not None:
                 grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)
         finally:

@@ -320,6 +320,20 @@ class CDGraBSampler(Sampler[int]):
         self.position += b
         self.resume = None  # the resumed epoch goes on; from here on a part-way end is an error again
 
+    def step_units(self, units) -> None:
+        """step() for exact CD-GraB from layer records (sorters/exact.py: an ExactCDGraB sorter, one process
+        hosting every replica): `units`, the UnitGradients of the batch just used (R * b units, rows in the
+        order the sampler yielded the examples), go to the sorter as they are; nothing is gathered."""
+        if not self.started or self.position == self.m:
+            raise ValueError("step_units() outside an epoch: iterate over the sampler (the DataLoader) first")
+        b = min(self.batch_size, self.m - self.position)
+        try:
+            self.sorter.step(units, range(self.position, self.position + b))
+        except NonFiniteGradientError as error:
+            raise self._named_step(error) from None
+        self.position += b
+        self.resume = None
+
     def _named_step(self, error: NonFiniteGradientError) -> NonFiniteGradientError:
         """The sorter's error, prefixed with the step as this sampler counts it."""
         step, steps = error.position // self.batch_size, math.ceil(self.m / self.batch_size)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sorters.checks import check_int, check_seed
+from sorters.exact import ExactGradients
 from sorters.layer_sketch import LayerSketch
 from sorters.per_example import PerExampleGrads, PerExampleLossGrads
 from sorters.registry import SORTERS
@@ -40,6 +41,9 @@ class CDGraBSettings:
     min_numel:       with structured: that threshold (>= 1; default the library's row of
                      sorters/thresholds.py, which says why it differs from the engine's).
     num_replicas:    replicas the data is split over; None: the number of processes.
+    exact_low_memory: CD-GraB only, sketch_dim 0, one process: balance the exact gradients without
+                     forming them whole: their products come layer by layer from the training step's own
+                     forward and backward (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer only.
     """
     sorter: str = "CD-GraB"
     seed: int | None = None
@@ -49,6 +53,7 @@ class CDGraBSettings:
     structured: bool = False
     min_numel: int = STRUCTURED_MIN_NUMEL
     num_replicas: int | None = None
+    exact_low_memory: bool = False
 
     def __post_init__(self):
         owner = "CDGraBSettings"
@@ -72,6 +77,12 @@ class CDGraBSettings:
             raise ValueError(f"{owner}: structured=True builds sketches of the gradients a sorter balances: it needs "
                              f"sketch_dim > 0 and a balancing sorter, got sketch_dim={self.sketch_dim}, "
                              f"sorter={self.sorter}")
+        if not isinstance(self.exact_low_memory, bool):
+            raise TypeError(f"{owner}: exact_low_memory must be True or False, got {self.exact_low_memory!r}")
+        if self.exact_low_memory and (self.sorter != "CD-GraB" or self.sketch_dim or self.structured):
+            raise ValueError(f"{owner}: exact_low_memory=True balances CD-GraB's exact gradients: it needs "
+                             f"sorter='CD-GraB', sketch_dim=0 and structured=False, got sorter={self.sorter}, "
+                             f"sketch_dim={self.sketch_dim}, structured={self.structured}")
 
     @property
     def uses_grads(self) -> bool:
@@ -103,6 +114,10 @@ class CDGraBSettings:
         if not self.structured:
             raise ValueError("CDGraBSettings: layer_sketch() builds structured sketches: set structured=True")
         return LayerSketch(model, self.sketch_dim, self.resolved_seed, params=self.grad_params, min_numel=self.min_numel)
+
+    def exact_gradients(self, model):
+        """exact_low_memory: the ExactGradients of `model` (sorters/exact.py) for these grad_params."""
+        return ExactGradients(model, params=self.grad_params)
 
     def sampler(self, dataset, batch_size: int, d: int | None, cls=CDGraBSampler, **kwargs) -> CDGraBSampler:
         """A CDGraBSampler (or the subclass `cls`, e.g. LightningCDGraBSampler) with these settings' sorter,

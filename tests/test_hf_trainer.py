@@ -336,3 +336,19 @@ def test_example_bad_input_gets_one_line_and_exit_2(request, tmp_path, args, mes
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_exact_low_memory_gives_the_exact_trainers_orders_and_losses(hf, uninterrupted, tmp_path):
+    """CDGraBSettings(exact_low_memory=True): the products of the examples' gradients from the Trainer's own
+    forward and backward (sorters/exact.py) give the orders of the exact run (2 replicas in one process,
+    gradient accumulation 2: the running sum's update from the records alone), to the step."""
+    from sorters import CDGraBSettings
+    from sorters.exact import ExactCDGraB
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path),
+                                  train_dataset=hf.examples(hf.token_rows()),
+                                  cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS, exact_low_memory=True))
+    trainer.train()
+    assert isinstance(trainer.cdgrab_sampler.sorter, ExactCDGraB)
+    assert trainer.batches == uninterrupted.batches
+    assert trainer.losses == pytest.approx(uninterrupted.losses, rel=1e-5)
+    assert trainer.cdgrab_sampler.sorter.near_ties == 0

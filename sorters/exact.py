@@ -1,0 +1,348 @@
+r"""Exact CD-GraB without holding the per-example gradients: each step's units are kept as the layer
+records of one batched forward and backward, and the sorter takes only their products (issue #47).
+
+    exact = ExactGradients(model)                               # every trainable parameter
+    sorter = ExactCDGraB(n_workers=1, m=len(data), d=exact.d)    # the orders of sorters.CDGraB
+    orders = sorter.sort()
+    for positions, (x, y) in batches:                           # k examples per worker and step
+        units = exact(lambda: F.cross_entropy(model(x), y, reduction="none"))   # (B,) per-example losses
+        sorter.step(units, positions)                            # the signs, then S += sum_u w_u g_u
+
+    with exact.recording() as rec:                               # a loop with its own backward (HF Trainer)
+        losses = per_example_losses(model(x)); rec.watch(losses)
+    loss.backward(); sorter.step(rec.units(), positions)
+
+Why products are enough. Within an epoch CD-GraB signs the pair difference v_i = g_first - g_second by
+<S_i, v_i>, S_i = S + sum_{j<i} sign_j v_j the signed sum of the earlier differences, S the sum at the
+step's start. So <S_i, v_i> = <S, v_i> + sum_{j<i} sign_j <v_j, v_i>, and the step needs only
+(a) <S, g_u> and (b) <g_u, g_v> for its units, then (c) S += sum_u w_u g_u with w = the signs spread on
+the pairs' units (+sign on the first, -sign on the second). sorters/exact_products.py gets (a), (b)
+and (c) parameter by parameter, streaming or by the ghost formulas.
+
+The pending unit. With k odd a pair spans two steps: its first unit's gradient is needed in the next
+step. Instead of its (d,) gradient the sorter keeps that unit's records (one example's layer inputs and
+output gradients, rescaled to its own loss), and the next step's products include it as one more unit.
+
+The running sum S is (d,) in `dtype` (float32 by default: float64 for a 124M model is ~1 GiB, more than
+the memory the issue allows). Its products are accumulated in float64. Where rounding may decide a
+sign, |<S_i, v_i>| <= NEAR_TIE * ||S_i|| * (||g_first|| + ||g_second||), the step counts a near-tie
+(`near_ties`, over the run); everywhere else the signs are those of CDGraB fed the formed gradients.
+"""
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from sorters.balance import gram_signs
+from sorters.base import PairBalancer
+from sorters.checks import NonFiniteGradientError, check_module
+from sorters.exact_products import CONTRIBUTION_RULES, add_weighted, matrix_shape, parameter_products
+from sorters.layer_sketch import _Layout, selected_parameters
+
+NEAR_TIE = 1e-5
+
+
+class UnitGradients:
+    """The gradients of U units, never formed whole: per selected parameter (by id), a list of
+    (first unit, contribution) whose sum is the units' gradients; `scale` (U,): each unit's records hold
+    scale_u times its gradient (the loss weight of a training loop's own backward).
+
+    step_grads: None, or {id(p): the backward's own gradient of p}, which is the sum of the records of
+    units 0..step_units-1: add_to() then takes sum_u w_u g_u as lam * that gradient plus the records of
+    the units whose w_u / scale_u differs from lam (the most common ratio; with equal loss weights, one
+    unit of each pair), half the products of the records."""
+
+    def __init__(self, owner: "ExactGradients", units: int, pieces: dict, scale: torch.Tensor,
+                 step_grads: dict | None = None, step_units: int = 0):
+        self.owner, self.units, self.pieces, self.scale = owner, units, pieces, scale
+        self.step_grads, self.step_units = step_grads, step_units
+
+    def products(self, running_sum: torch.Tensor, how: str | None = None):
+        """(a (U,), G (U, U)) float64: <S, g_u> and <g_u, g_v>, summed over the parameters."""
+        a = torch.zeros(self.units, dtype=torch.float64)
+        G = torch.zeros(self.units, self.units, dtype=torch.float64)
+        self.owner.last_how = {}
+        for p in self.owner.params:
+            pieces = self.pieces.get(id(p), [])
+            if not pieces:
+                continue
+            pa, pG, chosen = parameter_products(pieces, self.owner.view(running_sum, p), self.units, how)
+            a += pa.cpu()
+            G += pG.cpu()
+            self.owner.last_how[id(p)] = chosen
+        scale = self.scale.double().cpu()
+        return a / scale, G / scale[:, None] / scale[None, :]
+
+    def add_to(self, running_sum: torch.Tensor, w: torch.Tensor) -> None:
+        """running_sum (d,) += sum_u w_u g_u, w (U,)."""
+        ratio = w.to(self.scale.device, torch.float64) / self.scale.double()  # weights of the records
+        lam = 0.0
+        if self.step_grads is not None and self.step_units:
+            values, counts = ratio[:self.step_units].unique(return_counts=True)
+            lam = float(values[counts.argmax()])
+            ratio[:self.step_units] -= lam  # exactly 0 for the units of that ratio: their records are skipped
+        ratio = ratio.to(running_sum.dtype)
+        for p in self.owner.params:
+            view = self.owner.view(running_sum, p)
+            if lam and self.step_grads.get(id(p)) is not None:
+                view.add_(self.step_grads[id(p)].reshape(view.shape), alpha=lam)
+            pieces = self.pieces.get(id(p))
+            if pieces:
+                add_weighted(pieces, view, ratio)
+
+    def select(self, units: list[int]) -> "UnitGradients":
+        """These units only, each rescaled to its own gradient (scale 1): copies, not views of the records."""
+        index = torch.tensor(units, dtype=torch.long, device=self.scale.device)
+        factors = 1.0 / self.scale[index]
+        pieces = {}
+        for key, parts in self.pieces.items():
+            for first, x in parts:
+                for i, u in enumerate(units):  # one contribution per kept unit: any order, any overlap
+                    if first <= u < first + x.units:
+                        taken = x.select(torch.tensor([u - first], device=index.device)).scaled(factors[i:i + 1])
+                        pieces.setdefault(key, []).append((i, taken))
+        return UnitGradients(self.owner, len(units), pieces, torch.ones(len(units), dtype=self.scale.dtype,
+                                                                         device=self.scale.device))
+
+    def join(self, other: "UnitGradients") -> "UnitGradients":
+        """This step's units, then other's (the pending ones)."""
+        pieces = {key: list(parts) for key, parts in self.pieces.items()}
+        for key, parts in other.pieces.items():
+            pieces.setdefault(key, []).extend((first + self.units, x) for first, x in parts)
+        return UnitGradients(self.owner, self.units + other.units, pieces, torch.cat([self.scale, other.scale]),
+                             self.step_grads, self.step_units)
+
+
+class ExactGradients:
+    """The selected parameters of `model` and their layer rules (sorters/exact_products.py).
+
+    model:  an nn.Module whose selected parameters all belong to Linear, transformers Conv1D, Embedding
+            (without scale_grad_by_freq) or LayerNorm layers, each used through its own forward; every
+            recorded layer's input has the examples on dim 0 (GPT-2: position_ids (B, T)).
+    params: None (every trainable parameter) or regular expressions searched in the names.
+    how:    "stream", "ghost" or None (per parameter, the cheaper by the cost formula).
+    Attributes: names, d, params ([parameter] in named_parameters() order, a tied one once), offsets.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None, how: str | None = None):
+        check_module("ExactGradients", model)
+        if how not in (None, "stream", "ghost"):
+            raise ValueError(f"ExactGradients: how must be 'stream', 'ghost' or None, got {how!r}")
+        self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        chosen = selected_parameters(self.model, params, "ExactGradients")
+        layout = _Layout(self.model, chosen)
+        if layout.formed:
+            names = ", ".join(name for name, _ in layout.formed[:6])
+            raise ValueError(f"ExactGradients: {len(layout.formed)} selected parameter(s) belong to layers without a "
+                             f"layer rule ({names}); select others with params, or use the formed gradients")
+        self.names = [name for name, _ in chosen]
+        self.params = [p for _, p in chosen]
+        self.offsets, self.d, self.layers = layout.offsets, layout.d, layout.layers
+        self.how, self.last_how = how, {}
+
+    def view(self, running_sum: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """p's (R, C) slice of a flat (d,) vector."""
+        start = self.offsets[id(p)]
+        return running_sum[start:start + p.numel()].view(matrix_shape(p))
+
+    def recording(self) -> "ExactRecording":
+        return ExactRecording(self)
+
+    def __call__(self, losses_fn: Callable[[], torch.Tensor]) -> UnitGradients:
+        """Run losses_fn() (the batched forward, returning the (B,) per-example losses) and one backward
+        of their sum (torch.autograd.grad: no .grad is touched); the B units' gradients as records."""
+        with self.recording() as rec:
+            losses = losses_fn()
+            rec.watch(losses)
+        grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
+        units = rec.units()
+        units.step_grads, units.step_units = {id(p): g for p, g in zip(self.params, grads)}, units.units
+        return units
+
+    def flat(self, units: UnitGradients) -> torch.Tensor:
+        """(U, d) the units' gradients formed (for tests and small models)."""
+        out = torch.zeros(units.units, self.d, dtype=self.params[0].dtype)
+        for u in range(units.units):
+            w = torch.zeros(units.units, dtype=torch.float64)
+            w[u] = 1.0
+            units.add_to(out[u], w)
+        return out
+
+
+class ExactRecording:
+    """ExactGradients.recording(): the forward inside the block, watch(losses), the loop's backward,
+    then units(). A call's contributions are taken when its output gradient arrives; its input is
+    kept until then (autograd keeps it too)."""
+
+    def __init__(self, owner: ExactGradients):
+        self.owner, self.handles, self.pieces, self.scale, self.B, self.fresh = owner, [], {}, None, None, False
+        self.selected = {id(p) for p in owner.params}
+
+    def __enter__(self) -> "ExactRecording":
+        def record(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                entry = [module, args[0].detach()]
+                output.register_hook(lambda g, entry=entry: self._on_grad(entry, g))
+
+        self.handles = [module.register_forward_hook(record) for module in self.owner.layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _on_grad(self, entry: list, g: torch.Tensor) -> None:
+        module, a = entry
+        if a is None:
+            return
+        entry[1] = None
+        if self.B is not None and (a.shape[0] != self.B or g.shape[0] != self.B):
+            raise ValueError(f"ExactGradients: {type(module).__name__} got an input of shape {tuple(a.shape)} for "
+                             f"{self.B} examples: every recorded layer's input needs the examples on dim 0")
+        with torch.no_grad():
+            for p, contribution in CONTRIBUTION_RULES[self.owner.layers[module]](module, a, g.detach()):
+                if id(p) in self.selected:
+                    self.pieces.setdefault(id(p), []).append((0, contribution))
+
+    def watch(self, losses: torch.Tensor) -> None:
+        """losses (B,): the per-example losses the loop's loss is built from (attached to the graph)."""
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or not losses.requires_grad:
+            raise ValueError("ExactGradients: watch() takes the (B,) per-example losses, attached to the graph")
+        self.B = losses.shape[0]
+        self.fresh = all(p.grad is None for p in self.owner.params)  # .grad will be this backward's alone
+
+        def read_scale(g):
+            self.scale = g.detach()
+
+        losses.register_hook(read_scale)
+
+    def units(self, from_grad: bool = False) -> UnitGradients:
+        """The B units' gradients, after the backward; the recording's records are handed over.
+        from_grad: the parameters' .grad hold this backward's gradient alone (they were None at watch(); the
+        units go to the sorter before anything changes .grad: clipping, an optimizer step), which spares
+        half of the running sum's update (UnitGradients.step_grads)."""
+        if self.scale is None:
+            raise ValueError("ExactGradients: no gradient reached the watched losses; run the backward of a loss "
+                             "built from them before units()")
+        if not bool((self.scale.ne(0) & self.scale.isfinite()).all()):
+            raise ValueError("ExactGradients: the loss gives an example a zero or non-finite weight, so its gradient "
+                             "cannot be recovered from the backward")
+        units = UnitGradients(self.owner, self.B, self.pieces, self.scale.to(self.owner.params[0].dtype))
+        if from_grad and self.fresh:
+            units.step_grads, units.step_units = {id(p): p.grad for p in self.owner.params}, self.B
+        self.pieces, self.scale = {}, None
+        return units
+
+
+class ExactCDGraB(PairBalancer):
+    """CD-GraB (sorters.balance.CDGraB: the same visiting order, tie rule, pending unit and orders) taking
+    each step's units as UnitGradients instead of an (n, k, d) tensor: step(units, positions), units
+    holding the n * k units replica-major (unit j * k + i is worker j's i-th).
+
+    dtype: the running sum's (d,) dtype (float32: see the module docstring). `near_ties` counts the
+    signs that rounding may have decided (NEAR_TIE), over the run; `last_products` keeps the last
+    step's (a, G) of the differences, for inspection."""
+
+    name = "CD-GraB"
+    OPTIONAL_STATE = PairBalancer.OPTIONAL_STATE + ("near_ties",)
+    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("last_products",)
+
+    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise"):
+        if nonfinite != "raise":
+            raise ValueError("ExactCDGraB: only nonfinite='raise' is supported")
+        self.near_ties, self.last_products = 0, None
+        super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
+
+    def _reset_running_sums(self):
+        if getattr(self, "running_sum", None) is not None and self.running_sum.dtype == self.dtype:
+            self.running_sum.zero_()  # no fresh (d,) allocation every epoch
+        else:
+            self.running_sum = torch.zeros(self.d, dtype=self.dtype, device=self.device)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if isinstance(state.get("pending"), UnitGradients):  # saved as CDGraB saves it: the (n, d) gradients
+            state["pending"] = state["pending"].owner.flat(state["pending"]).to(self.dtype)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.running_sum = self.running_sum.to(self.dtype)
+        if torch.is_tensor(self.pending):
+            raise ValueError("ExactCDGraB: a state saved with an unpaired unit (pending) cannot be resumed yet; "
+                             "save at an even position")
+
+    def step(self, units: UnitGradients, positions):
+        start, k = self._check_positions(positions)
+        n = self.n
+        if not isinstance(units, UnitGradients) or units.units != n * k:
+            raise ValueError(f"{self.name}: step() takes the UnitGradients of the {n} x {k} units of the step")
+        self._next_position += k
+        pending = self.pending is not None
+        everything = units.join(self.pending) if pending else units
+        firsts, seconds = self._visiting_order(n, k, pending)
+        r = len(firsts)
+        if r:
+            a, G = everything.products(self.running_sum)
+            if not bool(a.isfinite().all() and G.isfinite().all()):
+                raise NonFiniteGradientError(f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, "
+                                             f"step at positions {start}..{start + k - 1} of {self.m}; lower the "
+                                             "learning rate or fix the input", self.epoch, start)
+            C = torch.zeros(r, everything.units, dtype=torch.float64)
+            C[torch.arange(r), firsts] = 1.0
+            C[torch.arange(r), seconds] = -1.0
+            diff_a, diff_G = C @ a, C @ G @ C.T
+            signs = gram_signs(diff_a, diff_G)
+            self.near_ties += self._count_near_ties(diff_a, diff_G, signs, G, firsts, seconds)
+            self.last_products = (diff_a, diff_G)
+            everything.add_to(self.running_sum, C.T @ signs)
+            plus = (signs > 0).numpy()
+            self._place(plus, n, k, pending)
+        self.pending = None
+        if (k - pending) % 2:
+            self.pending = units.select([j * k + k - 1 for j in range(n)])
+            self.pending_position = start + k - 1
+        if self._next_position == self.m and self.pending is not None:
+            assert self.left == self.right
+            self.next_orders[:, self.left] = self.orders[:, self.pending_position]
+            self.pending, self.left, self.right = None, self.left + 1, self.right - 1
+
+    @staticmethod
+    def _visiting_order(n: int, k: int, pending: bool):
+        """(firsts, seconds): unit indices of the step's differences, in CDGraB's visiting order: the pairs
+        completing the pending units (worker by worker), then pair-major, worker-minor."""
+        firsts, seconds = [], []
+        if pending:
+            for j in range(n):
+                firsts.append(n * k + j)
+                seconds.append(j * k)
+        begin = int(pending)
+        for p in range((k - begin) // 2):
+            for j in range(n):
+                firsts.append(j * k + begin + 2 * p)
+                seconds.append(j * k + begin + 2 * p + 1)
+        return firsts, seconds
+
+    def _place(self, plus, n: int, k: int, pending: bool) -> None:
+        at = 0
+        if pending:
+            self._place_pairs(np, plus[:n].reshape(n, 1), self.pending_position)
+            at = n
+        pairs = (k - pending) // 2
+        if pairs:
+            first = self._next_position - k + int(pending)
+            self._place_pairs(np, np.ascontiguousarray(plus[at:].reshape(pairs, n).T), first)
+
+    def _count_near_ties(self, diff_a, diff_G, signs, G, firsts, seconds) -> int:
+        """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||)."""
+        norm2 = float(self.running_sum.double().square().sum())
+        ties = 0
+        for i in range(len(diff_a)):
+            before = signs[:i]
+            dot = diff_a[i] + diff_G[i, :i] @ before
+            s_norm2 = norm2 + 2 * (before @ diff_a[:i]) + before @ diff_G[:i, :i] @ before
+            scale = float(s_norm2.clamp(min=0).sqrt()) * (float(G[firsts[i], firsts[i]].clamp(min=0).sqrt())
+                                                          + float(G[seconds[i], seconds[i]].clamp(min=0).sqrt()))
+            ties += 0 < scale and abs(float(dot)) <= NEAR_TIE * scale  # S_i = 0 exactly: a true tie, +1
+        return ties

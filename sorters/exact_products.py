@@ -1,0 +1,292 @@
+r"""Exact inner products of per-example gradients, parameter by parameter, without holding them whole.
+
+Exact CD-GraB (sorters/exact.py) needs, for one step's U units (examples) with gradients g_u and the
+running sum S, only
+    (a) <S, g_u>          (U,)      the units' products with the sum at the step's start,
+    (b) <g_u, g_v>        (U, U)    their Gram matrix,
+    (c) S += sum_u w_u g_u          once the signs (the weights w) are known;
+(a) and (b) add up over parameters, (c) is done parameter by parameter. Each parameter's per-example
+gradient is a sum of CONTRIBUTIONS, one per call of a layer that holds it (a tied weight: one per layer
+using it), built from the records of one batched forward and backward (a_t a call's input at token t,
+g_t its output's gradient, row u = unit u):
+
+    Linear weight (out, in):    Outer(left=g, right=a)     g_u = sum_t g_ut a_ut^T
+    Conv1D weight (in, out):    Outer(left=a, right=g)     g_u = sum_t a_ut g_ut^T   (transformers' Conv1D)
+    Embedding weight (V, e):    Rows(ids, g)               row ids_ut of g_u += g_ut; padding_idx rows: 0
+    bias (out,):                Formed(sum_t g_ut)
+    LayerNorm weight, bias:     Formed(sum_t g_ut * xhat_ut), Formed(sum_t g_ut)
+
+Two ways to get (a) and (b) for a parameter of shape (R, C) (`parameter_products`):
+- stream: form the units' gradients of a block of rows, (U, rows, C), by one batched product per
+  contribution (the flops of the layer's weight gradient), take G_block S_block and G_block G_block^T,
+  drop the block, go on (a vocabulary matrix in blocks of rows, never (U, V, e) at once);
+- ghost: never form them. (a) <S, g_u> = sum_t left_ut^T S right_ut; (b) per pair of contributions
+  <x_u, y_v> = sum_{t,t'} (left_ut . left_vt')(right_ut . right_vt') for two Outers, and the cross terms
+  of a tied matrix: Outer x Rows = sum_{t,t'} left_ut[ids_vt'] (right_ut . values_vt'), Rows x Rows =
+  sum_{t,t'} [ids_ut = ids_vt'] (values_ut . values_vt'). Its cost grows with (U T)^2 (R + C) instead of
+  U T R C, so it wins where tokens are few against the layer's size (`ghost_pays`).
+Both give the same numbers up to rounding; the tests check each rule against gradients formed by
+autograd, one example at a time.
+
+(c) is one product per contribution: Outer S += left^T diag(w) right over the tokens, Rows an
+index_add of the weighted rows, Formed a weighted sum; units of weight 0 are skipped.
+
+The rules are keyed by the layer kinds of `sorters.layer_sketch.layer_kind` (CONTRIBUTION_RULES).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+STREAM_BLOCK_BYTES = 8 * 2**20  # the (U, rows, C) block streaming holds at once: small enough to stay in cache
+
+
+class Outer:
+    """sum_t left[u, t] right[u, t]^T for each unit u: left (U, T, R), right (U, T, C), an (R, C) matrix each."""
+
+    def __init__(self, left: torch.Tensor, right: torch.Tensor):
+        self.left, self.right = left, right
+        self.units, self.tokens = left.shape[0], left.shape[1]
+
+    def add_rows(self, out: torch.Tensor, r0: int, r1: int) -> None:
+        """out (U, r1 - r0, C) += rows r0:r1 of every unit's matrix."""
+        out.baddbmm_(self.left[:, :, r0:r1].transpose(1, 2), self.right)
+
+    def dot(self, S: torch.Tensor) -> torch.Tensor:
+        """(U,) <S, x_u> for S (R, C): sum_t left_ut^T S right_ut."""
+        return ((self.right @ S.T) * self.left).sum((1, 2))
+
+    def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
+        """S (R, C) += sum_u w_u x_u: unit by unit, so that no weighted copy of the records is made."""
+        for u, weight in enumerate(w.tolist()):
+            S.addmm_(self.left[u].T, self.right[u], alpha=weight)
+
+    def select(self, units) -> "Outer":
+        return Outer(self.left[units], self.right[units])
+
+    def scaled(self, factors: torch.Tensor) -> "Outer":
+        return Outer(self.left * factors[:, None, None], self.right)
+
+
+class Rows:
+    """Embedding rows: values[u, t] (C,) into row ids[u, t] of unit u's (R, C) matrix; ids (U, T)."""
+
+    def __init__(self, ids: torch.Tensor, values: torch.Tensor, num_rows: int):
+        self.ids, self.values, self.num_rows = ids, values, num_rows
+        self.units, self.tokens = ids.shape
+
+    def add_rows(self, out: torch.Tensor, r0: int, r1: int) -> None:
+        inside = (self.ids >= r0) & (self.ids < r1)
+        units, tokens = inside.nonzero(as_tuple=True)
+        out.index_put_((units, self.ids[units, tokens] - r0), self.values[units, tokens], accumulate=True)
+
+    def dot(self, S: torch.Tensor) -> torch.Tensor:
+        return (S[self.ids] * self.values).sum((1, 2))
+
+    def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
+        for u, weight in enumerate(w.tolist()):
+            S.index_add_(0, self.ids[u], self.values[u], alpha=weight)
+
+    def select(self, units) -> "Rows":
+        return Rows(self.ids[units], self.values[units], self.num_rows)
+
+    def scaled(self, factors: torch.Tensor) -> "Rows":
+        return Rows(self.ids, self.values * factors[:, None, None], self.num_rows)
+
+
+class Formed:
+    """Per-unit gradients already formed: values (U, R, C) (a vector parameter: (U, n, 1))."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+        self.units, self.tokens = values.shape[0], 1
+
+    def add_rows(self, out: torch.Tensor, r0: int, r1: int) -> None:
+        out.add_(self.values[:, r0:r1])
+
+    def dot(self, S: torch.Tensor) -> torch.Tensor:
+        return self.values.reshape(self.units, -1) @ S.reshape(-1)
+
+    def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
+        S.add_(torch.tensordot(w, self.values, dims=1))
+
+    def select(self, units) -> "Formed":
+        return Formed(self.values[units])
+
+    def scaled(self, factors: torch.Tensor) -> "Formed":
+        return Formed(self.values * factors[:, None, None])
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+
+def linear_contributions(module, a: torch.Tensor, g: torch.Tensor) -> list:
+    """nn.Linear: a (U, ..., in), g (U, ..., out) -> [(weight, Outer(g, a)), (bias, Formed(sum_t g))]."""
+    U = a.shape[0]
+    a, g = a.reshape(U, -1, a.shape[-1]), g.reshape(U, -1, g.shape[-1])
+    out = [(module.weight, Outer(g, a))]
+    if module.bias is not None:
+        out.append((module.bias, Formed(g.sum(1)[:, :, None])))
+    return out
+
+
+def conv1d_contributions(module, a: torch.Tensor, g: torch.Tensor) -> list:
+    """transformers' Conv1D (weight (in, out), y = a W + b): [(weight, Outer(a, g)), (bias, Formed)]."""
+    U = a.shape[0]
+    a, g = a.reshape(U, -1, a.shape[-1]), g.reshape(U, -1, g.shape[-1])
+    out = [(module.weight, Outer(a, g))]
+    if module.bias is not None:
+        out.append((module.bias, Formed(g.sum(1)[:, :, None])))
+    return out
+
+
+def embedding_contributions(module, ids: torch.Tensor, g: torch.Tensor) -> list:
+    """nn.Embedding: ids (U, ...), g (U, ..., e) -> [(weight, Rows)]; the padding_idx row gets nothing."""
+    U = ids.shape[0]
+    ids = ids.reshape(U, -1)
+    g = g.reshape(U, ids.shape[1], -1)
+    if module.padding_idx is not None:
+        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    return [(module.weight, Rows(ids, g, module.num_embeddings))]
+
+
+def layer_norm_contributions(module, a: torch.Tensor, g: torch.Tensor) -> list:
+    """nn.LayerNorm over its last dims (n entries): weight sum_t g_t * xhat_t, bias sum_t g_t, formed."""
+    n = math.prod(module.normalized_shape)
+    U = a.shape[0]
+    g = g.reshape(U, -1, n)
+    out = []
+    if module.weight is not None:
+        xhat = F.layer_norm(a.reshape(U, -1, n), (n,), eps=module.eps)
+        out.append((module.weight, Formed((g * xhat).sum(1).reshape(U, *matrix_shape(module.weight)))))
+    if module.bias is not None:
+        out.append((module.bias, Formed(g.sum(1).reshape(U, *matrix_shape(module.bias)))))
+    return out
+
+
+CONTRIBUTION_RULES = {"Linear": linear_contributions, "Conv1D": conv1d_contributions,
+                      "Embedding": embedding_contributions, "LayerNorm": layer_norm_contributions}
+
+
+def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
+    """(R, C): the rows and columns a parameter's gradient is handled as (a vector: (n, 1))."""
+    return (p.shape[0], p.numel() // p.shape[0]) if p.dim() >= 1 else (1, 1)
+
+
+# ---------------------------------------------------------------------------------------------- products
+
+def ghost_possible(pieces: list) -> bool:
+    """Ghost products need every contribution factored (Outer or Rows), or every one Formed."""
+    kinds = {type(x) for _, x in pieces}
+    return Formed not in kinds or kinds == {Formed}
+
+
+def stream_cost(pieces: list, U: int, R: int, C: int) -> float:
+    """Forming the units' gradients block by block: each contribution's batched product (Outer: 2 U T R C
+    flops; Rows: writing U T C), zeroing and reading the (U, R, C) blocks for (a) and (b)."""
+    form = sum(2 * x.units * x.tokens * R * C if isinstance(x, Outer) else x.units * x.tokens * C
+               for _, x in pieces)
+    return form + (2 * U + 4) * U * R * C
+
+
+def ghost_cost(pieces: list, R: int, C: int) -> float:
+    """The ghost formulas: (a) 2 U T R C per Outer, (b) 2 (U T)(U' T') (R + C) per pair of contributions."""
+    dot = sum(2 * x.units * x.tokens * R * C if isinstance(x, Outer) else 2 * x.units * x.tokens * C
+              for _, x in pieces)
+    gram = sum(2 * (x.units * x.tokens) * (y.units * y.tokens) * (R + C)
+               for i, (_, x) in enumerate(pieces) for _, y in pieces[i:])
+    return dot + gram
+
+
+def ghost_pays(pieces: list, U: int, R: int, C: int) -> bool:
+    """Whether the ghost formulas are cheaper than streaming: GHOST_MARGIN * ghost flops < stream flops.
+    Streaming also writes and reads the (U, R, C) blocks, which the flop count undercounts, so ghost wins
+    up to about twice streaming's flops (bench/exact_products.py times both; docs/exact-cdgrab.md)."""
+    if not ghost_possible(pieces) or all(isinstance(x, Formed) for _, x in pieces):
+        return False
+    return GHOST_MARGIN * ghost_cost(pieces, R, C) < stream_cost(pieces, U, R, C)
+
+
+GHOST_MARGIN = 0.5
+
+
+def stream_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a (U,), G (U, U)) in float64 by forming the units' gradients STREAM_BLOCK_BYTES of rows at a time.
+    pieces: [(first unit, contribution)]; S (R, C)."""
+    R, C = S.shape
+    rows = max(1, min(R, STREAM_BLOCK_BYTES // max(1, U * C * S.element_size())))
+    a = torch.zeros(U, dtype=torch.float64, device=S.device)
+    G = torch.zeros(U, U, dtype=torch.float64, device=S.device)
+    block = torch.empty(U, rows, C, dtype=S.dtype, device=S.device)
+    # an Outer of every unit writes the block (bmm into it) instead of adding to zeros: a pass less
+    lead = next((i for i, (first, x) in enumerate(pieces) if isinstance(x, Outer) and x.units == U), None)
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        out = block[:, :r1 - r0]
+        if lead is None:
+            out.zero_()
+        else:
+            x = pieces[lead][1]
+            torch.bmm(x.left[:, :, r0:r1].transpose(1, 2), x.right, out=out)
+        for i, (first, x) in enumerate(pieces):
+            if i != lead:
+                x.add_rows(out[first:first + x.units], r0, r1)
+        flat = out.reshape(U, -1)
+        a += (flat @ S[r0:r1].reshape(-1)).double()
+        G += (flat @ flat.T).double()
+    return a, G
+
+
+def ghost_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a (U,), G (U, U)) in float64 from the contributions' factors, never forming a unit's gradient."""
+    a = torch.zeros(U, dtype=torch.float64, device=S.device)
+    G = torch.zeros(U, U, dtype=torch.float64, device=S.device)
+    for i, (fx, x) in enumerate(pieces):
+        a[fx:fx + x.units] += x.dot(S).double()
+        for fy, y in pieces[i:]:
+            block = ghost_gram(x, y).double()
+            G[fx:fx + x.units, fy:fy + y.units] += block
+            if y is not x:
+                G[fy:fy + y.units, fx:fx + x.units] += block.T
+    return a, G
+
+
+def ghost_gram(x, y) -> torch.Tensor:
+    """(Ux, Uy) <x_u, y_v> for two factored contributions to one parameter."""
+    if isinstance(x, Rows) and isinstance(y, Outer):
+        return ghost_gram(y, x).T
+    if isinstance(x, Formed):
+        return x.values.reshape(x.units, -1) @ y.values.reshape(y.units, -1).T
+    if isinstance(x, Outer):
+        left = x.left.reshape(-1, x.left.shape[2])
+        right = x.right.reshape(-1, x.right.shape[2])
+        if isinstance(y, Outer):
+            tokens = (left @ y.left.reshape(-1, y.left.shape[2]).T) * (right @ y.right.reshape(-1, y.right.shape[2]).T)
+        else:  # Outer x Rows (a tied matrix): left_ut[ids_vt'] (right_ut . values_vt')
+            tokens = left[:, y.ids.reshape(-1)] * (right @ y.values.reshape(-1, y.values.shape[2]).T)
+    else:  # Rows x Rows: [ids_ut = ids_vt'] (values_ut . values_vt')
+        same = x.ids.reshape(-1, 1) == y.ids.reshape(1, -1)
+        tokens = same * (x.values.reshape(-1, x.values.shape[2]) @ y.values.reshape(-1, y.values.shape[2]).T)
+    return tokens.view(x.units, x.tokens, y.units, y.tokens).sum((1, 3))
+
+
+def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = None):
+    """(a, G, how): one parameter's products for U units, pieces [(first unit, contribution)], S (R, C);
+    how: "stream", "ghost", or None (the cheaper by `ghost_pays`)."""
+    if how is None:
+        how = "ghost" if ghost_pays(pieces, U, *S.shape) else "stream"
+    if how == "ghost" and not ghost_possible(pieces):
+        how = "stream"
+    a, G = (ghost_products if how == "ghost" else stream_products)(pieces, S, U)
+    return a, G, how
+
+
+def add_weighted(pieces: list, S: torch.Tensor, w: torch.Tensor) -> None:
+    """S (R, C) += sum_u w_u g_u over the units of nonzero weight (w (U,) in S's dtype)."""
+    for first, x in pieces:
+        weights = w[first:first + x.units]
+        keep = weights.ne(0).nonzero().squeeze(1)
+        if len(keep) == 0:
+            continue
+        if len(keep) < x.units:
+            x, weights = x.select(keep), weights[keep]
+        x.add_to(S, weights)

@@ -1,0 +1,210 @@
+"""Exact CD-GraB from layer records (sorters/exact_products.py, sorters/exact.py), against an oracle: each
+example's gradient formed by an ordinary backward of its loss alone (float64), the products and updates
+computed from those, and the library's CDGraB fed those gradients."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sorters.exact_products as products
+from sorters.balance import CDGraB
+from sorters.exact import ExactCDGraB, ExactGradients
+from sorters.hf import causal_lm_losses
+
+V, E, T, B = 13, 6, 5, 6
+
+
+class TiedNet(nn.Module):
+    """Every rule at once: an Embedding with padding_idx used twice, a position Embedding, LayerNorm, a
+    Linear with and one without bias, and an output Linear whose weight IS the token embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(V, E, padding_idx=0)
+        self.positions = nn.Embedding(T, E)
+        self.norm = nn.LayerNorm(E)
+        self.hidden = nn.Linear(E, E)
+        self.skip = nn.Linear(E, E, bias=False)
+        self.head = nn.Linear(E, V, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, ids, positions):
+        x = self.norm(self.tokens(ids) + self.positions(positions))
+        h = torch.tanh(self.hidden(x)) + self.skip(self.tokens(ids))
+        return self.head(h)
+
+
+def tied_net():
+    torch.manual_seed(0)
+    model = TiedNet().double()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    ids[0, 1] = ids[2, 3] = 0  # padding tokens: their rows of the embedding get nothing
+    positions = torch.arange(T).expand(B, T)
+    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+
+    def losses(rows=slice(None)):
+        logits = model(ids[rows], positions[rows])
+        return F.cross_entropy(logits.transpose(1, 2), targets[rows], reduction="none").mean(1)
+
+    return model, losses
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=40, n_positions=T, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).double()
+    model.set_attn_implementation("eager")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 40, (B, T), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(T).expand(B, T)
+
+    def losses(rows=slice(None)):
+        return causal_lm_losses(model(input_ids=ids[rows], position_ids=positions[rows]).logits, ids[rows])[0]
+
+    return model, losses
+
+
+def formed(exact, losses_of, n):
+    """The oracle: (n, d) gradients, example i's by a backward of its own loss."""
+    rows = []
+    for i in range(n):
+        grads = torch.autograd.grad(losses_of(slice(i, i + 1)).sum(), exact.params, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                               for p, g in zip(exact.params, grads)]))
+    return torch.stack(rows)
+
+
+@pytest.fixture(scope="module", params=["tied_net", "tiny_gpt2"])
+def case(request):
+    pytest.importorskip("transformers")
+    model, losses = {"tied_net": tied_net, "tiny_gpt2": tiny_gpt2}[request.param]()
+    exact = ExactGradients(model)
+    return exact, losses, formed(exact, losses, B)
+
+
+@pytest.mark.parametrize("how", ["stream", "ghost"])
+def test_each_parameters_products_are_those_of_the_formed_gradients(case, how, monkeypatch):
+    """(a) <S, g_u> and (b) <g_u, g_v> of every parameter alone (each layer rule, the tied matrix with its
+    cross terms, the padding row, biases, LayerNorm) equal the oracle's; streaming in blocks of a few rows."""
+    monkeypatch.setattr(products, "STREAM_BLOCK_BYTES", 3 * B * 8 * 8)  # 3 rows of width 8 per block
+    exact, losses, oracle = case
+    units = exact(losses)
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for name, p in zip(exact.names, exact.params):
+        start = exact.offsets[id(p)]
+        g = oracle[:, start:start + p.numel()]
+        a, G, chosen = products.parameter_products(units.pieces[id(p)], exact.view(S, p), B, how)
+        assert chosen == how or all(isinstance(x, products.Formed) for _, x in units.pieces[id(p)])
+        torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("from_grad", [False, True])
+def test_the_running_sums_update_is_the_weighted_sum_of_the_formed_gradients(case, from_grad):
+    """(c) S += sum_u w_u g_u from the records, and with the backward's own gradient (half the records)."""
+    exact, losses, oracle = case
+    units = exact(losses)
+    if not from_grad:
+        units.step_grads = None
+    w = torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, -1.0], dtype=torch.float64)
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    expected = S + w @ oracle
+    units.add_to(S, w)
+    torch.testing.assert_close(S, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_units_loss_weights_are_divided_out_and_a_selected_unit_keeps_its_own_gradient(case):
+    """A loop's backward of sum_u c_u loss_u: the records hold c_u g_u; products and units are g_u's."""
+    exact, losses, oracle = case
+    c = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5], dtype=torch.float64)
+    with exact.recording() as rec:
+        per_example = losses()
+        rec.watch(per_example)
+    torch.autograd.grad((per_example * c).sum(), exact.params, allow_unused=True)
+    units = rec.units()
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    a, G = units.products(S)
+    torch.testing.assert_close(a, oracle @ S, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, oracle @ oracle.T, rtol=1e-10, atol=1e-12)
+    kept = units.join(units.select([5])).select([4, 6, 1])  # across contributions, out of order
+    torch.testing.assert_close(exact.flat(kept), oracle[[4, 5, 1]], rtol=1e-10, atol=1e-12)
+    both = units.join(kept)
+    a2, G2 = both.products(S)
+    torch.testing.assert_close(a2, oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]] @ S, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G2, oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]] @ oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]].T, rtol=1e-10,
+                               atol=1e-12)
+
+
+def mlp_case():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.LayerNorm(7), nn.Linear(7, 3)).double()
+    X = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    Y = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(2))
+    return model, lambda idx: (lambda: F.cross_entropy(model(X[idx]), Y[idx], reduction="none"))
+
+
+def gpt2_case():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=40, n_positions=T, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).double()
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 40, (40, T), generator=torch.Generator().manual_seed(1))
+
+    def losses_of(idx):
+        rows = ids[idx]
+        positions = torch.arange(T).expand(len(rows), T)
+        return lambda: causal_lm_losses(model(input_ids=rows, position_ids=positions).logits, rows)[0]
+
+    return model, losses_of
+
+
+@pytest.mark.parametrize("model_case, n, k, m, how", [
+    ("mlp", 2, 3, 9, None),       # odd k: pairs across steps (the pending unit), odd m: the middle slot
+    ("mlp", 3, 4, 8, "ghost"),
+    ("gpt2", 2, 3, 5, None),      # the tied GPT-2, every unit's records, pending ones included
+])
+def test_orders_equal_cdgrab_fed_the_formed_gradients(model_case, n, k, m, how):
+    """Two epochs, the model moving between them: the orders (and the running sum) of ExactCDGraB equal
+    those of the library's CDGraB fed the (n, k, d) gradients formed by the oracle."""
+    if model_case == "gpt2":
+        pytest.importorskip("transformers")
+    model, losses_of = (mlp_case if model_case == "mlp" else gpt2_case)()
+    exact = ExactGradients(model, how=how)
+    # the compiled loop decides its signs independently of gram_signs (which ExactCDGraB uses)
+    reference = CDGraB(n, m, exact.d, seed=3, dtype=torch.float64, sign_loop="compiled" if model_case == "mlp" else "gram")
+    ours = ExactCDGraB(n, m, exact.d, seed=3, dtype=torch.float64)
+    for _ in range(2):
+        orders = reference.sort()
+        assert torch.equal(ours.sort(), orders)
+        for t in range(0, m, k):
+            positions = torch.arange(t, min(t + k, m))
+            idx = (orders[:, positions] + torch.arange(n)[:, None] * m).reshape(-1)
+            units = exact(losses_of(idx))
+            reference.step(formed(exact, lambda rows: losses_of(idx[rows])(), len(idx)).view(n, len(positions), -1),
+                           positions)
+            ours.step(units, positions)
+            torch.testing.assert_close(ours.running_sum, reference.running_sum, rtol=1e-9, atol=1e-12)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+    assert torch.equal(ours.sort(), reference.sort())
+    assert ours.near_ties == 0
+
+
+def test_a_near_tie_is_counted():
+    """<S_i, v_i> within NEAR_TIE of 0 relative to ||S_i|| (||g_first|| + ||g_second||) is counted; an
+    exactly zero S (the epoch's first pair) is a true tie, not counted."""
+    model = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.0, 0.0]]))
+    x = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
+    exact = ExactGradients(model)
+    sorter = ExactCDGraB(1, 4, exact.d, dtype=torch.float64)
+    sorter.sort()
+    units = exact(lambda: model(x).squeeze(1) + x.sum(1))  # g_u = x_u: the differences (1, 0), (0, 1)
+    sorter.step(units, torch.arange(4))
+    assert sorter.near_ties == 1  # the second difference is orthogonal to S = (1, 0)
