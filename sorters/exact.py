@@ -36,8 +36,9 @@ import torch
 from sorters.balance import gram_signs
 from sorters.base import PairBalancer
 from sorters.checks import NonFiniteGradientError, check_module
-from sorters.exact_products import CONTRIBUTION_RULES, add_weighted, matrix_shape, parameter_products
-from sorters.layer_sketch import _Layout, selected_parameters
+from sorters.exact_products import ContributionSink, add_weighted, matrix_shape, parameter_products
+from sorters.layer_rules import Layout, apply_rule, tokens
+from sorters.layer_sketch import selected_parameters
 
 NEAR_TIE = 1e-5
 
@@ -130,7 +131,7 @@ class ExactGradients:
             raise ValueError(f"ExactGradients: how must be 'stream', 'ghost' or None, got {how!r}")
         self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         chosen = selected_parameters(self.model, params, "ExactGradients")
-        layout = _Layout(self.model, chosen)
+        layout = Layout(self.model, chosen)
         if layout.formed:
             names = ", ".join(name for name, _ in layout.formed[:6])
             raise ValueError(f"ExactGradients: {len(layout.formed)} selected parameter(s) belong to layers without a "
@@ -201,9 +202,8 @@ class ExactRecording:
             raise ValueError(f"ExactGradients: {type(module).__name__} got an input of shape {tuple(a.shape)} for "
                              f"{self.B} examples: every recorded layer's input needs the examples on dim 0")
         with torch.no_grad():
-            for p, contribution in CONTRIBUTION_RULES[self.owner.layers[module]](module, a, g.detach()):
-                if id(p) in self.selected:
-                    self.pieces.setdefault(id(p), []).append((0, contribution))
+            kind = self.owner.layers[module]
+            apply_rule(module, kind, *tokens(module, kind, a, g.detach()), ContributionSink(self.pieces, self.selected))
 
     def watch(self, losses: torch.Tensor) -> None:
         """losses (B,): the per-example losses the loop's loss is built from (attached to the graph)."""

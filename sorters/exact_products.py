@@ -31,12 +31,13 @@ autograd, one example at a time.
 (c) is one product per contribution: Outer S += left^T diag(w) right over the tokens, Rows an
 index_add of the weighted rows, Formed a weighted sum; units of weight 0 are skipped.
 
-The rules are keyed by the layer kinds of `sorters.layer_sketch.layer_kind` (CONTRIBUTION_RULES).
+Which contributions a layer makes is the library's one table of layer rules (sorters/layer_rules.py); here
+they arrive through a ContributionSink, which keeps them factored.
 """
-import math
 
 import torch
-import torch.nn.functional as F
+
+from sorters.layer_rules import Sink
 
 STREAM_BLOCK_BYTES = 8 * 2**20  # the (U, rows, C) block streaming holds at once: small enough to stay in cache
 
@@ -117,54 +118,34 @@ class Formed:
         return Formed(self.values * factors[:, None, None])
 
 
-# ---------------------------------------------------------------------------------------------- the rules
+# ------------------------------------------------------------------------------------ from the rules' table
 
-def linear_contributions(module, a: torch.Tensor, g: torch.Tensor) -> list:
-    """nn.Linear: a (U, ..., in), g (U, ..., out) -> [(weight, Outer(g, a)), (bias, Formed(sum_t g))]."""
-    U = a.shape[0]
-    a, g = a.reshape(U, -1, a.shape[-1]), g.reshape(U, -1, g.shape[-1])
-    out = [(module.weight, Outer(g, a))]
-    if module.bias is not None:
-        out.append((module.bias, Formed(g.sum(1)[:, :, None])))
-    return out
+class ContributionSink(Sink):
+    """The sink the table of layer rules (sorters/layer_rules.py) writes into for exact products: it keeps
+    each call's contribution to a parameter FACTORED instead of forming it, pieces {id(p): [(0, contribution)]}
+    (the 0: the contribution's first unit, as parameter_products takes them).
 
+    add_outer(p, left, right) -> Outer(left, right); add_rows(p, ids, g) -> Rows(ids, g, rows of p);
+    add(p, value (U, *p.shape)) -> Formed (U, R, C) (a bias or LayerNorm vector: (U, n, 1)).
+    selected: the ids of the parameters wanted (the others are skipped by the rules)."""
 
-def conv1d_contributions(module, a: torch.Tensor, g: torch.Tensor) -> list:
-    """transformers' Conv1D (weight (in, out), y = a W + b): [(weight, Outer(a, g)), (bias, Formed)]."""
-    U = a.shape[0]
-    a, g = a.reshape(U, -1, a.shape[-1]), g.reshape(U, -1, g.shape[-1])
-    out = [(module.weight, Outer(a, g))]
-    if module.bias is not None:
-        out.append((module.bias, Formed(g.sum(1)[:, :, None])))
-    return out
+    def __init__(self, pieces: dict, selected: set):
+        self.pieces, self.selected = pieces, selected
 
+    def wants(self, p: torch.Tensor) -> bool:
+        return id(p) in self.selected
 
-def embedding_contributions(module, ids: torch.Tensor, g: torch.Tensor) -> list:
-    """nn.Embedding: ids (U, ...), g (U, ..., e) -> [(weight, Rows)]; the padding_idx row gets nothing."""
-    U = ids.shape[0]
-    ids = ids.reshape(U, -1)
-    g = g.reshape(U, ids.shape[1], -1)
-    if module.padding_idx is not None:
-        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
-    return [(module.weight, Rows(ids, g, module.num_embeddings))]
+    def _keep(self, p: torch.Tensor, contribution) -> None:
+        self.pieces.setdefault(id(p), []).append((0, contribution))
 
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        self._keep(p, Formed(value.reshape(value.shape[0], *matrix_shape(p))))
 
-def layer_norm_contributions(module, a: torch.Tensor, g: torch.Tensor) -> list:
-    """nn.LayerNorm over its last dims (n entries): weight sum_t g_t * xhat_t, bias sum_t g_t, formed."""
-    n = math.prod(module.normalized_shape)
-    U = a.shape[0]
-    g = g.reshape(U, -1, n)
-    out = []
-    if module.weight is not None:
-        xhat = F.layer_norm(a.reshape(U, -1, n), (n,), eps=module.eps)
-        out.append((module.weight, Formed((g * xhat).sum(1).reshape(U, *matrix_shape(module.weight)))))
-    if module.bias is not None:
-        out.append((module.bias, Formed(g.sum(1).reshape(U, *matrix_shape(module.bias)))))
-    return out
+    def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        self._keep(p, Outer(left, right))
 
-
-CONTRIBUTION_RULES = {"Linear": linear_contributions, "Conv1D": conv1d_contributions,
-                      "Embedding": embedding_contributions, "LayerNorm": layer_norm_contributions}
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        self._keep(p, Rows(ids, g, p.shape[0]))
 
 
 def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
