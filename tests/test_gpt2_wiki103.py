@@ -3,7 +3,8 @@
 The slice: 8 training blocks of 32 tokens (2 workers x 4 blocks, one block per worker per step, so
 4 steps per epoch), 4 validation and 4 test blocks, 2 epochs. The full 50,257-word GPT-2 embedding
 is kept, so each step still handles 6.8M-parameter per-block gradients. Every run shares one token
-cache, so WikiText-2's train.txt is tokenized once per module.
+cache, so WikiText-2's train.txt is tokenized once per module: by the module's first run, D-RR under
+torchrun into the empty cache, whose stderr shows that one process tokenized while the other waited.
 """
 import json
 import math
@@ -32,14 +33,26 @@ RESULT_COLUMNS = ("train_loss", "test_loss", "valid_loss", "train_ppl", "valid_p
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
+def first_run(tmp_path_factory):
+    """(run directory, stderr, token cache) of the module's first run: D-RR under torchrun (2 processes)
+    into an empty token cache, so it tokenizes every file; every later run reads that cache."""
+    cache, out = tmp_path_factory.mktemp("token-cache"), tmp_path_factory.mktemp("first") / "D-RR-nproc2"
+    result = run_script(SCRIPT, "--sorter", "D-RR", "--out", out, "--train-file", TRAIN_FILE, "--cache-dir", cache,
+                        *QUICK, nproc=2)
+    check_ok(result)
+    return out, result.stderr, cache
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache_dir):
+def cache_dir(first_run):
+    """The module's token cache, filled by its first run."""
+    return first_run[2]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir, first_run):
     """run(sorter, nproc=None) -> run directory; each configuration is trained once per module."""
-    root, done = tmp_path_factory.mktemp("runs"), {}
+    root, done = tmp_path_factory.mktemp("runs"), {("D-RR", 2): first_run[0]}
 
     def run(sorter, nproc=None):
         if (sorter, nproc) not in done:
@@ -107,17 +120,13 @@ def test_missing_train_file_is_one_line_and_exit_2(tmp_path, cache_dir):
     assert "Traceback" not in result.stderr
 
 
-def test_torchrun_tokenizes_each_file_once(tmp_path):
+def test_torchrun_tokenizes_each_file_once(first_run, cache_dir):
     """Under torchrun local rank 0 builds the token cache while the other process waits, then both read it
-    (before, every process tokenized every file)."""
-    cache = tmp_path / "fresh-cache"
-    result = run_script(SCRIPT, "--sorter", "D-RR", "--out", tmp_path / "run", "--train-file", TRAIN_FILE,
-                        "--cache-dir", cache, "--max-seq-length", "32", "--max-train-examples", "8",
-                        "--max-eval-examples", "4", "--node_cnt", "2", "--B", "2", "--epochs", "1", nproc=2)
-    check_ok(result)
-    tokenized = [line for line in result.stderr.splitlines() if line.startswith("tokenizing ")]
-    assert len(tokenized) == 3, result.stderr
+    (before, every process tokenized every file): the module's first run found the cache empty."""
+    out, stderr, _ = first_run
+    tokenized = [line for line in stderr.splitlines() if line.startswith("tokenizing ")]
+    assert len(tokenized) == 3, stderr
     files = {str(TRAIN_FILE), *(str(DATA_DIR / "wikitext-103" / f"wiki.{split}.tokens") for split in ("valid", "test"))}
     assert {line.split()[1] for line in tokenized} == files
-    assert len(list(cache.glob("*.pt"))) == 3
-    assert [r["epoch"] for r in read_metrics(tmp_path / "run")] == [1]
+    assert len(list(cache_dir.glob("*.pt"))) == 3
+    assert [r["epoch"] for r in read_metrics(out)] == [1, 2]

@@ -29,56 +29,6 @@ def copy_of_the_checkout(folder):
     return folder
 
 
-def test_pip_install_gives_the_sorters_package_alone(tmp_path):
-    """Built from a copy of the checkout, offline: --no-build-isolation uses the installed setuptools
-    instead of fetching one. Then imported from another folder, with the checkout's own folder off sys.path:
-    `sorters` must come from the install, not from the checkout's sorters/. (sys.path may hold other folders
-    inside the checkout: a virtual environment made there, `python -m venv .venv`, puts its site-packages on
-    it; that is where torch comes from, and it holds no `sorters` of the checkout's.)"""
-    require_setuptools_that_builds_wheels()
-    source, target, elsewhere = tmp_path / "source", tmp_path / "installed", tmp_path / "elsewhere"
-    copy_of_the_checkout(source)
-    elsewhere.mkdir()
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation",
-                          "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
-    assert pip.returncode == 0, pip.stdout + pip.stderr
-    assert sorted(path.name for path in target.iterdir() if not path.name.endswith(".dist-info")) == ["sorters"]
-    (metadata,) = target.glob("*.dist-info/METADATA")
-    requires = [line.split(":", 1)[1].strip() for line in metadata.read_text().splitlines()
-                if line.startswith("Requires-Dist:")]
-    # what `pip install .` pulls in: torch, numpy, numba; the frameworks only through the extras
-    base = sorted(requirement.split(">")[0] for requirement in requires if "extra ==" not in requirement)
-    assert base == ["numba", "numpy", "torch"], requires
-    extras = {requirement.split("extra ==")[1].strip().strip("'\"") for requirement in requires if "extra ==" in requirement}
-    assert extras == {"hf", "lightning"}, requires
-
-    check = textwrap.dedent(f"""
-        import importlib.util, sys
-        from pathlib import Path
-        sys.path.insert(0, {str(target)!r})
-        assert {str(REPO)!r} not in [str(Path(p).resolve()) for p in sys.path], sys.path  # -I and cwd elsewhere
-        import torch
-        import sorters
-        from sorters import CDGraBSampler, PerExampleGrads, build_sorter
-        sorter = build_sorter("CD-GraB", 2, 4, 3)
-        assert sorted(sorter.sort()[1].tolist()) == [0, 1, 2, 3]
-        sorter.step(torch.randn(2, 2, 3), range(0, 2))
-        sorter.step(torch.randn(2, 2, 3), range(2, 4))  # the compiled (numba) sign loop
-        second = sorter.sort()
-        assert sorted(second[0].tolist()) == [0, 1, 2, 3] and second.shape == (2, 4)
-        assert importlib.util.find_spec("engine") is None  # the engine stays in the checkout
-        where = Path(sorters.__file__).resolve()
-        assert where.is_relative_to(Path({str(target)!r}).resolve()), where  # the install's sorters
-        assert not where.is_relative_to(Path({str(REPO / "sorters")!r}).resolve()), where  # not the checkout's
-        print(sorters.__file__)
-    """)
-    # -I: no PYTHONPATH, no user site-packages, no script folder on sys.path
-    result = subprocess.run([sys.executable, "-I", "-c", check], cwd=elsewhere, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(target / "sorters" / "__init__.py")
-
-
 def wheel_of_the_installed(name: str, folder: Path) -> Path:
     """A wheel of distribution `name` as installed in this interpreter, written to `folder`: a wheel is a
     zip of the installed files with their .dist-info (METADATA, WHEEL, RECORD), so the files listed in its
@@ -137,8 +87,12 @@ def test_the_documented_install_puts_torch_first():
 def test_the_documented_install_in_a_fresh_venv(tmp_path):
     """docs/sampler.md's commands (read from the page) in a fresh virtual environment, offline, in their
     order: `pip install torch==2.13.0`, `pip install .` (build isolation on), then the offline
-    `pip install --no-index --no-build-isolation .`; `sorters` imports from the venv's site-packages, not
-    from the checkout.
+    `pip install --no-index --no-build-isolation .` (built from a copy of the checkout). The install is the
+    `sorters` package alone with its requirements (check_installed_distribution), and it works outside the
+    checkout: imported with -I from another folder, from the venv's site-packages, not from the checkout's
+    sorters/ (sys.path may hold other folders inside the checkout: a virtual environment made there puts its
+    site-packages on it; that is where torch comes from, and it holds no `sorters` of the checkout's), without
+    the engine, and CD-GraB balances with its compiled (numba) sign loop.
 
     What running them offline needs, and nothing more:
     - torch, numpy and numba already there, so that pip fetches none: the venv sees this suite's
@@ -175,17 +129,43 @@ def test_the_documented_install_in_a_fresh_venv(tmp_path):
         assert pip.returncode == 0, f"pip install {' '.join(step)}:\n{pip.stdout}{pip.stderr}"
     assert (site / "sorters" / "__init__.py").is_file()
     assert not list(site.glob("torch*")) and not list(site.glob("nvidia*")), "pip installed a torch of its own"
+    check_installed_distribution(site)
     check = textwrap.dedent(f"""
+        import importlib.util, sys
         from pathlib import Path
+        assert {str(REPO)!r} not in [str(Path(p).resolve()) for p in sys.path], sys.path  # -I and cwd elsewhere
         import sorters, torch
         from sorters import CDGraBSampler, PerExampleGrads, build_sorter
         where = Path(sorters.__file__).resolve()
-        assert where.is_relative_to(Path({str(site)!r}).resolve()), where
-        assert not where.is_relative_to(Path({str(REPO / "sorters")!r}).resolve()), where
+        assert where.is_relative_to(Path({str(site)!r}).resolve()), where  # the install's sorters
+        assert not where.is_relative_to(Path({str(REPO / "sorters")!r}).resolve()), where  # not the checkout's
+        assert importlib.util.find_spec("engine") is None  # the engine stays in the checkout
         assert sorted(build_sorter("D-RR", 2, 4, 3).sort()[1].tolist()) == [0, 1, 2, 3]
+        sorter = build_sorter("CD-GraB", 2, 4, 3)
+        assert sorted(sorter.sort()[1].tolist()) == [0, 1, 2, 3]
+        sorter.step(torch.randn(2, 2, 3), range(0, 2))
+        sorter.step(torch.randn(2, 2, 3), range(2, 4))  # the compiled (numba) sign loop, compiled in the venv
+        second = sorter.sort()
+        assert sorted(second[0].tolist()) == [0, 1, 2, 3] and second.shape == (2, 4)
         print(where)
     """)
     result = subprocess.run([str(python), "-I", "-c", check], cwd=elsewhere, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str((site / "sorters" / "__init__.py").resolve())
+
+
+def check_installed_distribution(site: Path) -> None:
+    """The installed cdgrab-sorters in `site` (its .dist-info): its files are the `sorters` package alone
+    (RECORD), and what it pulls in (METADATA) is torch, numpy and numba, the frameworks only through the
+    extras hf and lightning."""
+    (info,) = site.glob("cdgrab_sorters-*.dist-info")
+    files = [line.rsplit(",", 2)[0] for line in (info / "RECORD").read_text().splitlines() if line.strip()]
+    top = {Path(file).parts[0] for file in files if not Path(file).parts[0].endswith(".dist-info")}
+    assert top == {"sorters"}, sorted(top)
+    requires = [line.split(":", 1)[1].strip() for line in (info / "METADATA").read_text().splitlines()
+                if line.startswith("Requires-Dist:")]
+    base = sorted(requirement.split(">")[0] for requirement in requires if "extra ==" not in requirement)
+    assert base == ["numba", "numpy", "torch"], requires
+    extras = {requirement.split("extra ==")[1].strip().strip("'\"") for requirement in requires if "extra ==" in requirement}
+    assert extras == {"hf", "lightning"}, requires

@@ -14,7 +14,20 @@ SHIPPED = REPO / "reproduction"
 GPU_BENCHMARKS = ("LSTM-Wiki2", "GPT2-Wiki103")  # grow session by session (scripts/gpu_session.py)
 
 
-def test_shipped_runs_are_complete_and_hold_only_config_and_metrics():
+@pytest.fixture(scope="module")
+def shipped_read():
+    """load_runs(SHIPPED, with_problems=True): the shipped runs are read once for the module (about 2 s of
+    CPU a read); each test takes its own copy of the frame (shipped() below)."""
+    return load_runs(SHIPPED, with_problems=True, warn=False)
+
+
+@pytest.fixture
+def shipped(shipped_read):
+    """load_runs(SHIPPED, warn=False), a copy of the module's one read."""
+    return shipped_read[0].copy()
+
+
+def test_shipped_runs_are_complete_and_hold_only_config_and_metrics(shipped_read):
     """Every shipped run holds config.json and metrics.csv; only an unfinished GPU run may also hold its
     packed checkpoint (small, for the next GPU session), and only GPU runs may be unfinished."""
     run_dirs = sorted(path.parent for path in SHIPPED.rglob("config.json"))
@@ -26,7 +39,7 @@ def test_shipped_runs_are_complete_and_hold_only_config_and_metrics():
             assert (run / "checkpoint.pt.gz").stat().st_size <= 16 << 20, run
             files.remove("checkpoint.pt.gz")
         assert files == ["config.json", "metrics.csv"], run
-    df, problems = load_runs(SHIPPED, with_problems=True, warn=False)
+    df, problems = shipped_read[0].copy(), shipped_read[1]
     unfinished = [str(p) for p in problems if "incomplete" in str(p)]
     assert all(any(f"/{b}/" in p for b in GPU_BENCHMARKS) for p in unfinished), unfinished
     assert len(unfinished) == len(problems), problems
@@ -42,10 +55,10 @@ def test_shipped_runs_are_complete_and_hold_only_config_and_metrics():
                                                                   "KH-SGD": 5, "SBW": 5}
 
 
-def test_shipped_studies_are_complete():
+def test_shipped_studies_are_complete(shipped):
     """Issue #10: 4 partitions x 4 sorters x 3 seeds on LR-HMDA; 2 benchmarks x 3 worker counts x 2 sorters
     x 3 seeds with the herding bound logged every epoch."""
-    df = load_runs(SHIPPED, warn=False)
+    df = shipped
     het = df[df["study"] == "heterogeneity"].drop_duplicates("run_dir")
     assert het.groupby(["partition", "sorter"])["seed"].nunique().to_dict() == {
         (p, s): 3 for p in ["random", "dirichlet:1", "dirichlet:0.1", "label-sorted"]
@@ -56,12 +69,12 @@ def test_shipped_studies_are_complete():
     assert scaling["herding_bound"].notna().all() and (scaling["B"] == 4 * scaling["node_cnt"]).all()
 
 
-def test_shipped_communication_study_is_complete():
+def test_shipped_communication_study_is_complete(shipped):
     """Issue #9: {every-step, constant, qsr} x {dense, exdyna} x {CD-GraB, D-RR} x 3 seeds on MLP-M4; QSR's
     rounds tile every run and grow as the cosine learning rate decays."""
     from analysis.aggregate import communication_table
 
-    df = load_runs(SHIPPED, warn=False)
+    df = shipped
     table = communication_table(df)
     assert len(table) == 12 and (table["seeds"] == 3).all() and (table["epochs"] == 4).all()
     runs = df[df["study"] == "communication"]
@@ -71,7 +84,7 @@ def test_shipped_communication_study_is_complete():
     assert list(qsr) == sorted(qsr) and qsr.iloc[-1] > 10 * qsr.iloc[0]
 
 
-def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
+def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says(shipped):
     """Issue #20: sketched CD-GraB (D = 64, 256, 1024) x 3 seeds with --log-herding, 10 epochs on 8,000 MLP-M4
     windows, drawn against the scaling study's exact CD-GraB and D-RR runs of the same settings; issue #31:
     the same with the structured map (--sketch-min-numel 16: every weight matrix a TensorSketch block), on
@@ -80,7 +93,7 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     from analysis.aggregate import sketching_runs
     from analysis.load import load_configs
 
-    runs = sketching_runs(load_runs(SHIPPED, warn=False), "MLP-M4")
+    runs = sketching_runs(shipped, "MLP-M4")
     herding = runs[~runs["full_data"]]
     dims = (64, 256, 1024)
     assert herding.groupby("variant")["run_dir"].nunique().to_dict() == {
@@ -99,7 +112,7 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     assert full.groupby("variant")["run_dir"].nunique().to_dict() == {"CD-GraB exact": 3, "CD-GraB, D = 64": 3, "D-RR": 3}
     assert (full.groupby("run_dir")["epoch"].max() == 30).all()
     assert set(full.loc[full["variant"] == "CD-GraB, D = 64", "comm_bytes"]) == {6711 * 4 * (n * k * 64 + n * d)}
-    lr = sketching_runs(load_runs(SHIPPED, warn=False), "LR-HMDA")  # d = 26: D = 8 and 16, 1,250 steps
+    lr = sketching_runs(shipped.copy(), "LR-HMDA")  # d = 26: D = 8 and 16, 1,250 steps
     assert lr.groupby("variant")["run_dir"].nunique().to_dict() == {
         "CD-GraB exact": 3, "D-RR": 3, **{f"CD-GraB, D = {D}{suffix}": 3 for D in (8, 16) for suffix in ("", ", structured")}}
     for variant in ("CD-GraB, D = 8", "CD-GraB, D = 8, structured"):
@@ -108,14 +121,14 @@ def test_shipped_sketching_study_is_complete_and_sends_what_the_formula_says():
     assert {str(blocks) for blocks in load_configs(lr[lr["structured"]])["blocks"]} == {"[[0, 1, 25]]"}
 
 
-def test_shipped_reorderers_study_is_complete_and_matched_with_its_baselines():
+def test_shipped_reorderers_study_is_complete_and_matched_with_its_baselines(shipped):
     """Issue #21: KH-SGD and SBW on LR-HMDA with 1 worker (seeds 1-5, with CD-GraB and D-RR of their own)
     and 4 workers (seeds 0-4), and on MLP-M4 with 4 workers (seeds 0-2), each drawn against the CD-GraB and
     D-RR runs of exactly its settings (the benchmark's own runs for 4 workers; not e.g. the scaling or
     heterogeneity studies' runs of other worker counts or data), all 50 epochs."""
     from analysis.aggregate import reorderer_runs
 
-    df = load_runs(SHIPPED, warn=False)
+    df = shipped
     sorters = ["CD-GraB", "D-RR", "KH-SGD", "SBW"]
     for benchmark, groups in {"LR-HMDA": {1: [1, 2, 3, 4, 5], 4: [0, 1, 2, 3, 4]}, "MLP-M4": {4: [0, 1, 2]}}.items():
         runs = reorderer_runs(df, benchmark)
