@@ -13,6 +13,7 @@ from engine.reducers import REDUCER_NAMES
 from engine.rundir import check_out_path
 from engine.sketching import STRUCTURED_MIN_NUMEL, check_sketch_args
 from sorters import SORTER_NAMES
+from sorters.thresholds import MIN_NUMEL_FLOOR
 
 # --progress auto without a terminal (nohup, sweeps' logs, CI): seconds between plain progress lines
 # (engine.progress.ProgressLines). Under a minute, so that a log shows the run alive every minute while steps
@@ -184,7 +185,7 @@ def add_step_flags(p) -> None:
                         "of the per-unit gradients (sorters/sketch.py), made by each process before the all-gather: n*k*D floats "
                         "gathered per step instead of n*k*d, plus the update's all-reduce (n*d). 0 (default): exact "
                         "balancing; D >= d: exact too (the identity). docs/sketching.md")
-    p.add_argument("--sketch-min-numel", type=int_flag(1), default=STRUCTURED_MIN_NUMEL, metavar="N",
+    p.add_argument("--sketch-min-numel", type=int_flag(MIN_NUMEL_FLOOR), default=STRUCTURED_MIN_NUMEL, metavar="N",
                    help="with --sketch-dim: the weights of Linear / Conv1D / Embedding layers with at least N "
                         f"entries are TensorSketch blocks of the map, the rest CountSketched (default {STRUCTURED_MIN_NUMEL}: "
                         "GPT-2's tied embedding only); where the model allows it, the sketches of blocks of more than "

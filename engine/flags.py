@@ -10,7 +10,7 @@ every entry script (keyed by its argparse dest):
   sorter, n, B, lr, seed), "value" (-<value>, for the settings a study compares), "tag" (-<flag><value>),
   "never" (it does not change results). Resumable flags are never named.
 
-Read by engine/train.py (resume), engine/cli.py (the default --out, the --resume help) and analysis/
+Read by engine/checkpoint.py (resume), engine/cli.py (the default --out, the --resume help) and analysis/
 (which config.json settings make a run). Plain Python, no torch: the analysis imports it cheaply.
 tests/test_engine.py fails when an entry script has a flag without an entry here.
 """
