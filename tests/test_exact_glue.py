@@ -119,14 +119,16 @@ def run_rank(rank, store, pads, out):
         torch.distributed.destroy_process_group()
 
 
-def test_two_gloo_processes_equal_one_process(formed, tmp_path):
-    """Each of 2 gloo processes hands its own units to step_units, which all-gathers their layer records
-    (rank 1's batches padded with 2 more pad tokens: the records' token counts differ and are padded): the
-    orders of one process hosting both replicas (and of the formed gradients), the same losses, and both
-    ranks end with the same sampler state."""
+@pytest.mark.parametrize("pad", [2, 4])
+def test_two_gloo_processes_equal_one_process(formed, tmp_path, pad):
+    """Each of 2 gloo processes hands its own units to step_units, which all-gathers them; rank 1's batches
+    come with `pad` more pad tokens, so the embedding's records have 3 and 3 + pad tokens: with 5 they are
+    padded and gathered as records, with 7 the tied matrix's gradient formed per unit is the smaller and is
+    gathered instead (test below). The orders of one process hosting both replicas (and of the formed
+    gradients), the same losses, and both ranks end with the same sampler state."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(run_rank, args=(tmp_path / "store", (0, 2), tmp_path / "run"), nprocs=REPLICAS,
+    mp.start_processes(run_rank, args=(tmp_path / "store", (0, pad), tmp_path / "run"), nprocs=REPLICAS,
                        start_method="fork")
     runs = [torch.load(tmp_path / f"run.rank{r}") for r in range(REPLICAS)]
     for run in runs:
@@ -162,3 +164,23 @@ def test_the_exact_sampler_takes_records_only_and_says_so_in_one_line():
     assert sampler.position == 0
     sampler.step_units(units)
     assert sampler.position == K
+
+
+def test_each_parameter_is_exchanged_as_the_smaller_of_its_records_and_its_formed_gradient():
+    """exchange_bytes against the byte counts by hand, TiedNet's tied (11, 5) matrix (an Outer of the output
+    layer, 1 token, and the embedding's Rows of T tokens) and the (11,) bias (one Formed)."""
+    from sorters.sampler import exchange_bytes
+
+    model = TiedNet()
+    exact = ExactGradients(model)
+    ids, y = data()
+    units = exact(lambda: F.cross_entropy(model(ids[:2]), y[:2], reduction="none"))
+    tied = [x for _, x in units.pieces[id(model.emb.weight)]]
+    assert sorted(type(x).__name__ for x in tied) == ["Outer", "Rows"]
+    for T, chosen in ((5, "records"), (7, "formed")):
+        tokens = [1 if type(x).__name__ == "Outer" else T for x in tied]
+        records = 1 * (11 + 5) * 4 + T * 8 + T * 5 * 4
+        assert exchange_bytes(model.emb.weight, tied, tokens) == (records, 11 * 5 * 4)
+        assert ("formed" if 11 * 5 * 4 < records else "records") == chosen
+    bias = [x for _, x in units.pieces[id(model.head.bias)]]
+    assert exchange_bytes(model.head.bias, bias, [1]) == (11 * 4, 11 * 4)
