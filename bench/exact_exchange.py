@@ -19,7 +19,8 @@ Per model and per process, one step's b units (examples, or the engine's units):
 - "gradients": b * d float32, what CDGraBSampler.step all-gathers for exact CD-GraB today;
 - "sketch": b * D float32, D = min(--sketch-dim, d) (sketched CD-GraB).
 Each is bytes one process contributes to the all-gather; every process receives world_size times as much.
-"collectives": the all-gathers all_gather_units makes (one per record tensor, plus 3 small ones).
+"collectives": one all-gather per record tensor, plus 3 small ones (all_gather_units makes fewer where it
+sends a parameter formed).
 
 Timing (--time, the default): 2 gloo processes on this machine (forked), an all-gather of one flat float32
 tensor of each size, the median of --reps after one warm-up, sizes above --max-mib skipped. On one host

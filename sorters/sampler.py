@@ -30,6 +30,12 @@ which the engine's exchange uses too), so each step gathers world size * batch_s
 sorter balances the sketches (docs/sketching.md).
 step() also takes gradients already sketched by `PerExampleGrads(..., sketch_dim=D, sketch_seed=seed)`.
 
+Exact CD-GraB from layer records (exact=True, docs/sampler.md): the sorter is an ExactCDGraB and each batch
+goes to step_units(units), the UnitGradients of sorters.exact.ExactGradients (its call, or the recording of
+the loop's own forward and backward), never the (B, d) gradients. Under torch.distributed step_units
+all-gathers the units (`all_gather_units`: per parameter its layer records or its per-unit gradient,
+whichever is smaller), so N processes balance as one process hosting the N replicas.
+
 view="global" (for Accelerate's `prepare` and the HF Trainer, which shard a sampler's batches over the
 processes themselves): every process yields ALL replicas' indices, each step replica 0's batch_size
 examples, then replica 1's, ..., so that batching by batch_size and dealing batch i to process
