@@ -1,6 +1,6 @@
 """Exact CD-GraB from layer records in your own loop: CDGraBSampler(exact=True) and step_units (issue #47),
 in one process and in two gloo processes (the records all-gathered)."""
-import os
+import time
 
 import pytest
 import torch
@@ -128,8 +128,15 @@ def test_two_gloo_processes_equal_one_process(formed, tmp_path, pad):
     gradients), the same losses, and both ranks end with the same sampler state."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(run_rank, args=(tmp_path / "store", (0, pad), tmp_path / "run"), nprocs=REPLICAS,
-                       start_method="fork")
+    # forked (no re-import: fast); joined with a deadline, so that a stuck child fails the test, never hangs it
+    context = mp.start_processes(run_rank, args=(tmp_path / "store", (0, pad), tmp_path / "run"), nprocs=REPLICAS,
+                                 start_method="fork", join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the 2 gloo processes did not finish in 120 s")
     runs = [torch.load(tmp_path / f"run.rank{r}") for r in range(REPLICAS)]
     for run in runs:
         assert [o.tolist() for o in run["orders"]] == [o.tolist() for o in formed[0]]
