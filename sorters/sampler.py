@@ -361,7 +361,7 @@ class CDGraBSampler(Sampler[int]):
         if units.units != len(self.replicas_here) * b:
             raise ValueError(f"CDGraBSampler: step_units() got {units.units} units for a step of "
                              f"{len(self.replicas_here)} replica(s) x {b} examples here")
-        if self.gathers:
+        if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
             units = all_gather_units(units)
         try:
             self.sorter.step(units, range(self.position, self.position + b))
