@@ -59,8 +59,22 @@ LightningModule (found there at on_fit_start, as the sampler is), or `CDGraBCall
 The sampler is built with sketch_dim = the sketcher's dim (and d = its d); the checkpoint records the map
 (its blocks and seed), and a resume with another map is refused.
 
+Exact CD-GraB from the training step's own backward (`CDGraBSettings(exact_low_memory=True)`, issue #47): the
+same recording, of the layers' inputs and output gradients (ExactGradients.recording, sorters/exact.py),
+and after the backward `sampler.step_units(units)`: the orders of CD-GraB fed the formed per-example
+gradients, which are never formed whole. training_step as above (watch(self, losses)); in the module:
+
+    def setup(self, stage):
+        self.exact = CDGRAB.exact_gradients(self.net)                       # ExactGradients
+        self.sampler = CDGRAB.sampler(train_set, batch_size=16, d=self.exact.d, drop_last=True,
+                                      cls=LightningCDGraBSampler)         # exact=True: an ExactCDGraB
+
+Under DDP each rank hands over its own records and the sampler all-gathers them (docs/exact-cdgrab.md,
+"Several processes").
+
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
+from sorters.exact import ExactCDGraB, ExactGradients
 from sorters.layer_sketch import LayerSketch
 from sorters.sampler import CDGraBSampler
 from sorters.settings import CDGraBSettings
@@ -98,23 +112,31 @@ class CDGraBCallback(Callback):
               training step's own forward and backward; training_step must pass its (B,) per-example
               losses to `watch(self, losses)` and build its loss from them (see the module docstring).
               None: with settings.structured, the LightningModule's attribute `sketcher`.
+    exact:    an ExactGradients of the module's network (with a sampler built with exact=True): exact
+              CD-GraB from the same recording, watch() as for the sketcher. None: with
+              settings.exact_low_memory, the LightningModule's attribute `exact`.
     settings: a sorters.CDGraBSettings, or None: the sampler and sketcher are then taken as built. Given,
               on_fit_start refuses in one line a sampler (or sketcher) built with other settings;
               structured=True means sketches from the step's own backward (a sketcher).
     """
 
     def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None, sketcher: LayerSketch | None = None,
-                 *, settings: CDGraBSettings | None = None):
-        if sketcher is not None and grads_fn is not None:
-            raise ValueError("CDGraBCallback: pass grads_fn or sketcher, not both")
+                 *, settings: CDGraBSettings | None = None, exact: ExactGradients | None = None):
+        if sum(x is not None for x in (sketcher, grads_fn, exact)) > 1:
+            raise ValueError("CDGraBCallback: pass one of grads_fn, sketcher and exact")
         if settings is not None and not isinstance(settings, CDGraBSettings):
             raise TypeError(f"CDGraBCallback: settings must be a sorters.CDGraBSettings, got {type(settings).__name__}")
         if settings is not None and not settings.structured and sketcher is not None:
             raise ValueError("CDGraBCallback: a sketcher builds structured sketches: pass "
                              "CDGraBSettings(structured=True, sketch_dim=...) with it")
-        if settings is not None and settings.structured and grads_fn is not None:
-            raise ValueError("CDGraBCallback: structured=True takes the sketches from the step's own backward: drop grads_fn")
+        if settings is not None and (settings.structured or settings.exact_low_memory) and grads_fn is not None:
+            mode = "structured=True" if settings.structured else "exact_low_memory=True"
+            raise ValueError(f"CDGraBCallback: {mode} takes what it balances from the step's own backward: drop grads_fn")
+        if settings is not None and not settings.exact_low_memory and exact is not None:
+            raise ValueError("CDGraBCallback: exact= balances from layer records: pass "
+                             "CDGraBSettings(exact_low_memory=True) with it")
         self.sampler, self.grads_fn, self.sketcher, self.settings = sampler, grads_fn, sketcher, settings
+        self.exact = exact          # ExactGradients: exact CD-GraB from the step's own backward
         self._pending_state = None  # a checkpoint's state loaded before the sampler was found
         self._recording = None      # sketcher: the current batch's LayerSketch recording
 
@@ -138,9 +160,10 @@ class CDGraBCallback(Callback):
             self._check_settings(pl_module)
         if self.sketcher is not None:
             self._check_sketcher()
+        self._check_exact()
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
-        if self.sampler.uses_grads and self.sketcher is None and self.grads_fn is None \
+        if self.sampler.uses_grads and self.sketcher is None and self.exact is None and self.grads_fn is None \
                 and not hasattr(pl_module, "per_example_grads"):
             raise ValueError(f"CDGraBCallback: {self.sampler.sorter.name} balances per-example gradients: define "
                              "per_example_grads(self, batch) -> (B, d) in the LightningModule, or pass grads_fn")
@@ -155,6 +178,8 @@ class CDGraBCallback(Callback):
         if built != wanted:
             changed = ", ".join(f"{key}={built[key]!r} (settings: {wanted[key]!r})" for key in built if built[key] != wanted[key])
             raise ValueError(f"CDGraBCallback: the sampler was built with {changed}: build it with settings.sampler(...)")
+        if settings.exact_low_memory and self.exact is None:
+            self.exact = getattr(pl_module, "exact", None)
         if not settings.structured:
             return
         if self.sketcher is None:
@@ -176,14 +201,31 @@ class CDGraBCallback(Callback):
                              f"the sketcher gives d={sketcher.d}, dim={sketcher.dim}: build the sampler with "
                              "d=sketcher.d, sketch_dim=sketcher.dim")
 
+    def _check_exact(self) -> None:
+        """An exact sampler (ExactCDGraB) and an ExactGradients of the same d come together, or neither."""
+        sampler, exact = self.sampler, self.exact
+        is_exact = isinstance(sampler.sorter, ExactCDGraB)
+        if exact is None and not is_exact:
+            return
+        if not isinstance(exact, ExactGradients):
+            raise ValueError("CDGraBCallback: an exact sampler (exact=True) needs the layer records: set self.exact = "
+                             "settings.exact_gradients(self.net) in the LightningModule, or pass CDGraBCallback(exact=...)")
+        if not is_exact:
+            raise ValueError("CDGraBCallback: exact CD-GraB needs a sampler built with exact=True: build it with "
+                             "CDGraBSettings(exact_low_memory=True).sampler(...)")
+        if sampler.d != exact.d:
+            raise ValueError(f"CDGraBCallback: the sampler balances d={sampler.d}, the ExactGradients give "
+                             f"d={exact.d}: build the sampler with d=exact.d")
+
     # ------------------------------------------------------------------ per batch
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if not self.sampler.uses_grads:
             self.sampler.step(None)
             return
-        if self.sketcher is not None:  # the step's forward is recorded; the sampler steps after its backward
-            self._recording = self.sketcher.recording().__enter__()
+        recorder = self.sketcher if self.sketcher is not None else self.exact
+        if recorder is not None:  # the step's forward is recorded; the sampler steps after its backward
+            self._recording = recorder.recording().__enter__()
             pl_module.cdgrab_recording = self._recording
             return
         grads = self.grads_fn(pl_module, batch) if self.grads_fn else pl_module.per_example_grads(batch)
@@ -196,6 +238,9 @@ class CDGraBCallback(Callback):
         recording.__exit__(None, None, None)
         pl_module.cdgrab_recording = None
         try:
+            if self.exact is not None:  # .grad is this backward's alone when it was None at watch()
+                self.sampler.step_units(recording.units(from_grad=True))  # all-gathered under DDP
+                return
             sketches = recording.sketches()
         except ValueError as error:
             if "no gradient reached" not in str(error):
@@ -242,8 +287,8 @@ class CDGraBCallback(Callback):
 
 
 def watch(pl_module, losses):
-    """In a LightningModule's training_step under CDGraBCallback(sketcher=...): hand the (B,) per-example
-    losses (still attached to the graph) to the batch's LayerSketch recording; returns them. Does nothing
+    """In a LightningModule's training_step under CDGraBCallback(sketcher=...) or (exact=...): hand the (B,)
+    per-example losses (still attached to the graph) to the batch's recording; returns them. Does nothing
     outside a recorded batch (validation, or a callback without a sketcher)."""
     recording = getattr(pl_module, "cdgrab_recording", None)
     if recording is not None:

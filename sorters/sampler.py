@@ -30,6 +30,12 @@ which the engine's exchange uses too), so each step gathers world size * batch_s
 sorter balances the sketches (docs/sketching.md).
 step() also takes gradients already sketched by `PerExampleGrads(..., sketch_dim=D, sketch_seed=seed)`.
 
+Exact CD-GraB from layer records (exact=True, docs/sampler.md): the sorter is an ExactCDGraB and each batch
+goes to step_units(units), the UnitGradients of sorters.exact.ExactGradients (its call, or the recording of
+the loop's own forward and backward), never the (B, d) gradients. Under torch.distributed step_units
+all-gathers the units (`all_gather_units`: per parameter its layer records or its per-unit gradient,
+whichever is smaller), so N processes balance as one process hosting the N replicas.
+
 view="global" (for Accelerate's `prepare` and the HF Trainer, which shard a sampler's batches over the
 processes themselves): every process yields ALL replicas' indices, each step replica 0's batch_size
 examples, then replica 1's, ..., so that batching by batch_size and dealing batch i to process
@@ -64,6 +70,8 @@ from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters.balance import sign_loop_for
 from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
                             check_seed, check_state_keys)
+from sorters.exact import ExactCDGraB, UnitGradients
+from sorters.exact_products import Formed, Outer, Rows, matrix_shape
 from sorters.gather import all_gather_rows, sketch_then_gather
 from sorters.sketch import GradientSketch
 
@@ -102,6 +110,9 @@ class CDGraBSampler(Sampler[int]):
                   step's examples as zero vectors; `skipped_steps` counts them, kept in state_dict). On the
                   CPU the check is at each step; on a GPU it adds no host synchronisation, so "raise" raises
                   at the next epoch's start (docs/sampler.md).
+    exact:        True: exact CD-GraB from layer records (sorters/exact.py, docs/exact-cdgrab.md): the sorter is an
+                  ExactCDGraB (the orders of CD-GraB, a float32 running sum), d = ExactGradients(model).d, and each
+                  batch is handed over with step_units(units) instead of step(grads). Needs sorter="CD-GraB".
 
     Epochs: call step() once for every batch (the sampler counts positions with it); sorters that ignore
     gradients may instead have no step() at all in an epoch, if set_epoch(next epoch) is called before
@@ -116,7 +127,7 @@ class CDGraBSampler(Sampler[int]):
     def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
                  drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0,
-                 view: str = "rank", nonfinite: str = "raise"):
+                 view: str = "rank", nonfinite: str = "raise", exact: bool = False):
         owner = "CDGraBSampler"
         # types here; the ranges below, where the message can say what to pass
         batch_size = check_int(owner, "batch_size", batch_size)
@@ -130,6 +141,12 @@ class CDGraBSampler(Sampler[int]):
         check_choice(owner, "nonfinite", nonfinite, NONFINITE_MODES)
         if not isinstance(drop_last, bool):
             raise TypeError(f"{owner}: drop_last must be True or False, got {drop_last!r}")
+        if not isinstance(exact, bool):
+            raise TypeError(f"{owner}: exact must be True or False, got {exact!r}")
+        if exact and (sorter != "CD-GraB" or sketch_dim or nonfinite != "raise"):
+            raise ValueError(f"{owner}: exact=True balances CD-GraB's exact gradients from layer records: it needs "
+                             f"sorter='CD-GraB', sketch_dim=0 and nonfinite='raise', got sorter={sorter!r}, "
+                             f"sketch_dim={sketch_dim}, nonfinite={nonfinite!r}")
         if isinstance(dataset, bool) or not (isinstance(dataset, int) or hasattr(dataset, "__len__")):
             raise TypeError(f"{owner}: dataset must be a sized dataset or its length (an int), got "
                             f"{type(dataset).__name__}")
@@ -190,8 +207,11 @@ class CDGraBSampler(Sampler[int]):
         self._sketched_width = min(sketch_dim, d) if sketch_dim else None  # D, or d where D >= d (the identity)
         sorted_d = self._sketched_width or (d or 1)
         # CD-GraB's sign loop: sketches of a large model skip numba (sorters.balance.sign_loop_for)
-        self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs,
-                                   sign_loop=sign_loop_for(device, d or 1, sorted_d), nonfinite=nonfinite)
+        if exact:  # products of layer records (step_units); a float32 running sum, no (d,) float64 one
+            self.sorter = ExactCDGraB(num_replicas, m, d, seed=seed, device=device)
+        else:
+            self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs,
+                                       sign_loop=sign_loop_for(device, d or 1, sorted_d), nonfinite=nonfinite)
         self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
         self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d
@@ -302,6 +322,9 @@ class CDGraBSampler(Sampler[int]):
         if self.position == self.m:
             raise ValueError(f"step() called after the epoch's last batch ({self.m} examples per replica seen); "
                              "iterate over the sampler again to start the next epoch")
+        if isinstance(self.sorter, ExactCDGraB):
+            raise ValueError("CDGraBSampler: this sampler balances exact gradients from layer records (exact=True): "
+                             "hand each batch over with step_units(exact(...)) or step_units(recording.units())")
         b = min(self.batch_size, self.m - self.position)
         R = len(self.replicas_here)
         if grads is not None or self.uses_grads:
@@ -320,13 +343,26 @@ class CDGraBSampler(Sampler[int]):
         self.position += b
         self.resume = None  # the resumed epoch goes on; from here on a part-way end is an error again
 
-    def step_units(self, units) -> None:
-        """step() for exact CD-GraB from layer records (sorters/exact.py: an ExactCDGraB sorter, one process
-        hosting every replica): `units`, the UnitGradients of the batch just used (R * b units, rows in the
-        order the sampler yielded the examples), go to the sorter as they are; nothing is gathered."""
+    def step_units(self, units: UnitGradients) -> None:
+        """step() for exact CD-GraB from layer records (a sampler built with exact=True): `units`, the
+        UnitGradients of the batch just used (sorters/exact.py: ExactGradients' call, or a recording's
+        units()), R * b units in the order the sampler yielded the examples. Under torch.distributed each
+        process hands over its own b units and they are all-gathered (`all_gather_units`: every layer's
+        records), so every process balances every replica's units as one process hosting them all does."""
+        if not isinstance(self.sorter, ExactCDGraB):
+            raise ValueError("CDGraBSampler: step_units() takes layer records, for a sampler built with exact=True "
+                             "(CDGraBSettings(exact_low_memory=True).sampler(...)); this one takes step(grads)")
         if not self.started or self.position == self.m:
             raise ValueError("step_units() outside an epoch: iterate over the sampler (the DataLoader) first")
+        if not isinstance(units, UnitGradients):
+            raise TypeError(f"CDGraBSampler: step_units() takes the UnitGradients of ExactGradients, got "
+                            f"{type(units).__name__}")
         b = min(self.batch_size, self.m - self.position)
+        if units.units != len(self.replicas_here) * b:
+            raise ValueError(f"CDGraBSampler: step_units() got {units.units} units for a step of "
+                             f"{len(self.replicas_here)} replica(s) x {b} examples here")
+        if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
+            units = all_gather_units(units)
         try:
             self.sorter.step(units, range(self.position, self.position + b))
         except NonFiniteGradientError as error:
@@ -417,3 +453,72 @@ class CDGraBSampler(Sampler[int]):
         if self.epochs is not None:  # only where it changes the orders (KH-SGD, SBW)
             config["epochs"] = self.epochs
         return config
+
+
+def all_gather_units(units: UnitGradients) -> UnitGradients:
+    """This process's U units (records fresh from one backward: each contribution covers all U) -> the
+    world_size * U units of every process, rank-major, in every process, with the loss weights (U,).
+    Per parameter, whichever is smaller per unit (`exchange_bytes`) is all-gathered: its contributions'
+    records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and values (U, T, C),
+    Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over many tokens,
+    several Formed contributions). Tokens are padded with zeros to the longest process's T, which adds
+    nothing to any product. The result holds no backward gradient (step_grads): under DDP .grad is the
+    processes' mean, so the running sum's update reads every unit's records."""
+    def ints(values):  # one process's integers -> (world_size, n), every process's
+        return all_gather_rows(torch.tensor([values], dtype=torch.long)).tolist()
+
+    owner, U = units.owner, units.units
+    parts = [(p, x) for p in owner.params for first, x in units.pieces.get(id(p), [])
+             if first == 0 and x.units == U]
+    shapes = ints([len(parts)] + [len(units.pieces.get(id(p), [])) for p in owner.params])
+    if len(parts) != sum(shapes[0][1:]) or any(row != shapes[0] for row in shapes):
+        raise ValueError("CDGraBSampler: the processes recorded different layers for this step (every process "
+                         "must run the same model through the same layers, and hand over fresh records)")
+    kinds = [(0 if isinstance(x, Outer) else 1 if isinstance(x, Rows) else 2, x.tokens) for _, x in parts]
+    every = ints([value for kind in kinds for value in kind])
+    if any(row[0::2] != every[0][0::2] for row in every):
+        raise ValueError("CDGraBSampler: the processes' layer records are of different kinds for this step")
+    longest = [max(row[2 * i + 1] for row in every) for i in range(len(parts))]
+
+    def gathered(x: torch.Tensor, T: int) -> torch.Tensor:  # (U, t, ...) padded to T tokens, then gathered
+        if x.dim() >= 2 and x.shape[1] < T:
+            x = torch.cat([x, x.new_zeros((x.shape[0], T - x.shape[1]) + tuple(x.shape[2:]))], 1)
+        return all_gather_rows(x)
+
+    pieces = {}
+    for p in owner.params:
+        mine = [(x, T) for (q, x), T in zip(parts, longest) if q is p]
+        if not mine:
+            continue
+        records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine])
+        if formed < records:  # the same choice in every process: it depends on the longest T only
+            out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=units.scale.device)
+            for x, _ in mine:
+                x.add_rows(out, 0, out.shape[1])
+            mine = [(Formed(out), 1)]
+        for x, T in mine:
+            if isinstance(x, Outer):
+                x = Outer(gathered(x.left, T), gathered(x.right, T))
+            elif isinstance(x, Rows):
+                x = Rows(gathered(x.ids, T), gathered(x.values, T), x.num_rows)
+            else:
+                x = Formed(all_gather_rows(x.values))
+            pieces.setdefault(id(p), []).append((0, x))
+    return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
+
+
+def exchange_bytes(p: torch.Tensor, contributions: list, tokens: list[int]) -> tuple[int, int]:
+    """(records, formed): bytes PER UNIT of exchanging parameter p's contributions (sorters/exact_products.py)
+    with these token counts as records, or p's gradient formed (R x C entries). Outer: T (R + C) entries;
+    Rows: T int64 ids and T x C entries; Formed: R x C entries."""
+    size = p.element_size()
+    R, C = matrix_shape(p)
+    records = 0
+    for x, T in zip(contributions, tokens):
+        if isinstance(x, Outer):
+            records += T * (x.left.shape[2] + x.right.shape[2]) * size
+        elif isinstance(x, Rows):
+            records += T * (8 + x.values.shape[2] * size)
+        else:
+            records += R * C * size
+    return records, R * C * size

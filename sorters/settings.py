@@ -41,9 +41,11 @@ class CDGraBSettings:
     min_numel:       with structured: that threshold (>= 1; default the library's row of
                      sorters/thresholds.py, which says why it differs from the engine's).
     num_replicas:    replicas the data is split over; None: the number of processes.
-    exact_low_memory: CD-GraB only, sketch_dim 0, one process: balance the exact gradients without
-                     forming them whole: their products come layer by layer from the training step's own
-                     forward and backward (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer only.
+    exact_low_memory: CD-GraB only, sketch_dim 0: balance the exact gradients without forming them whole:
+                     their products come layer by layer from the training step's own forward and backward
+                     (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer (one process), Lightning's
+                     CDGraBCallback and your own loop (sampler(...) builds CDGraBSampler(exact=True), fed by
+                     step_units; under torch.distributed it all-gathers the layer records).
     """
     sorter: str = "CD-GraB"
     seed: int | None = None
@@ -116,12 +118,15 @@ class CDGraBSettings:
         return LayerSketch(model, self.sketch_dim, self.resolved_seed, params=self.grad_params, min_numel=self.min_numel)
 
     def exact_gradients(self, model):
-        """exact_low_memory: the ExactGradients of `model` (sorters/exact.py) for these grad_params."""
+        """exact_low_memory: the ExactGradients of `model` (sorters/exact.py) for these grad_params; its `d` is
+        the sampler's d."""
         return ExactGradients(model, params=self.grad_params)
 
     def sampler(self, dataset, batch_size: int, d: int | None, cls=CDGraBSampler, **kwargs) -> CDGraBSampler:
         """A CDGraBSampler (or the subclass `cls`, e.g. LightningCDGraBSampler) with these settings' sorter,
         seed, sketch_dim and num_replicas; d: the gradients' length (the `d` of gradients(); ignored for
         sorters that balance none). kwargs: the sampler's others (drop_last, epochs, view, rank, ...)."""
+        if self.exact_low_memory:  # an ExactCDGraB, stepped with step_units (d: exact_gradients(model).d)
+            kwargs = {"exact": True, **kwargs}
         return cls(dataset, batch_size=batch_size, d=d if self.uses_grads else None, sorter=self.sorter,
                    num_replicas=self.num_replicas, seed=self.resolved_seed, sketch_dim=self.sketch_dim, **kwargs)

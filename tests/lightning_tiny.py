@@ -118,3 +118,31 @@ class TinySketchModel(TinyModel):
         loss = losses.mean()
         self.losses.append(loss.item())
         return loss
+
+
+class TinyExactModel(TinyModel):
+    """Linear, LayerNorm, Tanh, Linear, trained under `settings`: with exact_low_memory the callback balances
+    from the training step's own forward and backward (self.exact, an ExactGradients); otherwise, the oracle,
+    the formed per-example gradients (PerExampleGrads, float64 running sum). batch 3: odd, so pairs span steps."""
+
+    def __init__(self, settings, batch=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 6), torch.nn.LayerNorm(6), torch.nn.Tanh(),
+                                       torch.nn.Linear(6, 1))
+        self.settings, self.batch = settings, batch
+        if settings.exact_low_memory:
+            self.exact = settings.exact_gradients(self.net)
+        else:
+            self.grads_of = settings.gradients(self.net, mse)
+
+    def setup(self, stage):
+        d = self.exact.d if self.settings.exact_low_memory else self.grads_of.d
+        self.sampler = self.settings.sampler(self.train_set, batch_size=self.batch, d=d, cls=LightningCDGraBSampler)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        losses = watch(self, (self.net(x).squeeze(-1) - y) ** 2)  # (B,): the loss below is built from them
+        loss = losses.mean()
+        self.losses.append(loss.item())
+        return loss

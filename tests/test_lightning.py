@@ -199,3 +199,57 @@ def assert_same(a, b, where="state"):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
+
+
+def test_exact_low_memory_from_the_steps_own_backward_gives_the_formed_gradients_orders_and_losses(lit):
+    """CDGraBCallback(settings=CDGraBSettings(exact_low_memory=True)): the sampler (an ExactCDGraB, built by
+    settings.sampler) is stepped with the layer records of the training step's own forward and backward; the
+    orders and losses are those of the same run balancing the formed per-example gradients (PerExampleGrads,
+    CD-GraB's float64 running sum), with an odd batch (pairs across steps) and a LayerNorm."""
+    from sorters import CDGraBSettings
+    from sorters.exact import ExactCDGraB
+
+    runs = {}
+    for exact in (False, True):
+        settings = CDGraBSettings(seed=3, num_replicas=REPLICAS, exact_low_memory=exact)
+        model = runs[exact] = lit.TinyExactModel(settings)
+        lit.L.Trainer(callbacks=[lit.CDGraBCallback(settings=settings)], max_epochs=EPOCHS, accelerator="cpu",
+                      use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(model)
+    formed, exact = runs[False], runs[True]
+    assert isinstance(exact.sampler.sorter, ExactCDGraB) and not isinstance(formed.sampler.sorter, ExactCDGraB)
+    assert len(exact.losses) == EPOCHS * N // (REPLICAS * 3) and exact.sampler.sorter.near_ties == 0
+    assert [o.tolist() for o in exact.orders] == [o.tolist() for o in formed.orders]
+    assert not torch.equal(formed.orders[1], formed.orders[2])  # the orders depend on the gradients
+    assert exact.losses == pytest.approx(formed.losses, rel=1e-5)
+
+
+def test_exact_needs_its_records_and_an_exact_sampler(lit):
+    """Each mismatch between the exact sampler and the layer records is one line that says what to build."""
+    from types import SimpleNamespace
+
+    from sorters import CDGraBSettings
+
+    trainer = SimpleNamespace(datamodule=None)
+    settings = CDGraBSettings(num_replicas=REPLICAS, exact_low_memory=True)
+    model = lit.TinyExactModel(settings)
+    model.setup("fit")
+    lit.CDGraBCallback(settings=settings).on_fit_start(trainer, model)  # accepted: finds model.exact
+
+    def refusal(callback, module):
+        with pytest.raises(ValueError) as refused:
+            callback.on_fit_start(trainer, module)
+        assert "\n" not in str(refused.value)
+        return str(refused.value)
+    assert "self.exact = settings.exact_gradients" in refusal(lit.CDGraBCallback(settings=settings),
+                                                              SimpleNamespace(sampler=model.sampler))
+    formed = lit.TinyExactModel(CDGraBSettings(num_replicas=REPLICAS))
+    formed.setup("fit")
+    assert "sampler built with exact=True" in refusal(lit.CDGraBCallback(exact=model.exact), formed)
+    narrower = CDGraBSettings(num_replicas=REPLICAS, exact_low_memory=True, grad_params=r"^3\.")
+    assert "build the sampler with d=exact.d" in refusal(
+        lit.CDGraBCallback(settings=settings, exact=narrower.exact_gradients(model.net)), model)
+    with pytest.raises(ValueError, match="drop grads_fn"):
+        lit.CDGraBCallback(settings=settings, grads_fn=lambda module, batch: None)
+    with pytest.raises(ValueError, match="exact_low_memory=True"):
+        lit.CDGraBCallback(settings=CDGraBSettings(), exact=model.exact)
