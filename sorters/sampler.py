@@ -79,6 +79,94 @@ from sorters.sketch import GradientSketch
 VIEWS = ("rank", "global")
 
 
+OWNER = "CDGraBSampler"
+
+
+def check_arguments(dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs,
+                    sketch_dim, view, nonfinite, exact) -> tuple:
+    """CDGraBSampler's arguments one by one: types, choices and the combinations exact=True allows
+    (TypeError / ValueError, one line each). Returns (batch_size, d, num_replicas, rank, seed, sketch_dim) as
+    Python ints (NumPy integers and 0-dim integer tensors are accepted)."""
+    batch_size, sketch_dim = check_int(OWNER, "batch_size", batch_size), check_int(OWNER, "sketch_dim", sketch_dim)
+    d, num_replicas, rank = (check_int(OWNER, name, value, none_ok=True) for name, value in
+                             (("d", d), ("num_replicas", num_replicas), ("rank", rank)))
+    seed = check_seed(OWNER, seed)
+    if not (epochs is None or isinstance(epochs, int)):
+        raise TypeError(f"{OWNER}: epochs must be an integer or None, got {epochs!r}")
+    check_device(OWNER, device)
+    check_choice(OWNER, "nonfinite", nonfinite, NONFINITE_MODES)
+    for name, flag in (("drop_last", drop_last), ("exact", exact)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{OWNER}: {name} must be True or False, got {flag!r}")
+    if exact and (sorter != "CD-GraB" or sketch_dim or nonfinite != "raise"):
+        raise ValueError(f"{OWNER}: exact=True balances CD-GraB's exact gradients from layer records: it needs "
+                         f"sorter='CD-GraB', sketch_dim=0 and nonfinite='raise', got sorter={sorter!r}, "
+                         f"sketch_dim={sketch_dim}, nonfinite={nonfinite!r}")
+    if isinstance(dataset, bool) or not (isinstance(dataset, int) or hasattr(dataset, "__len__")):
+        raise TypeError(f"{OWNER}: dataset must be a sized dataset or its length (an int), got "
+                        f"{type(dataset).__name__}")
+    if view not in VIEWS:
+        raise ValueError(f"view must be 'rank' (this process's replica; plain DDP loops) or 'global' (every "
+                         f"replica's batches, for Accelerate's prepare / the HF Trainer), got {view!r}")
+    if not isinstance(sorter, str) or sorter not in SORTER_NAMES:
+        raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
+    if sketch_dim < 0 or (sketch_dim and not SORTERS[sorter].uses_grads):
+        balancing = ", ".join(name for name, cls in SORTERS.items() if cls.uses_grads)
+        raise ValueError(f"sketch_dim must be 0, or > 0 with a sorter that balances gradients "
+                         f"({balancing}); got {sketch_dim} with {sorter}")
+    return batch_size, d, num_replicas, rank, seed, sketch_dim
+
+
+def replicas_of(num_replicas, rank, batch_size: int, distributed: bool) -> tuple:
+    """(num_replicas, rank): the process group's where not given (rank None: every replica hosted here)."""
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if distributed else 1
+    if rank is None and distributed:
+        rank = dist.get_rank()
+    if num_replicas < 1 or batch_size < 1:
+        raise ValueError(f"need num_replicas >= 1 and batch_size >= 1, got {num_replicas} and {batch_size}")
+    if rank is not None and not 0 <= rank < num_replicas:
+        raise ValueError(f"rank {rank} is not in 0..{num_replicas - 1}")
+    return num_replicas, rank
+
+
+def examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, drop_last: bool, view: str) -> int:
+    """m, the examples each replica trains on per epoch (drop_last: whole batches only)."""
+    if drop_last:
+        m = n_examples // (num_replicas * batch_size) * batch_size
+    else:
+        m = n_examples // num_replicas
+        if num_replicas * m != n_examples:
+            raise ValueError(f"a dataset of {n_examples} examples does not split over {num_replicas} replicas "
+                             f"({n_examples % num_replicas} left over); pass drop_last=True or trim the dataset")
+    if m == 0:
+        raise ValueError(f"{n_examples} examples are too few for {num_replicas} replicas x batch_size {batch_size}")
+    if view == "global" and m % batch_size:
+        # a short last step would shift the loader's batch_size chunks off the replica boundaries
+        raise ValueError(f"view='global' needs every batch full, but {m} examples per replica leave a last batch "
+                         f"of {m % batch_size}: pass drop_last=True (or a batch_size that divides {m})")
+    return m
+
+
+def check_sorter_needs(sorter: str, d, num_replicas: int, rank, distributed: bool, epochs) -> None:
+    """What the sorter needs: gradients' d and every replica's gradients (balancing), the run's length."""
+    if SORTERS[sorter].uses_grads:
+        if d is None or d < 1:
+            raise ValueError(f"{sorter} balances gradients: pass d, the length of one example's gradient "
+                             "(e.g. PerExampleGrads(model, loss_fn).d)")
+        if rank is not None and not distributed:
+            raise ValueError(f"{sorter} needs every replica's gradients: initialise torch.distributed (the "
+                             "sampler all-gathers them), or leave rank=None to host all replicas here")
+        if distributed and (num_replicas, rank) != (dist.get_world_size(), dist.get_rank()):
+            raise ValueError(f"{sorter} all-gathers gradients over the process group, so num_replicas and rank "
+                             f"must be its world size {dist.get_world_size()} and rank {dist.get_rank()}, "
+                             f"got {num_replicas} and {rank}")
+    if SORTERS[sorter].uses_total_epochs and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                              or epochs < 1):
+        raise ValueError(f"{sorter}'s threshold depends on the run's length: pass epochs, the total number of "
+                         f"epochs (an integer >= 1), got {epochs!r}")
+
+
 class CDGraBSampler(Sampler[int]):
     """Yields this process's example indices in the order chosen by `sorter` (default CD-GraB).
 
@@ -128,77 +216,14 @@ class CDGraBSampler(Sampler[int]):
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
                  drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0,
                  view: str = "rank", nonfinite: str = "raise", exact: bool = False):
-        owner = "CDGraBSampler"
-        # types here; the ranges below, where the message can say what to pass
-        batch_size = check_int(owner, "batch_size", batch_size)
-        d = check_int(owner, "d", d, none_ok=True)
-        num_replicas = check_int(owner, "num_replicas", num_replicas, none_ok=True)
-        rank = check_int(owner, "rank", rank, none_ok=True)
-        seed, sketch_dim = check_seed(owner, seed), check_int(owner, "sketch_dim", sketch_dim)
-        if not (epochs is None or isinstance(epochs, int)):
-            raise TypeError(f"{owner}: epochs must be an integer or None, got {epochs!r}")
-        check_device(owner, device)
-        check_choice(owner, "nonfinite", nonfinite, NONFINITE_MODES)
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"{owner}: drop_last must be True or False, got {drop_last!r}")
-        if not isinstance(exact, bool):
-            raise TypeError(f"{owner}: exact must be True or False, got {exact!r}")
-        if exact and (sorter != "CD-GraB" or sketch_dim or nonfinite != "raise"):
-            raise ValueError(f"{owner}: exact=True balances CD-GraB's exact gradients from layer records: it needs "
-                             f"sorter='CD-GraB', sketch_dim=0 and nonfinite='raise', got sorter={sorter!r}, "
-                             f"sketch_dim={sketch_dim}, nonfinite={nonfinite!r}")
-        if isinstance(dataset, bool) or not (isinstance(dataset, int) or hasattr(dataset, "__len__")):
-            raise TypeError(f"{owner}: dataset must be a sized dataset or its length (an int), got "
-                            f"{type(dataset).__name__}")
-        if view not in VIEWS:
-            raise ValueError(f"view must be 'rank' (this process's replica; plain DDP loops) or 'global' (every "
-                             f"replica's batches, for Accelerate's prepare / the HF Trainer), got {view!r}")
-        if not isinstance(sorter, str) or sorter not in SORTER_NAMES:
-            raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
-        if sketch_dim < 0 or (sketch_dim and not SORTERS[sorter].uses_grads):
-            balancing = ", ".join(name for name, cls in SORTERS.items() if cls.uses_grads)
-            raise ValueError(f"sketch_dim must be 0, or > 0 with a sorter that balances gradients "
-                             f"({balancing}); got {sketch_dim} with {sorter}")
-        n_examples = check_int(owner, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset), 1)
+        batch_size, d, num_replicas, rank, seed, sketch_dim = check_arguments(
+            dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs, sketch_dim, view,
+            nonfinite, exact)
         distributed = dist.is_available() and dist.is_initialized()
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if distributed else 1
-        if rank is None and distributed:
-            rank = dist.get_rank()
-        if num_replicas < 1 or batch_size < 1:
-            raise ValueError(f"need num_replicas >= 1 and batch_size >= 1, got {num_replicas} and {batch_size}")
-        if rank is not None and not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in 0..{num_replicas - 1}")
-
-        if drop_last:
-            m = n_examples // (num_replicas * batch_size) * batch_size
-        else:
-            m = n_examples // num_replicas
-            if num_replicas * m != n_examples:
-                raise ValueError(f"a dataset of {n_examples} examples does not split over {num_replicas} replicas "
-                                 f"({n_examples % num_replicas} left over); pass drop_last=True or trim the dataset")
-        if m == 0:
-            raise ValueError(f"{n_examples} examples are too few for {num_replicas} replicas x batch_size {batch_size}")
-        if view == "global" and m % batch_size:
-            # a short last step would shift the loader's batch_size chunks off the replica boundaries
-            raise ValueError(f"view='global' needs every batch full, but {m} examples per replica leave a last batch "
-                             f"of {m % batch_size}: pass drop_last=True (or a batch_size that divides {m})")
-
-        if SORTERS[sorter].uses_grads:
-            if d is None or d < 1:
-                raise ValueError(f"{sorter} balances gradients: pass d, the length of one example's gradient "
-                                 "(e.g. PerExampleGrads(model, loss_fn).d)")
-            if rank is not None and not distributed:
-                raise ValueError(f"{sorter} needs every replica's gradients: initialise torch.distributed (the "
-                                 "sampler all-gathers them), or leave rank=None to host all replicas here")
-            if distributed and (num_replicas, rank) != (dist.get_world_size(), dist.get_rank()):
-                raise ValueError(f"{sorter} all-gathers gradients over the process group, so num_replicas and rank "
-                                 f"must be its world size {dist.get_world_size()} and rank {dist.get_rank()}, "
-                                 f"got {num_replicas} and {rank}")
-        if SORTERS[sorter].uses_total_epochs and (isinstance(epochs, bool) or not isinstance(epochs, int)
-                                                  or epochs < 1):
-            raise ValueError(f"{sorter}'s threshold depends on the run's length: pass epochs, the total number of "
-                             f"epochs (an integer >= 1), got {epochs!r}")
+        num_replicas, rank = replicas_of(num_replicas, rank, batch_size, distributed)
+        n_examples = check_int(OWNER, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset), 1)
+        m = examples_per_replica(n_examples, num_replicas, batch_size, drop_last, view)
+        check_sorter_needs(sorter, d, num_replicas, rank, distributed, epochs)
         # one map for every process: it depends on (d, sketch_dim, seed) only; built at its first use (the
         # `sketch` property), since a caller that hands step() sketches already never needs it
         if sketch_dim and not (isinstance(d, int) and d >= 1):
