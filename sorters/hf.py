@@ -323,8 +323,8 @@ class CDGraBTrainerMixin:
         sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
         structured, the sketches come from the step's own forward and backward (compute_loss)."""
         grads, exact = None, self.cdgrab_settings.exact_low_memory
-        if exact:
-            self._cdgrab_recording = self.cdgrab_grads.recording()
+        if exact:  # the records give the weight gradients too: the backward skips its own
+            self._cdgrab_recording = self.cdgrab_grads.recording(write_grads=True)
         elif self._uses_grads and not self.cdgrab_settings.structured:
             self.model.train()
             grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
@@ -333,7 +333,9 @@ class CDGraBTrainerMixin:
         try:
             loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
             if exact:
-                self.cdgrab_sampler.step_units(self._cdgrab_recording.units(from_grad=True))  # (micro-batch) units
+                units = self._cdgrab_recording.units()  # (micro-batch) units
+                self.cdgrab_sampler.step_units(units)
+                units.write_grads()  # .grad of the parameters the step's products did not reach
                 return loss
             if self._cdgrab_recording is not None:
                 grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)

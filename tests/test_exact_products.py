@@ -95,7 +95,7 @@ def test_each_parameters_products_are_those_of_the_formed_gradients(case, how, m
     for name, p in zip(exact.names, exact.params):
         start = exact.offsets[id(p)]
         g = oracle[:, start:start + p.numel()]
-        a, G, chosen = products.parameter_products(units.pieces[id(p)], exact.view(S, p), B, how)
+        a, G, chosen, _ = products.parameter_products(units.pieces[id(p)], exact.view(S, p), B, how)
         assert chosen == how or all(isinstance(x, products.Formed) for _, x in units.pieces[id(p)])
         torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
         torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
