@@ -137,6 +137,53 @@ def test_the_units_loss_weights_are_divided_out_and_a_selected_unit_keeps_its_ow
                                atol=1e-12)
 
 
+def flat_grads(exact) -> torch.Tensor:
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in exact.params])
+
+
+@pytest.mark.parametrize("how", ["stream", "ghost"])
+def test_write_grads_puts_the_backwards_gradient_into_grad_from_the_records(case, how):
+    """recording(write_grads=True): the backward computes no gradient of the selected parameters; products()
+    (from its streamed blocks, or the factors) adds sum_u c_u g_u of the step's units to .grad (a joined
+    pending unit left out), or write_grads() does when there were no products; the products and the update
+    stay the oracle's."""
+    exact, losses, oracle = case
+    c = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5], dtype=torch.float64)
+    before = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    w = torch.tensor([1.0, -1.0, 0.0, -1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    try:
+        for with_products in (True, False):
+            for p in exact.params:  # an accumulated gradient: added to, not replaced
+                p.grad = exact.view(before, p).reshape(p.shape).clone() if with_products else None
+            with exact.recording(write_grads=True) as rec:
+                per_example = losses()
+                rec.watch(per_example)
+                assert not any(p.requires_grad for p in exact.params)
+            assert all(p.requires_grad for p in exact.params)
+            (per_example * c).sum().backward()
+            torch.testing.assert_close(flat_grads(exact), before if with_products else torch.zeros_like(before),
+                                       rtol=0, atol=0)  # autograd wrote nothing
+            units = rec.units()
+            both = units.join(units.select([5]))
+            if with_products:
+                a, G = both.products(S, how)
+                rows = oracle[[0, 1, 2, 3, 4, 5, 5]]
+                torch.testing.assert_close(a, rows @ S, rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(G, rows @ rows.T, rtol=1e-10, atol=1e-12)
+                units.write_grads()  # after products(): adds nothing more
+            else:
+                units.write_grads()
+            torch.testing.assert_close(flat_grads(exact), (before if with_products else 0) + c @ oracle,
+                                       rtol=1e-10, atol=1e-12)
+            updated = S.clone()
+            both.add_to(updated, w)  # half of it from the step's gradient
+            torch.testing.assert_close(updated, S + w @ oracle[[0, 1, 2, 3, 4, 5, 5]], rtol=1e-10, atol=1e-12)
+    finally:
+        for p in exact.params:
+            p.grad = None
+
+
 def mlp_case():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.LayerNorm(7), nn.Linear(7, 3)).double()
