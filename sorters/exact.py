@@ -389,7 +389,7 @@ class ExactCDGraB(PairBalancer):
 
     def _count_near_ties(self, diff_a, diff_G, signs, G, firsts, seconds) -> int:
         """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||)."""
-        norm2 = float(self.running_sum.double().square().sum())
+        norm2 = squared_norm(self.running_sum)
         ties = 0
         for i in range(len(diff_a)):
             before = signs[:i]
@@ -399,3 +399,8 @@ class ExactCDGraB(PairBalancer):
                                                           + float(G[seconds[i], seconds[i]].clamp(min=0).sqrt()))
             ties += 0 < scale and abs(float(dot)) <= NEAR_TIE * scale  # S_i = 0 exactly: a true tie, +1
         return ties
+
+
+def squared_norm(x: torch.Tensor, chunk: int = 2**20) -> float:
+    """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole)."""
+    return sum(float(part.double().square().sum()) for part in x.split(chunk))
