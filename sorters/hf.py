@@ -96,7 +96,8 @@ class CDGraBTrainerMixin:
             the model computes it, so that each example's own loss can be watched.
             exact_low_memory=True (CD-GraB, one process, the same causal LM loss) balances the exact
             gradients from the same records (sorters/exact.py): the orders of exact CD-GraB without
-            forming the per-example gradients whole (docs/exact-cdgrab.md).
+            forming the per-example gradients whole (docs/exact-cdgrab.md); the backward then skips the
+            weights' own gradient products, and .grad is written from the same records.
     The settings' fields may also be given as keyword arguments, as before CDGraBSettings (`sorter=`,
     `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the others by their names): they
     build the settings (not together with `cdgrab=`).

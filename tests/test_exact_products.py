@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import sorters.exact_products as products
 from sorters.balance import CDGraB
-from sorters.exact import ExactCDGraB, ExactGradients
+from sorters.exact import ExactCDGraB, ExactGradients, squared_norm
 from sorters.hf import causal_lm_losses
 
 V, E, T, B = 13, 6, 5, 6
@@ -242,9 +242,11 @@ def test_orders_equal_cdgrab_fed_the_formed_gradients(model_case, n, k, m, how):
     assert ours.near_ties == 0
 
 
-def test_a_near_tie_is_counted():
+@pytest.mark.parametrize("k", [4, 2])
+def test_a_near_tie_is_counted(k):
     """<S_i, v_i> within NEAR_TIE of 0 relative to ||S_i|| (||g_first|| + ||g_second||) is counted; an
-    exactly zero S (the epoch's first pair) is a true tie, not counted."""
+    exactly zero S (the epoch's first pair) is a true tie, not counted. k=2: the second pair in a step of
+    its own, so ||S_i|| is the step-start sum's norm."""
     model = nn.Linear(2, 1, bias=False).double()
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[0.0, 0.0]]))
@@ -252,6 +254,14 @@ def test_a_near_tie_is_counted():
     exact = ExactGradients(model)
     sorter = ExactCDGraB(1, 4, exact.d, dtype=torch.float64)
     sorter.sort()
-    units = exact(lambda: model(x).squeeze(1) + x.sum(1))  # g_u = x_u: the differences (1, 0), (0, 1)
-    sorter.step(units, torch.arange(4))
+    for t in range(0, 4, k):  # g_u = x_u: the differences (1, 0), (0, 1)
+        units = exact(lambda: model(x[t:t + k]).squeeze(1) + x[t:t + k].sum(1))
+        sorter.step(units, torch.arange(t, t + k))
     assert sorter.near_ties == 1  # the second difference is orthogonal to S = (1, 0)
+
+
+def test_the_running_sums_squared_norm_is_taken_a_chunk_at_a_time_in_float64():
+    """squared_norm (the near-tie scale's ||S||^2) against a float64 sum, over chunks that do not divide d."""
+    x = torch.tensor([3e4, 1.0, -2.5, 1e-3, 7.0, -3e4, 0.5], dtype=torch.float32)
+    expected = sum(float(v) ** 2 for v in x.double())
+    assert squared_norm(x, chunk=3) == pytest.approx(expected, rel=1e-15)
