@@ -265,3 +265,24 @@ def test_the_running_sums_squared_norm_is_taken_a_chunk_at_a_time_in_float64():
     x = torch.tensor([3e4, 1.0, -2.5, 1e-3, 7.0, -3e4, 0.5], dtype=torch.float32)
     expected = sum(float(v) ** 2 for v in x.double())
     assert squared_norm(x, chunk=3) == pytest.approx(expected, rel=1e-15)
+
+
+def test_the_trainer_with_one_example_a_step_writes_grad_on_the_steps_without_pairs(tmp_path):
+    """CDGraBTrainer(exact_low_memory) with k = 1: every other step's unit waits for its pair, so the step has
+    no products and .grad comes from write_grads(); the losses and orders are the exact Trainer's (per-example
+    gradients formed whole, .grad from autograd)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import tests.hf_trainer_tiny as hf
+    from sorters import CDGraBSettings
+    runs = []
+    for exact_low_memory in (False, True):
+        trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(
+            tmp_path / str(exact_low_memory), per_device_train_batch_size=1, gradient_accumulation_steps=1,
+            num_train_epochs=2), train_dataset=hf.examples(hf.token_rows(6)), rows=hf.token_rows(6),
+            cdgrab=CDGraBSettings(exact_low_memory=exact_low_memory))
+        trainer.train()
+        runs.append(trainer)
+    assert isinstance(runs[1].cdgrab_sampler.sorter, ExactCDGraB)
+    assert runs[1].batches == runs[0].batches
+    assert runs[1].losses == pytest.approx(runs[0].losses, rel=1e-5)
