@@ -24,7 +24,10 @@ its own:
 - "exact_low_memory": CDGraBTrainer(cdgrab=CDGraBSettings(exact_low_memory=True)): the same orders from
   the products of the per-example gradients, taken layer by layer from the Trainer's own forward and
   backward (sorters/exact.py), never the (8, d) gradients. `exact_low_memory_orders_equal_exact`: whether
-  its next epoch's orders equal "exact"'s after the run (one epoch of `--steps` steps), every round.
+  its next epoch's orders equal "exact"'s after the run (one epoch of `--steps` steps), every round. The
+  backward skips the weights' own gradient products (.grad is written from the streamed blocks);
+  `part_cpu_seconds` splits the sorter's share of a step: "products" ((a), (b) and .grad from the
+  blocks) and "update" (the running sum's update (c)), medians over the steps after the first.
 
 Step time: wall and CPU seconds from the Trainer's step begin to its step end, the median over the steps
 after the first (first-call allocations), per variant the median over the rounds; rounds are
@@ -84,15 +87,33 @@ def child(settings: dict | None, steps: int, threads: int) -> dict:
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.walls, self.cpus, self.started = [], [], None
+            self.parts, self.part_cpus = {}, {}  # exact_low_memory: CPU seconds of the sorter's parts per step
 
         def on_step_begin(self, *_, **__):
             self.started = (time.perf_counter(), time.process_time())
+            self.part_cpus = {}
 
         def on_step_end(self, *_, **__):
             self.walls.append(time.perf_counter() - self.started[0])
             self.cpus.append(time.process_time() - self.started[1])
+            for name, seconds in self.part_cpus.items():
+                self.parts.setdefault(name, []).append(seconds)
+
+        def timed(self, name, fn):
+            def run(*args, **kwargs):
+                started = time.process_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.part_cpus[name] = self.part_cpus.get(name, 0.0) + time.process_time() - started
+            return run
 
     timer = StepTimer()
+    if settings is not None and settings.get("exact_low_memory"):
+        from sorters.exact import UnitGradients
+        # products (a), (b) and the weight gradient from the blocks; the running sum's update (c)
+        UnitGradients.products = timer.timed("products", UnitGradients.products)
+        UnitGradients.add_to = timer.timed("update", UnitGradients.add_to)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=BATCH, num_train_epochs=1,
                                  learning_rate=1e-4, seed=0, report_to=[], disable_tqdm=True, logging_strategy="no",
@@ -114,6 +135,7 @@ def child(settings: dict | None, steps: int, threads: int) -> dict:
             result["near_ties"] = sorter.near_ties
             how = trainer.cdgrab_grads.last_how
             result["products_by"] = {kind: sum(1 for v in how.values() if v == kind) for kind in ("stream", "ghost")}
+            result["part_cpu_seconds"] = {name: statistics.median(values[1:]) for name, values in timer.parts.items()}
     if settings is not None and settings.get("structured"):
         sketcher = trainer.cdgrab_grads
         result.update(blocks=len(sketcher.sketch.blocks), formed_per_example=sketcher.formed,

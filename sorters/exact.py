@@ -36,7 +36,7 @@ import torch
 from sorters.balance import gram_signs
 from sorters.base import PairBalancer
 from sorters.checks import NonFiniteGradientError, check_module
-from sorters.exact_products import ContributionSink, add_weighted, matrix_shape, parameter_products
+from sorters.exact_products import ContributionSink, add_weighted, matrix_shape, parameter_products, summed
 from sorters.layer_rules import Layout, apply_rule, tokens
 from sorters.layer_sketch import selected_parameters
 
@@ -48,15 +48,18 @@ class UnitGradients:
     (first unit, contribution) whose sum is the units' gradients; `scale` (U,): each unit's records hold
     scale_u times its gradient (the loss weight of a training loop's own backward).
 
-    step_grads: None, or {id(p): the backward's own gradient of p}, which is the sum of the records of
-    units 0..step_units-1: add_to() then takes sum_u w_u g_u as lam * that gradient plus the records of
-    the units whose w_u / scale_u differs from lam (the most common ratio; with equal loss weights, one
-    unit of each pair), half the products of the records."""
+    step_grads: None, or {id(p): this backward's gradient of p (R, C)}, the sum of the records of units
+    0..step_units-1: add_to() then takes sum_u w_u g_u as lam * that gradient plus the records of the units
+    whose w_u / scale_u differs from lam (the most common ratio; with equal loss weights, one unit of each
+    pair), half the products of the records.
+    writes_grads: the backward skipped the selected parameters' weight gradients (ExactGradients.recording
+    (write_grads=True)): products() takes them from the blocks it forms anyway, stores them in step_grads and
+    adds them to p.grad; write_grads() does it for the parameters products() did not reach."""
 
     def __init__(self, owner: "ExactGradients", units: int, pieces: dict, scale: torch.Tensor,
-                 step_grads: dict | None = None, step_units: int = 0):
+                 step_grads: dict | None = None, step_units: int = 0, writes_grads: bool = False):
         self.owner, self.units, self.pieces, self.scale = owner, units, pieces, scale
-        self.step_grads, self.step_units = step_grads, step_units
+        self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
 
     def products(self, running_sum: torch.Tensor, how: str | None = None):
         """(a (U,), G (U, U)) float64: <S, g_u> and <g_u, g_v>, summed over the parameters."""
@@ -67,12 +70,34 @@ class UnitGradients:
             pieces = self.pieces.get(id(p), [])
             if not pieces:
                 continue
-            pa, pG, chosen = parameter_products(pieces, self.owner.view(running_sum, p), self.units, how)
+            wanted = self.step_units if self.writes_grads and id(p) not in self.step_grads else 0
+            pa, pG, chosen, grad = parameter_products(pieces, self.owner.view(running_sum, p), self.units,
+                                                      how, wanted)
+            if grad is not None:
+                self._keep_grad(p, grad)
             a += pa.cpu()
             G += pG.cpu()
             self.owner.last_how[id(p)] = chosen
         scale = self.scale.double().cpu()
         return a / scale, G / scale[:, None] / scale[None, :]
+
+    def write_grads(self) -> None:
+        """writes_grads: add this backward's gradient to p.grad for every parameter products() did not reach
+        (a step without pairs), one product per contribution."""
+        if not self.writes_grads:
+            return
+        for p in self.owner.params:
+            if id(p) not in self.step_grads and self.pieces.get(id(p)):
+                self._keep_grad(p, summed(self.pieces[id(p)], *matrix_shape(p), self.step_units, p.dtype, p.device))
+
+    def _keep_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """grad (R, C), this backward's gradient of p: into step_grads and p.grad (which it becomes when None)."""
+        grad = grad.to(p.dtype)
+        self.step_grads[id(p)] = grad
+        if p.grad is None:
+            p.grad = grad.view(p.shape)
+        else:
+            p.grad.add_(grad.view(p.shape))
 
     def add_to(self, running_sum: torch.Tensor, w: torch.Tensor) -> None:
         """running_sum (d,) += sum_u w_u g_u, w (U,)."""
@@ -83,11 +108,15 @@ class UnitGradients:
             lam = float(values[counts.argmax()])
             ratio[:self.step_units] -= lam  # exactly 0 for the units of that ratio: their records are skipped
         ratio = ratio.to(running_sum.dtype)
+        self.write_grads()  # every parameter's step gradient at hand (a no-op after products())
         for p in self.owner.params:
             view = self.owner.view(running_sum, p)
-            if lam and self.step_grads.get(id(p)) is not None:
-                view.add_(self.step_grads[id(p)].reshape(view.shape), alpha=lam)
             pieces = self.pieces.get(id(p))
+            if lam and pieces:
+                grad = self.step_grads.get(id(p))
+                if grad is None:  # the backward's gradient not given: lam * the records' sum
+                    grad = summed(pieces, *view.shape, self.step_units, view.dtype, view.device)
+                view.add_(grad.reshape(view.shape), alpha=lam)
             if pieces:
                 add_weighted(pieces, view, ratio)
 
@@ -111,7 +140,7 @@ class UnitGradients:
         for key, parts in other.pieces.items():
             pieces.setdefault(key, []).extend((first + self.units, x) for first, x in parts)
         return UnitGradients(self.owner, self.units + other.units, pieces, torch.cat([self.scale, other.scale]),
-                             self.step_grads, self.step_units)
+                             self.step_grads, self.step_units, self.writes_grads)
 
 
 class ExactGradients:
@@ -146,8 +175,11 @@ class ExactGradients:
         start = self.offsets[id(p)]
         return running_sum[start:start + p.numel()].view(matrix_shape(p))
 
-    def recording(self) -> "ExactRecording":
-        return ExactRecording(self)
+    def recording(self, write_grads: bool = False) -> "ExactRecording":
+        """write_grads: the backward of the forward recorded inside skips the selected parameters' weight
+        gradients (they do not require grad during that forward), and UnitGradients writes them into .grad
+        from its streamed blocks: about one weight-gradient pass less (see ExactRecording)."""
+        return ExactRecording(self, write_grads)
 
     def __call__(self, losses_fn: Callable[[], torch.Tensor]) -> UnitGradients:
         """Run losses_fn() (the batched forward, returning the (B,) per-example losses) and one backward
@@ -173,24 +205,42 @@ class ExactGradients:
 class ExactRecording:
     """ExactGradients.recording(): the forward inside the block, watch(losses), the loop's backward,
     then units(). A call's contributions are taken when its output gradient arrives; its input is
-    kept until then (autograd keeps it too)."""
+    kept until then (autograd keeps it too).
 
-    def __init__(self, owner: ExactGradients):
+    write_grads: inside the block the selected parameters do not require grad, so autograd builds no
+    weight-gradient products for them (the layers' input gradients only); a recorded layer whose output
+    then needs no gradient (a first layer: an embedding of ids) gives a fresh leaf that does, so that its
+    output gradient still arrives. The sum of the units' records is the parameters' gradient:
+    UnitGradients.products() and write_grads() put it into .grad (added to what is there)."""
+
+    def __init__(self, owner: ExactGradients, write_grads: bool = False):
         self.owner, self.handles, self.pieces, self.scale, self.B, self.fresh = owner, [], {}, None, None, False
         self.selected = {id(p) for p in owner.params}
+        self.write_grads, self.turned_off = write_grads, []
 
     def __enter__(self) -> "ExactRecording":
         def record(module, args, output):
-            if isinstance(output, torch.Tensor) and output.requires_grad:
+            if not isinstance(output, torch.Tensor):
+                return None
+            if self.turned_off and not output.requires_grad and torch.is_grad_enabled():
+                output = output.detach().requires_grad_()
+            if output.requires_grad:
                 entry = [module, args[0].detach()]
                 output.register_hook(lambda g, entry=entry: self._on_grad(entry, g))
+            return output
 
         self.handles = [module.register_forward_hook(record) for module in self.owner.layers]
+        if self.write_grads:
+            self.turned_off = [p for p in self.owner.params if p.requires_grad]
+            for p in self.turned_off:
+                p.requires_grad_(False)
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self.handles:
             handle.remove()
+        for p in self.turned_off:
+            p.requires_grad_(True)
         self.handles = []
 
     def _on_grad(self, entry: list, g: torch.Tensor) -> None:
@@ -221,7 +271,8 @@ class ExactRecording:
         """The B units' gradients, after the backward; the recording's records are handed over.
         from_grad: the parameters' .grad hold this backward's gradient alone (they were None at watch(); the
         units go to the sorter before anything changes .grad: clipping, an optimizer step), which spares
-        half of the running sum's update (UnitGradients.step_grads)."""
+        half of the running sum's update (UnitGradients.step_grads). With write_grads the units compute that
+        gradient themselves (and write it to .grad): from_grad is not needed."""
         if self.scale is None:
             raise ValueError("ExactGradients: no gradient reached the watched losses; run the backward of a loss "
                              "built from them before units()")
@@ -229,7 +280,9 @@ class ExactRecording:
             raise ValueError("ExactGradients: the loss gives an example a zero or non-finite weight, so its gradient "
                              "cannot be recovered from the backward")
         units = UnitGradients(self.owner, self.B, self.pieces, self.scale.to(self.owner.params[0].dtype))
-        if from_grad and self.fresh:
+        if self.turned_off:
+            units.step_grads, units.step_units, units.writes_grads = {}, self.B, True
+        elif from_grad and self.fresh:
             units.step_grads, units.step_units = {id(p): p.grad for p in self.owner.params}, self.B
         self.pieces, self.scale = {}, None
         return units
@@ -336,7 +389,7 @@ class ExactCDGraB(PairBalancer):
 
     def _count_near_ties(self, diff_a, diff_G, signs, G, firsts, seconds) -> int:
         """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||)."""
-        norm2 = float(self.running_sum.double().square().sum())
+        norm2 = squared_norm(self.running_sum)
         ties = 0
         for i in range(len(diff_a)):
             before = signs[:i]
@@ -346,3 +399,8 @@ class ExactCDGraB(PairBalancer):
                                                           + float(G[seconds[i], seconds[i]].clamp(min=0).sqrt()))
             ties += 0 < scale and abs(float(dot)) <= NEAR_TIE * scale  # S_i = 0 exactly: a true tie, +1
         return ties
+
+
+def squared_norm(x: torch.Tensor, chunk: int = 2**20) -> float:
+    """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole)."""
+    return sum(float(part.double().square().sum()) for part in x.split(chunk))

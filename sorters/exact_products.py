@@ -62,6 +62,10 @@ class Outer:
         for u, weight in enumerate(w.tolist()):
             S.addmm_(self.left[u].T, self.right[u], alpha=weight)
 
+    def add_sum(self, S: torch.Tensor) -> None:
+        """S (R, C) += sum_u x_u: one product over every unit's tokens (a layer's weight gradient)."""
+        S.addmm_(self.left.reshape(-1, self.left.shape[2]).T, self.right.reshape(-1, self.right.shape[2]))
+
     def select(self, units) -> "Outer":
         return Outer(self.left[units], self.right[units])
 
@@ -88,6 +92,9 @@ class Rows:
         for u, weight in enumerate(w.tolist()):
             S.index_add_(0, self.ids[u], self.values[u], alpha=weight)
 
+    def add_sum(self, S: torch.Tensor) -> None:
+        S.index_add_(0, self.ids.reshape(-1), self.values.reshape(-1, self.values.shape[2]))
+
     def select(self, units) -> "Rows":
         return Rows(self.ids[units], self.values[units], self.num_rows)
 
@@ -110,6 +117,9 @@ class Formed:
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
         S.add_(torch.tensordot(w, self.values, dims=1))
+
+    def add_sum(self, S: torch.Tensor) -> None:
+        S.add_(self.values.sum(0))
 
     def select(self, units) -> "Formed":
         return Formed(self.values[units])
@@ -190,9 +200,11 @@ def ghost_pays(pieces: list, U: int, R: int, C: int) -> bool:
 GHOST_MARGIN = 0.5
 
 
-def stream_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stream_products(pieces: list, S: torch.Tensor, U: int,
+                    grad: torch.Tensor | None = None, grad_units: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(a (U,), G (U, U)) in float64 by forming the units' gradients STREAM_BLOCK_BYTES of rows at a time.
-    pieces: [(first unit, contribution)]; S (R, C)."""
+    pieces: [(first unit, contribution)]; S (R, C). grad: None, or an (R, C) tensor that receives the sum
+    of units 0..grad_units-1's blocks (the backward's weight gradient, from the blocks already formed)."""
     R, C = S.shape
     rows = max(1, min(R, STREAM_BLOCK_BYTES // max(1, U * C * S.element_size())))
     a = torch.zeros(U, dtype=torch.float64, device=S.device)
@@ -214,7 +226,19 @@ def stream_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor
         flat = out.reshape(U, -1)
         a += (flat @ S[r0:r1].reshape(-1)).double()
         G += (flat @ flat.T).double()
+        if grad is not None:
+            torch.sum(out[:grad_units], 0, out=grad[r0:r1])
     return a, G
+
+
+def summed(pieces: list, R: int, C: int, units: int, dtype, device) -> torch.Tensor:
+    """(R, C) sum over units 0..units-1 of their gradients (contributions starting at a unit >= units are
+    another step's: left out), one product per contribution."""
+    out = torch.zeros(R, C, dtype=dtype, device=device)
+    for first, x in pieces:
+        if first < units:
+            x.add_sum(out)
+    return out
 
 
 def ghost_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,15 +274,23 @@ def ghost_gram(x, y) -> torch.Tensor:
     return tokens.view(x.units, x.tokens, y.units, y.tokens).sum((1, 3))
 
 
-def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = None):
-    """(a, G, how): one parameter's products for U units, pieces [(first unit, contribution)], S (R, C);
-    how: "stream", "ghost", or None (the cheaper by `ghost_pays`)."""
+def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = None, grad_units: int = 0):
+    """(a, G, how, grad): one parameter's products for U units, pieces [(first unit, contribution)], S (R, C);
+    how: "stream", "ghost", or None (the cheaper by `ghost_pays`). grad_units > 0: grad (R, C) is also the sum
+    of units 0..grad_units-1's gradients (streaming: from its blocks), else None."""
     if how is None:
         how = "ghost" if ghost_pays(pieces, U, *S.shape) else "stream"
     if how == "ghost" and not ghost_possible(pieces):
         how = "stream"
-    a, G = (ghost_products if how == "ghost" else stream_products)(pieces, S, U)
-    return a, G, how
+    grad = None
+    if how == "stream":
+        grad = torch.empty(S.shape, dtype=S.dtype, device=S.device) if grad_units else None
+        a, G = stream_products(pieces, S, U, grad, grad_units)
+    else:
+        a, G = ghost_products(pieces, S, U)
+        if grad_units:
+            grad = summed(pieces, *S.shape, grad_units, S.dtype, S.device)
+    return a, G, how, grad
 
 
 def add_weighted(pieces: list, S: torch.Tensor, w: torch.Tensor) -> None:

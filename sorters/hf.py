@@ -96,7 +96,8 @@ class CDGraBTrainerMixin:
             the model computes it, so that each example's own loss can be watched.
             exact_low_memory=True (CD-GraB, one process, the same causal LM loss) balances the exact
             gradients from the same records (sorters/exact.py): the orders of exact CD-GraB without
-            forming the per-example gradients whole (docs/exact-cdgrab.md).
+            forming the per-example gradients whole (docs/exact-cdgrab.md); the backward then skips the
+            weights' own gradient products, and .grad is written from the same records.
     The settings' fields may also be given as keyword arguments, as before CDGraBSettings (`sorter=`,
     `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the others by their names): they
     build the settings (not together with `cdgrab=`).
@@ -323,8 +324,8 @@ class CDGraBTrainerMixin:
         sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
         structured, the sketches come from the step's own forward and backward (compute_loss)."""
         grads, exact = None, self.cdgrab_settings.exact_low_memory
-        if exact:
-            self._cdgrab_recording = self.cdgrab_grads.recording()
+        if exact:  # the records give the weight gradients too: the backward skips its own
+            self._cdgrab_recording = self.cdgrab_grads.recording(write_grads=True)
         elif self._uses_grads and not self.cdgrab_settings.structured:
             self.model.train()
             grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
@@ -333,7 +334,9 @@ class CDGraBTrainerMixin:
         try:
             loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
             if exact:
-                self.cdgrab_sampler.step_units(self._cdgrab_recording.units(from_grad=True))  # (micro-batch) units
+                units = self._cdgrab_recording.units()  # (micro-batch) units
+                self.cdgrab_sampler.step_units(units)
+                units.write_grads()  # .grad of the parameters the step's products did not reach
                 return loss
             if self._cdgrab_recording is not None:
                 grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)

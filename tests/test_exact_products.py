@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import sorters.exact_products as products
 from sorters.balance import CDGraB
-from sorters.exact import ExactCDGraB, ExactGradients
+from sorters.exact import ExactCDGraB, ExactGradients, squared_norm
 from sorters.hf import causal_lm_losses
 
 V, E, T, B = 13, 6, 5, 6
@@ -95,7 +95,7 @@ def test_each_parameters_products_are_those_of_the_formed_gradients(case, how, m
     for name, p in zip(exact.names, exact.params):
         start = exact.offsets[id(p)]
         g = oracle[:, start:start + p.numel()]
-        a, G, chosen = products.parameter_products(units.pieces[id(p)], exact.view(S, p), B, how)
+        a, G, chosen, _ = products.parameter_products(units.pieces[id(p)], exact.view(S, p), B, how)
         assert chosen == how or all(isinstance(x, products.Formed) for _, x in units.pieces[id(p)])
         torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
         torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
@@ -135,6 +135,53 @@ def test_the_units_loss_weights_are_divided_out_and_a_selected_unit_keeps_its_ow
     torch.testing.assert_close(a2, oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]] @ S, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G2, oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]] @ oracle[[0, 1, 2, 3, 4, 5, 4, 5, 1]].T, rtol=1e-10,
                                atol=1e-12)
+
+
+def flat_grads(exact) -> torch.Tensor:
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in exact.params])
+
+
+@pytest.mark.parametrize("how", ["stream", "ghost"])
+def test_write_grads_puts_the_backwards_gradient_into_grad_from_the_records(case, how):
+    """recording(write_grads=True): the backward computes no gradient of the selected parameters; products()
+    (from its streamed blocks, or the factors) adds sum_u c_u g_u of the step's units to .grad (a joined
+    pending unit left out), or write_grads() does when there were no products; the products and the update
+    stay the oracle's."""
+    exact, losses, oracle = case
+    c = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5], dtype=torch.float64)
+    before = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    w = torch.tensor([1.0, -1.0, 0.0, -1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    try:
+        for with_products in (True, False):
+            for p in exact.params:  # an accumulated gradient: added to, not replaced
+                p.grad = exact.view(before, p).reshape(p.shape).clone() if with_products else None
+            with exact.recording(write_grads=True) as rec:
+                per_example = losses()
+                rec.watch(per_example)
+                assert not any(p.requires_grad for p in exact.params)
+            assert all(p.requires_grad for p in exact.params)
+            (per_example * c).sum().backward()
+            torch.testing.assert_close(flat_grads(exact), before if with_products else torch.zeros_like(before),
+                                       rtol=0, atol=0)  # autograd wrote nothing
+            units = rec.units()
+            both = units.join(units.select([5]))
+            if with_products:
+                a, G = both.products(S, how)
+                rows = oracle[[0, 1, 2, 3, 4, 5, 5]]
+                torch.testing.assert_close(a, rows @ S, rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(G, rows @ rows.T, rtol=1e-10, atol=1e-12)
+                units.write_grads()  # after products(): adds nothing more
+            else:
+                units.write_grads()
+            torch.testing.assert_close(flat_grads(exact), (before if with_products else 0) + c @ oracle,
+                                       rtol=1e-10, atol=1e-12)
+            updated = S.clone()
+            both.add_to(updated, w)  # half of it from the step's gradient
+            torch.testing.assert_close(updated, S + w @ oracle[[0, 1, 2, 3, 4, 5, 5]], rtol=1e-10, atol=1e-12)
+    finally:
+        for p in exact.params:
+            p.grad = None
 
 
 def mlp_case():
@@ -195,9 +242,11 @@ def test_orders_equal_cdgrab_fed_the_formed_gradients(model_case, n, k, m, how):
     assert ours.near_ties == 0
 
 
-def test_a_near_tie_is_counted():
+@pytest.mark.parametrize("k", [4, 2])
+def test_a_near_tie_is_counted(k):
     """<S_i, v_i> within NEAR_TIE of 0 relative to ||S_i|| (||g_first|| + ||g_second||) is counted; an
-    exactly zero S (the epoch's first pair) is a true tie, not counted."""
+    exactly zero S (the epoch's first pair) is a true tie, not counted. k=2: the second pair in a step of
+    its own, so ||S_i|| is the step-start sum's norm."""
     model = nn.Linear(2, 1, bias=False).double()
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[0.0, 0.0]]))
@@ -205,6 +254,35 @@ def test_a_near_tie_is_counted():
     exact = ExactGradients(model)
     sorter = ExactCDGraB(1, 4, exact.d, dtype=torch.float64)
     sorter.sort()
-    units = exact(lambda: model(x).squeeze(1) + x.sum(1))  # g_u = x_u: the differences (1, 0), (0, 1)
-    sorter.step(units, torch.arange(4))
+    for t in range(0, 4, k):  # g_u = x_u: the differences (1, 0), (0, 1)
+        units = exact(lambda: model(x[t:t + k]).squeeze(1) + x[t:t + k].sum(1))
+        sorter.step(units, torch.arange(t, t + k))
     assert sorter.near_ties == 1  # the second difference is orthogonal to S = (1, 0)
+
+
+def test_the_running_sums_squared_norm_is_taken_a_chunk_at_a_time_in_float64():
+    """squared_norm (the near-tie scale's ||S||^2) against a float64 sum, over chunks that do not divide d."""
+    x = torch.tensor([3e4, 1.0, -2.5, 1e-3, 7.0, -3e4, 0.5], dtype=torch.float32)
+    expected = sum(float(v) ** 2 for v in x.double())
+    assert squared_norm(x, chunk=3) == pytest.approx(expected, rel=1e-15)
+
+
+def test_the_trainer_with_one_example_a_step_writes_grad_on_the_steps_without_pairs(tmp_path):
+    """CDGraBTrainer(exact_low_memory) with k = 1: every other step's unit waits for its pair, so the step has
+    no products and .grad comes from write_grads(); the losses and orders are the exact Trainer's (per-example
+    gradients formed whole, .grad from autograd)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import tests.hf_trainer_tiny as hf
+    from sorters import CDGraBSettings
+    runs = []
+    for exact_low_memory in (False, True):
+        trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(
+            tmp_path / str(exact_low_memory), per_device_train_batch_size=1, gradient_accumulation_steps=1,
+            num_train_epochs=2), train_dataset=hf.examples(hf.token_rows(6)), rows=hf.token_rows(6),
+            cdgrab=CDGraBSettings(exact_low_memory=exact_low_memory))
+        trainer.train()
+        runs.append(trainer)
+    assert isinstance(runs[1].cdgrab_sampler.sorter, ExactCDGraB)
+    assert runs[1].batches == runs[0].batches
+    assert runs[1].losses == pytest.approx(runs[0].losses, rel=1e-5)
