@@ -29,7 +29,7 @@ def run_sampler_epoch(sampler, table):
 
 
 def run_engine_epoch(sorter, table, k):
-    """One epoch of a bare sorter stepped the way engine/train.py steps it: worker j takes its units
+    """One epoch of a bare sorter stepped the way the engine (engine/steps.py) steps it: worker j takes its units
     orders[j, t:t+k] (dataset indices j*m + unit) and the sorter gets all workers' (n, k, d) gradients."""
     orders = sorter.sort()
     n, m = orders.shape

@@ -151,7 +151,7 @@ def test_fold_state_round_trip_mid_run():
     for t in range(0, 4, k):  # stop in the middle of epoch 3, as a crash would
         a.step(None, torch.arange(t, t + k))
     buffer = io.BytesIO()
-    torch.save(a.state_dict(), buffer)  # through a checkpoint file, as engine.train does
+    torch.save(a.state_dict(), buffer)  # through a checkpoint file, as engine/checkpoint.py does
     buffer.seek(0)
     restored = build_sorter("Fold", n, m, d, seed=99)
     restored.load_state_dict(torch.load(buffer, weights_only=False))
