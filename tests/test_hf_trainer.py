@@ -377,8 +377,12 @@ def exact_rank(rank, port, out):
     try:
         assert trainer.args.world_size == 2
         trainer.train()
-        torch.save({"batches": trainer.batches, "losses": trainer.losses, "state": trainer.cdgrab_sampler.state_dict(),
-                    "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}, f"{out}.rank{rank}")
+        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        sorter = trainer.cdgrab_sampler.sorter
+        assert type(sorter).__name__ == "ExactCDGraB" and sorter.near_ties == 0
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        torch.save({"batches": trainer.batches, "losses": trainer.losses, "params": params,
+                    "state": trainer.cdgrab_sampler.state_dict()}, f"{out}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
