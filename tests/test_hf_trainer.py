@@ -361,7 +361,7 @@ def test_exact_low_memory_gives_the_exact_trainers_orders_and_losses(exact_low_m
     assert trainer.cdgrab_sampler.sorter.near_ties == 0
 
 
-def exact_rank(rank, port, out):
+def exact_rank(rank, port, out, find_unused):
     """One of 2 forked processes: the Trainer's DDP over gloo (Accelerate reads the torchrun variables),
     exact_low_memory; its batches, losses, final parameters and sampler state saved to out.rankR."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -371,7 +371,8 @@ def exact_rank(rank, port, out):
     AcceleratorState._reset_state(reset_partial_state=True)  # the parent's one-process state, forked
     import tests.hf_trainer_tiny as hf
     from sorters import CDGraBSettings
-    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(f"{out}-{rank}", ddp_backend="gloo"),
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(f"{out}-{rank}", ddp_backend="gloo",
+                                                                           ddp_find_unused_parameters=find_unused),
                                   train_dataset=hf.examples(hf.token_rows()),
                                   cdgrab=CDGraBSettings(exact_low_memory=True))
     try:
@@ -387,12 +388,14 @@ def exact_rank(rank, port, out):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.parametrize("find_unused", [None, False])
 def test_exact_low_memory_under_two_gloo_processes_equals_one_process_and_the_exact_trainer(
-        hf, exact_low_memory, uninterrupted, tmp_path):
+        hf, exact_low_memory, uninterrupted, tmp_path, find_unused):
     """exact_low_memory under DDP (2 forked gloo processes, each one replica, the records all-gathered by the
     sampler): each rank uses its replica's half of every micro-batch of one process hosting both replicas and
     of the formed-gradient exact Trainer (so the same orders), the ranks' losses average to theirs, and both
-    ranks end with one process's parameters (.grad is the processes' mean, as DDP makes it) and one state."""
+    ranks end with one process's parameters (.grad is the processes' mean, as DDP makes it) and one state.
+    find_unused: the Trainer's default (DDP looks for unused parameters), or DDP told every one is used."""
     import socket
     import time
 
@@ -400,7 +403,7 @@ def test_exact_low_memory_under_two_gloo_processes_equals_one_process_and_the_ex
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    context = mp.start_processes(exact_rank, args=(port, tmp_path / "run"), nprocs=2, start_method="fork",
+    context = mp.start_processes(exact_rank, args=(port, tmp_path / "run", find_unused), nprocs=2, start_method="fork",
                                  join=False)
     deadline = time.monotonic() + 120
     while not context.join(timeout=1):
