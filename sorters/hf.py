@@ -94,10 +94,13 @@ class CDGraBTrainerMixin:
             ignored) builds the sketches layer by layer from the Trainer's own forward and backward
             (LayerSketch.recording): no second pass; the loss is then computed here from the logits, as
             the model computes it, so that each example's own loss can be watched.
-            exact_low_memory=True (CD-GraB, one process, the same causal LM loss) balances the exact
-            gradients from the same records (sorters/exact.py): the orders of exact CD-GraB without
-            forming the per-example gradients whole (docs/exact-cdgrab.md); the backward then skips the
-            weights' own gradient products, and .grad is written from the same records.
+            exact_low_memory=True (CD-GraB, the same causal LM loss) balances the exact gradients from
+            the same records (sorters/exact.py): the orders of exact CD-GraB without forming the
+            per-example gradients whole (docs/exact-cdgrab.md). In one process the backward then skips
+            the weights' own gradient products, and .grad is written from the same records. Under
+            torchrun each process's records are all-gathered (CDGraBSampler.step_units), and the backward
+            is the ordinary one, so that DDP averages .grad over the processes as for any Trainer (see
+            training_step).
     The settings' fields may also be given as keyword arguments, as before CDGraBSettings (`sorter=`,
     `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the others by their names): they
     build the settings (not together with `cdgrab=`).
@@ -187,9 +190,6 @@ class CDGraBTrainerMixin:
                              f"{len(dataset) % (world * batch)} examples are never used) or trim the dataset")
         if self._uses_grads:
             self._check_gradients_can_be_formed()
-        if self.cdgrab_settings.exact_low_memory and args.world_size > 1:
-            raise ValueError(f"{name}: exact_low_memory=True runs in one process for now (num_replicas may host "
-                             "several replicas there); start without torchrun, or use exact_low_memory=False")
 
     def _check_gradients_can_be_formed(self) -> None:
         args, name = self.args, type(self).__name__
@@ -322,10 +322,16 @@ class CDGraBTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         """The Trainer's step, and the sampler's: per-example gradients of this micro-batch (rows in the
         sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
-        structured, the sketches come from the step's own forward and backward (compute_loss)."""
+        structured, the sketches come from the step's own forward and backward (compute_loss).
+
+        exact_low_memory under torchrun: the backward keeps the weights' gradient products (no
+        write_grads), so DDP's hooks fire and .grad is the processes' mean, as in a plain DDP Trainer.
+        With write_grads the recorded weights would get no gradient from autograd, DDP would average
+        none of them, and each process would step with its own part; and the gathered units carry no
+        backward gradient (all_gather_units), so writing .grad would cost a weight-gradient pass anyway."""
         grads, exact = None, self.cdgrab_settings.exact_low_memory
-        if exact:  # the records give the weight gradients too: the backward skips its own
-            self._cdgrab_recording = self.cdgrab_grads.recording(write_grads=True)
+        if exact:  # one process: the records give the weight gradients too, the backward skips its own
+            self._cdgrab_recording = self.cdgrab_grads.recording(write_grads=self.args.world_size == 1)
         elif self._uses_grads and not self.cdgrab_settings.structured:
             self.model.train()
             grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
@@ -336,7 +342,7 @@ class CDGraBTrainerMixin:
             if exact:
                 units = self._cdgrab_recording.units()  # (micro-batch) units
                 self.cdgrab_sampler.step_units(units)
-                units.write_grads()  # .grad of the parameters the step's products did not reach
+                units.write_grads()  # .grad of the parameters the step's products did not reach (one process)
                 return loss
             if self._cdgrab_recording is not None:
                 grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)

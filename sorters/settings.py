@@ -43,7 +43,7 @@ class CDGraBSettings:
     num_replicas:    replicas the data is split over; None: the number of processes.
     exact_low_memory: CD-GraB only, sketch_dim 0: balance the exact gradients without forming them whole:
                      their products come layer by layer from the training step's own forward and backward
-                     (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer (one process), Lightning's
+                     (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer, Lightning's
                      CDGraBCallback and your own loop (sampler(...) builds CDGraBSampler(exact=True), fed by
                      step_units; under torch.distributed it all-gathers the layer records).
     """

@@ -338,17 +338,88 @@ def test_example_bad_input_gets_one_line_and_exit_2(request, tmp_path, args, mes
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
-def test_exact_low_memory_gives_the_exact_trainers_orders_and_losses(hf, uninterrupted, tmp_path):
-    """CDGraBSettings(exact_low_memory=True): the products of the examples' gradients from the Trainer's own
-    forward and backward (sorters/exact.py) give the orders of the exact run (2 replicas in one process,
-    gradient accumulation 2: the running sum's update from the records alone), to the step."""
+@pytest.fixture(scope="module")
+def exact_low_memory(hf, uninterrupted, tmp_path_factory):
+    """CDGraBSettings(exact_low_memory=True), 2 replicas in one process, gradient accumulation 2."""
     from sorters import CDGraBSettings
-    from sorters.exact import ExactCDGraB
-    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path),
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path_factory.mktemp("exact")),
                                   train_dataset=hf.examples(hf.token_rows()),
                                   cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS, exact_low_memory=True))
     trainer.train()
+    return trainer
+
+
+def test_exact_low_memory_gives_the_exact_trainers_orders_and_losses(exact_low_memory, uninterrupted):
+    """CDGraBSettings(exact_low_memory=True): the products of the examples' gradients from the Trainer's own
+    forward and backward (sorters/exact.py) give the orders of the exact run (2 replicas in one process,
+    gradient accumulation 2: the running sum's update from the records alone), to the step."""
+    from sorters.exact import ExactCDGraB
+    trainer = exact_low_memory
     assert isinstance(trainer.cdgrab_sampler.sorter, ExactCDGraB)
     assert trainer.batches == uninterrupted.batches
     assert trainer.losses == pytest.approx(uninterrupted.losses, rel=1e-5)
     assert trainer.cdgrab_sampler.sorter.near_ties == 0
+
+
+def exact_rank(rank, port, out, find_unused):
+    """One of 2 forked processes: the Trainer's DDP over gloo (Accelerate reads the torchrun variables),
+    exact_low_memory; its batches, losses, final parameters and sampler state saved to out.rankR."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)  # the parent's one-process state, forked
+    import tests.hf_trainer_tiny as hf
+    from sorters import CDGraBSettings
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(f"{out}-{rank}", ddp_backend="gloo",
+                                                                           ddp_find_unused_parameters=find_unused),
+                                  train_dataset=hf.examples(hf.token_rows()),
+                                  cdgrab=CDGraBSettings(exact_low_memory=True))
+    try:
+        assert trainer.args.world_size == 2
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        sorter = trainer.cdgrab_sampler.sorter
+        assert type(sorter).__name__ == "ExactCDGraB" and sorter.near_ties == 0
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        torch.save({"batches": trainer.batches, "losses": trainer.losses, "params": params,
+                    "state": trainer.cdgrab_sampler.state_dict()}, f"{out}.rank{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("find_unused", [None, False])
+def test_exact_low_memory_under_two_gloo_processes_equals_one_process_and_the_exact_trainer(
+        hf, exact_low_memory, uninterrupted, tmp_path, find_unused):
+    """exact_low_memory under DDP (2 forked gloo processes, each one replica, the records all-gathered by the
+    sampler): each rank uses its replica's half of every micro-batch of one process hosting both replicas and
+    of the formed-gradient exact Trainer (so the same orders), the ranks' losses average to theirs, and both
+    ranks end with one process's parameters (.grad is the processes' mean, as DDP makes it) and one state.
+    find_unused: the Trainer's default (DDP looks for unused parameters), or DDP told every one is used."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    context = mp.start_processes(exact_rank, args=(port, tmp_path / "run", find_unused), nprocs=2, start_method="fork",
+                                 join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the 2 gloo processes did not finish in 120 s")
+    runs = [torch.load(tmp_path / f"run.rank{r}") for r in range(2)]
+    for one in (exact_low_memory, uninterrupted):
+        for r, run in enumerate(runs):
+            assert run["batches"] == [b[r * hf.BATCH:(r + 1) * hf.BATCH] for b in one.batches], f"rank {r}"
+        averaged = [(a + b) / 2 for a, b in zip(runs[0]["losses"], runs[1]["losses"])]
+        assert averaged == pytest.approx(one.losses, rel=1e-5)
+    assert not all(a == b for a, b in zip(runs[0]["losses"], runs[1]["losses"]))  # each rank's own examples
+    # atol: the attention's key bias has a zero gradient up to rounding, which Adam scales up to ~lr a step
+    for name, p in exact_low_memory.model.named_parameters():
+        assert torch.equal(runs[0]["params"][name], runs[1]["params"][name]), name
+        torch.testing.assert_close(runs[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-4)
+    assert_same(runs[0]["state"], runs[1]["state"])
