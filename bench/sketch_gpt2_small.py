@@ -61,7 +61,7 @@ def variants(dims, exact: bool, min_numels=(), low_memory: bool = True) -> dict:
             out[f"sketched D={dim} min_numel={min_numel}"] = {"sorter": "CD-GraB", "sketch_dim": dim,
                                                               "structured": True, "sketch_min_numel": min_numel}
     if exact:
-        out["exact"] = {"sorter": "CD-GraB", "grad_chunk_size": 1}
+        out["exact"] = {"sorter": "CD-GraB", "grad_chunk_size": 1, "exact_low_memory": False}  # the formed path
     if low_memory:
         out["exact_low_memory"] = {"sorter": "CD-GraB", "exact_low_memory": True}
     return out

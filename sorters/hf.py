@@ -96,7 +96,11 @@ class CDGraBTrainerMixin:
             the model computes it, so that each example's own loss can be watched.
             exact_low_memory=True (CD-GraB, the same causal LM loss) balances the exact gradients from
             the same records (sorters/exact.py): the orders of exact CD-GraB without forming the
-            per-example gradients whole (docs/exact-cdgrab.md). In one process the backward then skips
+            per-example gradients whole (docs/exact-cdgrab.md). None (the default) takes it wherever it
+            gives the same orders and loss (_exact_is_the_default: every selected parameter has a layer
+            rule, the Trainer's own compute_loss, a causal LM whose outputs.loss is the records' loss on
+            the first two examples), and the formed gradients elsewhere; after train() starts,
+            cdgrab_settings.exact_low_memory says which (and every checkpoint's cdgrab_sampler.pt). In one process the backward then skips
             the weights' own gradient products, and .grad is written from the same records. Under
             torchrun each process's records are all-gathered (CDGraBSampler.step_units), and the backward
             is the ordinary one, so that DDP averages .grad over the processes as for any Trainer (see
@@ -219,6 +223,9 @@ class CDGraBTrainerMixin:
         """A fresh CDGraBSampler (and per-example gradients) for this train() call, with the checkpoint's
         state when resuming."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.cdgrab_settings.exact_low_memory is None:  # auto: decided once, kept in the settings
+            self.cdgrab_settings = dataclasses.replace(self.cdgrab_settings,
+                                                       exact_low_memory=self._exact_is_the_default(dataset))
         settings, args = self.cdgrab_settings, self.args
         world, here = self._replicas
         if self._uses_grads and self.cdgrab_grads is None:
@@ -275,16 +282,38 @@ class CDGraBTrainerMixin:
         finally:
             self.model.train(was_training)
 
+    def _exact_is_the_default(self, dataset) -> bool:
+        """exact_low_memory None (auto): True where the records give the orders of CD-GraB fed the gradients
+        of the model's own loss: CD-GraB unsketched with a layer rule for every selected parameter
+        (CDGraBSettings.exact_applies), the Trainer's own compute_loss (a subclass's would be bypassed), and
+        a causal LM whose loss on the first two examples is the one the records' compute_loss computes."""
+        settings = self.cdgrab_settings
+        if not (self._uses_grads and settings.exact_applies(self.model)):
+            return False
+        mixin = type(self).__mro__.index(CDGraBTrainerMixin)
+        if any("compute_loss" in vars(cls) for cls in type(self).__mro__[mixin + 1:] if cls is not Trainer) \
+                or any("compute_loss" in vars(cls) for cls in type(self).__mro__[:mixin]):
+            return False
+        return self._records_refusal(dataset, "exact_low_memory=True") is None
+
     def _first_sketch_dry_run(self, dataset) -> None:
-        """structured: refuse now, in one line, a model or batch the layer records cannot serve: no labels,
-        no logits, or a model whose loss changes when it is given explicit (B, T) position ids."""
-        name = type(self).__name__
+        """structured / exact_low_memory: refuse now, in one line, a model or batch the layer records cannot
+        serve (see _records_refusal)."""
         mode = "exact_low_memory=True" if self.cdgrab_settings.exact_low_memory else "structured=True"
+        refusal = self._records_refusal(dataset, mode)
+        if refusal is not None:
+            raise ValueError(f"{type(self).__name__}: {refusal}")
+
+    def _records_refusal(self, dataset, mode: str) -> str | None:
+        """Why the records' causal LM loss (compute_loss) cannot stand for the model's own on the first two
+        examples: no labels, no (B, T, vocab) logits, logits that change with explicit (B, T) position ids,
+        or a model loss (outputs.loss) other than the causal LM loss of its logits; None when it can."""
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         batch = self._prepare_inputs(collate([dataset[0], dataset[min(1, len(dataset) - 1)]]))
         if "labels" not in batch:
-            raise ValueError(f"{name}: {mode} computes the causal LM loss from the batch's labels; the "
-                             "collator gives none (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
+            return (f"{mode} computes the causal LM loss from the batch's labels; the collator gives none "
+                    "(e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
+        flag = mode.split("=")[0]
         was_training = self.model.training
         self.model.eval()
         try:
@@ -292,16 +321,21 @@ class CDGraBTrainerMixin:
                 outputs = self.model(**batch)
                 logits = getattr(outputs, "logits", None)
                 if not isinstance(logits, torch.Tensor) or logits.shape[:2] != batch["labels"].shape:
-                    raise ValueError(f"{name}: {mode} needs a causal LM whose outputs.logits are "
-                                     f"(B, T, vocab) for (B, T) labels; use {mode.split('=')[0]}=False for this model")
+                    return f"{mode} needs a causal LM whose outputs.logits are (B, T, vocab) for (B, T) labels; use {flag}=False for this model"
                 with_positions = self._with_positions(batch)
                 if with_positions is not batch and not torch.allclose(
                         self.model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
-                    raise ValueError(f"{name}: {mode} passes position_ids (B, T) = 0..T-1 so that the "
-                                     "position embedding sees the examples, but this model's logits change with "
-                                     f"them (left padding?); use {mode.split('=')[0]}=False")
+                    return (f"{mode} passes position_ids (B, T) = 0..T-1 so that the position embedding sees the "
+                            f"examples, but this model's logits change with them (left padding?); use {flag}=False")
+                losses, counts = causal_lm_losses(logits, batch["labels"])
+                own = getattr(outputs, "loss", None)
+                if not isinstance(own, torch.Tensor) or not torch.allclose(
+                        ((losses * counts).sum() / counts.sum()).to(own.dtype), own, rtol=1e-4, atol=1e-6):
+                    return (f"{mode} computes the causal LM loss (logits at t predict labels at t + 1), but this "
+                            f"model's own loss (outputs.loss) is another; use {flag}=False for this model")
         finally:
             self.model.train(was_training)
+        return None
 
     def _with_positions(self, inputs: dict) -> dict:
         """inputs plus position_ids 0..T-1 per example, (B, T), when the model takes them and none are given:
@@ -404,7 +438,7 @@ class CDGraBTrainerMixin:
             then = {**then, "sketch_min_numel": 1}
         if self._uses_grads and (now["structured"], now["grad_params"]) != (then["structured"], then["grad_params"]) \
                 or now["structured"] and now["sketch_min_numel"] != then["sketch_min_numel"]:
-            changed = ", ".join(f"{key}={then[key]!r} (now {now[key]!r})" for key in now if now[key] != then[key])
+            changed = ", ".join(f"{key}={then.get(key)!r} (now {now[key]!r})" for key in now if now[key] != then.get(key))
             raise ValueError(f"{type(self).__name__}: {path} was written with other gradient settings: {changed}; "
                              "resume with the checkpoint's settings")
         return saved["sampler"]
@@ -414,7 +448,8 @@ class CDGraBTrainerMixin:
         settings = self.cdgrab_settings
         params = list(settings.grad_params) if isinstance(settings.grad_params, tuple) else settings.grad_params
         return {"structured": settings.structured, "grad_params": params,
-                "sketch_min_numel": settings.min_numel if settings.structured else None}
+                "sketch_min_numel": settings.min_numel if settings.structured else None,
+                "exact_low_memory": settings.exact_low_memory}  # which path ran (auto decided), for the record
 
 
 def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,9 +14,12 @@ data and refuse bad ones at once. Frozen: a run's settings do not change under i
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from sorters.checks import check_int, check_seed
 from sorters.exact import ExactGradients
-from sorters.layer_sketch import LayerSketch
+from sorters.layer_rules import Layout
+from sorters.layer_sketch import LayerSketch, selected_parameters
 from sorters.per_example import PerExampleGrads, PerExampleLossGrads
 from sorters.registry import SORTERS
 from sorters.sampler import CDGraBSampler
@@ -41,11 +44,15 @@ class CDGraBSettings:
     min_numel:       with structured: that threshold (>= 1; default the library's row of
                      sorters/thresholds.py, which says why it differs from the engine's).
     num_replicas:    replicas the data is split over; None: the number of processes.
-    exact_low_memory: CD-GraB only, sketch_dim 0: balance the exact gradients without forming them whole:
-                     their products come layer by layer from the training step's own forward and backward
-                     (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer, Lightning's
+    exact_low_memory: True (CD-GraB only, sketch_dim 0): balance the exact gradients without forming them
+                     whole: their products come layer by layer from the training step's own forward and
+                     backward (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer, Lightning's
                      CDGraBCallback and your own loop (sampler(...) builds CDGraBSampler(exact=True), fed by
-                     step_units; under torch.distributed it all-gathers the layer records).
+                     step_units; under torch.distributed it all-gathers the layer records). False: form the
+                     per-example gradients (torch.func). None (the default, "auto"): the HF Trainer takes
+                     True where it gives CD-GraB's orders of the model's own loss (`exact_applies` and a
+                     causal LM's loss, see CDGraBTrainerMixin), else False; elsewhere (Lightning, your own
+                     loop, whose code picks the path) None is False.
     """
     sorter: str = "CD-GraB"
     seed: int | None = None
@@ -55,7 +62,7 @@ class CDGraBSettings:
     structured: bool = False
     min_numel: int = STRUCTURED_MIN_NUMEL
     num_replicas: int | None = None
-    exact_low_memory: bool = False
+    exact_low_memory: bool | None = None
 
     def __post_init__(self):
         owner = "CDGraBSettings"
@@ -79,8 +86,8 @@ class CDGraBSettings:
             raise ValueError(f"{owner}: structured=True builds sketches of the gradients a sorter balances: it needs "
                              f"sketch_dim > 0 and a balancing sorter, got sketch_dim={self.sketch_dim}, "
                              f"sorter={self.sorter}")
-        if not isinstance(self.exact_low_memory, bool):
-            raise TypeError(f"{owner}: exact_low_memory must be True or False, got {self.exact_low_memory!r}")
+        if self.exact_low_memory is not None and not isinstance(self.exact_low_memory, bool):
+            raise TypeError(f"{owner}: exact_low_memory must be None (auto), True or False, got {self.exact_low_memory!r}")
         if self.exact_low_memory and (self.sorter != "CD-GraB" or self.sketch_dim or self.structured):
             raise ValueError(f"{owner}: exact_low_memory=True balances CD-GraB's exact gradients: it needs "
                              f"sorter='CD-GraB', sketch_dim=0 and structured=False, got sorter={self.sorter}, "
@@ -90,6 +97,16 @@ class CDGraBSettings:
     def uses_grads(self) -> bool:
         """Whether the sorter balances gradients (False for D-RR, D-SO, Fold: no gradients are formed)."""
         return SORTERS[self.sorter].uses_grads
+
+    def exact_applies(self, model) -> bool:
+        """Whether exact_low_memory can balance `model` with these settings: CD-GraB, no sketch, and every
+        selected parameter in a layer with a rule (sorters/layer_rules.py: Linear, Conv1D, Embedding,
+        LayerNorm). Whether the loss is one the glue's records compute as the model does is the glue's
+        to check (the HF Trainer: a causal LM's own loss)."""
+        if self.sorter != "CD-GraB" or self.sketch_dim or self.structured:
+            return False
+        model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        return not Layout(model, selected_parameters(model, self.grad_params, "CDGraBSettings")).formed
 
     @property
     def resolved_seed(self) -> int:

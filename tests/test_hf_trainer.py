@@ -27,10 +27,12 @@ def hf():
 @pytest.fixture(scope="module")
 def uninterrupted(hf, tmp_path_factory):
     """3 epochs of CD-GraB, 2 replicas in one process, 2 micro-batches per optimizer step, a checkpoint
-    every 2 optimizer steps (mid-epoch at 2 and 4, at epoch 1's end at 6)."""
+    every 2 optimizer steps (mid-epoch at 2 and 4, at epoch 1's end at 6); the formed gradients' path
+    (exact_low_memory=False), whose step() gets the (B, d) gradients."""
     out = tmp_path_factory.mktemp("uninterrupted")
     trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(out, save_strategy="steps", save_steps=2),
-                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS,
+                                  exact_low_memory=False)
     trainer.train()
     return trainer
 
@@ -72,7 +74,8 @@ def test_under_bf16_autocast_the_gradients_are_the_examples_own(hf, uninterrupte
     its gradients are an ordinary backward pass's under the same autocast, to bfloat16's precision (the
     batched kernels round differently once the biases are no longer 0), and not float32's."""
     trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path, bf16=True, max_steps=2),
-                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS,
+                                  exact_low_memory=False)
     trainer.train()
     assert len(trainer.first_grads) == 2 * hf.ACCUM
     for step, first in enumerate(trainer.first_grads):
@@ -108,7 +111,8 @@ def test_resume_gives_the_uninterrupted_orders_losses_and_state(hf, uninterrupte
     state = torch.load(saved / hf.SAMPLER_FILE)["sampler"]
     assert state["position"] == (checkpoint * hf.ACCUM * hf.BATCH - 1) % (hf.N // hf.REPLICAS) + 1
     resumed = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "out"),
-                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS,
+                                  exact_low_memory=False)
     resumed.train(resume_from_checkpoint=str(saved))
     done = checkpoint * hf.ACCUM  # micro-batches before the checkpoint
     assert resumed.batches == uninterrupted.batches[done:]
@@ -121,7 +125,8 @@ def test_a_checkpoint_without_the_sampler_state_is_refused_before_the_first_step
     shutil.copytree(uninterrupted.args.output_dir + "/checkpoint-4", saved)
     (saved / hf.SAMPLER_FILE).unlink()  # as a plain Trainer's checkpoint
     resumed = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "out"),
-                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS)
+                                  train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS,
+                                  exact_low_memory=False)
     with pytest.raises(ValueError, match=f"has no {hf.SAMPLER_FILE}") as refused:
         resumed.train(resume_from_checkpoint=str(saved))
     assert "\n" not in str(refused.value) and resumed.batches == []
@@ -172,7 +177,8 @@ def test_what_it_cannot_honour_is_refused_in_one_line_before_the_first_step(hf, 
     if setting.get("iterable"):
         data = ListStream(data)
     trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(**setting.get("model", {})), rows=rows, train_dataset=data,
-                                  args=hf.training_args(tmp_path, **setting.get("args", {})))
+                                  args=hf.training_args(tmp_path, **setting.get("args", {})),
+                                  exact_low_memory=False)  # the formed path's refusals
     with pytest.raises(ValueError, match=says) as refused:
         trainer.train(resume_from_checkpoint=str(tmp_path) if setting.get("resume") else None)
     assert "\n" not in str(refused.value)
@@ -423,3 +429,73 @@ def test_exact_low_memory_under_two_gloo_processes_equals_one_process_and_the_ex
         assert torch.equal(runs[0]["params"][name], runs[1]["params"][name]), name
         torch.testing.assert_close(runs[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-4)
     assert_same(runs[0]["state"], runs[1]["state"])
+
+
+# ------------------------------------------------------------------ exact_low_memory None: the default picks the path
+
+
+def test_by_default_cd_grab_is_exact_low_memory_for_a_causal_lm_and_the_checkpoint_says_so(hf, exact_low_memory,
+                                                                                          uninterrupted, tmp_path):
+    """CDGraBSettings() (exact_low_memory None) on a causal LM with the Trainer's own loss: the records' path
+    (an ExactCDGraB; the settings resolved to True, also in every checkpoint's record), with
+    exact_low_memory=True's batches and losses, and the formed-gradient run's orders."""
+    from sorters import CDGraBSettings
+    from sorters.exact import ExactCDGraB
+    trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path, save_strategy="steps",
+                                                                               save_steps=3),
+                                  train_dataset=hf.examples(hf.token_rows()), cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS))
+    assert trainer.cdgrab_settings.exact_low_memory is None
+    trainer.train()
+    assert isinstance(trainer.cdgrab_sampler.sorter, ExactCDGraB) and trainer.cdgrab_settings.exact_low_memory is True
+    assert trainer.grads == [] and trainer.batches == exact_low_memory.batches == uninterrupted.batches
+    assert trainer.losses == exact_low_memory.losses
+    assert torch.load(tmp_path / "checkpoint-3" / hf.SAMPLER_FILE)["gradients"]["exact_low_memory"] is True
+
+
+class UnshiftedLM(torch.nn.Module):
+    """A GPT-2 LM whose own loss is NOT the causal LM loss: token t's logits scored against labels[t]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids=None, labels=None, position_ids=None):
+        out = self.model(input_ids=input_ids, position_ids=position_ids)
+        if labels is not None:
+            out.loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+        return out
+
+
+def test_by_default_the_formed_gradients_serve_what_the_records_cannot(hf, tmp_path):
+    """exact_low_memory None picks the formed gradients (a CDGraB, settings resolved to False) for a
+    parameter outside every layer rule, a loss the records do not compute (a model's own unshifted loss, a
+    subclass's compute_loss), a sketch, and a sorter that balances nothing; True stays a refusal."""
+    def chosen(model=None, cls=hf.RecordingTrainer, **settings):
+        trainer = cls(model=model or hf.tiny_gpt2(), args=hf.training_args(tmp_path),
+                      train_dataset=hf.examples(hf.token_rows()), **settings)
+        sampler = trainer._get_train_sampler()
+        return trainer.cdgrab_settings.exact_low_memory, type(sampler.sorter).__name__
+
+    assert chosen() == (True, "ExactCDGraB")  # the control: the same set-up otherwise
+    bare = hf.tiny_gpt2()
+    bare.register_parameter("bias_without_layer", torch.nn.Parameter(torch.zeros(3)))
+    assert chosen(bare) == (False, "CDGraB")
+    assert chosen(UnshiftedLM(hf.tiny_gpt2())) == (False, "CDGraB")
+
+    class OwnLoss(hf.RecordingTrainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+    assert chosen(cls=OwnLoss) == (False, "CDGraB")
+
+    class LossTrainer(hf.Trainer):  # a Trainer subclass behind the mixin (as TRL's SFTTrainer) with its own loss
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    class Behind(hf.Recording, hf.CDGraBTrainerMixin, LossTrainer):
+        pass
+    assert chosen(cls=Behind) == (False, "CDGraB")
+    assert chosen(sketch_dim=8) == (False, "CDGraB")
+    assert chosen(sorter="D-RR")[0] is False
+    with pytest.raises(ValueError, match="own loss") as refused:
+        chosen(UnshiftedLM(hf.tiny_gpt2()), exact_low_memory=True)
+    assert "\n" not in str(refused.value)
