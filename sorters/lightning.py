@@ -118,6 +118,8 @@ class CDGraBCallback(Callback):
     settings: a sorters.CDGraBSettings, or None: the sampler and sketcher are then taken as built. Given,
               on_fit_start refuses in one line a sampler (or sketcher) built with other settings;
               structured=True means sketches from the step's own backward (a sketcher).
+              exact_low_memory None (the settings' default, "auto" in the HF Trainer) is False here:
+              the module's code (self.exact and watch(), or per_example_grads) picks the path.
     """
 
     def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None, sketcher: LayerSketch | None = None,
