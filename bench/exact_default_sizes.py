@@ -17,7 +17,6 @@ commit it ran), then prints a markdown table.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,13 +79,6 @@ def train(size: str, exact: bool | None, steps: int) -> dict:
     return result
 
 
-def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return head + ("+changes" if dirty else "")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES), help="which GPT-2 sizes")
@@ -97,8 +89,10 @@ def main():
     import torch
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
+    from engine.runlog import atomic_write_bytes, git_commit
     torch.set_num_threads(1)
-    result = {"bench": "exact_default_sizes", "commit": commit(), "threads": 1, "batch": BATCH, "steps": args.steps,
+    result = {"bench": "exact_default_sizes", "git_commit": git_commit(), "threads": 1, "batch": BATCH,
+              "steps": args.steps,
               "rounds": args.rounds, "sizes": {}}
     for size in args.sizes:
         runs = {name: [] for name in VARIANTS}
@@ -117,8 +111,7 @@ def main():
                                     for a, b in zip(runs["formed"], runs["exact_low_memory"]))
         result["sizes"][size] = entry
         print(size, json.dumps(entry), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_bytes(Path(args.out), (json.dumps(result, indent=1) + "\n").encode())
     print("| size | d | plain s | formed s | exact_low_memory s | formed / plain | exact_low_memory / plain | "
           "exact_low_memory / formed | orders equal |")
     print("|---|---|---|---|---|---|---|---|---|")
