@@ -3,6 +3,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,16 @@ def entry_point(script: str):
     module.run_entry_point = lambda *handed: captured.extend(handed)
     module.main()  # builds the parser and hands it to (our) run_entry_point
     return tuple(captured)
+
+
+def run_forked(fn, args: tuple, nprocs: int, seconds: float = 120) -> None:
+    """fn(rank, *args) in `nprocs` forked processes (no re-import: fast), joined with a deadline, so that a
+    stuck child (a gloo collective waiting for a rank that died) fails the test instead of hanging the suite."""
+    import torch.multiprocessing as mp
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork", join=False)
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {nprocs} forked processes did not finish in {seconds:.0f} s")

@@ -1,13 +1,12 @@
 """Exact CD-GraB from layer records in your own loop: CDGraBSampler(exact=True) and step_units (issue #47),
 in one process and in two gloo processes (the records all-gathered)."""
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sorters import CDGraBSampler, CDGraBSettings
 from sorters.exact import ExactCDGraB, ExactGradients
+from tests.helpers import run_forked
 
 REPLICAS, K, M, VOCAB, TOKENS, EPOCHS = 2, 3, 12, 11, 3, 3  # k odd: pairs span steps; 4 steps an epoch
 
@@ -126,17 +125,7 @@ def test_two_gloo_processes_equal_one_process(formed, tmp_path, pad):
     padded and gathered as records, with 7 the tied matrix's gradient formed per unit is the smaller and is
     gathered instead (test below). The orders of one process hosting both replicas (and of the formed
     gradients), the same losses, and both ranks end with the same sampler state."""
-    import torch.multiprocessing as mp
-
-    # forked (no re-import: fast); joined with a deadline, so that a stuck child fails the test, never hangs it
-    context = mp.start_processes(run_rank, args=(tmp_path / "store", (0, pad), tmp_path / "run"), nprocs=REPLICAS,
-                                 start_method="fork", join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2 gloo processes did not finish in 120 s")
+    run_forked(run_rank, (tmp_path / "store", (0, pad), tmp_path / "run"), REPLICAS)
     runs = [torch.load(tmp_path / f"run.rank{r}") for r in range(REPLICAS)]
     for run in runs:
         assert [o.tolist() for o in run["orders"]] == [o.tolist() for o in formed[0]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sorters import build_sorter
-from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_python, run_script
+from tests.helpers import DATA_DIR, REPO, check_ok, needs_data, run_forked, run_python, run_script
 from tests.test_lightning import assert_same
 
 EXAMPLE = "examples/hf_trainer_gpt2.py"
@@ -403,20 +403,10 @@ def test_exact_low_memory_under_two_gloo_processes_equals_one_process_and_the_ex
     ranks end with one process's parameters (.grad is the processes' mean, as DDP makes it) and one state.
     find_unused: the Trainer's default (DDP looks for unused parameters), or DDP told every one is used."""
     import socket
-    import time
-
-    import torch.multiprocessing as mp
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    context = mp.start_processes(exact_rank, args=(port, tmp_path / "run", find_unused), nprocs=2, start_method="fork",
-                                 join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2 gloo processes did not finish in 120 s")
+    run_forked(exact_rank, (port, tmp_path / "run", find_unused), 2)
     runs = [torch.load(tmp_path / f"run.rank{r}") for r in range(2)]
     for one in (exact_low_memory, uninterrupted):
         for r, run in enumerate(runs):
