@@ -49,13 +49,20 @@ def tied_net():
     return model, losses
 
 
-def tiny_gpt2():
+def double_gpt2():
+    """A one-layer GPT-2 in float64 (vocabulary 40, width 8, T positions; wte tied to lm_head), dropout off,
+    eager attention, seeded."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=40, n_positions=T, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config).double()
     model.set_attn_implementation("eager")
+    return model
+
+
+def tiny_gpt2():
+    model = double_gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight
     ids = torch.randint(0, 40, (B, T), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(T).expand(B, T)
@@ -193,12 +200,7 @@ def mlp_case():
 
 
 def gpt2_case():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=40, n_positions=T, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config).double()
-    model.set_attn_implementation("eager")
+    model = double_gpt2()
     ids = torch.randint(0, 40, (40, T), generator=torch.Generator().manual_seed(1))
 
     def losses_of(idx):
