@@ -6,7 +6,7 @@ all-gather of those sizes on 2 processes.
     python bench/exact_exchange.py --no-time                      # bytes only
 
 Per model and per process, one step's b units (examples, or the engine's units):
-- "records": what CDGraBSampler.step_units all-gathers (sorters/sampler.py all_gather_units): every
+- "records": what CDGraBSampler.step_units all-gathers (sorters/gather.py all_gather_units): every
   contribution of every recorded layer call, as the library keeps them (sorters/exact_products.py: Outer's
   left (b, T, R) and right (b, T, C), Rows' int64 ids (b, T) and values (b, T, C), Formed's (b, R, C)), plus
   the (b,) loss weights. MEASURED by recording one real forward and backward at the model's shape with
@@ -15,7 +15,7 @@ Per model and per process, one step's b units (examples, or the engine's units):
   and nn.LSTM has no layer rule): its records are counted from the same formulas (Rows of the embedding
   over the unit's tokens, Outer of the tied decoder, the LSTM's gradient formed per unit).
 - "chosen": what all_gather_units actually sends: per parameter the smaller of its records and its
-  gradient formed per unit (sorters.sampler.exchange_bytes);
+  gradient formed per unit (sorters.gather.exchange_bytes);
 - "gradients": b * d float32, what CDGraBSampler.step all-gathers for exact CD-GraB today;
 - "sketch": b * D float32, D = min(--sketch-dim, d) (sketched CD-GraB).
 Each is bytes one process contributes to the all-gather; every process receives world_size times as much.
@@ -48,10 +48,10 @@ FLOAT = 4
 def record_bytes(model, losses_of, b: int) -> dict:
     """The layer records of b units (losses_of(b) -> (b,) per-unit losses): {"records": bytes of every
     record, "chosen": bytes all_gather_units sends (per parameter the smaller of records and formed,
-    sorters.sampler.exchange_bytes), "tensors": the record tensors, "d": d}."""
+    sorters.gather.exchange_bytes), "tensors": the record tensors, "d": d}."""
     from sorters.exact import ExactGradients
     from sorters.exact_products import Formed, Outer
-    from sorters.sampler import exchange_bytes
+    from sorters.gather import exchange_bytes
 
     exact = ExactGradients(model)
     units = exact(lambda: losses_of(b))

@@ -10,11 +10,18 @@ process hosting all n workers (no gather) reproduce n processes bit for bit.
 
 Both users call it: `CDGraBSampler.step` (rows = this replica's examples of the step) and the engine's
 gradient exchange (rows = this process's workers, each (k, d) per-unit gradients).
+
+Exact CD-GraB from layer records (sorters/exact.py) gathers records instead: `all_gather_units`
+(`CDGraBSampler.step_units`), per parameter the smaller of its records and its per-unit gradient
+(`exchange_bytes`).
 """
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from sorters.exact import UnitGradients
+from sorters.exact_products import Formed, Outer, Rows, matrix_shape
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; GPU images may be older
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -48,3 +55,72 @@ def sketch_then_gather(local: torch.Tensor, sketch=None,
     process (no process group), the sketched rows themselves are returned (n = 1)."""
     sketched = sketch_rows(local, sketch)
     return sketched if gather is None else gather(sketched)
+
+
+def all_gather_units(units: UnitGradients) -> UnitGradients:
+    """This process's U units (records fresh from one backward: each contribution covers all U) -> the
+    world_size * U units of every process, rank-major, in every process, with the loss weights (U,).
+    Per parameter, whichever is smaller per unit (`exchange_bytes`) is all-gathered: its contributions'
+    records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and values (U, T, C),
+    Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over many tokens,
+    several Formed contributions). Tokens are padded with zeros to the longest process's T, which adds
+    nothing to any product. The result holds no backward gradient (step_grads): under DDP .grad is the
+    processes' mean, so the running sum's update reads every unit's records."""
+    def ints(values):  # one process's integers -> (world_size, n), every process's
+        return all_gather_rows(torch.tensor([values], dtype=torch.long)).tolist()
+
+    owner, U = units.owner, units.units
+    parts = [(p, x) for p in owner.params for first, x in units.pieces.get(id(p), [])
+             if first == 0 and x.units == U]
+    shapes = ints([len(parts)] + [len(units.pieces.get(id(p), [])) for p in owner.params])
+    if len(parts) != sum(shapes[0][1:]) or any(row != shapes[0] for row in shapes):
+        raise ValueError("CDGraBSampler: the processes recorded different layers for this step (every process "
+                         "must run the same model through the same layers, and hand over fresh records)")
+    kinds = [(0 if isinstance(x, Outer) else 1 if isinstance(x, Rows) else 2, x.tokens) for _, x in parts]
+    every = ints([value for kind in kinds for value in kind])
+    if any(row[0::2] != every[0][0::2] for row in every):
+        raise ValueError("CDGraBSampler: the processes' layer records are of different kinds for this step")
+    longest = [max(row[2 * i + 1] for row in every) for i in range(len(parts))]
+
+    def gathered(x: torch.Tensor, T: int) -> torch.Tensor:  # (U, t, ...) padded to T tokens, then gathered
+        if x.dim() >= 2 and x.shape[1] < T:
+            x = torch.cat([x, x.new_zeros((x.shape[0], T - x.shape[1]) + tuple(x.shape[2:]))], 1)
+        return all_gather_rows(x)
+
+    pieces = {}
+    for p in owner.params:
+        mine = [(x, T) for (q, x), T in zip(parts, longest) if q is p]
+        if not mine:
+            continue
+        records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine])
+        if formed < records:  # the same choice in every process: it depends on the longest T only
+            out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=units.scale.device)
+            for x, _ in mine:
+                x.add_rows(out, 0, out.shape[1])
+            mine = [(Formed(out), 1)]
+        for x, T in mine:
+            if isinstance(x, Outer):
+                x = Outer(gathered(x.left, T), gathered(x.right, T))
+            elif isinstance(x, Rows):
+                x = Rows(gathered(x.ids, T), gathered(x.values, T), x.num_rows)
+            else:
+                x = Formed(all_gather_rows(x.values))
+            pieces.setdefault(id(p), []).append((0, x))
+    return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
+
+
+def exchange_bytes(p: torch.Tensor, contributions: list, tokens: list[int]) -> tuple[int, int]:
+    """(records, formed): bytes PER UNIT of exchanging parameter p's contributions (sorters/exact_products.py)
+    with these token counts as records, or p's gradient formed (R x C entries). Outer: T (R + C) entries;
+    Rows: T int64 ids and T x C entries; Formed: R x C entries."""
+    size = p.element_size()
+    R, C = matrix_shape(p)
+    records = 0
+    for x, T in zip(contributions, tokens):
+        if isinstance(x, Outer):
+            records += T * (x.left.shape[2] + x.right.shape[2]) * size
+        elif isinstance(x, Rows):
+            records += T * (8 + x.values.shape[2] * size)
+        else:
+            records += R * C * size
+    return records, R * C * size

@@ -165,7 +165,7 @@ def test_the_exact_sampler_takes_records_only_and_says_so_in_one_line():
 def test_each_parameter_is_exchanged_as_the_smaller_of_its_records_and_its_formed_gradient():
     """exchange_bytes against the byte counts by hand, TiedNet's tied (11, 5) matrix (an Outer of the output
     layer, 1 token, and the embedding's Rows of T tokens) and the (11,) bias (one Formed)."""
-    from sorters.sampler import exchange_bytes
+    from sorters.gather import exchange_bytes
 
     model = TiedNet()
     exact = ExactGradients(model)
