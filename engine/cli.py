@@ -191,6 +191,13 @@ def add_step_flags(p) -> None:
                         "GPT-2's tied embedding only); where the model allows it, the sketches of blocks of more than "
                         "min(256 D, 2^20) entries come from the layer records without forming their per-unit "
                         "gradients (smaller ones are formed: cheaper). docs/sketching.md")
+    p.add_argument("--exact-low-memory", choices=("off", "on"), default="off",
+                   help="CD-GraB only: on = balance the exact per-unit gradients without forming them as n*k*d floats: "
+                        "the sorter takes inner products of the layer records of the step's own backward (sorters."
+                        "ExactCDGraB; the same orders, up to counted near-ties). Models made of Linear / Conv1D / "
+                        "Embedding / LayerNorm layers (LR, MLP, GPT-2), data-parallel steps. Where it saves memory "
+                        "and where it does not (a layer's records outweigh its gradient when its tokens are many "
+                        "against its width): docs/exact-cdgrab.md")
     p.add_argument("--sign-loop", choices=("auto", "compiled", "gram"), default="auto",
                    help="CD-GraB's sequential sign loop (the same signs either way): compiled = numba's one-pass "
                         "loop (CPU only), gram = a few matrix products per step (the GPU path). auto: gram on GPUs; "
@@ -309,6 +316,7 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
             raise UserFacingError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     check_communication_args(args)
     check_sketch_args(args)
+    check_exact_args(args)
     if getattr(args, "sign_loop", "auto") != "auto" and args.sorter != "CD-GraB":
         raise UserFacingError(f"--sign-loop chooses CD-GraB's sign loop; {args.sorter} has none to choose: drop it")
     if getattr(args, "overwrite", False) and args.resume:
@@ -361,6 +369,20 @@ def describe_changes(changed: list, most: int = 4) -> str:
     first `most`, then how many more."""
     shown = ", ".join(f"{flag_name(key)} {saved} (now {now})" for key, saved, now in changed[:most])
     return shown + (f" and {len(changed) - most} more" if len(changed) > most else "")
+
+
+def check_exact_args(args) -> None:
+    """One-line errors for --exact-low-memory: CD-GraB's data-parallel steps, exact balancing."""
+    if getattr(args, "exact_low_memory", "off") == "off":
+        return
+    clashes = [("--sorter " + args.sorter, args.sorter != "CD-GraB"), ("--sketch-dim", args.sketch_dim > 0),
+               ("--sync " + args.sync, args.sync != "every-step"), ("--reducer " + args.reducer, args.reducer != "dense"),
+               ("--overlap on", args.overlap == "on"), ("--log-herding", args.log_herding),
+               ("--unit-grads vmap", args.unit_grads == "vmap"), ("--sign-loop " + args.sign_loop, args.sign_loop != "auto")]
+    for flag, clash in clashes:
+        if clash:
+            raise UserFacingError(f"--exact-low-memory on balances CD-GraB's exact gradients in data-parallel steps "
+                                  f"from layer records; it does not go with {flag}: drop one of them")
 
 
 def check_communication_args(args) -> None:

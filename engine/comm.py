@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import UserFacingError
-from sorters.gather import all_gather_rows, sketch_rows, sketch_then_gather
+from sorters.gather import all_gather_rows, all_gather_units, records_bytes, sketch_rows, sketch_then_gather
 
 
 class LocalCommunicator:
@@ -181,7 +181,6 @@ class GradientExchange:
         return every
 
     def exchange(self, local_unit_grads, local_mean_grad, local_worker_grads=None):
-        n = self.comm.n_workers
         every = self.gather_unit_grads(local_unit_grads)
         # the gathered unit gradients already hold the dense mean: sending the workers' gradients to a
         # dense reducer as well would move the gradient twice (post-local before its switch); gathered
@@ -193,10 +192,28 @@ class GradientExchange:
             return every.mean(dim=(0, 1)), every
         if local_mean_grad is None:  # sketched: the update comes from this process's own unit gradients
             local_mean_grad = local_unit_grads.mean(dim=(0, 1))
+        return self.mean_update(local_mean_grad), every
+
+    def exchange_units(self, local_units, local_mean_grad):
+        """--exact-low-memory: (update (d,), every worker's units) from this process's units (a
+        sorters.exact.UnitGradients of its n_local * k units, worker-major, each layer call one record) and
+        its mean gradient (d,). The units' records (per parameter, or its per-unit gradient where that is
+        smaller) are all-gathered (sorters.gather.all_gather_units), the update all-reduced as D-RR's is.
+        comm_bytes counts what the gather sends as if each worker were its own process (n times one
+        process's bytes per worker), plus the update's n * d floats."""
+        n, n_local = self.comm.n_workers, len(self.comm.local_workers)
+        self.comm_bytes += records_bytes(local_units) * n // n_local
+        every = local_units if n_local == n else all_gather_units(local_units)
+        return self.mean_update(local_mean_grad), every
+
+    def mean_update(self, local_mean_grad):
+        """The global mean gradient (d,) from this process's mean over its own units (d,): itself in one
+        process, else all-reduced (counted as n * d floats)."""
+        n = self.comm.n_workers
         self.comm_bytes += n * local_mean_grad.numel() * local_mean_grad.element_size()
         n_local = len(self.comm.local_workers)
         if n_local == n:  # every worker is in this process: the local mean is the global one
-            return local_mean_grad, every
+            return local_mean_grad
         # weight by n_local so that the sum over processes is n * (global mean)
         total = self.comm.all_reduce_sum((local_mean_grad * n_local).unsqueeze(0))
-        return total / n, every
+        return total / n

@@ -61,6 +61,7 @@ FLAGS = {
     "avg_m": Flag(added=False), "avg_v": Flag(added=False), "average_opt_state": Flag(added=False),
     "unit_grad_gather": Flag(resumable=True, added="round", out="never"),  # the same bytes and orders
     "density": Flag(added=None),
+    "exact_low_memory": Flag(added="off", out="never"),  # the same orders, the update to float32 rounding
     "sketch_dim": Flag(added=0),  # -sketch-dim<D> in the default --out
     "sketch_min_numel": Flag(added=2**20),  # sorters/thresholds.py's engine row (no torch here: tests/test_sorters_imports.py checks)
     # main-LR-HMDA.py

@@ -21,6 +21,7 @@ from engine.reducers import make_reducer
 from engine.sketching import make_sketch, sketch_config
 from sorters import build_sorter
 from sorters.balance import sign_loop_for
+from sorters.exact import ExactCDGraB, ExactGradients
 
 # --overlap auto: below OVERLAP_MIN_D the thread hand-off costs about what the sorter does; above
 # OVERLAP_MAX_BUFFER the second per-unit gradient buffer costs more memory than it saves time (GPT-2:
@@ -48,6 +49,7 @@ class Run:
     steps_per_epoch: int
     per_worker_grads: bool  # each worker's own gradient: needed by local steps and by error feedback
     fault: "FaultInjection"
+    exact: ExactGradients | None = None  # --exact-low-memory on: the model's layer records for ExactCDGraB
 
     @property
     def out(self) -> Path:
@@ -72,11 +74,16 @@ def build_run(task, args, comm, device) -> Run:
     task.unit_grad_path = args.unit_grads
     sketch = make_sketch(args, d, task.model)  # --sketch-dim: the sorter balances (n, k, D) sketches (engine/sketching.py)
     sorted_d = sketch.dim if sketch else d
-    sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs,
-                          sign_loop=resolve_sign_loop(args, device, d, sorted_d))
+    exact = exact_gradients(task, args)
+    if exact is not None:  # the same orders as CD-GraB's, from products of the layer records
+        sorter = ExactCDGraB(n, m, d, seed=args.seed, device=device)
+    else:
+        sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs,
+                              sign_loop=resolve_sign_loop(args, device, d, sorted_d))
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer, sketch=sketch)
-    sorter = with_overlap(sorter, task, args.overlap, len(comm.local_workers), device, sketch)
+    if exact is None:  # the records of a step are the sorter's input only while it steps: no background thread
+        sorter = with_overlap(sorter, task, args.overlap, len(comm.local_workers), device, sketch)
     lr_schedule = LRSchedule(args.lr, steps_per_epoch, task.lr_decay_every, task.lr_decay_gamma, kind=args.lr_schedule,
                              total_epochs=args.epochs, warmup_epochs=args.warmup_epochs, min_lr=args.min_lr)
     local = build_local_workers(task, args, comm, reducer, lr_schedule, steps_per_epoch)
@@ -85,7 +92,21 @@ def build_run(task, args, comm, device) -> Run:
     herding_log = HerdingLog(n, m, d, comm, task.model, device) if args.log_herding else None
     return Run(task, args, comm, device, sorter, reducer, exchange, lr_schedule, optimizer, local, herding_log,
                steps_per_epoch, per_worker_grads=local is not None or args.reducer != "dense",
-               fault=FaultInjection.from_environment(comm.rank))
+               fault=FaultInjection.from_environment(comm.rank), exact=exact)
+
+
+def exact_gradients(task, args) -> ExactGradients | None:
+    """--exact-low-memory on: an ExactGradients of the task's module (its parameters are views of model.flat,
+    in the same order, so the sorter's running sum lines up with the flat gradient); None when off."""
+    if getattr(args, "exact_low_memory", "off") == "off":
+        return None
+    if not task.outer_products_apply(task.model.flat):
+        raise UserFacingError(f"--exact-low-memory on needs a model made only of Linear, Conv1D, Embedding and "
+                              f"LayerNorm layers and per-unit losses in one pass (LR-HMDA, MLP-M4, GPT2-Wiki103); "
+                              f"{task.name} has neither: drop --exact-low-memory")
+    exact = ExactGradients(task.model.module)
+    assert exact.d == task.model.d and all(exact.offsets[id(p)] == task.model.offsets[id(p)] for p in exact.params)
+    return exact
 
 
 def resolve_sign_loop(args, device, d: int, sorted_d: int) -> str | None:
@@ -144,7 +165,7 @@ def run_config(run: Run) -> dict:
                   "d": task.model.d, "global_batch": task.global_batch},
         "data": task.data_info,
         "sorter": {"name": sorter.name, "uses_grads": sorter.uses_grads,
-                   "sign_loop": getattr(sorter, "sign_loop", None),
+                   "sign_loop": getattr(sorter, "sign_loop", None), "exact_low_memory": run.exact is not None,
                    "sketch": sketch_config(args, run.exchange.sketch)},
         "optimizer": {"name": task.optimizer, "lr_decay_every": task.lr_decay_every,
                       "lr_decay_gamma": task.lr_decay_gamma, "lr_schedule": args.lr_schedule,

@@ -44,6 +44,27 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     return local_loss
 
 
+def exact_records_step(task, sorter, exchange, optimizer, exact, unit_ids, positions, timer):
+    """One data-parallel step with --exact-low-memory: the units' gradients reach the sorter (an ExactCDGraB)
+    as the layer records of the step's own backward, never formed as (n_local, k, d); the update is the mean
+    gradient of that backward, all-reduced. Returns the local loss."""
+    n_local, k = unit_ids.shape
+    batch = task.units(exchange.comm.local_workers, unit_ids)
+    local_units, local_mean_grad, unit_losses = task.unit_records(exact, batch, n_local, k)
+    timer.lap("compute")
+    update, every_unit = exchange.exchange_units(local_units, local_mean_grad)
+    del local_units
+    timer.lap("comm")
+    sorter.step(every_unit, positions)
+    del every_unit  # the records can be GBs: free them before the next step records
+    timer.lap("sorter")
+    if task.clip_grad_norm:
+        update = clip_to_norm(update, task.clip_grad_norm)
+    optimizer.step(update)
+    task.end_step(None)
+    return unit_losses.mean()
+
+
 def sparsified_step(task, sorter, exchange, optimizer, unit_ids, positions, timer):
     """One step on the shared parameters whose gradient average goes through a sparsifying reducer
     (--reducer topk / exdyna: its error feedback needs each worker's own gradient). Returns the local loss."""

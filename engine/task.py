@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_map
 from common.errors import UserFacingError
 from engine import linear_stack
 from engine.functional import FlatModel, batch_gradient, unit_gradients
+from sorters.gather import concatenate_units
 
 
 class Task:
@@ -118,6 +119,27 @@ class Task:
             part = tree_map(lambda t: t[rows], batch)
             sketches[rows], losses[rows] = self.model.outer_unit_sketches(self.unit_losses, part, sketch)
         return sketches.view(n_local, k, -1), self.model.grad.div_(units), losses.view(n_local, k)
+
+    def unit_records(self, exact, batch, n_local: int, k: int):
+        """--exact-low-memory: this step's units as layer records, for sorters.ExactCDGraB, from the ordinary
+        backward that also gives the update, `grad_chunk` units per pass (sorters/exact.py: ExactGradients'
+        recording of `self.model.module`, whose parameters are views of `model.flat`). Returns (units: a
+        UnitGradients of the n_local * k units, worker-major, one record per layer call; the mean gradient (d,)
+        over them, the model's buffer as batch_grad's; losses (n_local, k))."""
+        units = n_local * k
+        chunk = self.grad_chunk or units
+        losses = torch.empty(units, dtype=self.model.flat.dtype, device=self.model.flat.device)
+        self.model.grad.zero_()  # each pass's backward adds its units' share of the mean
+        parts = []
+        for start in range(0, units, chunk):
+            rows = slice(start, min(start + chunk, units))
+            with exact.recording() as recording:
+                part_losses = self.unit_losses(self.model.flat, tree_map(lambda t: t[rows], batch))
+                recording.watch(part_losses)
+            (part_losses.sum() / units).backward()
+            losses[rows] = part_losses.detach()
+            parts.append(recording.units())
+        return concatenate_units(parts), self.model.grad, losses.view(n_local, k)
 
     def outer_products_apply(self, flat: torch.Tensor) -> bool:
         """True when per-unit gradients at `flat` may come from outer products: the model's own

@@ -34,7 +34,7 @@ from engine.overlap import BackgroundSorter
 from engine.progress import LossCheck, ProgressLines, RegionTimer, progress_mode, say, start_line
 from engine.run_setup import Run, build_run, run_config
 from engine.rundir import RunFinished, check_run_folder
-from engine.steps import data_parallel_step, flush_deferred, local_step, sparsified_step
+from engine.steps import data_parallel_step, exact_records_step, flush_deferred, local_step, sparsified_step
 from sorters import NonFiniteGradientError
 
 
@@ -135,6 +135,9 @@ def take_step(run: Run, local_orders, step: int, global_step: int, timer):
     if run.local is not None:
         return local_step(run.task, run.sorter, run.exchange, run.local, unit_ids, positions, global_step,
                           timer, run.args.unit_grad_gather == "round")
+    if run.exact is not None:
+        return exact_records_step(run.task, run.sorter, run.exchange, run.optimizer, run.exact, unit_ids, positions,
+                                  timer)
     if run.per_worker_grads:
         return sparsified_step(run.task, run.sorter, run.exchange, run.optimizer, unit_ids, positions, timer)
     return data_parallel_step(run.task, run.sorter, run.exchange, run.optimizer, unit_ids, positions, timer,

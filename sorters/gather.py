@@ -12,8 +12,9 @@ Both users call it: `CDGraBSampler.step` (rows = this replica's examples of the 
 gradient exchange (rows = this process's workers, each (k, d) per-unit gradients).
 
 Exact CD-GraB from layer records (sorters/exact.py) gathers records instead: `all_gather_units`
-(`CDGraBSampler.step_units`), per parameter the smaller of its records and its per-unit gradient
-(`exchange_bytes`).
+(`CDGraBSampler.step_units`, the engine's `GradientExchange.exchange_units`), per parameter the smaller of
+its records and its per-unit gradient (`exchange_bytes`); `concatenate_units` first joins the records of
+passes made over parts of a step's units (the engine's chunks) into one record per layer call.
 """
 from typing import Callable
 
@@ -83,9 +84,7 @@ def all_gather_units(units: UnitGradients) -> UnitGradients:
     longest = [max(row[2 * i + 1] for row in every) for i in range(len(parts))]
 
     def gathered(x: torch.Tensor, T: int) -> torch.Tensor:  # (U, t, ...) padded to T tokens, then gathered
-        if x.dim() >= 2 and x.shape[1] < T:
-            x = torch.cat([x, x.new_zeros((x.shape[0], T - x.shape[1]) + tuple(x.shape[2:]))], 1)
-        return all_gather_rows(x)
+        return all_gather_rows(padded(x, T))
 
     pieces = {}
     for p in owner.params:
@@ -107,6 +106,57 @@ def all_gather_units(units: UnitGradients) -> UnitGradients:
                 x = Formed(all_gather_rows(x.values))
             pieces.setdefault(id(p), []).append((0, x))
     return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
+
+
+def concatenate_units(parts: list[UnitGradients]) -> UnitGradients:
+    """The units of several recordings of the same layers (each fresh from one backward: every contribution
+    covers all its units), part after part -> one UnitGradients whose every contribution covers all units,
+    as one recording of all of them would hold (so that `all_gather_units` can send it). Tokens are padded
+    with zeros to the longest part's, which adds nothing to any product. The parts' records are handed over
+    parameter by parameter (never all held twice); the result holds no backward gradient (step_grads)."""
+    if len(parts) == 1:
+        return parts[0]
+    owner, pieces = parts[0].owner, {}
+    for p in owner.params:
+        lists = [part.pieces.pop(id(p), []) for part in parts]
+        if any(len(entries) != len(lists[0]) for entries in lists) or any(
+                first != 0 or x.units != part.units for part, entries in zip(parts, lists) for first, x in entries):
+            raise ValueError("concatenate_units: the parts recorded different layer calls; each must be a fresh "
+                             "recording of the same model's layers")
+        for calls in zip(*lists):
+            kinds = {type(x) for _, x in calls}
+            if len(kinds) != 1:
+                raise ValueError("concatenate_units: the parts' layer records are of different kinds")
+            T = max(x.tokens for _, x in calls)
+            xs = [x for _, x in calls]
+            if isinstance(xs[0], Outer):
+                joined = Outer(torch.cat([padded(x.left, T) for x in xs]), torch.cat([padded(x.right, T) for x in xs]))
+            elif isinstance(xs[0], Rows):
+                joined = Rows(torch.cat([padded(x.ids, T) for x in xs]), torch.cat([padded(x.values, T) for x in xs]),
+                              xs[0].num_rows)
+            else:
+                joined = Formed(torch.cat([x.values for x in xs]))
+            pieces.setdefault(id(p), []).append((0, joined))
+    scale = torch.cat([part.scale for part in parts])
+    return UnitGradients(owner, sum(part.units for part in parts), pieces, scale)
+
+
+def padded(x: torch.Tensor, T: int) -> torch.Tensor:
+    """x (U, t, ...) with zero tokens appended up to T (an id of 0 pointing at a zero value adds nothing)."""
+    if x.dim() < 2 or x.shape[1] >= T:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], T - x.shape[1]) + tuple(x.shape[2:]))], 1)
+
+
+def records_bytes(units: UnitGradients) -> int:
+    """Bytes `all_gather_units` sends for these fresh units from ONE process: per parameter the smaller of
+    its records and its per-unit gradient (`exchange_bytes`), times the units."""
+    total = 0
+    for p in units.owner.params:
+        xs = [x for _, x in units.pieces.get(id(p), [])]
+        if xs:
+            total += min(exchange_bytes(p, xs, [x.tokens for x in xs]))
+    return total * units.units
 
 
 def exchange_bytes(p: torch.Tensor, contributions: list, tokens: list[int]) -> tuple[int, int]:
