@@ -219,3 +219,18 @@ def test_the_exact_sampler_resumes_mid_pair(sampler_runs, stop, replay):
     rest_orders, rest_losses, _ = train_with_sampler(state=checkpoint, replay=replay)
     assert [o.tolist() for o in done_orders[:-1] + rest_orders] == [o.tolist() for o in orders]
     assert done_losses + rest_losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_state_it_cannot_continue_is_refused_in_one_line_before_anything_changes():
+    """I-PB's state (per-worker sums, no running_sum) and a pending of another width: one line each, and the
+    sorter keeps its own state."""
+    from sorters import IndependentPairBalance
+    other = IndependentPairBalance(N, M, 5)
+    other.sort()
+    other.step(torch.randn(N, K, 5), range(K))
+    sorter = ExactCDGraB(N, M, 5)
+    wrong_width = {**sorter.state_dict(), "pending": torch.zeros(N, 4), "_next_position": K, "pending_position": K - 1}
+    for state, says in ((other.state_dict(), "missing running_sum"), (wrong_width, r"shape \(2, 5\), got .* \(2, 4\)")):
+        with pytest.raises(ValueError, match=says) as refused:
+            sorter.load_state_dict(checkpoint_roundtrip(state))
+        assert "\n" not in str(refused.value) and sorter.pending is None and sorter._next_position == 0
