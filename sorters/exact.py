@@ -64,9 +64,10 @@ class UnitGradients:
         self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
 
     def products(self, running_sum: torch.Tensor, how: str | None = None):
-        """(a (U,), G (U, U)) float64: <S, g_u> and <g_u, g_v>, summed over the parameters."""
-        a = torch.zeros(self.units, dtype=torch.float64)
-        G = torch.zeros(self.units, self.units, dtype=torch.float64)
+        """(a (U,), G (U, U)) float64 on the CPU: <S, g_u> and <g_u, g_v>, summed over the parameters on the
+        running sum's device, then copied to the host once (not a synchronisation per parameter)."""
+        a = torch.zeros(self.units, dtype=torch.float64, device=running_sum.device)
+        G = torch.zeros(self.units, self.units, dtype=torch.float64, device=running_sum.device)
         self.owner.last_how = {}
         for p in self.owner.params:
             pieces = self.pieces.get(id(p), [])
@@ -77,11 +78,12 @@ class UnitGradients:
                                                       how, wanted)
             if grad is not None:
                 self._keep_grad(p, grad)
-            a += pa.cpu()
-            G += pG.cpu()
+            a += pa
+            G += pG
             self.owner.last_how[id(p)] = chosen
-        scale = self.scale.double().cpu()
-        return a / scale, G / scale[:, None] / scale[None, :]
+        scale = self.scale.to(a.device, torch.float64)
+        both = torch.cat([(a / scale)[:, None], G / scale[:, None] / scale[None, :]], 1).cpu()  # (U, 1 + U)
+        return both[:, 0].contiguous(), both[:, 1:].contiguous()
 
     def write_grads(self) -> None:
         """writes_grads: add this backward's gradient to p.grad for every parameter products() did not reach
