@@ -22,6 +22,8 @@ and (c) parameter by parameter, streaming or by the ghost formulas.
 The pending unit. With k odd a pair spans two steps: its first unit's gradient is needed in the next
 step. Instead of its (d,) gradient the sorter keeps that unit's records (one example's layer inputs and
 output gradients, rescaled to its own loss), and the next step's products include it as one more unit.
+A checkpoint stores it formed, (n, d) as CDGraB does; a resumed sorter hands those rows to its next step
+as one Formed contribution per parameter (ExactGradients.formed_units), so it resumes at any position.
 
 The running sum S is (d,) in `dtype` (float32 by default: float64 for a 124M model is ~1 GiB, more than
 the memory the issue allows). Its products are accumulated in float64. Where rounding may decide a
@@ -36,7 +38,7 @@ import torch
 from sorters.balance import gram_signs
 from sorters.base import PairBalancer
 from sorters.checks import NonFiniteGradientError, check_module
-from sorters.exact_products import ContributionSink, add_weighted, matrix_shape, parameter_products, summed
+from sorters.exact_products import ContributionSink, Formed, add_weighted, matrix_shape, parameter_products, summed
 from sorters.layer_rules import Layout, apply_rule, tokens
 from sorters.layer_sketch import selected_parameters
 
@@ -62,9 +64,10 @@ class UnitGradients:
         self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
 
     def products(self, running_sum: torch.Tensor, how: str | None = None):
-        """(a (U,), G (U, U)) float64: <S, g_u> and <g_u, g_v>, summed over the parameters."""
-        a = torch.zeros(self.units, dtype=torch.float64)
-        G = torch.zeros(self.units, self.units, dtype=torch.float64)
+        """(a (U,), G (U, U)) float64 on the CPU: <S, g_u> and <g_u, g_v>, summed over the parameters on the
+        running sum's device, then copied to the host once (not a synchronisation per parameter)."""
+        a = torch.zeros(self.units, dtype=torch.float64, device=running_sum.device)
+        G = torch.zeros(self.units, self.units, dtype=torch.float64, device=running_sum.device)
         self.owner.last_how = {}
         for p in self.owner.params:
             pieces = self.pieces.get(id(p), [])
@@ -75,11 +78,12 @@ class UnitGradients:
                                                       how, wanted)
             if grad is not None:
                 self._keep_grad(p, grad)
-            a += pa.cpu()
-            G += pG.cpu()
+            a += pa
+            G += pG
             self.owner.last_how[id(p)] = chosen
-        scale = self.scale.double().cpu()
-        return a / scale, G / scale[:, None] / scale[None, :]
+        scale = self.scale.to(a.device, torch.float64)
+        both = torch.cat([(a / scale)[:, None], G / scale[:, None] / scale[None, :]], 1).cpu()  # (U, 1 + U)
+        return both[:, 0].contiguous(), both[:, 1:].contiguous()
 
     def write_grads(self) -> None:
         """writes_grads: add this backward's gradient to p.grad for every parameter products() did not reach
@@ -192,6 +196,21 @@ class ExactGradients:
         units.step_grads, units.step_units = {id(p): g for p, g in zip(self.params, grads)}, units.units
         return units
 
+    def formed_units(self, rows: torch.Tensor) -> UnitGradients:
+        """The U units whose gradients are the rows of a formed (U, d) tensor (flat()'s inverse): per
+        parameter one Formed contribution, its (U, R, C) slice of the rows in the parameter's dtype and
+        device, scale 1. A parameter whose slice is all zero (no gradient) gets none, as records give none."""
+        if rows.dim() != 2 or rows.shape[1] != self.d:
+            raise ValueError(f"ExactGradients: formed_units() takes (U, d={self.d}) gradients, got {tuple(rows.shape)}")
+        pieces = {}
+        for p in self.params:
+            start = self.offsets[id(p)]
+            values = rows[:, start:start + p.numel()].to(p.device, p.dtype)
+            if bool(values.ne(0).any()):
+                pieces[id(p)] = [(0, Formed(values.reshape(len(rows), *matrix_shape(p))))]
+        first = self.params[0]
+        return UnitGradients(self, len(rows), pieces, torch.ones(len(rows), dtype=first.dtype, device=first.device))
+
     def flat(self, units: UnitGradients) -> torch.Tensor:
         """(U, d) the units' gradients formed (for tests and small models)."""
         out = torch.zeros(units.units, self.d, dtype=self.params[0].dtype)
@@ -295,7 +314,8 @@ class ExactCDGraB(PairBalancer):
 
     dtype: the running sum's (d,) dtype (float32: see the module docstring). `near_ties` counts the
     signs that rounding may have decided (NEAR_TIE), over the run; `last_products` keeps the last
-    step's (a, G) of the differences, for inspection."""
+    step's (a, G) of the differences, for inspection. `pending`: None, the n units waiting for their
+    pair (UnitGradients), or, loaded from a checkpoint and until the next step(), their (n, d) gradients."""
 
     name = "CD-GraB"
     OPTIONAL_STATE = PairBalancer.OPTIONAL_STATE + ("near_ties",)
@@ -320,17 +340,19 @@ class ExactCDGraB(PairBalancer):
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict() of ExactCDGraB, or of sorters.CDGraB of the same n, m, d (the keys are the
+        same). A pending unit comes as its formed (n, d) gradients: kept so, and turned into units (one
+        Formed contribution per parameter) by the next step(), which brings the ExactGradients they need."""
         super().load_state_dict(state)
         self.running_sum = self.running_sum.to(self.dtype)
-        if torch.is_tensor(self.pending):
-            raise ValueError("ExactCDGraB: a state saved with an unpaired unit (pending) cannot be resumed yet; "
-                             "save at an even position")
 
     def step(self, units: UnitGradients, positions):
         start, k = self._check_positions(positions)
         n = self.n
         if not isinstance(units, UnitGradients) or units.units != n * k:
             raise ValueError(f"{self.name}: step() takes the UnitGradients of the {n} x {k} units of the step")
+        if torch.is_tensor(self.pending):  # loaded from a checkpoint: worker j's pending gradient is row j
+            self.pending = units.owner.formed_units(self.pending)
         self._next_position += k
         pending = self.pending is not None
         everything = units.join(self.pending) if pending else units

@@ -108,6 +108,18 @@ def test_each_parameters_products_are_those_of_the_formed_gradients(case, how, m
         torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_the_products_reach_the_host_in_one_copy(case, monkeypatch):
+    """products() sums every parameter's (a, G) on the running sum's device and copies the (U, 1 + U) result
+    to the host once: on a GPU each copy waits for the device, so not one per parameter."""
+    exact, losses, _ = case
+    units = exact(lambda: losses())
+    copies, cpu = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *args, **kwargs: copies.append(tuple(self.shape))
+                        or cpu(self, *args, **kwargs))
+    units.products(torch.zeros(exact.d, dtype=exact.params[0].dtype))
+    assert len(exact.last_how) > 1 and copies == [(B, B + 1)]
+
+
 @pytest.mark.parametrize("from_grad", [False, True])
 def test_the_running_sums_update_is_the_weighted_sum_of_the_formed_gradients(case, from_grad):
     """(c) S += sum_u w_u g_u from the records, and with the backward's own gradient (half the records)."""
