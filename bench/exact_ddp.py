@@ -19,7 +19,7 @@ child mode (torch.set_num_threads(--threads) a process); the Trainer wraps the m
   whichever is smaller), so EVERY process computes the products of all 8 examples, and its backward keeps
   the weights' gradient products for DDP's all-reduce (sorters/hf.py, training_step);
 - "exact" (only with --exact): the (4, d) per-example gradients formed with torch.func and all-gathered
-  ((8, d) floats a process: about 4 GB at GPT-2 small);
+  ((8, d) float32 a process: 8 x 124M x 4 bytes at GPT-2 small);
 - "exact_low_memory, 1 process x 2 replicas" (unless --no-one-process): the same Trainer WITHOUT torchrun,
   num_replicas=2 (one process, micro-batch 8): the reference for the orders.
   `exact_low_memory_orders_equal_one_process`: whether every rank's next-epoch orders equal that
