@@ -67,22 +67,24 @@ def variants(dims, exact: bool, min_numels=(), low_memory: bool = True) -> dict:
     return out
 
 
-def child(settings: dict | None, steps: int, threads: int) -> dict:
-    """`steps` optimizer steps of GPT-2 small in this (fresh) process; returns the measurements."""
+def gpt2_and_rows(rows: int, config: dict | None = None):
+    """(model, examples): GPT2LMHeadModel(GPT2Config(**config)) (default GPT-2 small), seeded random init,
+    dropout off, sdpa attention; and `rows` examples {"input_ids", "labels"} of BLOCK random tokens each."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-    from transformers.utils import logging as hf_logging
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    from sorters.hf import CDGraBTrainer
-
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
-    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **(config or {}))
     model = GPT2LMHeadModel(config)
     model.set_attn_implementation("sdpa")
-    rows = torch.randint(0, config.vocab_size, (BATCH * steps, BLOCK), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": r, "labels": r} for r in rows]
+    tokens = torch.randint(0, config.vocab_size, (rows, BLOCK), generator=torch.Generator().manual_seed(1))
+    return model, [{"input_ids": r, "labels": r} for r in tokens]
+
+
+def step_timer():
+    """A TrainerCallback timing every optimizer step: .walls and .cpus (seconds from the step's begin to its
+    end), and .parts (name -> CPU seconds per step of the functions wrapped by .timed(name, fn))."""
+    from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -108,16 +110,33 @@ def child(settings: dict | None, steps: int, threads: int) -> dict:
                     self.part_cpus[name] = self.part_cpus.get(name, 0.0) + time.process_time() - started
             return run
 
-    timer = StepTimer()
+    return StepTimer()
+
+
+def child(settings: dict | None, steps: int, threads: int, batch: int = BATCH, config: dict | None = None,
+          **training_args) -> dict:
+    """`steps` optimizer steps of GPT-2 small (GPT2Config(**config) if given) in this (fresh) process, on
+    BATCH * steps examples, `batch` a device (bench/exact_ddp.py: 4 under torchrun, or 2 replicas' 4 here);
+    training_args: more TrainingArguments (ddp_backend). Returns the measurements."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from sorters.hf import CDGraBTrainer
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(threads)
+    model, data = gpt2_and_rows(BATCH * steps, config)
+    timer = step_timer()
     if settings is not None and settings.get("exact_low_memory"):
         from sorters.exact import UnitGradients
         # products (a), (b) and the weight gradient from the blocks; the running sum's update (c)
         UnitGradients.products = timer.timed("products", UnitGradients.products)
         UnitGradients.add_to = timer.timed("update", UnitGradients.add_to)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=BATCH, num_train_epochs=1,
+        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=batch, num_train_epochs=1,
                                  learning_rate=1e-4, seed=0, report_to=[], disable_tqdm=True, logging_strategy="no",
-                                 save_strategy="no", dataloader_drop_last=True)
+                                 save_strategy="no", dataloader_drop_last=True, **training_args)
         if settings is None:
             trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
         else:
