@@ -5,8 +5,10 @@
     python bench/sketch_gpt2.py --dims 1024 4096 --rounds 3 --steps 8
     python bench/sketch_gpt2.py --min-numels 1048576 16384 --variants records control  # the thresholds
     python bench/sketch_gpt2.py --profile --out bench/results/profile-sketch-gpt2-cpu.txt   # one chunk, profiled
+    python bench/sketch_gpt2.py --variants exact low-memory --out bench/results/exact-low-memory-gpt2-wiki103-cpu.json
 
-Variants: D-RR; exact CD-GraB; CD-GraB --sketch-dim D by the materialise-then-sketch path (the (64, d)
+Variants: D-RR; exact CD-GraB; exact CD-GraB from the products of the layer records (--exact-low-memory
+on, "low-memory": the same orders, no (64, d) per-block gradients); CD-GraB --sketch-dim D by the materialise-then-sketch path (the (64, d)
 per-block gradients formed, then the map applied; Task.sketch_records off) and by the records path
 (Task.unit_sketches: the TensorSketch blocks' sketches from their layer records, no (64, d) buffer) at each
 --sketch-min-numel of --min-numels (the default 2^20 makes the tied wte/lm_head the only block; 2^14 every
@@ -61,7 +63,7 @@ ARGS = ["--node_cnt", "64", "--B", "64", "--lr", "5e-4", "--epochs", "1", "--pro
         "--max-eval-examples", "32"]
 
 
-KINDS = ("exact", "materialise", "records", "compiled", "control")
+KINDS = ("exact", "low-memory", "materialise", "records", "compiled", "control")
 
 
 def power_of_two(n: int) -> str:
@@ -76,6 +78,8 @@ def variants(dims, min_numels=(STRUCTURED_MIN_NUMEL,), kinds=KINDS) -> dict:
         out["D-RR, CD-GraB's sign loop loaded"] = (["--sorter", "D-RR"], True, True)
     if "exact" in kinds:
         out["CD-GraB"] = (["--sorter", "CD-GraB"], True, False)
+    if "low-memory" in kinds:  # the same orders from products of the layer records (--exact-low-memory on)
+        out["CD-GraB exact low memory"] = (["--sorter", "CD-GraB", "--exact-low-memory", "on"], True, False)
     for dim in dims:
         sketched = ["--sorter", "CD-GraB", "--sketch-dim", str(dim)]
         if "materialise" in kinds:
