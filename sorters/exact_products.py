@@ -69,6 +69,10 @@ class Outer:
     def select(self, units) -> "Outer":
         return Outer(self.left[units], self.right[units])
 
+    def units_slice(self, start: int, stop: int) -> "Outer":
+        """Units start..stop-1, views of the records."""
+        return Outer(self.left[start:stop], self.right[start:stop])
+
     def scaled(self, factors: torch.Tensor) -> "Outer":
         return Outer(self.left * factors[:, None, None], self.right)
 
@@ -98,6 +102,9 @@ class Rows:
     def select(self, units) -> "Rows":
         return Rows(self.ids[units], self.values[units], self.num_rows)
 
+    def units_slice(self, start: int, stop: int) -> "Rows":
+        return Rows(self.ids[start:stop], self.values[start:stop], self.num_rows)
+
     def scaled(self, factors: torch.Tensor) -> "Rows":
         return Rows(self.ids, self.values * factors[:, None, None], self.num_rows)
 
@@ -123,6 +130,9 @@ class Formed:
 
     def select(self, units) -> "Formed":
         return Formed(self.values[units])
+
+    def units_slice(self, start: int, stop: int) -> "Formed":
+        return Formed(self.values[start:stop])
 
     def scaled(self, factors: torch.Tensor) -> "Formed":
         return Formed(self.values * factors[:, None, None])
@@ -214,18 +224,16 @@ def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | 
     G = torch.zeros(r, r, dtype=torch.float64, device=S.device)
     norms = torch.zeros(U, dtype=torch.float64, device=S.device) if pairs is not None else None
     block = torch.empty(U, rows, C, dtype=S.dtype, device=S.device)
-    # an Outer of every unit writes the block (bmm into it) instead of adding to zeros: a pass less
-    lead = next((i for i, (first, x) in enumerate(pieces) if isinstance(x, Outer) and x.units == U), None)
+    leads, unwritten = block_leads(pieces, U)
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         out = block[:, :r1 - r0]
-        if lead is None:
-            out.zero_()
-        else:
-            x = pieces[lead][1]
-            torch.bmm(x.left[:, :, r0:r1].transpose(1, 2), x.right, out=out)
+        for first, stop in unwritten:
+            out[first:stop].zero_()
         for i, (first, x) in enumerate(pieces):
-            if i != lead:
+            if i in leads:
+                torch.bmm(x.left[:, :, r0:r1].transpose(1, 2), x.right, out=out[first:first + x.units])
+            else:
                 x.add_rows(out[first:first + x.units], r0, r1)
         flat = out.reshape(U, -1)
         if grad is not None:
@@ -236,6 +244,28 @@ def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | 
         a += (flat @ S[r0:r1].reshape(-1)).double()
         G += (flat @ flat.T).double()
     return (a, G) if pairs is None else (a, G, norms * pairs.inverse_scale.to(norms.device, torch.float64) ** 2)
+
+
+def block_leads(pieces: list, U: int) -> tuple[set, list]:
+    """(leads, unwritten): the contributions that WRITE their units' rows of a streamed block (bmm into it,
+    instead of adding to zeros: a pass less), the first Outer of each range of units that no earlier
+    contribution touches; and the (start, stop) ranges of units no lead writes, zeroed first."""
+    leads, written = set(), torch.zeros(U, dtype=torch.bool)
+    touched = torch.zeros(U, dtype=torch.bool)
+    for i, (first, x) in enumerate(pieces):
+        span = slice(first, first + x.units)
+        if isinstance(x, Outer) and not touched[span].any():
+            leads.add(i)
+            written[span] = True
+        touched[span] = True
+    unwritten, start = [], None
+    for u in range(U + 1):
+        if u < U and not written[u]:
+            start = u if start is None else start
+        elif start is not None:
+            unwritten.append((start, u))
+            start = None
+    return leads, unwritten
 
 
 class Pairs:

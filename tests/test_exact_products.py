@@ -344,3 +344,21 @@ def test_selecting_every_unit_in_order_keeps_the_records_without_copying(case):
     assert all(x is y for key in units.pieces for (_, x), (_, y) in zip(units.pieces[key], every.pieces[key]))
     torch.testing.assert_close(exact.flat(every), oracle, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(exact.flat(units.select([3, 1, 2])), oracle[[3, 1, 2]], rtol=1e-10, atol=1e-12)
+
+
+def test_a_streamed_block_is_written_by_the_first_outer_of_its_units_only(case, monkeypatch):
+    """Streaming writes a block's rows with the first Outer over them (bmm into the block) and adds every
+    later contribution: with each parameter's contributions in reverse order (the tied matrix's embedding
+    rows before its output layer's outer products), split in two ranges of units, the products are unchanged."""
+    monkeypatch.setattr(products, "STREAM_BLOCK_BYTES", 3 * B * 8 * 8)
+    exact, losses, oracle = case
+    units = exact(losses)
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    for name, p in zip(exact.names, exact.params):
+        start = exact.offsets[id(p)]
+        g = oracle[:, start:start + p.numel()]
+        pieces = [(first + lo, x.units_slice(lo, hi)) for first, x in units.pieces[id(p)][::-1]
+                  for lo, hi in ((0, 2), (2, B))]
+        a, G, _, _ = products.parameter_products(pieces, exact.view(S, p), B, "stream")
+        torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
