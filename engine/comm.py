@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import UserFacingError
-from sorters.gather import all_gather_rows, all_gather_units, records_bytes, sketch_rows, sketch_then_gather
+from sorters.gather import all_gather_rows, gather_parts, records_bytes, sketch_rows, sketch_then_gather
 
 
 class LocalCommunicator:
@@ -194,16 +194,16 @@ class GradientExchange:
             local_mean_grad = local_unit_grads.mean(dim=(0, 1))
         return self.mean_update(local_mean_grad), every
 
-    def exchange_units(self, local_units, local_mean_grad):
-        """--exact-low-memory: (update (d,), every worker's units) from this process's units (a
-        sorters.exact.UnitGradients of its n_local * k units, worker-major, each layer call one record) and
-        its mean gradient (d,). The units' records (per parameter, or its per-unit gradient where that is
-        smaller) are all-gathered (sorters.gather.all_gather_units), the update all-reduced as D-RR's is.
-        comm_bytes counts what the gather sends as if each worker were its own process (n times one
+    def exchange_units(self, local_parts, local_mean_grad):
+        """--exact-low-memory: (update (d,), every worker's units) from this process's units (a list of
+        sorters.exact.UnitGradients, the parts its n_local * k units were recorded in, worker-major) and its
+        mean gradient (d,). Each part's records (per parameter, or its per-unit gradient where that is
+        smaller) are all-gathered (sorters.gather.gather_parts), the update all-reduced as D-RR's is.
+        comm_bytes counts what the gathers send as if each worker were its own process (n times one
         process's bytes per worker), plus the update's n * d floats."""
         n, n_local = self.comm.n_workers, len(self.comm.local_workers)
-        self.comm_bytes += records_bytes(local_units) * n // n_local
-        every = local_units if n_local == n else all_gather_units(local_units)
+        self.comm_bytes += records_bytes(local_parts) * n // n_local
+        every = gather_parts(local_parts, distributed=n_local != n)
         return self.mean_update(local_mean_grad), every
 
     def mean_update(self, local_mean_grad):

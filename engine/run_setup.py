@@ -76,7 +76,7 @@ def build_run(task, args, comm, device) -> Run:
     sorted_d = sketch.dim if sketch else d
     exact = exact_gradients(task, args)
     if exact is not None:  # the same orders as CD-GraB's, from products of the layer records
-        sorter = ExactCDGraB(n, m, d, seed=args.seed, device=device)
+        sorter = ExactCDGraB(n, m, d, seed=args.seed, device=device, sum_all=True)
     else:
         sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs,
                               sign_loop=resolve_sign_loop(args, device, d, sorted_d))

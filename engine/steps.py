@@ -50,10 +50,10 @@ def exact_records_step(task, sorter, exchange, optimizer, exact, unit_ids, posit
     gradient of that backward, all-reduced. Returns the local loss."""
     n_local, k = unit_ids.shape
     batch = task.units(exchange.comm.local_workers, unit_ids)
-    local_units, local_mean_grad, unit_losses = task.unit_records(exact, batch, n_local, k)
+    local_parts, local_mean_grad, unit_losses = task.unit_records(exact, batch, n_local, k)
     timer.lap("compute")
-    update, every_unit = exchange.exchange_units(local_units, local_mean_grad)
-    del local_units
+    update, every_unit = exchange.exchange_units(local_parts, local_mean_grad)
+    del local_parts
     timer.lap("comm")
     sorter.step(every_unit, positions)
     del every_unit  # the records can be GBs: free them before the next step records

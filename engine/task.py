@@ -9,7 +9,6 @@ from torch.utils._pytree import tree_map
 from common.errors import UserFacingError
 from engine import linear_stack
 from engine.functional import FlatModel, batch_gradient, unit_gradients
-from sorters.gather import concatenate_units
 
 
 class Task:
@@ -123,8 +122,8 @@ class Task:
     def unit_records(self, exact, batch, n_local: int, k: int):
         """--exact-low-memory: this step's units as layer records, for sorters.ExactCDGraB, from the ordinary
         backward that also gives the update, `grad_chunk` units per pass (sorters/exact.py: ExactGradients'
-        recording of `self.model.module`, whose parameters are views of `model.flat`). Returns (units: a
-        UnitGradients of the n_local * k units, worker-major, one record per layer call; the mean gradient (d,)
+        recording of `self.model.module`, whose parameters are views of `model.flat`). Returns (parts: the
+        UnitGradients of each pass, the n_local * k units worker-major part after part; the mean gradient (d,)
         over them, the model's buffer as batch_grad's; losses (n_local, k))."""
         units = n_local * k
         chunk = self.grad_chunk or units
@@ -139,7 +138,7 @@ class Task:
             (part_losses.sum() / units).backward()
             losses[rows] = part_losses.detach()
             parts.append(recording.units())
-        return concatenate_units(parts), self.model.grad, losses.view(n_local, k)
+        return parts, self.model.grad, losses.view(n_local, k)
 
     def outer_products_apply(self, flat: torch.Tensor) -> bool:
         """True when per-unit gradients at `flat` may come from outer products: the model's own

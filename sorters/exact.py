@@ -38,7 +38,8 @@ import torch
 from sorters.balance import gram_signs
 from sorters.base import PairBalancer
 from sorters.checks import NonFiniteGradientError, check_module
-from sorters.exact_products import ContributionSink, Formed, add_weighted, matrix_shape, parameter_products, summed
+from sorters.exact_products import ContributionSink, Formed, Pairs, add_weighted, matrix_shape, parameter_products, \
+    summed
 from sorters.layer_rules import Layout, apply_rule, tokens
 from sorters.layer_sketch import selected_parameters
 
@@ -62,25 +63,41 @@ class UnitGradients:
                  step_grads: dict | None = None, step_units: int = 0, writes_grads: bool = False):
         self.owner, self.units, self.pieces, self.scale = owner, units, pieces, scale
         self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
+        self.sum_all = False
 
-    def products(self, running_sum: torch.Tensor, how: str | None = None):
+    def products(self, running_sum: torch.Tensor, how: str | None = None, pairs: Pairs | None = None):
         """(a (U,), G (U, U)) float64 on the CPU: <S, g_u> and <g_u, g_v>, summed over the parameters on the
-        running sum's device, then copied to the host once (not a synchronisation per parameter)."""
-        a = torch.zeros(self.units, dtype=torch.float64, device=running_sum.device)
-        G = torch.zeros(self.units, self.units, dtype=torch.float64, device=running_sum.device)
+        running sum's device, then copied to the host once (not a synchronisation per parameter). With `pairs`
+        (sorters.exact_products.Pairs) (a (r,), G (r, r), norms (U,)): the products of the pairs' differences
+        g_first - g_second instead, and the units' squared norms ||g_u||^2.
+        sum_all: units that come without the backward's gradient (step_grads None) keep, from the blocks
+        streaming forms anyway, the sum of every unit's records per parameter, for add_to's shortcut."""
+        U, r = self.units, self.units if pairs is None else len(pairs.firsts)
+        a = torch.zeros(r, dtype=torch.float64, device=running_sum.device)
+        G = torch.zeros(r, r, dtype=torch.float64, device=running_sum.device)
+        norms = torch.zeros(U, dtype=torch.float64, device=running_sum.device)
+        summing = self.sum_all and self.step_grads is None
+        if summing:
+            self.step_grads, self.step_units = {}, U
         self.owner.last_how = {}
         for p in self.owner.params:
             pieces = self.pieces.get(id(p), [])
             if not pieces:
                 continue
-            wanted = self.step_units if self.writes_grads and id(p) not in self.step_grads else 0
-            pa, pG, chosen, grad = parameter_products(pieces, self.owner.view(running_sum, p), self.units,
-                                                      how, wanted)
-            if grad is not None:
+            wanted = U if summing else self.step_units if self.writes_grads and id(p) not in self.step_grads else 0
+            *products, chosen, grad = parameter_products(pieces, self.owner.view(running_sum, p), U, how, wanted,
+                                                         pairs)
+            if summing:
+                self.step_grads[id(p)] = grad
+            elif grad is not None:
                 self._keep_grad(p, grad)
-            a += pa
-            G += pG
+            a += products[0]
+            G += products[1]
+            if pairs is not None:
+                norms += products[2]
             self.owner.last_how[id(p)] = chosen
+        if pairs is not None:  # in gradients already (Pairs divides by the scale)
+            return tuple(x.cpu() for x in (a, G, norms))
         scale = self.scale.to(a.device, torch.float64)
         both = torch.cat([(a / scale)[:, None], G / scale[:, None] / scale[None, :]], 1).cpu()  # (U, 1 + U)
         return both[:, 0].contiguous(), both[:, 1:].contiguous()
@@ -125,18 +142,24 @@ class UnitGradients:
                 add_weighted(pieces, view, ratio)
 
     def select(self, units: list[int]) -> "UnitGradients":
-        """These units only, each rescaled to its own gradient (scale 1): copies, not views of the records."""
+        """These units only, in this order, with their scale: per contribution, the kept units it covers in one
+        piece (the records themselves when it covers exactly them, in order; else a copy of their rows)."""
         index = torch.tensor(units, dtype=torch.long, device=self.scale.device)
-        factors = 1.0 / self.scale[index]
         pieces = {}
         for key, parts in self.pieces.items():
             for first, x in parts:
-                for i, u in enumerate(units):  # one contribution per kept unit: any order, any overlap
-                    if first <= u < first + x.units:
-                        taken = x.select(torch.tensor([u - first], device=index.device)).scaled(factors[i:i + 1])
-                        pieces.setdefault(key, []).append((i, taken))
-        return UnitGradients(self.owner, len(units), pieces, torch.ones(len(units), dtype=self.scale.dtype,
-                                                                         device=self.scale.device))
+                kept = [(i, u - first) for i, u in enumerate(units) if first <= u < first + x.units]
+                runs = []  # (start in the result, rows of x): consecutive in both
+                for i, row in kept:
+                    if runs and runs[-1][0] + len(runs[-1][1]) == i and runs[-1][1][-1] + 1 == row:
+                        runs[-1][1].append(row)
+                    else:
+                        runs.append((i, [row]))
+                for start, rows in runs:
+                    whole = rows == list(range(x.units))
+                    taken = x if whole else x.select(torch.tensor(rows, dtype=torch.long, device=index.device))
+                    pieces.setdefault(key, []).append((start, taken))
+        return UnitGradients(self.owner, len(units), pieces, self.scale[index])
 
     def join(self, other: "UnitGradients") -> "UnitGradients":
         """This step's units, then other's (the pending ones)."""
@@ -315,16 +338,21 @@ class ExactCDGraB(PairBalancer):
     dtype: the running sum's (d,) dtype (float32: see the module docstring). `near_ties` counts the
     signs that rounding may have decided (NEAR_TIE), over the run; `last_products` keeps the last
     step's (a, G) of the differences, for inspection. `pending`: None, the n units waiting for their
-    pair (UnitGradients), or, loaded from a checkpoint and until the next step(), their (n, d) gradients."""
+    pair (UnitGradients), or, loaded from a checkpoint and until the next step(), their (n, d) gradients.
+    sum_all: for units that come without their backward's gradient (UnitGradients.step_grads None: the engine's,
+    or gathered from several processes), the products keep each parameter's sum over all units from the
+    blocks they form, so that the running sum's update reads the records of about half the units (d floats
+    more during a step)."""
 
     name = "CD-GraB"
     OPTIONAL_STATE = PairBalancer.OPTIONAL_STATE + ("near_ties",)
-    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("last_products",)
+    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("last_products", "sum_all")
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise"):
+    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise",
+                 sum_all: bool = False):
         if nonfinite != "raise":
             raise ValueError("ExactCDGraB: only nonfinite='raise' is supported")
-        self.near_ties, self.last_products = 0, None
+        self.near_ties, self.last_products, self.sum_all = 0, None, sum_all
         super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
 
     def _reset_running_sums(self):
@@ -359,19 +387,19 @@ class ExactCDGraB(PairBalancer):
         firsts, seconds = self._visiting_order(n, k, pending)
         r = len(firsts)
         if r:
-            a, G = everything.products(self.running_sum)
-            if not bool(a.isfinite().all() and G.isfinite().all()):
+            everything.sum_all = self.sum_all
+            pairs = Pairs(firsts, seconds, 1.0 / everything.scale)
+            diff_a, diff_G, norms = everything.products(self.running_sum, pairs=pairs)
+            if not bool(diff_a.isfinite().all() and diff_G.isfinite().all() and norms.isfinite().all()):
                 raise NonFiniteGradientError(f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, "
                                              f"step at positions {start}..{start + k - 1} of {self.m}; lower the "
                                              "learning rate or fix the input", self.epoch, start)
-            C = torch.zeros(r, everything.units, dtype=torch.float64)
-            C[torch.arange(r), firsts] = 1.0
-            C[torch.arange(r), seconds] = -1.0
-            diff_a, diff_G = C @ a, C @ G @ C.T
             signs = gram_signs(diff_a, diff_G)
-            self.near_ties += self._count_near_ties(diff_a, diff_G, signs, G, firsts, seconds)
+            self.near_ties += self._count_near_ties(diff_a, diff_G, signs, norms, firsts, seconds)
             self.last_products = (diff_a, diff_G)
-            everything.add_to(self.running_sum, C.T @ signs)
+            w = torch.zeros(everything.units, dtype=torch.float64)
+            w[firsts], w[seconds] = signs, -signs  # each unit is in one pair
+            everything.add_to(self.running_sum, w)
             plus = (signs > 0).numpy()
             self._place(plus, n, k, pending)
         self.pending = None
@@ -409,7 +437,7 @@ class ExactCDGraB(PairBalancer):
             first = self._next_position - k + int(pending)
             self._place_pairs(np, np.ascontiguousarray(plus[at:].reshape(pairs, n).T), first)
 
-    def _count_near_ties(self, diff_a, diff_G, signs, G, firsts, seconds) -> int:
+    def _count_near_ties(self, diff_a, diff_G, signs, norms, firsts, seconds) -> int:
         """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||)."""
         norm2 = squared_norm(self.running_sum)
         ties = 0
@@ -417,8 +445,8 @@ class ExactCDGraB(PairBalancer):
             before = signs[:i]
             dot = diff_a[i] + diff_G[i, :i] @ before
             s_norm2 = norm2 + 2 * (before @ diff_a[:i]) + before @ diff_G[:i, :i] @ before
-            scale = float(s_norm2.clamp(min=0).sqrt()) * (float(G[firsts[i], firsts[i]].clamp(min=0).sqrt())
-                                                          + float(G[seconds[i], seconds[i]].clamp(min=0).sqrt()))
+            scale = float(s_norm2.clamp(min=0).sqrt()) * (float(norms[firsts[i]].clamp(min=0).sqrt())
+                                                          + float(norms[seconds[i]].clamp(min=0).sqrt()))
             ties += 0 < scale and abs(float(dot)) <= NEAR_TIE * scale  # S_i = 0 exactly: a true tie, +1
         return ties
 

@@ -69,6 +69,10 @@ class Outer:
     def select(self, units) -> "Outer":
         return Outer(self.left[units], self.right[units])
 
+    def units_slice(self, start: int, stop: int) -> "Outer":
+        """Units start..stop-1, views of the records."""
+        return Outer(self.left[start:stop], self.right[start:stop])
+
     def scaled(self, factors: torch.Tensor) -> "Outer":
         return Outer(self.left * factors[:, None, None], self.right)
 
@@ -98,6 +102,9 @@ class Rows:
     def select(self, units) -> "Rows":
         return Rows(self.ids[units], self.values[units], self.num_rows)
 
+    def units_slice(self, start: int, stop: int) -> "Rows":
+        return Rows(self.ids[start:stop], self.values[start:stop], self.num_rows)
+
     def scaled(self, factors: torch.Tensor) -> "Rows":
         return Rows(self.ids, self.values * factors[:, None, None], self.num_rows)
 
@@ -123,6 +130,9 @@ class Formed:
 
     def select(self, units) -> "Formed":
         return Formed(self.values[units])
+
+    def units_slice(self, start: int, stop: int) -> "Formed":
+        return Formed(self.values[start:stop])
 
     def scaled(self, factors: torch.Tensor) -> "Formed":
         return Formed(self.values * factors[:, None, None])
@@ -200,35 +210,86 @@ def ghost_pays(pieces: list, U: int, R: int, C: int) -> bool:
 GHOST_MARGIN = 0.5
 
 
-def stream_products(pieces: list, S: torch.Tensor, U: int,
-                    grad: torch.Tensor | None = None, grad_units: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a (U,), G (U, U)) in float64 by forming the units' gradients STREAM_BLOCK_BYTES of rows at a time.
-    pieces: [(first unit, contribution)]; S (R, C). grad: None, or an (R, C) tensor that receives the sum
-    of units 0..grad_units-1's blocks (the backward's weight gradient, from the blocks already formed)."""
+def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | None = None, grad_units: int = 0,
+                    pairs: "Pairs | None" = None) -> tuple:
+    """(a, G) in float64 by forming the units' gradients STREAM_BLOCK_BYTES of rows at a time: of the units,
+    (a (U,), G (U, U)); with `pairs`, of the pairs' differences (a (r,), G (r, r)) and the units' squared
+    norms (U,) as a third result (the Gram of r differences costs r^2 against U^2). pieces: [(first unit,
+    contribution)]; S (R, C). grad: None, or an (R, C) tensor that receives the sum of units 0..grad_units-1's
+    blocks (the backward's weight gradient, or every unit's sum, from the blocks already formed)."""
     R, C = S.shape
     rows = max(1, min(R, STREAM_BLOCK_BYTES // max(1, U * C * S.element_size())))
-    a = torch.zeros(U, dtype=torch.float64, device=S.device)
-    G = torch.zeros(U, U, dtype=torch.float64, device=S.device)
+    r = U if pairs is None else len(pairs.firsts)
+    a = torch.zeros(r, dtype=torch.float64, device=S.device)
+    G = torch.zeros(r, r, dtype=torch.float64, device=S.device)
+    norms = torch.zeros(U, dtype=torch.float64, device=S.device) if pairs is not None else None
     block = torch.empty(U, rows, C, dtype=S.dtype, device=S.device)
-    # an Outer of every unit writes the block (bmm into it) instead of adding to zeros: a pass less
-    lead = next((i for i, (first, x) in enumerate(pieces) if isinstance(x, Outer) and x.units == U), None)
+    leads, unwritten = block_leads(pieces, U)
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         out = block[:, :r1 - r0]
-        if lead is None:
-            out.zero_()
-        else:
-            x = pieces[lead][1]
-            torch.bmm(x.left[:, :, r0:r1].transpose(1, 2), x.right, out=out)
+        for first, stop in unwritten:
+            out[first:stop].zero_()
         for i, (first, x) in enumerate(pieces):
-            if i != lead:
+            if i in leads:
+                torch.bmm(x.left[:, :, r0:r1].transpose(1, 2), x.right, out=out[first:first + x.units])
+            else:
                 x.add_rows(out[first:first + x.units], r0, r1)
         flat = out.reshape(U, -1)
-        a += (flat @ S[r0:r1].reshape(-1)).double()
-        G += (flat @ flat.T).double()
         if grad is not None:
             torch.sum(out[:grad_units], 0, out=grad[r0:r1])
-    return a, G
+        if pairs is not None:
+            norms += flat.square().sum(1).double()  # of the records: scaled at the end
+            flat = pairs.differences(flat)
+        a += (flat @ S[r0:r1].reshape(-1)).double()
+        G += (flat @ flat.T).double()
+    return (a, G) if pairs is None else (a, G, norms * pairs.inverse_scale.to(norms.device, torch.float64) ** 2)
+
+
+def block_leads(pieces: list, U: int) -> tuple[set, list]:
+    """(leads, unwritten): the contributions that WRITE their units' rows of a streamed block (bmm into it,
+    instead of adding to zeros: a pass less), the first Outer of each range of units that no earlier
+    contribution touches; and the (start, stop) ranges of units no lead writes, zeroed first."""
+    leads, written = set(), torch.zeros(U, dtype=torch.bool)
+    touched = torch.zeros(U, dtype=torch.bool)
+    for i, (first, x) in enumerate(pieces):
+        span = slice(first, first + x.units)
+        if isinstance(x, Outer) and not touched[span].any():
+            leads.add(i)
+            written[span] = True
+        touched[span] = True
+    unwritten, start = [], None
+    for u in range(U + 1):
+        if u < U and not written[u]:
+            start = u if start is None else start
+        elif start is not None:
+            unwritten.append((start, u))
+            start = None
+    return leads, unwritten
+
+
+class Pairs:
+    """r pairs of units (firsts[i], seconds[i]) and each unit's factor (the inverse of its records' scale):
+    the difference i is firsts[i]'s gradient less seconds[i]'s."""
+
+    def __init__(self, firsts: list[int], seconds: list[int], inverse_scale: torch.Tensor):
+        device = inverse_scale.device
+        self.firsts, self.seconds, self.inverse_scale = firsts, seconds, inverse_scale
+        self.first_index = torch.tensor(firsts, dtype=torch.long, device=device)
+        self.second_index = torch.tensor(seconds, dtype=torch.long, device=device)
+        self.first_factor = inverse_scale[self.first_index][:, None]
+        self.second_factor = inverse_scale[self.second_index][:, None]
+
+    def differences(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat (U, n) records of the units -> (r, n) the pairs' gradient differences."""
+        first = flat[self.first_index].mul_(self.first_factor.to(flat.dtype))
+        return first.sub_(flat[self.second_index].mul_(self.second_factor.to(flat.dtype)))
+
+    def combine(self, a: torch.Tensor, G: torch.Tensor) -> tuple:
+        """The units' (a (U,), G (U, U)) of gradients -> the differences' (a (r,), G (r, r)), the units' norms (U,)."""
+        f, s = self.first_index.to(a.device), self.second_index.to(a.device)
+        diff_G = G[f][:, f] - G[f][:, s] - G[s][:, f] + G[s][:, s]
+        return a[f] - a[s], diff_G, G.diagonal().clone()
 
 
 def summed(pieces: list, R: int, C: int, units: int, dtype, device) -> torch.Tensor:
@@ -274,10 +335,13 @@ def ghost_gram(x, y) -> torch.Tensor:
     return tokens.view(x.units, x.tokens, y.units, y.tokens).sum((1, 3))
 
 
-def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = None, grad_units: int = 0):
-    """(a, G, how, grad): one parameter's products for U units, pieces [(first unit, contribution)], S (R, C);
-    how: "stream", "ghost", or None (the cheaper by `ghost_pays`). grad_units > 0: grad (R, C) is also the sum
-    of units 0..grad_units-1's gradients (streaming: from its blocks), else None."""
+def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = None, grad_units: int = 0,
+                       pairs: "Pairs | None" = None):
+    """(a, G, how, grad): one parameter's products for U units, pieces [(first unit, contribution)], S (R, C):
+    (a (U,), G (U, U)) of the records; with `pairs`, (a, G, norms, how, grad): (a (r,), G (r, r)) of the pairs'
+    gradient differences and norms (U,) the units' squared gradient norms, the records divided by their
+    scale (pairs.inverse_scale (U,)). how: "stream", "ghost", or None (the cheaper by `ghost_pays`). grad_units > 0: grad
+    (R, C) is also the sum of the records of units 0..grad_units-1 (streaming: from its blocks), else None."""
     if how is None:
         how = "ghost" if ghost_pays(pieces, U, *S.shape) else "stream"
     if how == "ghost" and not ghost_possible(pieces):
@@ -285,12 +349,15 @@ def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = 
     grad = None
     if how == "stream":
         grad = torch.empty(S.shape, dtype=S.dtype, device=S.device) if grad_units else None
-        a, G = stream_products(pieces, S, U, grad, grad_units)
+        products = stream_products(pieces, S, U, grad, grad_units, pairs)
     else:
-        a, G = ghost_products(pieces, S, U)
+        products = ghost_products(pieces, S, U)
+        if pairs is not None:
+            factor = pairs.inverse_scale.to(products[0].device, torch.float64)
+            products = pairs.combine(products[0] * factor, products[1] * factor[:, None] * factor[None, :])
         if grad_units:
             grad = summed(pieces, *S.shape, grad_units, S.dtype, S.device)
-    return a, G, how, grad
+    return (*products, how, grad)
 
 
 def add_weighted(pieces: list, S: torch.Tensor, w: torch.Tensor) -> None:

@@ -13,8 +13,8 @@ gradient exchange (rows = this process's workers, each (k, d) per-unit gradients
 
 Exact CD-GraB from layer records (sorters/exact.py) gathers records instead: `all_gather_units`
 (`CDGraBSampler.step_units`, the engine's `GradientExchange.exchange_units`), per parameter the smaller of
-its records and its per-unit gradient (`exchange_bytes`); `concatenate_units` first joins the records of
-passes made over parts of a step's units (the engine's chunks) into one record per layer call.
+its records and its per-unit gradient (`exchange_bytes`); `gather_parts` does it for a step recorded in
+parts (the engine's chunks), part by part.
 """
 from typing import Callable
 
@@ -108,37 +108,30 @@ def all_gather_units(units: UnitGradients) -> UnitGradients:
     return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
 
 
-def concatenate_units(parts: list[UnitGradients]) -> UnitGradients:
-    """The units of several recordings of the same layers (each fresh from one backward: every contribution
-    covers all its units), part after part -> one UnitGradients whose every contribution covers all units,
-    as one recording of all of them would hold (so that `all_gather_units` can send it). Tokens are padded
-    with zeros to the longest part's, which adds nothing to any product. The parts' records are handed over
-    parameter by parameter (never all held twice); the result holds no backward gradient (step_grads)."""
-    if len(parts) == 1:
-        return parts[0]
+def gather_parts(parts: list[UnitGradients], distributed: bool) -> UnitGradients:
+    """This process's units, recorded in parts (each a fresh recording of the same layers: the engine's
+    chunks of a step), -> every process's units, rank-major and within a rank part after part, as one
+    UnitGradients: each part is all-gathered on its own (`all_gather_units`) when `distributed`, and every
+    process's share of it placed at its units (views, no concatenation: the records are not copied in one
+    process). Every process hands over parts of the same sizes. One process hosting all ranks' units in these
+    parts gets the same contributions over the same ranges of units, so the same products."""
+    world = dist.get_world_size() if distributed else 1
+    local = sum(part.units for part in parts)
     owner, pieces = parts[0].owner, {}
-    for p in owner.params:
-        lists = [part.pieces.pop(id(p), []) for part in parts]
-        if any(len(entries) != len(lists[0]) for entries in lists) or any(
-                first != 0 or x.units != part.units for part, entries in zip(parts, lists) for first, x in entries):
-            raise ValueError("concatenate_units: the parts recorded different layer calls; each must be a fresh "
-                             "recording of the same model's layers")
-        for calls in zip(*lists):
-            kinds = {type(x) for _, x in calls}
-            if len(kinds) != 1:
-                raise ValueError("concatenate_units: the parts' layer records are of different kinds")
-            T = max(x.tokens for _, x in calls)
-            xs = [x for _, x in calls]
-            if isinstance(xs[0], Outer):
-                joined = Outer(torch.cat([padded(x.left, T) for x in xs]), torch.cat([padded(x.right, T) for x in xs]))
-            elif isinstance(xs[0], Rows):
-                joined = Rows(torch.cat([padded(x.ids, T) for x in xs]), torch.cat([padded(x.values, T) for x in xs]),
-                              xs[0].num_rows)
-            else:
-                joined = Formed(torch.cat([x.values for x in xs]))
-            pieces.setdefault(id(p), []).append((0, joined))
-    scale = torch.cat([part.scale for part in parts])
-    return UnitGradients(owner, sum(part.units for part in parts), pieces, scale)
+    scale = torch.empty(world * local, dtype=parts[0].scale.dtype, device=parts[0].scale.device)
+    offset = 0
+    for part in parts:
+        every = all_gather_units(part) if distributed else part
+        size = part.units
+        for key, contributions in every.pieces.items():
+            for first, x in contributions:  # fresh: first 0, every unit of the (gathered) part
+                for rank in range(world):
+                    share = x if world == 1 else x.units_slice(rank * size, (rank + 1) * size)
+                    pieces.setdefault(key, []).append((rank * local + offset, share))
+        for rank in range(world):
+            scale[rank * local + offset:rank * local + offset + size] = every.scale[rank * size:(rank + 1) * size]
+        offset += size
+    return UnitGradients(owner, world * local, pieces, scale)
 
 
 def padded(x: torch.Tensor, T: int) -> torch.Tensor:
@@ -148,15 +141,16 @@ def padded(x: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((x.shape[0], T - x.shape[1]) + tuple(x.shape[2:]))], 1)
 
 
-def records_bytes(units: UnitGradients) -> int:
-    """Bytes `all_gather_units` sends for these fresh units from ONE process: per parameter the smaller of
-    its records and its per-unit gradient (`exchange_bytes`), times the units."""
+def records_bytes(parts: list[UnitGradients]) -> int:
+    """Bytes `all_gather_units` sends for these fresh parts' units from ONE process: per part and parameter
+    the smaller of its records and its per-unit gradient (`exchange_bytes`), times the part's units."""
     total = 0
-    for p in units.owner.params:
-        xs = [x for _, x in units.pieces.get(id(p), [])]
-        if xs:
-            total += min(exchange_bytes(p, xs, [x.tokens for x in xs]))
-    return total * units.units
+    for part in parts:
+        for p in part.owner.params:
+            xs = [x for _, x in part.pieces.get(id(p), [])]
+            if xs:
+                total += min(exchange_bytes(p, xs, [x.tokens for x in xs])) * part.units
+    return total
 
 
 def exchange_bytes(p: torch.Tensor, contributions: list, tokens: list[int]) -> tuple[int, int]:

@@ -4,6 +4,7 @@ engine/functional.py's outer products, or MLP-M4's hand-written rollout backward
 its losses to float32 rounding, with an odd number of units per step (a pair spans two steps: the pending
 unit), and one process equals torchrun."""
 import pytest
+import torch
 
 from tests.helpers import (DATA_DIR, assert_runs_agree, check_ok, check_torchrun_agrees, error_lines, needs_data,
                            read_metrics, run_script)
@@ -72,32 +73,33 @@ def test_exact_low_memory_refuses_a_model_without_layer_rules(tmp_path):
     assert result.returncode == 2 and len(lines) == 1 and "LSTM-Wiki2" in lines[0], lines
 
 
-def test_concatenated_recordings_are_the_units_gradients():
-    """The engine records a step in chunks and joins them (sorters.gather.concatenate_units) into one record
-    per layer call covering every unit, which all_gather_units sends: each unit's gradient formed from the
-    joined records equals its own autograd gradient (float64), also when the chunks' token counts differ
-    (zero-padded tokens) and a weight is used twice (an embedding tied to the output layer)."""
-    import torch
+class Tied(torch.nn.Module):
+    """An embedding tied to the output layer (one parameter, two layers), a hidden Linear, a LayerNorm."""
 
-    from sorters.exact import ExactGradients
-    from sorters.gather import concatenate_units
+    def __init__(self):
+        super().__init__()
+        self.embed, self.hidden = torch.nn.Embedding(11, 5), torch.nn.Linear(5, 5)
+        self.norm, self.head = torch.nn.LayerNorm(5), torch.nn.Linear(5, 11, bias=False)
+        self.head.weight = self.embed.weight
 
+    def forward(self, ids):  # (B, T) -> (B,) per-example losses
+        h = self.norm(torch.tanh(self.hidden(self.embed(ids))))
+        return torch.nn.functional.cross_entropy(self.head(h).transpose(1, 2), ids.roll(1, 1), reduction="none").mean(1)
+
+
+def tied_model():
     torch.manual_seed(0)
+    return Tied().double()
 
-    class Tied(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.hidden = torch.nn.Embedding(11, 5), torch.nn.Linear(5, 5)
-            self.norm, self.head = torch.nn.LayerNorm(5), torch.nn.Linear(5, 11, bias=False)
-            self.head.weight = self.embed.weight  # tied, as GPT-2's lm_head: one parameter, two layers
 
-        def forward(self, ids):  # (B, T) -> (B,) per-example losses
-            h = self.norm(torch.tanh(self.hidden(self.embed(ids))))
-            return torch.nn.functional.cross_entropy(self.head(h).transpose(1, 2), ids.roll(1, 1), reduction="none").mean(1)
+def chunk_ids(rank: int) -> list:
+    """A process's step in two chunks of 2 and 3 units; rank 1's with more tokens (padded when gathered)."""
+    generator = torch.Generator().manual_seed(10 + rank)
+    return [torch.randint(0, 11, (2, 4 + 2 * rank), generator=generator),
+            torch.randint(0, 11, (3, 6), generator=generator)]
 
-    model = Tied().double()
-    exact = ExactGradients(model)
-    chunks = [torch.randint(0, 11, (2, 4)), torch.randint(0, 11, (3, 6)), torch.randint(0, 11, (1, 3))]
+
+def record_parts(model, exact, chunks) -> list:
     parts = []
     for ids in chunks:
         with exact.recording() as recording:
@@ -105,12 +107,57 @@ def test_concatenated_recordings_are_the_units_gradients():
             recording.watch(losses)
         (losses.sum() / 7).backward()
         parts.append(recording.units())
-    joined = concatenate_units(parts)
-    assert joined.units == 6 and all(first == 0 and x.units == 6 for pieces in joined.pieces.values()
-                                     for first, x in pieces)
-    expected = []
+    return parts
+
+
+def autograd_rows(model, exact, chunks) -> torch.Tensor:
+    rows = []
     for ids in chunks:
         for row in ids:
             grads = torch.autograd.grad(model(row[None]).sum(), exact.params)
-            expected.append(torch.cat([g.reshape(-1) for g in grads]))
-    torch.testing.assert_close(exact.flat(joined), torch.stack(expected), rtol=1e-10, atol=1e-12)
+            rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    return torch.stack(rows)
+
+
+def test_a_step_recorded_in_chunks_gives_every_units_gradient():
+    """The engine records a step in chunks and places them side by side (sorters.gather.gather_parts): each
+    unit's gradient formed from the placed records equals its own autograd gradient (float64), also when the
+    chunks' token counts differ and a weight is used twice (an embedding tied to the output layer)."""
+    from sorters.exact import ExactGradients
+    from sorters.gather import gather_parts
+
+    model = tied_model()
+    exact = ExactGradients(model)
+    chunks = chunk_ids(0) + chunk_ids(1)[:1]
+    joined = gather_parts(record_parts(model, exact, chunks), distributed=False)
+    assert joined.units == 7 and sorted({(first, x.units) for pieces in joined.pieces.values()
+                                         for first, x in pieces}) == [(0, 2), (2, 3), (5, 2)]
+    torch.testing.assert_close(exact.flat(joined), autograd_rows(model, exact, chunks), rtol=1e-10, atol=1e-12)
+
+
+def gather_rank(rank, store, out):
+    from sorters.exact import ExactGradients
+    from sorters.gather import gather_parts
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = tied_model()
+        exact = ExactGradients(model)
+        every = gather_parts(record_parts(model, exact, chunk_ids(rank)), distributed=True)
+        torch.save(exact.flat(every), f"{out}.rank{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_processes_recording_in_chunks_give_every_units_gradient_in_rank_order(tmp_path):
+    """Under torchrun each chunk is all-gathered on its own and every process's share placed at its units:
+    rank-major, chunk after chunk within a rank, as one process hosting both ranks' units."""
+    from tests.helpers import run_forked
+
+    run_forked(gather_rank, (tmp_path / "store", tmp_path / "run"), 2)
+    model = tied_model()
+    from sorters.exact import ExactGradients
+    expected = autograd_rows(model, ExactGradients(model), chunk_ids(0) + chunk_ids(1))
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"run.rank{rank}"), expected, rtol=1e-10, atol=1e-12)

@@ -156,6 +156,39 @@ def test_the_units_loss_weights_are_divided_out_and_a_selected_unit_keeps_its_ow
                                atol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["stream", "ghost", None])
+def test_the_pairs_differences_products_are_those_of_the_formed_gradients(case, how, monkeypatch):
+    """With Pairs, products() gives (a, G) of the pairs' differences g_first - g_second (the Gram of r
+    differences, not of the U units) and the units' squared norms, the loss weights divided out, also for
+    units joined with selected ones (a pending unit) and a unit in no pair; sum_all keeps every unit's summed
+    records, and the running sum's update from them is the oracle's."""
+    monkeypatch.setattr(products, "STREAM_BLOCK_BYTES", 3 * B * 8 * 8)
+    exact, losses, oracle = case
+    c = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5], dtype=torch.float64)
+    with exact.recording() as rec:
+        per_example = losses()
+        rec.watch(per_example)
+    torch.autograd.grad((per_example * c).sum(), exact.params, allow_unused=True)
+    units = rec.units()
+    units = units.join(units.select([4, 5]))  # 8 units: the last two are copies of 4 and 5 (as pending ones)
+    g = oracle[[0, 1, 2, 3, 4, 5, 4, 5]]
+    firsts, seconds = [6, 0, 5, 3], [1, 2, 7, 4]  # 5 against its own copy 7: a zero difference
+    pairs = products.Pairs(firsts, seconds, 1.0 / units.scale)
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    units.sum_all = True
+    a, G, norms = units.products(S, how, pairs)
+    diff = g[firsts] - g[seconds]
+    torch.testing.assert_close(a, diff @ S, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, diff @ diff.T, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, g.square().sum(1), rtol=1e-10, atol=1e-12)
+    assert units.step_units == 8 and len(units.step_grads) == len([p for p in exact.params if units.pieces.get(id(p))])
+    w = torch.zeros(8, dtype=torch.float64)
+    w[firsts], w[seconds] = torch.tensor([1.0, -1.0, 1.0, 1.0]).double(), torch.tensor([-1.0, 1.0, -1.0, -1.0]).double()
+    expected = S + w @ g
+    units.add_to(S, w)
+    torch.testing.assert_close(S, expected, rtol=1e-10, atol=1e-12)
+
+
 def flat_grads(exact) -> torch.Tensor:
     return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in exact.params])
 
@@ -300,3 +333,32 @@ def test_the_trainer_with_one_example_a_step_writes_grad_on_the_steps_without_pa
     assert isinstance(runs[1].cdgrab_sampler.sorter, ExactCDGraB)
     assert runs[1].batches == runs[0].batches
     assert runs[1].losses == pytest.approx(runs[0].losses, rel=1e-5)
+
+
+def test_selecting_every_unit_in_order_keeps_the_records_without_copying(case):
+    """k = 1 keeps every unit of a step pending: select() then hands over the records themselves (no copy of
+    the step's records, and their loss weights kept), and a selection out of order still gives its gradients."""
+    exact, losses, oracle = case
+    units = exact(losses)
+    every = units.select(list(range(B)))
+    assert all(x is y for key in units.pieces for (_, x), (_, y) in zip(units.pieces[key], every.pieces[key]))
+    torch.testing.assert_close(exact.flat(every), oracle, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(exact.flat(units.select([3, 1, 2])), oracle[[3, 1, 2]], rtol=1e-10, atol=1e-12)
+
+
+def test_a_streamed_block_is_written_by_the_first_outer_of_its_units_only(case, monkeypatch):
+    """Streaming writes a block's rows with the first Outer over them (bmm into the block) and adds every
+    later contribution: with each parameter's contributions in reverse order (the tied matrix's embedding
+    rows before its output layer's outer products), split in two ranges of units, the products are unchanged."""
+    monkeypatch.setattr(products, "STREAM_BLOCK_BYTES", 3 * B * 8 * 8)
+    exact, losses, oracle = case
+    units = exact(losses)
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    for name, p in zip(exact.names, exact.params):
+        start = exact.offsets[id(p)]
+        g = oracle[:, start:start + p.numel()]
+        pieces = [(first + lo, x.units_slice(lo, hi)) for first, x in units.pieces[id(p)][::-1]
+                  for lo, hi in ((0, 2), (2, B))]
+        a, G, _, _ = products.parameter_products(pieces, exact.view(S, p), B, "stream")
+        torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
