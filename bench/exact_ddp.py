@@ -75,7 +75,7 @@ def rank_child(settings: dict | None, steps: int, threads: int, config: dict | N
         return all_gather(out, local)
 
     def units_counted(units):
-        counted["records"] += gather.records_bytes(units)
+        counted["records"] += gather.records_bytes([units])
         return all_gather_units(units)
 
     gather._all_gather_single, sampler.all_gather_units = gather_counted, units_counted

@@ -26,12 +26,16 @@ Each variant runs in a FRESH child process (this script with --child), so that i
 (getrusage ru_maxrss, read when the epoch's training ends, before any evaluation; evaluation is skipped)
 is its own: the model, the data and the training steps. Step time: per step, wall and CPU seconds between
 consecutive ends of steps (the first step is dropped: first-call allocations), median over the steps;
-single-threaded, CPU seconds are the wall time of an idle machine and barely move with other load.
+single-threaded, CPU seconds are the wall time of an idle machine and barely move with other load. Also the
+mean CPU seconds (`step_cpu_seconds_mean`, `step_cpu_mean_vs_drr`): with one block per worker and step a
+pair spans two steps, so a balancing step alternates with one that only records; an odd --steps times as
+many of each, and the mean is then an epoch's cost per step.
 The variants are interleaved (A B C D, A B C D, ...) so that a change in the machine's load hits each
 alike; per variant the median over the rounds. Bytes per step: metrics.csv's comm_bytes / steps (the same
 in every round). Writes ONE JSON object to --out (and prints it), then a markdown table:
     {"variants": {"<name>": {"bytes_per_step": b, "bytes_vs_drr": r, "peak_rss_mb": m, "peak_vs_drr": r,
         "step_seconds": s, "step_vs_drr": r, "step_cpu_seconds": s, "step_cpu_vs_drr": r,
+        "step_cpu_seconds_mean": s, "step_cpu_mean_vs_drr": r,
         "sign_loop": config.json's, "numba_loaded": b, "rounds": [...]}, ...}, "settings": {...}}
 
 --profile instead: in this process, one 16-block gradient pass (GRAD_CHUNK, as a step makes four) of D-RR
@@ -134,7 +138,8 @@ def child(flags: list, records: bool, sign_loop: bool, steps: int, train_file: s
     config = json.loads((Path(out_dir) / "config.json").read_text())
     return {"steps": len(ends), "comm_bytes": int(row["comm_bytes"]), "bytes_per_step": int(row["comm_bytes"]) / len(ends),
             "peak_rss_mb": seen["peak_rss_kb"] / 1024, "step_seconds": statistics.median(walls),
-            "step_cpu_seconds": statistics.median(cpus), "sketch": config["sorter"].get("sketch"),
+            "step_cpu_seconds": statistics.median(cpus), "step_cpu_seconds_mean": statistics.mean(cpus),
+            "sketch": config["sorter"].get("sketch"),
             "sign_loop": config["sorter"].get("sign_loop"), "numba_loaded": "numba" in sys.modules}
 
 
@@ -142,7 +147,8 @@ def summarise(rounds: dict) -> dict:
     def median(name, key):
         return statistics.median(r[key] for r in rounds[name])
 
-    base = {key: median("D-RR", key) for key in ("bytes_per_step", "peak_rss_mb", "step_seconds", "step_cpu_seconds")}
+    base = {key: median("D-RR", key) for key in ("bytes_per_step", "peak_rss_mb", "step_seconds", "step_cpu_seconds",
+                                                 "step_cpu_seconds_mean")}
     return {name: {"bytes_per_step": median(name, "bytes_per_step"),
                    "bytes_vs_drr": round(median(name, "bytes_per_step") / base["bytes_per_step"], 4),
                    "peak_rss_mb": round(median(name, "peak_rss_mb"), 1),
@@ -151,6 +157,8 @@ def summarise(rounds: dict) -> dict:
                    "step_vs_drr": round(median(name, "step_seconds") / base["step_seconds"], 3),
                    "step_cpu_seconds": round(median(name, "step_cpu_seconds"), 3),
                    "step_cpu_vs_drr": round(median(name, "step_cpu_seconds") / base["step_cpu_seconds"], 3),
+                   "step_cpu_seconds_mean": round(median(name, "step_cpu_seconds_mean"), 3),
+                   "step_cpu_mean_vs_drr": round(median(name, "step_cpu_seconds_mean") / base["step_cpu_seconds_mean"], 3),
                    "sketch": rounds[name][0]["sketch"], "sign_loop": rounds[name][0].get("sign_loop"),
                    "numba_loaded": rounds[name][0].get("numba_loaded"), "rounds": rounds[name]} for name in rounds}
 

@@ -58,9 +58,11 @@ class Outer:
         return ((self.right @ S.T) * self.left).sum((1, 2))
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
-        """S (R, C) += sum_u w_u x_u: unit by unit, so that no weighted copy of the records is made."""
+        """S (R, C) += sum_u w_u x_u: unit by unit, so that no weighted copy of the records is made; units
+        of weight 0 are skipped."""
         for u, weight in enumerate(w.tolist()):
-            S.addmm_(self.left[u].T, self.right[u], alpha=weight)
+            if weight:
+                S.addmm_(self.left[u].T, self.right[u], alpha=weight)
 
     def add_sum(self, S: torch.Tensor) -> None:
         """S (R, C) += sum_u x_u: one product over every unit's tokens (a layer's weight gradient)."""
@@ -94,7 +96,8 @@ class Rows:
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
         for u, weight in enumerate(w.tolist()):
-            S.index_add_(0, self.ids[u], self.values[u], alpha=weight)
+            if weight:
+                S.index_add_(0, self.ids[u], self.values[u], alpha=weight)
 
     def add_sum(self, S: torch.Tensor) -> None:
         S.index_add_(0, self.ids.reshape(-1), self.values.reshape(-1, self.values.shape[2]))
@@ -239,11 +242,13 @@ def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | 
         if grad is not None:
             torch.sum(out[:grad_units], 0, out=grad[r0:r1])
         if pairs is not None:
-            norms += flat.square().sum(1).double()  # of the records: scaled at the end
+            norms += torch.linalg.vector_norm(flat, dim=1).double().square()  # of the records: scaled at the end
             flat = pairs.differences(flat)
         a += (flat @ S[r0:r1].reshape(-1)).double()
         G += (flat @ flat.T).double()
-    return (a, G) if pairs is None else (a, G, norms * pairs.inverse_scale.to(norms.device, torch.float64) ** 2)
+    if pairs is None:
+        return a, G
+    return (*pairs.rescale(a, G), norms * pairs.inverse_scale.to(norms.device, torch.float64) ** 2)
 
 
 def block_leads(pieces: list, U: int) -> tuple[set, list]:
@@ -279,11 +284,28 @@ class Pairs:
         self.second_index = torch.tensor(seconds, dtype=torch.long, device=device)
         self.first_factor = inverse_scale[self.first_index][:, None]
         self.second_factor = inverse_scale[self.second_index][:, None]
+        # one factor for every unit of the pairs (a loop's batch mean): the records' differences, scaled once
+        # in the products; consecutive firsts and seconds (k = 1: the pending units after the step's) are slices
+        paired = inverse_scale[torch.cat([self.first_index, self.second_index])]
+        self.common = float(paired[0]) if len(firsts) and bool((paired == paired[0]).all()) else None
+        self.slices = [slice(units[0], units[0] + len(units)) if units == list(range(units[0], units[0] + len(units)))
+                       else None for units in (firsts, seconds)] if firsts else [None, None]
 
     def differences(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat (U, n) records of the units -> (r, n) the pairs' gradient differences."""
+        """flat (U, n) records of the units -> (r, n) the pairs' differences: of their gradients, or with a
+        common factor (`common`) of their records (the products are then multiplied by it, `rescale`)."""
+        if self.common is not None:
+            first, second = (flat[taken] if taken is not None else flat.index_select(0, index)
+                             for taken, index in zip(self.slices, (self.first_index, self.second_index)))
+            return torch.sub(first, second)
         first = flat[self.first_index].mul_(self.first_factor.to(flat.dtype))
         return first.sub_(flat[self.second_index].mul_(self.second_factor.to(flat.dtype)))
+
+    def rescale(self, a: torch.Tensor, G: torch.Tensor) -> tuple:
+        """The products of `differences` (float64) as products of the gradients' differences."""
+        if self.common is None:
+            return a, G
+        return a * self.common, G * (self.common * self.common)
 
     def combine(self, a: torch.Tensor, G: torch.Tensor) -> tuple:
         """The units' (a (U,), G (U, U)) of gradients -> the differences' (a (r,), G (r, r)), the units' norms (U,)."""
@@ -361,12 +383,9 @@ def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = 
 
 
 def add_weighted(pieces: list, S: torch.Tensor, w: torch.Tensor) -> None:
-    """S (R, C) += sum_u w_u g_u over the units of nonzero weight (w (U,) in S's dtype)."""
+    """S (R, C) += sum_u w_u g_u over the units of nonzero weight (w (U,) in S's dtype): Outer and Rows skip
+    the others unit by unit (no copy of the kept units' records), Formed multiplies them by 0."""
     for first, x in pieces:
         weights = w[first:first + x.units]
-        keep = weights.ne(0).nonzero().squeeze(1)
-        if len(keep) == 0:
-            continue
-        if len(keep) < x.units:
-            x, weights = x.select(keep), weights[keep]
-        x.add_to(S, weights)
+        if bool(weights.ne(0).any()):
+            x.add_to(S, weights)
