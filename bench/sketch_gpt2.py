@@ -27,9 +27,9 @@ Each variant runs in a FRESH child process (this script with --child), so that i
 is its own: the model, the data and the training steps. Step time: per step, wall and CPU seconds between
 consecutive ends of steps (the first step is dropped: first-call allocations), median over the steps;
 single-threaded, CPU seconds are the wall time of an idle machine and barely move with other load. Also the
-mean CPU seconds (`step_cpu_seconds_mean`, `step_cpu_mean_vs_drr`): with one block per worker and step a
-pair spans two steps, so a balancing step alternates with one that only records; an odd --steps times as
-many of each, and the mean is then an epoch's cost per step.
+mean CPU seconds (`step_cpu_seconds_mean`, `step_cpu_mean_vs_drr`) over the last even number of those steps:
+with one block per worker and step a pair spans two steps, so a balancing step alternates with one that only
+records, and the mean over as many of each is an epoch's cost per step.
 The variants are interleaved (A B C D, A B C D, ...) so that a change in the machine's load hits each
 alike; per variant the median over the rounds. Bytes per step: metrics.csv's comm_bytes / steps (the same
 in every round). Writes ONE JSON object to --out (and prints it), then a markdown table:
@@ -138,7 +138,7 @@ def child(flags: list, records: bool, sign_loop: bool, steps: int, train_file: s
     config = json.loads((Path(out_dir) / "config.json").read_text())
     return {"steps": len(ends), "comm_bytes": int(row["comm_bytes"]), "bytes_per_step": int(row["comm_bytes"]) / len(ends),
             "peak_rss_mb": seen["peak_rss_kb"] / 1024, "step_seconds": statistics.median(walls),
-            "step_cpu_seconds": statistics.median(cpus), "step_cpu_seconds_mean": statistics.mean(cpus),
+            "step_cpu_seconds": statistics.median(cpus), "step_cpu_seconds_mean": statistics.mean(cpus[len(cpus) % 2:]),
             "sketch": config["sorter"].get("sketch"),
             "sign_loop": config["sorter"].get("sign_loop"), "numba_loaded": "numba" in sys.modules}
 

@@ -42,6 +42,9 @@ RESUMED = {
     # QSR's round lengths from the cosine schedule, ExDyna's threshold and partitions, SBW's b_max
     "SBW-qsr-exdyna": ["--sorter", "SBW", "--sync", "qsr", "--alpha", "0.012", "--H-base", "2", "--lr-schedule",
                        "cosine", "--reducer", "exdyna", "--density", "0.5"],
+    # exact CD-GraB from layer records (sorters.ExactCDGraB: float32 running sum, near-ties), pairs across
+    # steps (3 units a step), the records all-gathered in the two-process leg
+    "CD-GraB-exact-low-memory": ["--sorter", "CD-GraB", "--exact-low-memory", "on"],
 }
 LEGS = ((1, None), (2, None), (3, 2), (EPOCHS, None))  # (stop after epoch, torchrun processes)
 TWO_PROCESSES = {
