@@ -33,7 +33,7 @@ class GPT2Wiki103(Task):
     name = BENCHMARK
     metric_columns = ("valid_loss", "train_ppl", "valid_ppl", "test_ppl")
     optimizer = "adamw"  # constant lr, as the original
-    grad_chunk = GRAD_CHUNK  # --sketch-dim: blocks per pass of Task.unit_sketches
+    grad_chunk = GRAD_CHUNK  # blocks per pass of Task.unit_sketches (--sketch-dim) and Task.unit_records
 
     def __init__(self, args, device):
         block = args.max_seq_length  # >= 2: one input and one target token
