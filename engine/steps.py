@@ -1,7 +1,8 @@
-"""The three kinds of training step. Each takes every local worker's units of the step, computes
+"""The kinds of training step. Each takes every local worker's units of the step, computes
 gradients, exchanges them, hands the sorter the unit gradients it balances, and steps the optimizer:
 
 data_parallel_step  the paper's: one shared parameter vector, the workers' mean gradient all-reduced
+exact_records_step  the same with --exact-low-memory: the sorter gets the units as layer records, not (n, k, d)
 sparsified_step     the same, the mean going through a sparsifying --reducer (needs each worker's gradient)
 local_step          --sync local SGD: each worker steps on its own parameters, averaged every H steps
 
