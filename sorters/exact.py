@@ -17,11 +17,13 @@ Why products are enough. Within an epoch CD-GraB signs the pair difference v_i =
 step's start. So <S_i, v_i> = <S, v_i> + sum_{j<i} sign_j <v_j, v_i>, and the step needs only
 (a) <S, g_u> and (b) <g_u, g_v> for its units, then (c) S += sum_u w_u g_u with w = the signs spread on
 the pairs' units (+sign on the first, -sign on the second). sorters/exact_products.py gets (a), (b)
-and (c) parameter by parameter, streaming or by the ghost formulas.
+and (c) parameter by parameter, streaming or by the ghost formulas; ExactCDGraB asks for the products of
+the pairs' differences directly (exact_products.Pairs: their Gram from each streamed block).
 
 The pending unit. With k odd a pair spans two steps: its first unit's gradient is needed in the next
 step. Instead of its (d,) gradient the sorter keeps that unit's records (one example's layer inputs and
-output gradients, rescaled to its own loss), and the next step's products include it as one more unit.
+output gradients, with its loss weight; with k = 1 the step's records themselves, no copy), and the next
+step's products include it as one more unit.
 A checkpoint stores it formed, (n, d) as CDGraB does; a resumed sorter hands those rows to its next step
 as one Formed contribution per parameter (ExactGradients.formed_units), so it resumes at any position.
 
