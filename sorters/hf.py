@@ -91,15 +91,15 @@ class CDGraBTrainerMixin:
             Trainer. Its seed None means `args.seed`. num_replicas R > 1 in one process hosts R replicas:
             each micro-batch holds R x per_device_train_batch_size examples, as R processes would together.
             structured=True (with sketch_dim, for a causal LM: outputs.logits, labels shifted by one, -100
-            ignored) builds the sketches layer by layer from the Trainer's own forward and backward
+            ignored; or a sequence classifier: example_losses) builds the sketches layer by layer from the Trainer's own forward and backward
             (LayerSketch.recording): no second pass; the loss is then computed here from the logits, as
             the model computes it, so that each example's own loss can be watched.
-            exact_low_memory=True (CD-GraB, the same causal LM loss) balances the exact gradients from
+            exact_low_memory=True (CD-GraB, the same losses) balances the exact gradients from
             the same records (sorters/exact.py): the orders of exact CD-GraB without forming the
             per-example gradients whole (docs/exact-cdgrab.md). None (the default) takes it wherever it
             gives the same orders and loss (_exact_is_the_default: every selected parameter has a layer
-            rule, the Trainer's own compute_loss, a causal LM whose outputs.loss is the records' loss on
-            the first two examples), and the formed gradients elsewhere; after train() starts,
+            rule, the Trainer's own compute_loss, a causal LM or sequence classifier whose outputs.loss is
+            the records' loss on the first two examples), and the formed gradients elsewhere; after train() starts,
             cdgrab_settings.exact_low_memory says which (and every checkpoint's cdgrab_sampler.pt). In one process the backward then skips
             the weights' own gradient products, and .grad is written from the same records. Under
             torchrun each process's records are all-gathered (CDGraBSampler.step_units), and the backward
@@ -286,7 +286,8 @@ class CDGraBTrainerMixin:
         """exact_low_memory None (auto): True where the records give the orders of CD-GraB fed the gradients
         of the model's own loss: CD-GraB unsketched with a layer rule for every selected parameter
         (CDGraBSettings.exact_applies), the Trainer's own compute_loss (a subclass's would be bypassed), and
-        a causal LM whose loss on the first two examples is the one the records' compute_loss computes."""
+        a causal LM or sequence classifier whose loss on the first two examples is the one the records'
+        compute_loss computes."""
         settings = self.cdgrab_settings
         if not (self._uses_grads and settings.exact_applies(self.model)):
             return False
@@ -305,13 +306,15 @@ class CDGraBTrainerMixin:
             raise ValueError(f"{type(self).__name__}: {refusal}")
 
     def _records_refusal(self, dataset, mode: str) -> str | None:
-        """Why the records' causal LM loss (compute_loss) cannot stand for the model's own on the first two
-        examples: no labels, no (B, T, vocab) logits, logits that change with explicit (B, T) position ids,
-        or a model loss (outputs.loss) other than the causal LM loss of its logits; None when it can."""
+        """Why the records' loss (compute_loss: example_losses of the kind loss_kind reads from the model's
+        outputs) cannot stand for the model's own on the first two examples: no labels, logits neither a
+        causal LM's (B, T, vocab) nor a classifier's (B, K), logits that change with explicit (B, T) position
+        ids, or a model loss (outputs.loss) other than that loss of its logits; None when it can (the kind
+        is then kept for compute_loss)."""
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         batch = self._prepare_inputs(collate([dataset[0], dataset[min(1, len(dataset) - 1)]]))
         if "labels" not in batch:
-            return (f"{mode} computes the causal LM loss from the batch's labels; the collator gives none "
+            return (f"{mode} computes the model's loss from the batch's labels; the collator gives none "
                     "(e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
         flag = mode.split("=")[0]
         was_training = self.model.training
@@ -320,19 +323,22 @@ class CDGraBTrainerMixin:
             with torch.no_grad():
                 outputs = self.model(**batch)
                 logits = getattr(outputs, "logits", None)
-                if not isinstance(logits, torch.Tensor) or logits.shape[:2] != batch["labels"].shape:
-                    return f"{mode} needs a causal LM whose outputs.logits are (B, T, vocab) for (B, T) labels; use {flag}=False for this model"
+                kind = loss_kind(self.model, logits, batch["labels"])
+                if kind is None:
+                    return (f"{mode} needs a causal LM whose outputs.logits are (B, T, vocab) for (B, T) labels, or a "
+                            f"sequence classifier whose logits are (B, labels) for B labels; use {flag}=False for this model")
+                self._cdgrab_loss_kind = kind
                 with_positions = self._with_positions(batch)
                 if with_positions is not batch and not torch.allclose(
                         self.model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
                     return (f"{mode} passes position_ids (B, T) = 0..T-1 so that the position embedding sees the "
                             f"examples, but this model's logits change with them (left padding?); use {flag}=False")
-                losses, counts = causal_lm_losses(logits, batch["labels"])
+                losses, counts = example_losses(kind, logits, batch["labels"])
                 own = getattr(outputs, "loss", None)
                 if not isinstance(own, torch.Tensor) or not torch.allclose(
                         ((losses * counts).sum() / counts.sum()).to(own.dtype), own, rtol=1e-4, atol=1e-6):
-                    return (f"{mode} computes the causal LM loss (logits at t predict labels at t + 1), but this "
-                            f"model's own loss (outputs.loss) is another; use {flag}=False for this model")
+                    return (f"{mode} computes the {LOSS_WORDS[kind]} loss, but this model's own loss "
+                            f"(outputs.loss) is another; use {flag}=False for this model")
         finally:
             self.model.train(was_training)
         return None
@@ -386,8 +392,9 @@ class CDGraBTrainerMixin:
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, *args, **kwargs):
-        """The Trainer's loss; with structured (inside training_step), the causal LM loss computed from
-        the per-example losses that the LayerSketch recording watches, as the model would compute it."""
+        """The Trainer's loss; with a recording (inside training_step), the model's loss (causal LM or
+        classifier: example_losses) computed from the per-example losses that the recording watches, as the
+        model would compute it."""
         recording = self._cdgrab_recording
         if recording is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch, *args, **kwargs)
@@ -395,7 +402,7 @@ class CDGraBTrainerMixin:
         labels = inputs.pop("labels")
         with recording:
             outputs = model(**inputs)
-            losses, counts = causal_lm_losses(outputs.logits, labels)
+            losses, counts = example_losses(self.__dict__.get("_cdgrab_loss_kind", "causal_lm"), outputs.logits, labels)
             recording.watch(losses)
         token_sum = (losses * counts).sum()
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
@@ -450,6 +457,50 @@ class CDGraBTrainerMixin:
         return {"structured": settings.structured, "grad_params": params,
                 "sketch_min_numel": settings.min_numel if settings.structured else None,
                 "exact_low_memory": settings.exact_low_memory}  # which path ran (auto decided), for the record
+
+
+LOSS_WORDS = {"causal_lm": "causal LM (logits at t predict labels at t + 1)",
+              "single_label_classification": "single-label classification (cross-entropy)",
+              "multi_label_classification": "multi-label classification (binary cross-entropy)",
+              "regression": "regression (mean squared error)"}
+
+
+def loss_kind(model, logits, labels) -> str | None:
+    """Which loss the model's own is, as transformers picks it from the outputs: "causal_lm" for (B, T, V)
+    logits and (B, T) labels; for (B, K) logits and B labels (a sequence classifier) the config's problem_type,
+    or as transformers infers it: "regression" for K = 1, "single_label_classification" for integer labels,
+    else "multi_label_classification"; None for anything else."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        return None
+    if logits.dim() == 3 and logits.shape[:2] == labels.shape:
+        return "causal_lm"
+    if logits.dim() != 2 or labels.shape[0] != logits.shape[0]:
+        return None
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    if problem in LOSS_WORDS:
+        return problem
+    if logits.shape[1] == 1:
+        return "regression"
+    return "single_label_classification" if not labels.dtype.is_floating_point else "multi_label_classification"
+
+
+def example_losses(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's loss of `kind` (loss_kind), as transformers computes a batch's, and its weight:
+    (losses (B,), counts (B,)), the batch's loss (losses * counts).sum() / counts.sum(). A classifier's
+    logits (B, K): its examples weigh alike (counts 1), each loss the mean over its K outputs where
+    transformers takes the mean over all B K (regression with K > 1, multi-label)."""
+    if kind == "causal_lm":
+        return causal_lm_losses(logits, labels)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    B = logits.shape[0]
+    if kind == "single_label_classification":
+        losses = torch.nn.functional.cross_entropy(logits.view(B, -1), labels.view(-1), reduction="none")
+    elif kind == "regression":
+        losses = (logits.view(B, -1) - labels.view(B, -1).to(logits.dtype)).square().mean(1)
+    else:
+        losses = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits.view(B, -1), labels.view(B, -1).to(logits.dtype), reduction="none").mean(1)
+    return losses, torch.ones(B, dtype=losses.dtype, device=losses.device)
 
 
 def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,3 +92,21 @@ class RecordingTrainer(Recording, CDGraBTrainer):
 
 class RecordingPlainTrainer(Recording, Trainer):
     pass
+
+
+def tiny_gpt2_classifier(num_labels: int) -> transformers.GPT2ForSequenceClassification:
+    """The tiny GPT-2 with a sequence-classification head (the last non-pad token's logits; pad id 63)."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=T, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=63, num_labels=num_labels)
+    model = transformers.GPT2ForSequenceClassification(config)
+    model.set_attn_implementation("eager")
+    return model
+
+
+def labelled(rows: torch.Tensor, num_labels: int) -> list[dict]:
+    """Examples of a classifier: the rows as input ids, a class each (num_labels 1: a real number, regression)."""
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.randn(len(rows), generator=generator) if num_labels == 1 else \
+        torch.randint(0, num_labels, (len(rows),), generator=generator)
+    return [{"input_ids": r, "labels": y} for r, y in zip(rows, labels)]

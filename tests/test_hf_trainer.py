@@ -442,6 +442,54 @@ def test_by_default_cd_grab_is_exact_low_memory_for_a_causal_lm_and_the_checkpoi
     assert torch.load(tmp_path / "checkpoint-3" / hf.SAMPLER_FILE)["gradients"]["exact_low_memory"] is True
 
 
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_by_default_a_sequence_classifier_balances_from_the_records_with_cd_grabs_orders(hf, tmp_path, num_labels):
+    """A GPT-2 sequence classifier (3 classes: cross-entropy; 1 output: regression, mean squared error) takes
+    the records' path by default too (its own loss is the records' per-example loss): its orders are those
+    of CD-GraB fed every example's gradient of its own loss by an ordinary backward (the oracle, taken before
+    each micro-batch). torch.func cannot form them for this model (its pooling indexes by the input's
+    values), so the records are the only exact path here."""
+    from sorters import CDGraBSettings
+    from sorters.exact import ExactCDGraB
+
+    class Oracle(hf.RecordingTrainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            self.grads.append(torch.stack([hf.backward_of_one(self.model, {key: value[i:i + 1] for key, value in inputs.items()},
+                                                              self.cdgrab_grads.names)
+                                           for i in range(len(inputs["input_ids"]))]))
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    trainer = Oracle(model=hf.tiny_gpt2_classifier(num_labels), args=hf.training_args(tmp_path),
+                     train_dataset=hf.labelled(hf.token_rows(), num_labels),
+                     cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS))
+    trainer.train()
+    assert isinstance(trainer.cdgrab_sampler.sorter, ExactCDGraB) and trainer.cdgrab_settings.exact_low_memory is True
+    assert trainer.cdgrab_sampler.sorter.near_ties == 0 and trainer._cdgrab_loss_kind == \
+        ("regression" if num_labels == 1 else "single_label_classification")
+    orders = assert_orders_are_the_sorters(hf, trainer, hf.EPOCHS)
+    assert not torch.equal(orders[1], orders[2])  # the orders follow the gradients
+
+
+def test_each_examples_loss_is_the_classifiers_own_loss_of_that_example_alone(hf):
+    """example_losses against transformers' own loss of each example alone, for the three problem types."""
+    from sorters.hf import example_losses, loss_kind
+    rows = hf.token_rows(4)
+    for num_labels, problem, labels in [(3, None, torch.tensor([0, 2, 1, 2])), (1, None, torch.randn(4)),
+                                        (2, "regression", torch.randn(4, 2)),
+                                        (3, "multi_label_classification", (torch.rand(4, 3) > 0.5).float())]:
+        model = hf.tiny_gpt2_classifier(num_labels)
+        model.config.problem_type = problem
+        with torch.no_grad():
+            logits = model(input_ids=rows).logits
+            kind = loss_kind(model, logits, labels)
+            losses, counts = example_losses(kind, logits, labels)
+            model.config.problem_type = kind  # what transformers inferred for the batch: fixed for single examples
+            own = [model(input_ids=rows[i:i + 1], labels=labels[i:i + 1]).loss for i in range(4)]
+        assert kind == problem or problem is None
+        torch.testing.assert_close(losses, torch.stack(own), rtol=1e-5, atol=1e-6)
+        assert torch.equal(counts, torch.ones(4))
+
+
 class UnshiftedLM(torch.nn.Module):
     """A GPT-2 LM whose own loss is NOT the causal LM loss: token t's logits scored against labels[t]."""
 
