@@ -32,6 +32,7 @@ the memory the issue allows). Its products are accumulated in float64. Where rou
 sign, |<S_i, v_i>| <= NEAR_TIE * ||S_i|| * (||g_first|| + ||g_second||), the step counts a near-tie
 (`near_ties`, over the run); everywhere else the signs are those of CDGraB fed the formed gradients.
 """
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -86,7 +87,8 @@ class UnitGradients:
             pieces = self.pieces.get(id(p), [])
             if not pieces:
                 continue
-            wanted = U if summing else self.step_units if self.writes_grads and id(p) not in self.step_grads else 0
+            writes = self.writes_grads and id(p) not in self.step_grads and id(p) not in self.owner.formed_ids
+            wanted = U if summing else self.step_units if writes else 0
             *products, chosen, grad = parameter_products(pieces, self.owner.view(running_sum, p), U, how, wanted,
                                                          pairs)
             if summing:
@@ -109,8 +111,8 @@ class UnitGradients:
         (a step without pairs), one product per contribution."""
         if not self.writes_grads:
             return
-        for p in self.owner.params:
-            if id(p) not in self.step_grads and self.pieces.get(id(p)):
+        for p in self.owner.params:  # a formed parameter's .grad is autograd's (it kept requiring grad)
+            if id(p) not in self.step_grads and id(p) not in self.owner.formed_ids and self.pieces.get(id(p)):
                 self._keep_grad(p, summed(self.pieces[id(p)], *matrix_shape(p), self.step_units, p.dtype, p.device))
 
     def _keep_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -175,9 +177,11 @@ class UnitGradients:
 class ExactGradients:
     """The selected parameters of `model` and their layer rules (sorters/exact_products.py).
 
-    model:  an nn.Module whose selected parameters all belong to Linear, transformers Conv1D, Embedding
-            (without scale_grad_by_freq) or LayerNorm layers, each used through its own forward; every
-            recorded layer's input has the examples on dim 0 (GPT-2: position_ids (B, T)).
+    model:  an nn.Module; the selected parameters of Linear, transformers Conv1D, Embedding (without
+            scale_grad_by_freq) and LayerNorm layers, each used through its own forward, are recorded (every
+            recorded layer's input has the examples on dim 0: GPT-2's position_ids (B, T)); any other
+            selected parameter (Conv2d, LSTM, a bare nn.Parameter) is formed per example by a batched
+            vector-Jacobian product at watch() (`formed`; the constructor warns which), as LayerSketch does.
     params: None (every trainable parameter) or regular expressions searched in the names.
     how:    "stream", "ghost" or None (per parameter, the cheaper by the cost formula).
     Attributes: names, d, params ([parameter] in named_parameters() order, a tied one once), offsets.
@@ -190,12 +194,16 @@ class ExactGradients:
         self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         chosen = selected_parameters(self.model, params, "ExactGradients")
         layout = Layout(self.model, chosen)
-        if layout.formed:
-            names = ", ".join(name for name, _ in layout.formed[:6])
-            raise ValueError(f"ExactGradients: {len(layout.formed)} selected parameter(s) belong to layers without a "
-                             f"layer rule ({names}); select others with params, or use the formed gradients")
+        self.formed = [p for _, p in layout.formed]  # no layer rule: formed per example (ExactRecording.watch)
+        self.formed_ids = {id(p) for p in self.formed}
+        if self.formed:
+            names = ", ".join(name for name, _ in layout.formed[:8])
+            warnings.warn(f"ExactGradients: {len(self.formed)} selected parameter(s) ({sum(p.numel() for p in self.formed)} "
+                          f"entries) belong to layers without a per-layer rule and are formed per example: {names}"
+                          + (" ..." if len(self.formed) > 8 else ""), stacklevel=2)
         self.names = [name for name, _ in chosen]
         self.params = [p for _, p in chosen]
+        self.by_id = {id(p): p for p in self.params}
         self.offsets, self.d, self.layers = layout.offsets, layout.d, layout.layers
         self.how, self.last_how = how, {}
 
@@ -260,7 +268,7 @@ class ExactRecording:
     def __init__(self, owner: ExactGradients, write_grads: bool = False):
         self.owner, self.handles, self.pieces, self.scale, self.B, self.fresh = owner, [], {}, None, None, False
         self.selected = {id(p) for p in owner.params}
-        self.write_grads, self.turned_off = write_grads, []
+        self.write_grads, self.turned_off, self.formed_grads, self.active = write_grads, [], {}, True
 
     def __enter__(self) -> "ExactRecording":
         def record(module, args, output):
@@ -274,8 +282,8 @@ class ExactRecording:
             return output
 
         self.handles = [module.register_forward_hook(record) for module in self.owner.layers]
-        if self.write_grads:
-            self.turned_off = [p for p in self.owner.params if p.requires_grad]
+        if self.write_grads:  # a formed parameter keeps autograd's gradient: no layer rule gives it from records
+            self.turned_off = [p for p in self.owner.params if p.requires_grad and id(p) not in self.owner.formed_ids]
             for p in self.turned_off:
                 p.requires_grad_(False)
         return self
@@ -289,7 +297,7 @@ class ExactRecording:
 
     def _on_grad(self, entry: list, g: torch.Tensor) -> None:
         module, a = entry
-        if a is None:
+        if a is None or not self.active:  # a call already taken, or the batched pass of watch()
             return
         entry[1] = None
         if self.B is not None and (a.shape[0] != self.B or g.shape[0] != self.B):
@@ -305,6 +313,15 @@ class ExactRecording:
             raise ValueError("ExactGradients: watch() takes the (B,) per-example losses, attached to the graph")
         self.B = losses.shape[0]
         self.fresh = all(p.grad is None for p in self.owner.params)  # .grad will be this backward's alone
+        if self.owner.formed:  # one batched vector-Jacobian product (rows of the identity), the graph kept
+            eye = torch.eye(self.B, dtype=losses.dtype, device=losses.device)
+            self.active = False  # the recorded layers' hooks fire in this pass too: not the loop's backward
+            try:
+                grads = torch.autograd.grad(losses, self.owner.formed, grad_outputs=eye, is_grads_batched=True,
+                                            retain_graph=True, allow_unused=True)
+            finally:
+                self.active = True
+            self.formed_grads = {id(p): g.detach() for p, g in zip(self.owner.formed, grads) if g is not None}
 
         def read_scale(g):
             self.scale = g.detach()
@@ -323,12 +340,16 @@ class ExactRecording:
         if not bool((self.scale.ne(0) & self.scale.isfinite()).all()):
             raise ValueError("ExactGradients: the loss gives an example a zero or non-finite weight, so its gradient "
                              "cannot be recovered from the backward")
-        units = UnitGradients(self.owner, self.B, self.pieces, self.scale.to(self.owner.params[0].dtype))
+        scale = self.scale.to(self.owner.params[0].dtype)
+        for key, g in self.formed_grads.items():  # each unit's own gradient, times its weight as records are
+            rows = g.reshape(self.B, -1).mul(scale.to(g.dtype)[:, None])
+            self.pieces[key] = [(0, Formed(rows.view(self.B, *matrix_shape(self.owner.by_id[key]))))]
+        units = UnitGradients(self.owner, self.B, self.pieces, scale)
         if self.turned_off:
             units.step_grads, units.step_units, units.writes_grads = {}, self.B, True
         elif from_grad and self.fresh:
             units.step_grads, units.step_units = {id(p): p.grad for p in self.owner.params}, self.B
-        self.pieces, self.scale = {}, None
+        self.pieces, self.scale, self.formed_grads = {}, None, {}
         return units
 
 

@@ -362,3 +362,44 @@ def test_a_streamed_block_is_written_by_the_first_outer_of_its_units_only(case, 
         a, G, _, _ = products.parameter_products(pieces, exact.view(S, p), B, "stream")
         torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
         torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class WithoutRules(nn.Module):
+    """A Conv1d over the tokens (no layer rule), a bare scale parameter, then a Linear and a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gain = nn.Conv1d(3, 4, kernel_size=2), nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.out, self.norm = nn.Linear(4, 5), nn.LayerNorm(4)
+
+    def forward(self, x, y):  # x (B, 3, L), y (B,) -> (B,) per-example losses
+        h = self.norm(torch.tanh(self.conv(x)).mean(2) * self.gain)
+        return F.cross_entropy(self.out(h), y, reduction="none")
+
+
+@pytest.mark.parametrize("write_grads", [False, True])
+def test_parameters_without_a_rule_are_formed_per_example_beside_the_records(write_grads):
+    """ExactGradients of a model with a Conv1d and a bare parameter (no rule: formed per example by a batched
+    vector-Jacobian product at watch(), with a warning naming them) beside recorded layers: every unit's
+    gradient, the products and the loop's weighted loss against float64 autograd, and with write_grads .grad
+    is the batch gradient (autograd's for the formed parameters, the records' for the others)."""
+    torch.manual_seed(0)
+    model = WithoutRules().double()
+    with pytest.warns(UserWarning, match="formed per example: gain, conv.weight, conv.bias"):
+        exact = ExactGradients(model)
+    x, y = torch.randn(B, 3, 6, dtype=torch.float64), torch.randint(0, 5, (B,))
+    c = torch.linspace(0.5, 2.0, B, dtype=torch.float64)  # the loop's loss weights
+    with exact.recording(write_grads=write_grads) as rec:
+        losses = model(x, y)
+        rec.watch(losses)
+    (losses * c).sum().backward()
+    units = rec.units()
+    units.write_grads()
+    oracle = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[i:i + 1], y[i:i + 1]).sum(),
+                                                                                exact.params)]) for i in range(B)])
+    torch.testing.assert_close(exact.flat(units), oracle, rtol=1e-10, atol=1e-12)
+    S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    a, G = units.products(S)
+    torch.testing.assert_close(a, oracle @ S, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, oracle @ oracle.T, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(flat_grads(exact), c @ oracle, rtol=1e-10, atol=1e-12)
