@@ -461,17 +461,18 @@ class ExactCDGraB(PairBalancer):
             self._place_pairs(np, np.ascontiguousarray(plus[at:].reshape(pairs, n).T), first)
 
     def _count_near_ties(self, diff_a, diff_G, signs, norms, firsts, seconds) -> int:
-        """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||)."""
-        norm2 = squared_norm(self.running_sum)
-        ties = 0
-        for i in range(len(diff_a)):
-            before = signs[:i]
-            dot = diff_a[i] + diff_G[i, :i] @ before
-            s_norm2 = norm2 + 2 * (before @ diff_a[:i]) + before @ diff_G[:i, :i] @ before
-            scale = float(s_norm2.clamp(min=0).sqrt()) * (float(norms[firsts[i]].clamp(min=0).sqrt())
-                                                          + float(norms[seconds[i]].clamp(min=0).sqrt()))
-            ties += 0 < scale and abs(float(dot)) <= NEAR_TIE * scale  # S_i = 0 exactly: a true tie, +1
-        return ties
+        """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||), for every pair i at once:
+        <S_i, v_i> = a_i + sum_{j<i} s_j G_ij and ||S_i||^2 = ||S||^2 + 2 sum_{j<i} s_j a_j + sum_{j,l<i} s_j s_l G_jl
+        (prefix sums over the pairs; float64)."""
+        signs = signs.to(torch.float64)
+        dots = diff_a + torch.tril(diff_G, -1) @ signs
+        quadratic = (signs[:, None] * diff_G * signs[None, :]).cumsum(0).cumsum(1).diagonal()  # sum_{j,l<=i}
+        before = torch.cat([torch.zeros(1, dtype=torch.float64), quadratic[:-1]])            # sum_{j,l<i}
+        linear = torch.cat([torch.zeros(1, dtype=torch.float64), (signs * diff_a).cumsum(0)[:-1]])
+        s_norm2 = squared_norm(self.running_sum) + 2 * linear + before
+        g_norms = norms.to(torch.float64).clamp(min=0).sqrt()
+        scale = s_norm2.clamp(min=0).sqrt() * (g_norms[firsts] + g_norms[seconds])
+        return int(((scale > 0) & (dots.abs() <= NEAR_TIE * scale)).sum())  # S_i = 0 exactly: a true tie, +1
 
 
 def squared_norm(x: torch.Tensor, chunk: int = 2**20) -> float:

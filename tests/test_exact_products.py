@@ -307,6 +307,32 @@ def test_a_near_tie_is_counted(k):
     assert sorter.near_ties == 1  # the second difference is orthogonal to S = (1, 0)
 
 
+def test_near_ties_are_counted_for_every_pair_as_the_sign_loop_meets_them():
+    """The count, taken for all pairs at once, against the definition pair by pair: S_i = S + sum_{j<i} s_j v_j
+    formed explicitly in float64, differences built so that some <S_i, v_i> are exactly 0 (orthogonal to
+    S_i), others tiny, others not."""
+    generator = torch.Generator().manual_seed(9)
+    d, r = 6, 7
+    S = torch.randn(d, dtype=torch.float64, generator=generator)
+    v = torch.randn(r, d, dtype=torch.float64, generator=generator)
+    firsts, seconds = list(range(0, 2 * r, 2)), list(range(1, 2 * r, 2))
+    g = torch.zeros(2 * r, d, dtype=torch.float64)
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    S_i = S.clone()
+    expected = 0
+    for i in range(r):  # make pairs 2 and 5 orthogonal to S_i, pair 4 nearly so
+        if i in (2, 4, 5):
+            v[i] -= (v[i] @ S_i) / (S_i @ S_i) * S_i * (1 - (1e-9 if i == 4 else 0.0))
+        g[firsts[i]], g[seconds[i]] = 2 * v[i], v[i]  # g_first - g_second = v_i
+        scale = S_i.norm() * (g[firsts[i]].norm() + g[seconds[i]].norm())
+        expected += bool(abs(S_i @ v[i]) <= 1e-5 * scale)
+        S_i = S_i + signs[i] * v[i]
+    sorter = ExactCDGraB(1, 2, d, dtype=torch.float64)
+    sorter.running_sum = S.clone()
+    counted = sorter._count_near_ties(v @ S, v @ v.T, signs, g.square().sum(1), firsts, seconds)
+    assert expected == 3 and counted == expected
+
+
 def test_the_running_sums_squared_norm_is_taken_a_chunk_at_a_time_in_float64():
     """squared_norm (the near-tie scale's ||S||^2) against a float64 sum, over chunks that do not divide d."""
     x = torch.tensor([3e4, 1.0, -2.5, 1e-3, 7.0, -3e4, 0.5], dtype=torch.float32)
