@@ -103,7 +103,7 @@ def exact_gradients(task, args) -> ExactGradients | None:
     if not task.outer_products_apply(task.model.flat):
         raise UserFacingError(f"--exact-low-memory on needs a model made only of Linear, Conv1D, Embedding and "
                               f"LayerNorm layers and per-unit losses in one pass (LR-HMDA, MLP-M4, GPT2-Wiki103); "
-                              f"{task.name} has neither: drop --exact-low-memory")
+                              f"{task.name} is not such a benchmark: drop --exact-low-memory")
     exact = ExactGradients(task.model.module)
     assert exact.d == task.model.d and all(exact.offsets[id(p)] == task.model.offsets[id(p)] for p in exact.params)
     return exact
