@@ -196,6 +196,8 @@ class ExactGradients:
         layout = Layout(self.model, chosen)
         self.formed = [p for _, p in layout.formed]  # no layer rule: formed per example (ExactRecording.watch)
         self.formed_ids = {id(p) for p in self.formed}
+        # a BatchNorm in training mode mixes the batch: an example's loss then depends on the others' inputs
+        self.batch_norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if self.formed:
             names = ", ".join(name for name, _ in layout.formed[:8])
             warnings.warn(f"ExactGradients: {len(self.formed)} selected parameter(s) ({sum(p.numel() for p in self.formed)} "
@@ -271,6 +273,10 @@ class ExactRecording:
         self.write_grads, self.turned_off, self.formed_grads, self.active = write_grads, [], {}, True
 
     def __enter__(self) -> "ExactRecording":
+        if any(m.training for m in self.owner.batch_norms):
+            raise ValueError("ExactGradients: a BatchNorm in training mode mixes the examples of a batch, so their "
+                             "own gradients are not what one backward records; put it in eval mode (model.eval() "
+                             "for its statistics) or use GroupNorm / LayerNorm")
         def record(module, args, output):
             if not isinstance(output, torch.Tensor):
                 return None

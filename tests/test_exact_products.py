@@ -429,3 +429,23 @@ def test_parameters_without_a_rule_are_formed_per_example_beside_the_records(wri
     torch.testing.assert_close(a, oracle @ S, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G, oracle @ oracle.T, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(flat_grads(exact), c @ oracle, rtol=1e-10, atol=1e-12)
+
+
+def test_a_batch_norm_in_training_mode_is_refused_and_in_eval_mode_formed_per_example():
+    """A BatchNorm in training mode mixes the batch (one example's loss depends on the others), so no
+    recording can give the examples' own gradients: refused in one line; in eval mode it is per example, its
+    parameters (no layer rule) formed per example, every unit's gradient the oracle's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    with pytest.warns(UserWarning, match="formed per example"):
+        exact = ExactGradients(model)
+    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randint(0, 2, (B,))
+    with pytest.raises(ValueError, match="BatchNorm in training mode") as refused:
+        with exact.recording():
+            pass
+    assert "\n" not in str(refused.value)
+    model.eval()
+    units = exact(lambda: F.cross_entropy(model(x), y, reduction="none"))
+    oracle = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), exact.params)]) for i in range(B)])
+    torch.testing.assert_close(exact.flat(units), oracle, rtol=1e-10, atol=1e-12)
