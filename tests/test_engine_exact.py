@@ -145,19 +145,33 @@ def gather_rank(rank, store, out):
         model = tied_model()
         exact = ExactGradients(model)
         every = gather_parts(record_parts(model, exact, chunk_ids(rank)), distributed=True)
-        torch.save(exact.flat(every), f"{out}.rank{rank}")
+        torch.save({"flat": exact.flat(every), "products": every.products(running_sum(exact.d))}, f"{out}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
+def running_sum(d: int) -> torch.Tensor:
+    return torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+
 def test_two_gloo_processes_recording_in_chunks_give_every_units_gradient_in_rank_order(tmp_path):
-    """Under torchrun each chunk is all-gathered on its own and every process's share placed at its units:
-    rank-major, chunk after chunk within a rank, as one process hosting both ranks' units."""
+    """Under torchrun each chunk is all-gathered on its own (rank 0's first chunk padded to rank 1's tokens) and
+    every process's share placed at its units: rank-major, chunk after chunk within a rank, as one process
+    hosting both ranks' units, whose products they equal bit for bit."""
+    from sorters.exact import ExactGradients
+    from sorters.gather import gather_parts
     from tests.helpers import run_forked
 
     run_forked(gather_rank, (tmp_path / "store", tmp_path / "run"), 2)
     model = tied_model()
-    from sorters.exact import ExactGradients
-    expected = autograd_rows(model, ExactGradients(model), chunk_ids(0) + chunk_ids(1))
+    exact = ExactGradients(model)
+    chunks = chunk_ids(0) + chunk_ids(1)
+    expected = autograd_rows(model, exact, chunks)
+    one = gather_parts(record_parts(model, exact, chunks), distributed=False).products(running_sum(exact.d))
+    # the same units in other chunks (2 and 8 units, as one process with a larger step would cut them)
+    regrouped = gather_parts(record_parts(model, exact, [chunks[0], torch.cat(chunks[1:])]), distributed=False)
     for rank in range(2):
-        torch.testing.assert_close(torch.load(tmp_path / f"run.rank{rank}"), expected, rtol=1e-10, atol=1e-12)
+        run = torch.load(tmp_path / f"run.rank{rank}")
+        torch.testing.assert_close(run["flat"], expected, rtol=1e-10, atol=1e-12)
+        assert all(torch.equal(x, y) for x, y in zip(run["products"], one)), rank
+    assert all(torch.equal(x, y) for x, y in zip(regrouped.products(running_sum(exact.d)), one))
