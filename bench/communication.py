@@ -23,7 +23,6 @@ Everything after `--` goes to every run (after the defaults below, so it overrid
 import argparse
 import functools
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 from engine.cli import check_args  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from common.errors import UserFacingError  # noqa: E402
+from engine.runlog import write_result  # noqa: E402
 from engine.train import train  # noqa: E402
 
 STRATEGIES = {  # {density}: ExDyna's target density, per benchmark (below)
@@ -173,13 +173,7 @@ def main():
                           "torch": torch.__version__, "threads": torch.get_num_threads(),
                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
                           "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
-    text = json.dumps(result, indent=1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(text + "\n")
-    partial.replace(out)  # never a half-written result file
-    print(text)
+    write_result(args.out, result)
     print(markdown(result))
 
 

@@ -189,13 +189,11 @@ def main():
         return
     if Path(args.out).is_dir():
         parser.error(f"--out {args.out} is a folder; give the JSON file's path")
-    from engine.runlog import atomic_write_bytes, git_commit
+    from engine.runlog import git_commit, write_result
 
     commit = git_commit()  # when the run starts: the code the children import ("-dirty" if it differs)
     result = {"git_commit": commit, **measure(args)}
-    text = json.dumps(result, indent=1)
-    atomic_write_bytes(Path(args.out), (text + "\n").encode())
-    print(text)
+    write_result(args.out, result)
     print(markdown(result))
 
 

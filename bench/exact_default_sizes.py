@@ -89,7 +89,7 @@ def main():
     import torch
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    from engine.runlog import atomic_write_bytes, git_commit
+    from engine.runlog import git_commit, write_result
     torch.set_num_threads(1)
     result = {"bench": "exact_default_sizes", "git_commit": git_commit(), "threads": 1, "batch": BATCH,
               "steps": args.steps,
@@ -111,7 +111,7 @@ def main():
                                     for a, b in zip(runs["formed"], runs["exact_low_memory"]))
         result["sizes"][size] = entry
         print(size, json.dumps(entry), flush=True)
-    atomic_write_bytes(Path(args.out), (json.dumps(result, indent=1) + "\n").encode())
+    write_result(args.out, result)
     print("| size | d | plain s | formed s | exact_low_memory s | formed / plain | exact_low_memory / plain | "
           "exact_low_memory / formed | orders equal |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -197,7 +197,7 @@ def main():
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "exact-exchange-cpu.json"),
                         help="where the JSON goes")
     args = parser.parse_args()
-    from engine.runlog import atomic_write_bytes, git_commit
+    from engine.runlog import git_commit, write_result
 
     models = sizes(args.sketch_dim)
     if args.time:
@@ -210,9 +210,7 @@ def main():
                            "all-gather; every process receives world_size times as much)", "timed": args.time,
                            "processes": 2, "backend": "gloo, one host", "reps": args.reps, "max_mib": args.max_mib,
                            "threads": torch.get_num_threads()}}
-    text = json.dumps(result, indent=1)
-    atomic_write_bytes(Path(args.out), (text + "\n").encode())
-    print(text)
+    write_result(args.out, result)
     print(markdown(result))
 
 

@@ -7,7 +7,6 @@ whether that choice is the faster one on this CPU.
     OMP_NUM_THREADS=1 python bench/exact_products.py          # writes bench/results/exact-products-cpu.json
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ def main():
     args = parser.parse_args()
     import torch
 
-    from engine.runlog import atomic_write_bytes, git_commit
+    from engine.runlog import git_commit, write_result
     from sorters import exact_products as ep
 
     torch.set_num_threads(args.threads)
@@ -63,9 +62,7 @@ def main():
               "settings": {"threads": args.threads, "repeats": args.repeats, "statistic": "median CPU seconds",
                            "torch": torch.__version__, "cpu_count": os.cpu_count(),
                            "load_average_1min": round(os.getloadavg()[0], 2)}}
-    text = json.dumps(result, indent=1)
-    atomic_write_bytes(Path(args.out), (text + "\n").encode())
-    print(text)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

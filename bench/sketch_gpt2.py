@@ -59,7 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
-from engine.runlog import atomic_write_bytes, git_commit  # noqa: E402
+from engine.runlog import git_commit, write_result  # noqa: E402
 from engine.sketching import STRUCTURED_MIN_NUMEL  # noqa: E402
 
 SCRIPT = "main-GPT2-Wiki103.py"
@@ -302,9 +302,7 @@ def main():
                            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
                            "git_commit": commit,
                            "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}}
-    text = json.dumps(result, indent=1)
-    atomic_write_bytes(Path(args.out), (text + "\n").encode())
-    print(text)
+    write_result(args.out, result)
     print(markdown(result))
 
 

@@ -222,7 +222,7 @@ def main():
     if args.child:
         print("RESULT " + json.dumps(child(json.loads(args.child), args.steps, args.threads)), flush=True)
         return
-    from engine.runlog import atomic_write_bytes, git_commit
+    from engine.runlog import git_commit, write_result
 
     commit = git_commit()  # when the run starts: the code the children import ("-dirty" if it differs)
     load_before = os.getloadavg()
@@ -250,9 +250,7 @@ def main():
                      "cpu_count": os.cpu_count(),
                      "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
     }
-    text = json.dumps(result, indent=1)
-    atomic_write_bytes(Path(args.out), (text + "\n").encode())
-    print(text)
+    write_result(args.out, result)
     print(markdown(result))
 
 

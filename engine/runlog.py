@@ -89,6 +89,15 @@ def signals_deferred(signums=(signal.SIGTERM, signal.SIGINT)):
                 signal.raise_signal(signum)
 
 
+def write_result(path, result: dict) -> str:
+    """A bench's result: `result` as indented JSON, written atomically to `path` (never a half-written file),
+    printed, and returned."""
+    text = json.dumps(result, indent=1)
+    atomic_write_bytes(Path(path), (text + "\n").encode())
+    print(text)
+    return text
+
+
 def atomic_torch_save(obj, path: Path) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
