@@ -255,19 +255,20 @@ def block_leads(pieces: list, U: int) -> tuple[set, list]:
     """(leads, unwritten): the contributions that WRITE their units' rows of a streamed block (bmm into it,
     instead of adding to zeros: a pass less), the first Outer of each range of units that no earlier
     contribution touches; and the (start, stop) ranges of units no lead writes, zeroed first."""
-    leads, written = set(), torch.zeros(U, dtype=torch.bool)
-    touched = torch.zeros(U, dtype=torch.bool)
+    leads, touched, written = set(), [False] * U, [False] * U
     for i, (first, x) in enumerate(pieces):
-        span = slice(first, first + x.units)
-        if isinstance(x, Outer) and not touched[span].any():
+        span = range(first, first + x.units)
+        if isinstance(x, Outer) and not any(touched[u] for u in span):
             leads.add(i)
-            written[span] = True
-        touched[span] = True
+            for u in span:
+                written[u] = True
+        for u in span:
+            touched[u] = True
     unwritten, start = [], None
-    for u in range(U + 1):
-        if u < U and not written[u]:
-            start = u if start is None else start
-        elif start is not None:
+    for u, done in enumerate(written + [True]):  # a sentinel closes the last range
+        if not done and start is None:
+            start = u
+        elif done and start is not None:
             unwritten.append((start, u))
             start = None
     return leads, unwritten
