@@ -109,13 +109,10 @@ class Task:
         local units, losses (n_local, k)); the mean gradient is the model's buffer, as batch_grad's:
         valid until the next gradient call."""
         units = n_local * k
-        chunk = self.grad_chunk or units
         sketches = torch.empty(units, sketch.dim, dtype=flat.dtype, device=flat.device)
         losses = torch.empty(units, dtype=flat.dtype, device=flat.device)
         self.model.grad.zero_()  # each pass's backward adds its units' summed gradient
-        for start in range(0, units, chunk):
-            rows = slice(start, min(start + chunk, units))
-            part = tree_map(lambda t: t[rows], batch)
+        for rows, part in self.grad_passes(batch, units):
             sketches[rows], losses[rows] = self.model.outer_unit_sketches(self.unit_losses, part, sketch)
         return sketches.view(n_local, k, -1), self.model.grad.div_(units), losses.view(n_local, k)
 
@@ -126,19 +123,25 @@ class Task:
         UnitGradients of each pass, the n_local * k units worker-major part after part; the mean gradient (d,)
         over them, the model's buffer as batch_grad's; losses (n_local, k))."""
         units = n_local * k
-        chunk = self.grad_chunk or units
         losses = torch.empty(units, dtype=self.model.flat.dtype, device=self.model.flat.device)
         self.model.grad.zero_()  # each pass's backward adds its units' share of the mean
         parts = []
-        for start in range(0, units, chunk):
-            rows = slice(start, min(start + chunk, units))
+        for rows, part in self.grad_passes(batch, units):
             with exact.recording() as recording:
-                part_losses = self.unit_losses(self.model.flat, tree_map(lambda t: t[rows], batch))
+                part_losses = self.unit_losses(self.model.flat, part)
                 recording.watch(part_losses)
             (part_losses.sum() / units).backward()
             losses[rows] = part_losses.detach()
             parts.append(recording.units())
         return parts, self.model.grad, losses.view(n_local, k)
+
+    def grad_passes(self, batch, units: int):
+        """(rows, part) for each gradient pass over the step's `units` units: `grad_chunk` at a time (all at
+        once when None), rows a slice of them and part the batch's pytree of those rows."""
+        chunk = self.grad_chunk or units
+        for start in range(0, units, chunk):
+            rows = slice(start, min(start + chunk, units))
+            yield rows, tree_map(lambda t: t[rows], batch)
 
     def outer_products_apply(self, flat: torch.Tensor) -> bool:
         """True when per-unit gradients at `flat` may come from outer products: the model's own
