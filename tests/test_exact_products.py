@@ -134,15 +134,20 @@ def test_the_running_sums_update_is_the_weighted_sum_of_the_formed_gradients(cas
     torch.testing.assert_close(S, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_the_units_loss_weights_are_divided_out_and_a_selected_unit_keeps_its_own_gradient(case):
-    """A loop's backward of sum_u c_u loss_u: the records hold c_u g_u; products and units are g_u's."""
-    exact, losses, oracle = case
+def weighted_units(exact, losses):
+    """The units of a loop's backward of sum_u c_u loss_u with unequal weights c: the records hold c_u g_u."""
     c = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5], dtype=torch.float64)
     with exact.recording() as rec:
         per_example = losses()
         rec.watch(per_example)
     torch.autograd.grad((per_example * c).sum(), exact.params, allow_unused=True)
-    units = rec.units()
+    return rec.units()
+
+
+def test_the_units_loss_weights_are_divided_out_and_a_selected_unit_keeps_its_own_gradient(case):
+    """A loop's backward of sum_u c_u loss_u: the records hold c_u g_u; products and units are g_u's."""
+    exact, losses, oracle = case
+    units = weighted_units(exact, losses)
     S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     a, G = units.products(S)
     torch.testing.assert_close(a, oracle @ S, rtol=1e-10, atol=1e-12)
@@ -164,12 +169,7 @@ def test_the_pairs_differences_products_are_those_of_the_formed_gradients(case, 
     records, and the running sum's update from them is the oracle's."""
     monkeypatch.setattr(products, "STREAM_BLOCK_BYTES", 3 * B * 8 * 8)
     exact, losses, oracle = case
-    c = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5], dtype=torch.float64)
-    with exact.recording() as rec:
-        per_example = losses()
-        rec.watch(per_example)
-    torch.autograd.grad((per_example * c).sum(), exact.params, allow_unused=True)
-    units = rec.units()
+    units = weighted_units(exact, losses)
     units = units.join(units.select([4, 5]))  # 8 units: the last two are copies of 4 and 5 (as pending ones)
     g = oracle[[0, 1, 2, 3, 4, 5, 4, 5]]
     firsts, seconds = [6, 0, 5, 3], [1, 2, 7, 4]  # 5 against its own copy 7: a zero difference
