@@ -205,7 +205,6 @@ class ExactGradients:
                           + (" ..." if len(self.formed) > 8 else ""), stacklevel=2)
         self.names = [name for name, _ in chosen]
         self.params = [p for _, p in chosen]
-        self.by_id = {id(p): p for p in self.params}
         self.offsets, self.d, self.layers = layout.offsets, layout.d, layout.layers
         self.how, self.last_how = how, {}
 
@@ -347,9 +346,10 @@ class ExactRecording:
             raise ValueError("ExactGradients: the loss gives an example a zero or non-finite weight, so its gradient "
                              "cannot be recovered from the backward")
         scale = self.scale.to(self.owner.params[0].dtype)
-        for key, g in self.formed_grads.items():  # each unit's own gradient, times its weight as records are
-            rows = g.reshape(self.B, -1).mul(scale.to(g.dtype)[:, None])
-            self.pieces[key] = [(0, Formed(rows.view(self.B, *matrix_shape(self.owner.by_id[key]))))]
+        for p in self.owner.formed:  # each unit's own gradient, times its weight as records are
+            g = self.formed_grads.get(id(p))
+            if g is not None:
+                self.pieces[id(p)] = [(0, Formed(g.reshape(self.B, *matrix_shape(p)) * scale.to(g.dtype).view(-1, 1, 1)))]
         units = UnitGradients(self.owner, self.B, self.pieces, scale)
         if self.turned_off:
             units.step_grads, units.step_units, units.writes_grads = {}, self.B, True
