@@ -68,24 +68,32 @@ class UnitGradients:
         self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
         self.sum_all = False
 
-    def products(self, running_sum: torch.Tensor, how: str | None = None, pairs: Pairs | None = None):
+    def products(self, running_sum: torch.Tensor, how: str | None = None, pairs: Pairs | None = None,
+                 share=None):
         """(a (U,), G (U, U)) float64 on the CPU: <S, g_u> and <g_u, g_v>, summed over the parameters on the
         running sum's device, then copied to the host once (not a synchronisation per parameter). With `pairs`
         (sorters.exact_products.Pairs) (a (r,), G (r, r), norms (U,)): the products of the pairs' differences
         g_first - g_second instead, and the units' squared norms ||g_u||^2.
         sum_all: units that come without the backward's gradient (step_grads None) keep, from the blocks
-        streaming forms anyway, the sum of every unit's records per parameter, for add_to's shortcut."""
+        streaming forms anyway, the sum of every unit's records per parameter, for add_to's shortcut.
+        share: None (every parameter here), or a sorters.gather.ParameterShare: this process takes the products
+        of the parameters it owns only; each parameter's products, from its one owner, are summed over the
+        processes (share.reduce, exact: the others add zeros), then added in the parameters' order, as one
+        process adds them, so every process and one process without a share get the same bits."""
         U, r = self.units, self.units if pairs is None else len(pairs.firsts)
         a = torch.zeros(r, dtype=torch.float64, device=running_sum.device)
         G = torch.zeros(r, r, dtype=torch.float64, device=running_sum.device)
         norms = torch.zeros(U, dtype=torch.float64, device=running_sum.device)
+        width = r + r * r + (U if pairs is not None else 0)
+        rows = None if share is None else torch.zeros(len(self.owner.params), width, dtype=torch.float64,
+                                                      device=running_sum.device)  # per parameter, flattened
         summing = self.sum_all and self.step_grads is None
         if summing:
             self.step_grads, self.step_units = {}, U
         self.owner.last_how = {}
-        for p in self.owner.params:
+        for i, p in enumerate(self.owner.params):
             pieces = self.pieces.get(id(p), [])
-            if not pieces:
+            if not pieces or (share is not None and not share.owned[i]):
                 continue
             writes = self.writes_grads and id(p) not in self.step_grads and id(p) not in self.owner.formed_ids
             wanted = U if summing else self.step_units if writes else 0
@@ -95,11 +103,20 @@ class UnitGradients:
                 self.step_grads[id(p)] = grad
             elif grad is not None:
                 self._keep_grad(p, grad)
-            a += products[0]
-            G += products[1]
-            if pairs is not None:
-                norms += products[2]
+            if rows is not None:
+                rows[i] = torch.cat([x.reshape(-1) for x in products])
+            else:
+                a += products[0]
+                G += products[1]
+                if pairs is not None:
+                    norms += products[2]
             self.owner.last_how[id(p)] = chosen
+        if rows is not None:
+            for row in share.reduce(rows):  # in the parameters' order: the sums one process makes
+                a += row[:r]
+                G += row[r:r + r * r].view(r, r)
+                if pairs is not None:
+                    norms += row[r + r * r:]
         if pairs is not None:  # in gradients already (Pairs divides by the scale)
             return tuple(x.cpu() for x in (a, G, norms))
         scale = self.scale.to(a.device, torch.float64)
@@ -124,8 +141,8 @@ class UnitGradients:
         else:
             p.grad.add_(grad.view(p.shape))
 
-    def add_to(self, running_sum: torch.Tensor, w: torch.Tensor) -> None:
-        """running_sum (d,) += sum_u w_u g_u, w (U,)."""
+    def add_to(self, running_sum: torch.Tensor, w: torch.Tensor, share=None) -> None:
+        """running_sum (d,) += sum_u w_u g_u, w (U,); with a share (products()), in its owned parameters only."""
         ratio = w.to(self.scale.device, torch.float64) / self.scale.double()  # weights of the records
         lam = 0.0
         if self.step_grads is not None and self.step_units:
@@ -134,7 +151,9 @@ class UnitGradients:
             ratio[:self.step_units] -= lam  # exactly 0 for the units of that ratio: their records are skipped
         ratio = ratio.to(running_sum.dtype)
         self.write_grads()  # every parameter's step gradient at hand (a no-op after products())
-        for p in self.owner.params:
+        for i, p in enumerate(self.owner.params):
+            if share is not None and not share.owned[i]:
+                continue
             view = self.owner.view(running_sum, p)
             pieces = self.pieces.get(id(p))
             if lam and pieces:
@@ -371,17 +390,23 @@ class ExactCDGraB(PairBalancer):
     sum_all: for units that come without their backward's gradient (UnitGradients.step_grads None: the engine's,
     or gathered from several processes), the products keep each parameter's sum over all units from the
     blocks they form, so that the running sum's update reads the records of about half the units (d floats
-    more during a step)."""
+    more during a step).
+    share: None, or under torch.distributed a sorters.gather.ParameterShare (every process has every unit, all-
+    gathered): each process takes the products and the running sum's update of its share of the parameters
+    only, and the products are summed over the processes (UnitGradients.products), so the products' work is
+    divided by the processes and the signs are every process's alike. The running sum then holds this
+    process's parameters, zeros elsewhere: state_dict() sums it over the processes, so EVERY process must
+    call state_dict() together (rank 0's checkpoint still restores every process)."""
 
     name = "CD-GraB"
     OPTIONAL_STATE = PairBalancer.OPTIONAL_STATE + ("near_ties",)
-    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("last_products", "sum_all")
+    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("last_products", "sum_all", "share")
 
     def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise",
-                 sum_all: bool = False):
+                 sum_all: bool = False, share=None):
         if nonfinite != "raise":
             raise ValueError("ExactCDGraB: only nonfinite='raise' is supported")
-        self.near_ties, self.last_products, self.sum_all = 0, None, sum_all
+        self.near_ties, self.last_products, self.sum_all, self.share = 0, None, sum_all, share
         super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
 
     def _reset_running_sums(self):
@@ -392,6 +417,8 @@ class ExactCDGraB(PairBalancer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
+        if self.share is not None:  # every process's parameters (zeros elsewhere): the whole running sum
+            state["running_sum"] = self.share.reduce(state["running_sum"])
         if isinstance(state.get("pending"), UnitGradients):  # saved as CDGraB saves it: the (n, d) gradients
             state["pending"] = state["pending"].owner.flat(state["pending"]).to(self.dtype)
         return state
@@ -402,6 +429,8 @@ class ExactCDGraB(PairBalancer):
         Formed contribution per parameter) by the next step(), which brings the ExactGradients they need."""
         super().load_state_dict(state)
         self.running_sum = self.running_sum.to(self.dtype)
+        if self.share is not None:
+            self.share.keep_owned(self.running_sum)
 
     def step(self, units: UnitGradients, positions):
         start, k = self._check_positions(positions)
@@ -418,7 +447,7 @@ class ExactCDGraB(PairBalancer):
         if r:
             everything.sum_all = self.sum_all
             pairs = Pairs(firsts, seconds, 1.0 / everything.scale)
-            diff_a, diff_G, norms = everything.products(self.running_sum, pairs=pairs)
+            diff_a, diff_G, norms = everything.products(self.running_sum, pairs=pairs, share=self.share)
             if not bool(diff_a.isfinite().all() and diff_G.isfinite().all() and norms.isfinite().all()):
                 raise NonFiniteGradientError(f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, "
                                              f"step at positions {start}..{start + k - 1} of {self.m}; lower the "
@@ -428,7 +457,7 @@ class ExactCDGraB(PairBalancer):
             self.last_products = (diff_a, diff_G)
             w = torch.zeros(everything.units, dtype=torch.float64)
             w[firsts], w[seconds] = signs, -signs  # each unit is in one pair
-            everything.add_to(self.running_sum, w)
+            everything.add_to(self.running_sum, w, share=self.share)
             plus = (signs > 0).numpy()
             self._place(plus, n, k, pending)
         self.pending = None
@@ -475,12 +504,16 @@ class ExactCDGraB(PairBalancer):
         quadratic = (signs[:, None] * diff_G * signs[None, :]).cumsum(0).cumsum(1).diagonal()  # sum_{j,l<=i}
         before = torch.cat([torch.zeros(1, dtype=torch.float64), quadratic[:-1]])            # sum_{j,l<i}
         linear = torch.cat([torch.zeros(1, dtype=torch.float64), (signs * diff_a).cumsum(0)[:-1]])
-        s_norm2 = squared_norm(self.running_sum) + 2 * linear + before
+        s_norm2 = squared_norm(self.running_sum, self.share) + 2 * linear + before
         g_norms = norms.to(torch.float64).clamp(min=0).sqrt()
         scale = s_norm2.clamp(min=0).sqrt() * (g_norms[firsts] + g_norms[seconds])
         return int(((scale > 0) & (dots.abs() <= NEAR_TIE * scale)).sum())  # S_i = 0 exactly: a true tie, +1
 
 
-def squared_norm(x: torch.Tensor, chunk: int = 2**20) -> float:
-    """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole)."""
-    return sum(float(part.double().square().sum()) for part in x.split(chunk))
+def squared_norm(x: torch.Tensor, share=None, chunk: int = 2**20) -> float:
+    """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole); with a
+    share (ExactCDGraB), x holds this process's parameters only and the squares are summed over the processes."""
+    total = sum(float(part.double().square().sum()) for part in x.split(chunk))
+    if share is None:
+        return total
+    return float(share.reduce(torch.tensor([total], dtype=torch.float64, device=x.device))[0])

@@ -108,6 +108,44 @@ def all_gather_units(units: UnitGradients) -> UnitGradients:
     return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
 
 
+class ParameterShare:
+    """Which selected parameters of an ExactGradients this process takes the products and the running sum's
+    update of, when every process holds every unit (all-gathered) under torch.distributed (ExactCDGraB(share=)).
+
+    Each parameter has one owner: the parameters, largest first (numel: the products' work grows with R x C),
+    go one by one to the process with the least work so far (the lowest rank among equals), so every process
+    makes the same split from the same model. owned: [bool] per parameter of exact.params; work: numel per
+    process. reduce(x): x summed over the processes in place (all_reduce) and returned; a test passes its own."""
+
+    def __init__(self, exact, rank: int | None = None, world: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        rank = dist.get_rank() if rank is None else rank
+        world = dist.get_world_size() if world is None else world
+        if not 0 <= rank < world:
+            raise ValueError(f"ParameterShare: rank {rank} is not one of world size {world}'s")
+        sizes = [p.numel() for p in exact.params]
+        self.offsets, self.params = exact.offsets, exact.params
+        self.work, owners = [0] * world, [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            owners[i] = min(range(world), key=lambda q: (self.work[q], q))
+            self.work[owners[i]] += sizes[i]
+        self.owned = [owner == rank for owner in owners]
+        self._reduce = reduce
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self._reduce is not None:
+            return self._reduce(x)
+        dist.all_reduce(x)
+        return x
+
+    def keep_owned(self, flat: torch.Tensor) -> None:
+        """Zero, in place, the entries of a flat (d,) vector that belong to other processes' parameters."""
+        for p, owned in zip(self.params, self.owned):
+            if not owned:
+                start = self.offsets[id(p)]
+                flat[start:start + p.numel()] = 0
+
+
 def gather_parts(parts: list[UnitGradients], distributed: bool) -> UnitGradients:
     """This process's units, recorded in parts (each a fresh recording of the same layers: the engine's
     chunks of a step), -> every process's units, rank-major and within a rank part after part, as one

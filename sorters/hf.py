@@ -47,6 +47,7 @@ import torch
 
 from sorters import CDGraBSampler, PerExampleLossGrads
 from sorters.exact import ExactCDGraB
+from sorters.gather import ParameterShare
 from sorters.layer_sketch import LayerSketch
 from sorters.settings import CDGraBSettings
 
@@ -256,7 +257,11 @@ class CDGraBTrainerMixin:
         sum, no (d,) float64 one). The sampler was built with CD-GraB, which allocates that sum: rebuilt
         with D-RR (no state of size d), then given the exact sorter."""
         sampler = self.cdgrab_sampler
-        sampler.sorter = ExactCDGraB(world, sampler.m, self.cdgrab_grads.d, seed=self.cdgrab_settings.seed)
+        # under torchrun every process has every replica's units (all-gathered): each takes its share of the
+        # parameters' products and update (ParameterShare), with sum_all over its share only (d / N floats)
+        divided = self.args.world_size > 1
+        sampler.sorter = ExactCDGraB(world, sampler.m, self.cdgrab_grads.d, seed=self.cdgrab_settings.seed,
+                                     sum_all=divided, share=ParameterShare(self.cdgrab_grads) if divided else None)
         sampler.d = self.cdgrab_grads.d
 
     def _total_epochs(self, per_replica: int) -> int:
@@ -417,11 +422,12 @@ class CDGraBTrainerMixin:
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.should_save and self.cdgrab_sampler is not None:
+        # every process takes the state (exact_low_memory under torchrun sums its running sum over them)
+        state = None if self.cdgrab_sampler is None else self.cdgrab_sampler.state_dict()
+        if self.args.should_save and state is not None:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             path = os.path.join(folder, SAMPLER_FILE)
-            torch.save({"sampler": self.cdgrab_sampler.state_dict(), "gradients": self._gradient_settings()},
-                       path + ".tmp")
+            torch.save({"sampler": state, "gradients": self._gradient_settings()}, path + ".tmp")
             os.replace(path + ".tmp", path)  # never a half-written state beside a complete checkpoint
 
     def _saved_sampler_state(self) -> dict:

@@ -1,0 +1,136 @@
+"""Exact CD-GraB with the products' work divided over processes (ExactCDGraB(share=ParameterShare)): every
+process holds every unit, takes the products and the running sum's update of its own parameters only, and
+the per-parameter products are summed over the processes. Held to one process without a share, bit for bit:
+the products of every step, the orders, the running sum a checkpoint holds, and a run resumed from it."""
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sorters.exact import ExactCDGraB, ExactGradients
+from sorters.gather import ParameterShare
+from tests.helpers import assert_same, checkpoint_roundtrip, run_forked
+from tests.test_exact_resume import EPOCHS, K, M, N, TiedNet, data, perturb
+
+CUT = (1, 1)  # epoch 1 after its first step of 3 positions: the units at position 2 wait for their pair
+
+
+def fake_exact(sizes):
+    """What ParameterShare reads of an ExactGradients: params and their offsets in the flat vector."""
+    params = [torch.zeros(n) for n in sizes]
+    starts = torch.tensor([0] + sizes).cumsum(0).tolist()
+    return SimpleNamespace(params=params, offsets={id(p): s for p, s in zip(params, starts)})
+
+
+def test_each_parameter_goes_largest_first_to_the_process_with_the_least_work():
+    """sizes 3, 10, 5, 7, 3 over 2 processes, by hand: 10 -> 0; 7 -> 1; 5 -> 1 (7 < 10); 3 (the first) -> 0
+    (12 > 10); 3 (the last) -> 1 (12 < 13)."""
+    exact = fake_exact([3, 10, 5, 7, 3])
+    shares = [ParameterShare(exact, rank, 2, reduce=lambda x: x) for rank in range(2)]
+    assert shares[0].owned == [True, True, False, False, False]
+    assert shares[1].owned == [False, False, True, True, True]
+    assert shares[0].work == shares[1].work == [13, 15]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_every_parameter_has_exactly_one_owner(world):
+    generator = torch.Generator().manual_seed(world)
+    exact = fake_exact(torch.randint(1, 50, (11,), generator=generator).tolist())
+    owned = [ParameterShare(exact, rank, world, reduce=lambda x: x).owned for rank in range(world)]
+    assert [sum(column) for column in zip(*owned)] == [1] * 11
+
+
+def test_keep_owned_zeros_the_other_processes_parameters_only():
+    exact = fake_exact([2, 3, 1])  # process 0 owns the 3 (the largest) only; process 1 the 2 and the 1
+    flat = torch.arange(1.0, 7.0)
+    ParameterShare(exact, 0, 2, reduce=lambda x: x).keep_owned(flat)
+    assert flat.tolist() == [0, 0, 3, 4, 5, 0]
+
+
+def test_a_rank_outside_the_world_is_refused():
+    with pytest.raises(ValueError, match="rank 2 is not one of world size 2"):
+        ParameterShare(fake_exact([1]), 2, 2, reduce=lambda x: x)
+
+
+def run(share_of=None, cut=None):
+    """EPOCHS epochs of ExactCDGraB(sum_all=True) on TiedNet (the model fixed within an epoch, moved between
+    them), each step's units recorded whole by this process (as all_gather_units hands every process all of
+    them: no backward gradient). share_of(exact): None or a ParameterShare. At `cut` the state goes through a
+    file into a fresh sorter. Returns every step's (a, G) and parameters taken, every sort(), the state at
+    the cut and at each epoch's end, and the near-ties."""
+    model = TiedNet()
+    exact = ExactGradients(model)
+    ids, y = data()
+
+    def fresh(seed):
+        return ExactCDGraB(N, M, exact.d, seed=seed, sum_all=True, share=share_of and share_of(exact))
+
+    sorter, out = fresh(5), {"products": [], "taken": [], "orders": [], "states": [], "cut": None}
+    for epoch in range(EPOCHS):
+        orders = sorter.sort()
+        out["orders"].append(orders)
+        for step, t in enumerate(range(0, M, K)):
+            if (epoch, step) == cut:
+                out["cut"] = checkpoint_roundtrip(sorter.state_dict())
+                sorter = fresh(6)
+                sorter.load_state_dict(out["cut"])
+            positions = range(t, min(t + K, M))
+            idx = (orders[:, list(positions)] + torch.arange(N)[:, None] * M).reshape(-1)
+            with exact.recording() as rec:
+                losses = F.cross_entropy(model(ids[idx]), y[idx], reduction="none")
+                rec.watch(losses)
+            losses.sum().backward()  # the loop's own backward: .grad, which the units do not carry
+            sorter.step(rec.units(), positions)
+            out["products"].append(sorter.last_products)
+            out["taken"].append(sorted(exact.names[i] for i, p in enumerate(exact.params) if id(p) in exact.last_how))
+        out["states"].append(sorter.state_dict())
+        perturb(model, epoch)
+    out["orders"].append(sorter.sort())
+    out["near_ties"] = sorter.near_ties
+    return out
+
+
+def shared_rank(rank, port, path):
+    """One of 2 forked gloo processes: the run with a share, uninterrupted and cut, saved to path.rankR."""
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.save({"whole": run(ParameterShare), "cut": run(ParameterShare, CUT)}, f"{path}.rank{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    path = tmp_path_factory.mktemp("share") / "run"
+    run_forked(shared_rank, (port, path), 2)
+    return [torch.load(f"{path}.rank{r}") for r in range(2)]
+
+
+@pytest.mark.parametrize("variant", ["whole", "cut"])
+def test_two_processes_dividing_the_products_are_one_process_bit_for_bit(ranks, variant):
+    """Each rank's products of every step, orders, states (the running sum summed over the ranks at the
+    cut and at each epoch's end; the resumed sorter zeroes what it does not own) and near-ties equal those of
+    one process without a share, bit for bit."""
+    one = run(None, CUT if variant == "cut" else None)
+    for rank, got in enumerate(ranks):
+        got = got[variant]
+        for key in ("products", "orders", "states", "cut", "near_ties"):
+            assert_same(got[key], one[key], f"rank {rank} {key}")
+    assert not torch.equal(one["orders"][1], one["orders"][2])  # the orders depend on the gradients
+
+
+def test_each_process_takes_the_products_of_its_own_parameters_only(ranks):
+    """At every step the ranks' parameters are disjoint and together every parameter one process takes."""
+    one = run()
+    for step, taken in enumerate(one["taken"]):
+        mine = [set(r["whole"]["taken"][step]) for r in ranks]
+        assert mine[0] and mine[1] and not mine[0] & mine[1], step
+        assert sorted(mine[0] | mine[1]) == taken, step
