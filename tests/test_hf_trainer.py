@@ -378,7 +378,8 @@ def exact_rank(rank, port, out, find_unused):
     import tests.hf_trainer_tiny as hf
     from sorters import CDGraBSettings
     trainer = hf.RecordingTrainer(model=hf.tiny_gpt2(), args=hf.training_args(f"{out}-{rank}", ddp_backend="gloo",
-                                                                           ddp_find_unused_parameters=find_unused),
+                                                                           ddp_find_unused_parameters=find_unused,
+                                                                           save_strategy="steps", save_steps=4),
                                   train_dataset=hf.examples(hf.token_rows()),
                                   cdgrab=CDGraBSettings(exact_low_memory=True))
     try:
@@ -419,6 +420,17 @@ def test_exact_low_memory_under_two_gloo_processes_equals_one_process_and_the_ex
         assert torch.equal(runs[0]["params"][name], runs[1]["params"][name]), name
         torch.testing.assert_close(runs[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-4)
     assert_same(runs[0]["state"], runs[1]["state"])
+    # each rank updated its share of the running sum (ParameterShare): state_dict(), on every rank (also in
+    # the checkpoints, which rank 0 wrote), sums the shares into one process's running sum
+    one = exact_low_memory.cdgrab_sampler.state_dict()["sorter"]["running_sum"]
+    torch.testing.assert_close(runs[0]["state"]["sorter"]["running_sum"], one, rtol=1e-4, atol=1e-5)
+    saved = torch.load(tmp_path / "run-0" / "checkpoint-8" / hf.SAMPLER_FILE)["sampler"]  # 8 of 12, mid-epoch
+    assert saved["position"] == 8 and not (tmp_path / "run-1" / "checkpoint-8" / hf.SAMPLER_FILE).exists()
+    from sorters.exact import ExactGradients
+    exact = ExactGradients(hf.tiny_gpt2())
+    for name, p in zip(exact.names, exact.params):  # no parameter's share left out of the checkpoint
+        start = exact.offsets[id(p)]
+        assert bool(saved["sorter"]["running_sum"][start:start + p.numel()].ne(0).any()), name
 
 
 # ------------------------------------------------------------------ exact_low_memory None: the default picks the path
