@@ -409,6 +409,12 @@ class ExactCDGraB(PairBalancer):
         self.near_ties, self.last_products, self.sum_all, self.share = 0, None, sum_all, share
         super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
 
+    def use_share(self, share) -> None:
+        """Divide the products from now on (a sorters.gather.ParameterShare; see the class docstring): the running
+        sum, whole until now (loaded, or this process's alone), keeps this process's parameters only."""
+        self.share, self.sum_all = share, True
+        share.keep_owned(self.running_sum)
+
     def _reset_running_sums(self):
         if getattr(self, "running_sum", None) is not None and self.running_sum.dtype == self.dtype:
             self.running_sum.zero_()  # no fresh (d,) allocation every epoch

@@ -71,7 +71,7 @@ from sorters.balance import sign_loop_for
 from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
                             check_seed, check_state_keys)
 from sorters.exact import ExactCDGraB, UnitGradients
-from sorters.gather import all_gather_rows, all_gather_units, sketch_then_gather
+from sorters.gather import ParameterShare, all_gather_rows, all_gather_units, sketch_then_gather
 from sorters.sketch import GradientSketch
 
 
@@ -200,6 +200,10 @@ class CDGraBSampler(Sampler[int]):
     exact:        True: exact CD-GraB from layer records (sorters/exact.py, docs/exact-cdgrab.md): the sorter is an
                   ExactCDGraB (the orders of CD-GraB, a float32 running sum), d = ExactGradients(model).d, and each
                   batch is handed over with step_units(units) instead of step(grads). Needs sorter="CD-GraB".
+    divide_products: with exact=True under torch.distributed: each process takes the products and the running
+                  sum's update of its share of the parameters only (sorters.gather.ParameterShare; the same
+                  orders, bit for bit), about 1 / world size of that work. Then EVERY process must call
+                  state_dict() together (it sums the running sum's shares), not rank 0 alone.
 
     Epochs: call step() once for every batch (the sampler counts positions with it); sorters that ignore
     gradients may instead have no step() at all in an epoch, if set_epoch(next epoch) is called before
@@ -214,10 +218,12 @@ class CDGraBSampler(Sampler[int]):
     def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
                  drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0,
-                 view: str = "rank", nonfinite: str = "raise", exact: bool = False):
+                 view: str = "rank", nonfinite: str = "raise", exact: bool = False, divide_products: bool = False):
         batch_size, d, num_replicas, rank, seed, sketch_dim = check_arguments(
             dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs, sketch_dim, view,
             nonfinite, exact)
+        if not isinstance(divide_products, bool) or (divide_products and not exact):
+            raise ValueError(f"{OWNER}: divide_products must be True (with exact=True) or False, got {divide_products!r}")
         distributed = dist.is_available() and dist.is_initialized()
         num_replicas, rank = replicas_of(num_replicas, rank, batch_size, distributed)
         n_examples = check_int(OWNER, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset), 1)
@@ -240,6 +246,7 @@ class CDGraBSampler(Sampler[int]):
         self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d
         self.gathers = self.sorter.uses_grads and distributed  # step() all-gathers over the process group
+        self.divide_products = divide_products
         self.view = view
         # the replicas whose gradients step() receives (all of them when no process group spreads them)
         self.replicas_here = list(range(num_replicas)) if rank is None else [rank]
@@ -387,6 +394,8 @@ class CDGraBSampler(Sampler[int]):
                              f"{len(self.replicas_here)} replica(s) x {b} examples here")
         if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
             units = all_gather_units(units)
+            if self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
+                self.sorter.use_share(ParameterShare(units.owner))
         try:
             self.sorter.step(units, range(self.position, self.position + b))
         except NonFiniteGradientError as error:

@@ -43,12 +43,12 @@ def each_examples_gradient(model, ids, y) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def train(how, pad=0):
+def train(how, pad=0, divide=False):
     """Train TiedNet for EPOCHS epochs with a CDGraBSampler; returns (orders per epoch, losses, sampler).
     how: "recording" (one forward and backward a step, the documented loop), "call" (ExactGradients' own
     backward, then the loop's), or "formed" (the oracle: CD-GraB fed each example's gradient). Under a
     process group each process trains its replica, its gradient averaged as DDP does; pad: extra pad
-    tokens on this process's batches."""
+    tokens on this process's batches; divide: the sampler's divide_products (each process its parameters')."""
     ids, targets = data()
     model = TiedNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5)
@@ -60,7 +60,8 @@ def train(how, pad=0):
     else:
         exact = ExactGradients(model)
         sampler = CDGraBSettings(seed=1, num_replicas=None if distributed else REPLICAS,
-                                 exact_low_memory=True).sampler(len(ids), batch_size=K, d=exact.d)
+                                 exact_low_memory=True).sampler(len(ids), batch_size=K, d=exact.d,
+                                                                divide_products=divide)
     orders, losses = [], []
     for epoch in range(EPOCHS):
         indices = list(sampler)
@@ -108,30 +109,47 @@ def test_own_loop_gives_cdgrabs_orders_and_losses_for_the_formed_gradients(forme
     assert losses == pytest.approx(formed[1], rel=1e-5)
 
 
-def run_rank(rank, store, pads, out):
+def run_rank(rank, store, pads, out, divide):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=REPLICAS)
     try:
-        orders, losses, sampler = train("recording", pad=pads[rank])
-        torch.save({"orders": orders, "losses": losses, "state": sampler.state_dict()}, f"{out}.rank{rank}")
+        orders, losses, sampler = train("recording", pad=pads[rank], divide=divide)
+        shared = sampler.sorter.share
+        owned = None if shared is None else shared.owned
+        torch.save({"orders": orders, "losses": losses, "state": sampler.state_dict(), "owned": owned},
+                   f"{out}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("pad", [2, 4])
-def test_two_gloo_processes_equal_one_process(formed, tmp_path, pad):
+@pytest.fixture(scope="module")
+def recorded():
+    return train("recording")
+
+
+@pytest.mark.parametrize("pad, divide", [(2, False), (4, False), (2, True)])
+def test_two_gloo_processes_equal_one_process(formed, recorded, tmp_path, pad, divide):
     """Each of 2 gloo processes hands its own units to step_units, which all-gathers them; rank 1's batches
     come with `pad` more pad tokens, so the embedding's records have 3 and 3 + pad tokens: with 5 they are
     padded and gathered as records, with 7 the tied matrix's gradient formed per unit is the smaller and is
     gathered instead (test below). The orders of one process hosting both replicas (and of the formed
-    gradients), the same losses, and both ranks end with the same sampler state."""
-    run_forked(run_rank, (tmp_path / "store", (0, pad), tmp_path / "run"), REPLICAS)
+    gradients), the same losses, and both ranks end with the same sampler state. divide_products: each rank
+    takes its own parameters' products and update (ParameterShare); state_dict() sums the shares into one
+    process's running sum."""
+    run_forked(run_rank, (tmp_path / "store", (0, pad), tmp_path / "run", divide), REPLICAS)
     runs = [torch.load(tmp_path / f"run.rank{r}") for r in range(REPLICAS)]
     for run in runs:
         assert [o.tolist() for o in run["orders"]] == [o.tolist() for o in formed[0]]
         assert run["losses"] == pytest.approx(formed[1], rel=1e-5)
     a, b = (run["state"]["sorter"] for run in runs)
     assert a.keys() == b.keys() and torch.equal(a["running_sum"], b["running_sum"])
+    torch.testing.assert_close(a["running_sum"], recorded[2].state_dict()["sorter"]["running_sum"], rtol=1e-5,
+                               atol=1e-6)
+    if divide:  # each of the 2 ranks owns a part of the parameters
+        owned = [run["owned"] for run in runs]
+        assert all(x != y for x, y in zip(*owned)) and any(owned[0]) and any(owned[1])
+    else:
+        assert runs[0]["owned"] is None
 
 
 def test_the_exact_sampler_takes_records_only_and_says_so_in_one_line():

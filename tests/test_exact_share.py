@@ -54,11 +54,12 @@ def test_a_rank_outside_the_world_is_refused():
         ParameterShare(fake_exact([1]), 2, 2, reduce=lambda x: x)
 
 
-def run(share_of=None, cut=None):
+def run(share_of=None, cut=None, late=False):
     """EPOCHS epochs of ExactCDGraB(sum_all=True) on TiedNet (the model fixed within an epoch, moved between
     them), each step's units recorded whole by this process (as all_gather_units hands every process all of
     them: no backward gradient). share_of(exact): None or a ParameterShare. At `cut` the state goes through a
-    file into a fresh sorter. Returns every step's (a, G) and parameters taken, every sort(), the state at
+    file into a fresh sorter (late: given the share after loading, with use_share, as CDGraBSampler does at its
+    first step). Returns every step's (a, G) and parameters taken, every sort(), the state at
     the cut and at each epoch's end, and the near-ties."""
     model = TiedNet()
     exact = ExactGradients(model)
@@ -74,8 +75,10 @@ def run(share_of=None, cut=None):
         for step, t in enumerate(range(0, M, K)):
             if (epoch, step) == cut:
                 out["cut"] = checkpoint_roundtrip(sorter.state_dict())
-                sorter = fresh(6)
+                sorter = fresh(6) if not late else ExactCDGraB(N, M, exact.d, seed=6, sum_all=True)
                 sorter.load_state_dict(out["cut"])
+                if late and share_of:
+                    sorter.use_share(share_of(exact))
             positions = range(t, min(t + K, M))
             idx = (orders[:, list(positions)] + torch.arange(N)[:, None] * M).reshape(-1)
             with exact.recording() as rec:
@@ -99,7 +102,8 @@ def shared_rank(rank, port, path):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        torch.save({"whole": run(ParameterShare), "cut": run(ParameterShare, CUT)}, f"{path}.rank{rank}")
+        torch.save({"whole": run(ParameterShare), "cut": run(ParameterShare, CUT),
+                    "late": run(ParameterShare, CUT, late=True)}, f"{path}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -114,12 +118,13 @@ def ranks(tmp_path_factory):
     return [torch.load(f"{path}.rank{r}") for r in range(2)]
 
 
-@pytest.mark.parametrize("variant", ["whole", "cut"])
+@pytest.mark.parametrize("variant", ["whole", "cut", "late"])
 def test_two_processes_dividing_the_products_are_one_process_bit_for_bit(ranks, variant):
     """Each rank's products of every step, orders, states (the running sum summed over the ranks at the
-    cut and at each epoch's end; the resumed sorter zeroes what it does not own) and near-ties equal those of
+    cut and at each epoch's end; the resumed sorter zeroes what it does not own, whether it had the share
+    before loading or got it after) and near-ties equal those of
     one process without a share, bit for bit."""
-    one = run(None, CUT if variant == "cut" else None)
+    one = run(None, None if variant == "whole" else CUT)
     for rank, got in enumerate(ranks):
         got = got[variant]
         for key in ("products", "orders", "states", "cut", "near_ties"):
