@@ -97,7 +97,7 @@ class UnitGradients:
                 continue
             writes = self.writes_grads and id(p) not in self.step_grads and id(p) not in self.owner.formed_ids
             wanted = U if summing else self.step_units if writes else 0
-            *products, chosen, grad = parameter_products(pieces, self.owner.view(running_sum, p), U, how, wanted,
+            *products, chosen, grad = parameter_products(pieces, (share or self.owner).view(running_sum, p), U, how, wanted,
                                                          pairs)
             if summing:
                 self.step_grads[id(p)] = grad
@@ -142,7 +142,8 @@ class UnitGradients:
             p.grad.add_(grad.view(p.shape))
 
     def add_to(self, running_sum: torch.Tensor, w: torch.Tensor, share=None) -> None:
-        """running_sum (d,) += sum_u w_u g_u, w (U,); with a share (products()), in its owned parameters only."""
+        """running_sum (d,) += sum_u w_u g_u, w (U,); with a share (products()), running_sum is (share.size,), its
+        owned parameters only."""
         ratio = w.to(self.scale.device, torch.float64) / self.scale.double()  # weights of the records
         lam = 0.0
         if self.step_grads is not None and self.step_units:
@@ -154,7 +155,7 @@ class UnitGradients:
         for i, p in enumerate(self.owner.params):
             if share is not None and not share.owned[i]:
                 continue
-            view = self.owner.view(running_sum, p)
+            view = (share or self.owner).view(running_sum, p)
             pieces = self.pieces.get(id(p))
             if lam and pieces:
                 grad = self.step_grads.get(id(p))
@@ -395,8 +396,9 @@ class ExactCDGraB(PairBalancer):
     gathered): each process takes the products and the running sum's update of its share of the parameters
     only, and the products are summed over the processes (UnitGradients.products), so the products' work is
     divided by the processes and the signs are every process's alike. The running sum then holds this
-    process's parameters, zeros elsewhere: state_dict() sums it over the processes, so EVERY process must
-    call state_dict() together (rank 0's checkpoint still restores every process)."""
+    process's parameters only ((share.size,), share.view); state_dict() puts the processes' parts together
+    into the whole (d,) sum, so EVERY process must call state_dict() together (rank 0's checkpoint still
+    restores every process)."""
 
     name = "CD-GraB"
     OPTIONAL_STATE = PairBalancer.OPTIONAL_STATE + ("near_ties",)
@@ -412,19 +414,21 @@ class ExactCDGraB(PairBalancer):
     def use_share(self, share) -> None:
         """Divide the products from now on (a sorters.gather.ParameterShare; see the class docstring): the running
         sum, whole until now (loaded, or this process's alone), keeps this process's parameters only."""
+        self.running_sum = share.part(self.running_sum)
         self.share, self.sum_all = share, True
-        share.keep_owned(self.running_sum)
 
     def _reset_running_sums(self):
-        if getattr(self, "running_sum", None) is not None and self.running_sum.dtype == self.dtype:
+        size = self.d if self.share is None else self.share.size
+        if getattr(self, "running_sum", None) is not None and self.running_sum.dtype == self.dtype \
+                and self.running_sum.numel() == size:
             self.running_sum.zero_()  # no fresh (d,) allocation every epoch
         else:
-            self.running_sum = torch.zeros(self.d, dtype=self.dtype, device=self.device)
+            self.running_sum = torch.zeros(size, dtype=self.dtype, device=self.device)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        if self.share is not None:  # every process's parameters (zeros elsewhere): the whole running sum
-            state["running_sum"] = self.share.reduce(state["running_sum"])
+        if self.share is not None:  # the processes' parts put together: the whole (d,) running sum
+            state["running_sum"] = self.share.reduce(self.share.whole(state["running_sum"], self.d))
         if isinstance(state.get("pending"), UnitGradients):  # saved as CDGraB saves it: the (n, d) gradients
             state["pending"] = state["pending"].owner.flat(state["pending"]).to(self.dtype)
         return state
@@ -433,10 +437,13 @@ class ExactCDGraB(PairBalancer):
         """Restore a state_dict() of ExactCDGraB, or of sorters.CDGraB of the same n, m, d (the keys are the
         same). A pending unit comes as its formed (n, d) gradients: kept so, and turned into units (one
         Formed contribution per parameter) by the next step(), which brings the ExactGradients they need."""
+        share, self.share = self.share, None
+        if share is not None:  # the saved sum is whole: checked and loaded as (d,), then this process's part kept
+            self.running_sum = torch.zeros(self.d, dtype=self.dtype, device=self.device)
         super().load_state_dict(state)
         self.running_sum = self.running_sum.to(self.dtype)
-        if self.share is not None:
-            self.share.keep_owned(self.running_sum)
+        if share is not None:
+            self.use_share(share)
 
     def step(self, units: UnitGradients, positions):
         start, k = self._check_positions(positions)

@@ -115,7 +115,9 @@ class ParameterShare:
     Each parameter has one owner: the parameters, largest first (numel: the products' work grows with R x C),
     go one by one to the process with the least work so far (the lowest rank among equals), so every process
     makes the same split from the same model. owned: [bool] per parameter of exact.params; work: numel per
-    process. reduce(x): x summed over the processes in place (all_reduce) and returned; a test passes its own."""
+    process; size: the owned numel, the length of this process's part of a flat (d,) vector (the running sum:
+    view, part, whole). reduce(x): x summed over the processes in place (all_reduce) and returned; a test
+    passes its own."""
 
     def __init__(self, exact, rank: int | None = None, world: int | None = None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -131,6 +133,11 @@ class ParameterShare:
             self.work[owners[i]] += sizes[i]
         self.owned = [owner == rank for owner in owners]
         self._reduce = reduce
+        # the owned parameters, one after the other, make this process's part of a flat (d,) vector
+        self.part_offsets, self.size = {}, 0
+        for p, owned in zip(self.params, self.owned):
+            if owned:
+                self.part_offsets[id(p)], self.size = self.size, self.size + p.numel()
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self._reduce is not None:
@@ -138,12 +145,23 @@ class ParameterShare:
         dist.all_reduce(x)
         return x
 
-    def keep_owned(self, flat: torch.Tensor) -> None:
-        """Zero, in place, the entries of a flat (d,) vector that belong to other processes' parameters."""
+    def view(self, part: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """An owned parameter p's (R, C) slice of this process's part (size,) (ExactGradients.view's)."""
+        start = self.part_offsets[id(p)]
+        return part[start:start + p.numel()].view(matrix_shape(p))
+
+    def part(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat (d,) vector's entries of the owned parameters, (size,), a copy."""
+        return torch.cat([flat[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()]
+                          for p, owned in zip(self.params, self.owned) if owned] or [flat[:0]])
+
+    def whole(self, part: torch.Tensor, d: int) -> torch.Tensor:
+        """This process's part (size,) placed in a flat (d,) vector of zeros (part()'s inverse)."""
+        flat = part.new_zeros(d)
         for p, owned in zip(self.params, self.owned):
-            if not owned:
-                start = self.offsets[id(p)]
-                flat[start:start + p.numel()] = 0
+            if owned:
+                flat[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()] = self.view(part, p).reshape(-1)
+        return flat
 
 
 def gather_parts(parts: list[UnitGradients], distributed: bool) -> UnitGradients:

@@ -42,11 +42,15 @@ def test_every_parameter_has_exactly_one_owner(world):
     assert [sum(column) for column in zip(*owned)] == [1] * 11
 
 
-def test_keep_owned_zeros_the_other_processes_parameters_only():
+def test_a_process_part_of_a_flat_vector_is_its_parameters_entries():
     exact = fake_exact([2, 3, 1])  # process 0 owns the 3 (the largest) only; process 1 the 2 and the 1
     flat = torch.arange(1.0, 7.0)
-    ParameterShare(exact, 0, 2, reduce=lambda x: x).keep_owned(flat)
-    assert flat.tolist() == [0, 0, 3, 4, 5, 0]
+    shares = [ParameterShare(exact, rank, 2, reduce=lambda x: x) for rank in range(2)]
+    assert [share.size for share in shares] == [3, 3]
+    assert shares[0].part(flat).tolist() == [3, 4, 5] and shares[1].part(flat).tolist() == [1, 2, 6]
+    assert shares[1].view(shares[1].part(flat), exact.params[2]).reshape(-1).tolist() == [6]
+    assert shares[0].whole(torch.tensor([7.0, 8, 9]), 6).tolist() == [0, 0, 7, 8, 9, 0]
+    assert shares[1].whole(torch.tensor([7.0, 8, 9]), 6).tolist() == [7, 8, 0, 0, 0, 9]
 
 
 def test_a_rank_outside_the_world_is_refused():
@@ -91,7 +95,7 @@ def run(share_of=None, cut=None, late=False):
         out["states"].append(sorter.state_dict())
         perturb(model, epoch)
     out["orders"].append(sorter.sort())
-    out["near_ties"] = sorter.near_ties
+    out["near_ties"], out["sum_numel"], out["d"] = sorter.near_ties, sorter.running_sum.numel(), exact.d
     return out
 
 
@@ -133,8 +137,11 @@ def test_two_processes_dividing_the_products_are_one_process_bit_for_bit(ranks, 
 
 
 def test_each_process_takes_the_products_of_its_own_parameters_only(ranks):
-    """At every step the ranks' parameters are disjoint and together every parameter one process takes."""
+    """At every step the ranks' parameters are disjoint and together every parameter one process takes; each
+    rank's running sum holds its parameters only (the parts' lengths add up to d)."""
     one = run()
+    sizes = [r["whole"]["sum_numel"] for r in ranks]
+    assert 0 < min(sizes) and sum(sizes) == one["sum_numel"] == one["d"]
     for step, taken in enumerate(one["taken"]):
         mine = [set(r["whole"]["taken"][step]) for r in ranks]
         assert mine[0] and mine[1] and not mine[0] & mine[1], step
