@@ -16,8 +16,10 @@ child mode (torch.set_num_threads(--threads) a process); the Trainer wraps the m
   its 4 examples from its own layer records and all-gathers the (4, D) sketches (sorters/gather.py);
 - "exact_low_memory": CDGraBTrainer(sorter="CD-GraB", exact_low_memory=True): each process all-gathers its
   4 examples' layer records (`all_gather_units`: per parameter its records or its per-example gradient,
-  whichever is smaller), so EVERY process computes the products of all 8 examples, and its backward keeps
-  the weights' gradient products for DDP's all-reduce (sorters/hf.py, training_step);
+  whichever is smaller), so every process holds all 8 examples' records; each takes the products and the
+  running sum's update of its share of the parameters (sorters.gather.ParameterShare) and the per-parameter
+  products are summed over the processes; its backward keeps the weights' gradient products for DDP's
+  all-reduce (sorters/hf.py, training_step);
 - "exact" (only with --exact): the (4, d) per-example gradients formed with torch.func and all-gathered
   ((8, d) float32 a process: 8 x 124M x 4 bytes at GPT-2 small);
 - "exact_low_memory, 1 process x 2 replicas" (unless --no-one-process): the same Trainer WITHOUT torchrun,
