@@ -431,6 +431,8 @@ class ExactCDGraB(PairBalancer):
             state["running_sum"] = self.share.reduce(self.share.whole(state["running_sum"], self.d))
         if isinstance(state.get("pending"), UnitGradients):  # saved as CDGraB saves it: the (n, d) gradients
             state["pending"] = state["pending"].owner.flat(state["pending"]).to(self.dtype)
+            if self.share is not None:  # each process's parameters (it may hold no records of the others')
+                state["pending"] = self.share.reduce(self.share.whole(self.share.part(state["pending"]), self.d))
         return state
 
     def load_state_dict(self, state: dict) -> None:

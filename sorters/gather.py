@@ -58,9 +58,29 @@ def sketch_then_gather(local: torch.Tensor, sketch=None,
     return sketched if gather is None else gather(sketched)
 
 
-def all_gather_units(units: UnitGradients) -> UnitGradients:
+def gather_rows_to(local: torch.Tensor, dst: int) -> torch.Tensor | None:
+    """local (r, ...) in each process -> (world_size * r, ...) in process `dst` only (rank-major, as
+    all_gather_rows), None in the others. Every process calls it at the same time with the same shape."""
+    local = local.contiguous()
+    if dist.get_rank() != dst:
+        _gather(local, None, dst)
+        return None
+    out = torch.empty((dist.get_world_size() * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
+                      device=local.device)
+    _gather(local, list(out.chunk(dist.get_world_size())), dst)
+    return out
+
+
+def _gather(local: torch.Tensor, into: list | None, dst: int) -> None:  # one place to count it (bench/)
+    dist.gather(local, into, dst=dst)
+
+
+def all_gather_units(units: UnitGradients, share=None) -> UnitGradients:
     """This process's U units (records fresh from one backward: each contribution covers all U) -> the
     world_size * U units of every process, rank-major, in every process, with the loss weights (U,).
+    share: None, or the ParameterShare of an ExactCDGraB that divides the products: each parameter's records go
+    to its owner only (gather_rows_to), so a process holds every unit of its own parameters and nothing of
+    the others' (its own records of them are sent, then dropped).
     Per parameter, whichever is smaller per unit (`exchange_bytes`) is all-gathered: its contributions'
     records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and values (U, T, C),
     Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over many tokens,
@@ -83,28 +103,32 @@ def all_gather_units(units: UnitGradients) -> UnitGradients:
         raise ValueError("CDGraBSampler: the processes' layer records are of different kinds for this step")
     longest = [max(row[2 * i + 1] for row in every) for i in range(len(parts))]
 
-    def gathered(x: torch.Tensor, T: int) -> torch.Tensor:  # (U, t, ...) padded to T tokens, then gathered
-        return all_gather_rows(padded(x, T))
+    def gathered(x: torch.Tensor, T: int | None, dst: int | None) -> torch.Tensor | None:
+        x = x if T is None else padded(x, T)  # (U, t, ...) padded to T tokens, then gathered
+        return all_gather_rows(x) if dst is None else gather_rows_to(x, dst)
 
     pieces = {}
-    for p in owner.params:
+    for i, p in enumerate(owner.params):
         mine = [(x, T) for (q, x), T in zip(parts, longest) if q is p]
         if not mine:
             continue
+        dst = None if share is None else share.owners[i]
         records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine])
         if formed < records:  # the same choice in every process: it depends on the longest T only
             out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=units.scale.device)
             for x, _ in mine:
                 x.add_rows(out, 0, out.shape[1])
             mine = [(Formed(out), 1)]
+        kept = dst is None or dst == share.rank
         for x, T in mine:
             if isinstance(x, Outer):
-                x = Outer(gathered(x.left, T), gathered(x.right, T))
+                parts_of = (Outer, gathered(x.left, T, dst), gathered(x.right, T, dst))
             elif isinstance(x, Rows):
-                x = Rows(gathered(x.ids, T), gathered(x.values, T), x.num_rows)
+                parts_of = (Rows, gathered(x.ids, T, dst), gathered(x.values, T, dst), x.num_rows)
             else:
-                x = Formed(all_gather_rows(x.values))
-            pieces.setdefault(id(p), []).append((0, x))
+                parts_of = (Formed, gathered(x.values, None, dst))
+            if kept:  # the gathered tensors (none in a process that does not own p)
+                pieces.setdefault(id(p), []).append((0, parts_of[0](*parts_of[1:])))
     return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
 
 
@@ -131,6 +155,7 @@ class ParameterShare:
         for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
             owners[i] = min(range(world), key=lambda q: (self.work[q], q))
             self.work[owners[i]] += sizes[i]
+        self.owners, self.rank = owners, rank
         self.owned = [owner == rank for owner in owners]
         self._reduce = reduce
         # the owned parameters, one after the other, make this process's part of a flat (d,) vector
@@ -151,16 +176,17 @@ class ParameterShare:
         return part[start:start + p.numel()].view(matrix_shape(p))
 
     def part(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat (d,) vector's entries of the owned parameters, (size,), a copy."""
-        return torch.cat([flat[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()]
-                          for p, owned in zip(self.params, self.owned) if owned] or [flat[:0]])
+        """A flat (..., d) tensor's entries of the owned parameters, (..., size), a copy."""
+        return torch.cat([flat[..., self.offsets[id(p)]:self.offsets[id(p)] + p.numel()]
+                          for p, owned in zip(self.params, self.owned) if owned] or [flat[..., :0]], -1)
 
     def whole(self, part: torch.Tensor, d: int) -> torch.Tensor:
-        """This process's part (size,) placed in a flat (d,) vector of zeros (part()'s inverse)."""
-        flat = part.new_zeros(d)
+        """This process's part (..., size) placed in a flat (..., d) tensor of zeros (part()'s inverse)."""
+        flat = part.new_zeros(part.shape[:-1] + (d,))
         for p, owned in zip(self.params, self.owned):
             if owned:
-                flat[self.offsets[id(p)]:self.offsets[id(p)] + p.numel()] = self.view(part, p).reshape(-1)
+                start = self.part_offsets[id(p)]
+                flat[..., self.offsets[id(p)]:self.offsets[id(p)] + p.numel()] = part[..., start:start + p.numel()]
         return flat
 
 

@@ -393,9 +393,9 @@ class CDGraBSampler(Sampler[int]):
             raise ValueError(f"CDGraBSampler: step_units() got {units.units} units for a step of "
                              f"{len(self.replicas_here)} replica(s) x {b} examples here")
         if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
-            units = all_gather_units(units)
             if self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
                 self.sorter.use_share(ParameterShare(units.owner))
+            units = all_gather_units(units, self.sorter.share)  # with a share: each parameter to its owner
         try:
             self.sorter.step(units, range(self.position, self.position + b))
         except NonFiniteGradientError as error:

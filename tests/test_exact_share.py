@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sorters.exact import ExactCDGraB, ExactGradients
-from sorters.gather import ParameterShare
+from sorters.gather import ParameterShare, all_gather_units
 from tests.helpers import assert_same, checkpoint_roundtrip, run_forked
 from tests.test_exact_resume import EPOCHS, K, M, N, TiedNet, data, perturb
 
@@ -58,13 +58,15 @@ def test_a_rank_outside_the_world_is_refused():
         ParameterShare(fake_exact([1]), 2, 2, reduce=lambda x: x)
 
 
-def run(share_of=None, cut=None, late=False):
+def run(share_of=None, cut=None, late=False, gather=False):
     """EPOCHS epochs of ExactCDGraB(sum_all=True) on TiedNet (the model fixed within an epoch, moved between
     them), each step's units recorded whole by this process (as all_gather_units hands every process all of
     them: no backward gradient). share_of(exact): None or a ParameterShare. At `cut` the state goes through a
     file into a fresh sorter (late: given the share after loading, with use_share, as CDGraBSampler does at its
-    first step). Returns every step's (a, G) and parameters taken, every sort(), the state at
-    the cut and at each epoch's end, and the near-ties."""
+    first step). gather (under 2 gloo processes, one worker each): this process records its worker's units only
+    and all_gather_units hands them over, with the share: each parameter's records to its owner only.
+    Returns every step's (a, G), parameters taken and parameters held, every sort(), the state at the cut and
+    at each epoch's end, and the near-ties."""
     model = TiedNet()
     exact = ExactGradients(model)
     ids, y = data()
@@ -72,7 +74,8 @@ def run(share_of=None, cut=None, late=False):
     def fresh(seed):
         return ExactCDGraB(N, M, exact.d, seed=seed, sum_all=True, share=share_of and share_of(exact))
 
-    sorter, out = fresh(5), {"products": [], "taken": [], "orders": [], "states": [], "cut": None}
+    sorter, out = fresh(5), {"products": [], "taken": [], "held": [], "orders": [], "states": [], "cut": None}
+    rank = torch.distributed.get_rank() if gather else None
     for epoch in range(EPOCHS):
         orders = sorter.sort()
         out["orders"].append(orders)
@@ -84,12 +87,15 @@ def run(share_of=None, cut=None, late=False):
                 if late and share_of:
                     sorter.use_share(share_of(exact))
             positions = range(t, min(t + K, M))
-            idx = (orders[:, list(positions)] + torch.arange(N)[:, None] * M).reshape(-1)
+            idx = (orders[:, list(positions)] + torch.arange(N)[:, None] * M)
+            idx = (idx if rank is None else idx[rank]).reshape(-1)
             with exact.recording() as rec:
                 losses = F.cross_entropy(model(ids[idx]), y[idx], reduction="none")
                 rec.watch(losses)
             losses.sum().backward()  # the loop's own backward: .grad, which the units do not carry
-            sorter.step(rec.units(), positions)
+            units = rec.units() if rank is None else all_gather_units(rec.units(), sorter.share)
+            out["held"].append(sorted(exact.names[i] for i, p in enumerate(exact.params) if units.pieces.get(id(p))))
+            sorter.step(units, positions)
             out["products"].append(sorter.last_products)
             out["taken"].append(sorted(exact.names[i] for i, p in enumerate(exact.params) if id(p) in exact.last_how))
         out["states"].append(sorter.state_dict())
@@ -107,7 +113,8 @@ def shared_rank(rank, port, path):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         torch.save({"whole": run(ParameterShare), "cut": run(ParameterShare, CUT),
-                    "late": run(ParameterShare, CUT, late=True)}, f"{path}.rank{rank}")
+                    "late": run(ParameterShare, CUT, late=True), "gathered": run(None, CUT, gather=True),
+                    "gathered to owners": run(ParameterShare, CUT, gather=True)}, f"{path}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -146,3 +153,16 @@ def test_each_process_takes_the_products_of_its_own_parameters_only(ranks):
         mine = [set(r["whole"]["taken"][step]) for r in ranks]
         assert mine[0] and mine[1] and not mine[0] & mine[1], step
         assert sorted(mine[0] | mine[1]) == taken, step
+
+
+def test_records_gathered_to_their_owners_only_give_the_all_gathered_run_bit_for_bit(ranks):
+    """Each rank records its own worker's units; all_gather_units with the share sends each parameter's records
+    to its owner only: the products, orders and states (a unit pending at the cut included) of the run that
+    all-gathers everything without a share, on both ranks, and each rank holds only its own parameters."""
+    for rank, got in enumerate(ranks):
+        whole, divided = got["gathered"], got["gathered to owners"]
+        for key in ("products", "orders", "states", "cut", "near_ties"):
+            assert_same(divided[key], whole[key], f"rank {rank} {key}")
+        assert all(held == taken for held, taken in zip(divided["held"], divided["taken"])), rank
+        assert all(len(held) > len(mine) for held, mine in zip(whole["held"], divided["held"])), rank
+    assert ranks[0]["gathered"]["cut"]["pending"].ne(0).any(dim=1).all()  # both workers' units were waiting
