@@ -28,9 +28,10 @@ child mode (torch.set_num_threads(--threads) a process); the Trainer wraps the m
   process's, every round.
 
 Per process: the median over the steps after the first of the wall and CPU seconds from the Trainer's
-step begin to its step end, ru_maxrss at the end of training, and the bytes it hands to all-gathers per
-step (`gathered_bytes_per_step`: counted in sorters.gather's all-gather, so the sorter's exchange only;
-`records_bytes_per_step`: sorters.gather.records_bytes of the units it all-gathers). Per round a variant
+step begin to its step end, ru_maxrss at the end of training, and per step the bytes it hands to the
+sorter's gathers (`gathered_bytes_per_step`: counted in sorters.gather's all-gather and gather-to-owner,
+so the sorter's exchange only), the bytes other processes send it there (`received_bytes_per_step`), and
+`records_bytes_per_step`: sorters.gather.records_bytes of the units it hands over. Per round a variant
 counts its slowest rank's step and its largest peak (every rank's own numbers are kept); per variant the
 median over the interleaved rounds. DDP's all-reduce of .grad (d floats, every variant alike) is not
 counted. Writes ONE JSON object to --out (and prints it), then a markdown table.
@@ -69,18 +70,25 @@ def rank_child(settings: dict | None, steps: int, threads: int, config: dict | N
     import sorters.gather as gather
     import sorters.sampler as sampler
 
-    counted = {"gathered": 0, "records": 0}
-    all_gather, all_gather_units = gather._all_gather_single, sampler.all_gather_units
+    counted = {"gathered": 0, "records": 0, "received": 0}
+    all_gather, gather_to, all_gather_units = gather._all_gather_single, gather._gather, sampler.all_gather_units
 
     def gather_counted(out, local):  # every all-gather of sorters/gather.py: sketches, records, their sizes
         counted["gathered"] += local.numel() * local.element_size()
+        counted["received"] += out.numel() * out.element_size() - local.numel() * local.element_size()
         return all_gather(out, local)
 
-    def units_counted(units):
-        counted["records"] += gather.records_bytes([units])
-        return all_gather_units(units)
+    def gather_to_counted(local, into, dst):  # records sent to the parameter's owner only (a ParameterShare)
+        counted["gathered"] += local.numel() * local.element_size()
+        counted["received"] += sum(x.numel() * x.element_size() for x in into[1:]) if into else 0
+        return gather_to(local, into, dst)
 
-    gather._all_gather_single, sampler.all_gather_units = gather_counted, units_counted
+    def units_counted(units, share=None):
+        counted["records"] += gather.records_bytes([units])
+        return all_gather_units(units, share)
+
+    gather._all_gather_single, gather._gather, sampler.all_gather_units = gather_counted, gather_to_counted, \
+        units_counted
     distributed = "LOCAL_RANK" in os.environ
     ddp = {"ddp_backend": "gloo"} if distributed else {}
     result = one.child(settings, steps, threads, PER_PROCESS, config, **ddp)
@@ -89,7 +97,8 @@ def rank_child(settings: dict | None, steps: int, threads: int, config: dict | N
         dist.destroy_process_group()
     rank = int(os.environ.get("RANK", 0))
     result.update(rank=rank, gathered_bytes_per_step=counted["gathered"] / result["steps"],
-                  records_bytes_per_step=counted["records"] / result["steps"])
+                  records_bytes_per_step=counted["records"] / result["steps"],
+                  received_bytes_per_step=counted["received"] / result["steps"])
     (folder / f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -110,7 +119,8 @@ def run_variant(name: str, settings: dict | None, processes: int, args) -> list[
 def over_ranks(ranks: list[dict]) -> dict:
     """One run of a variant: its slowest rank's step (the others wait for it at DDP's all-reduce), its
     largest peak and bytes; every rank's own numbers in "ranks"."""
-    keys = ("peak_rss_mb", "step_seconds", "step_cpu_seconds", "gathered_bytes_per_step", "records_bytes_per_step")
+    keys = ("peak_rss_mb", "step_seconds", "step_cpu_seconds", "gathered_bytes_per_step", "records_bytes_per_step",
+            "received_bytes_per_step")
     return {**{key: max(r[key] for r in ranks) for key in keys}, "ranks": ranks}
 
 
@@ -127,18 +137,19 @@ def summarise(rounds: dict) -> dict:
     """one.summarise (medians over rounds, ratios to plain) plus the bytes a process all-gathers per step."""
     summary = one.summarise(rounds)
     for name, entry in summary.items():
-        for key in ("gathered_bytes_per_step", "records_bytes_per_step"):
+        for key in ("gathered_bytes_per_step", "records_bytes_per_step", "received_bytes_per_step"):
             entry[key] = statistics.median(r[key] for r in rounds[name])
     return summary
 
 
 def markdown(result: dict) -> str:
     lines = ["| variant | processes | step s (wall) | vs plain | step s (CPU) | vs plain | peak RSS (MB) | vs plain "
-             "| all-gathered MB / step |", "|---|---|---|---|---|---|---|---|---|"]
+             "| gathered MB / step | received MB / step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in result["variants"].items():
         lines.append(f"| {name} | {result['processes'][name]} | {m['step_seconds']:.2f} | {m['step_vs_plain']:.2f} | "
                      f"{m['step_cpu_seconds']:.2f} | {m['step_cpu_vs_plain']:.2f} | {m['peak_rss_mb']:.0f} | "
-                     f"{m['peak_vs_plain']:.2f} | {m['gathered_bytes_per_step'] / 1e6:.4g} |")
+                     f"{m['peak_vs_plain']:.2f} | {m['gathered_bytes_per_step'] / 1e6:.4g} | "
+                     f"{m['received_bytes_per_step'] / 1e6:.4g} |")
     return "\n".join(lines)
 
 

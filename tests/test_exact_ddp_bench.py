@@ -12,7 +12,8 @@ from tests.helpers import REPO, check_ok, run_python
 
 DIM = 64
 VARIANT_KEYS = {"peak_rss_mb", "peak_vs_plain", "step_seconds", "step_vs_plain", "step_cpu_seconds",
-                "step_cpu_vs_plain", "rounds", "gathered_bytes_per_step", "records_bytes_per_step"}
+                "step_cpu_vs_plain", "rounds", "gathered_bytes_per_step", "records_bytes_per_step",
+                "received_bytes_per_step"}
 RATIOS = {"step_vs_plain": "step_seconds", "step_cpu_vs_plain": "step_cpu_seconds", "peak_vs_plain": "peak_rss_mb"}
 
 
@@ -73,19 +74,26 @@ def test_bytes_are_what_each_process_all_gathers(smoke):
     # a process's 4 examples' float32 sketches of D numbers, nothing else
     sketched = variants[f"sketched D={DIM}"]
     assert sketched["gathered_bytes_per_step"] == 4 * DIM * 4 and sketched["records_bytes_per_step"] == 0
+    assert sketched["received_bytes_per_step"] == 4 * DIM * 4  # the other process's, all-gathered
     # the records (or per-example gradients) of the 4 examples, plus the loss weights and the shapes' integers
     exact = variants["exact_low_memory"]
     for rank in exact["rounds"][0]["ranks"]:
         assert rank["records_bytes_per_step"] >= 4 * DIM * 4
         assert 4 * 4 < rank["gathered_bytes_per_step"] - rank["records_bytes_per_step"] < 2000
+        # each parameter's records go to its owner only (ParameterShare): a process receives the other's
+        # records of its own parameters, fewer bytes than it sends (an all-gather of 2 receives as many)
+        assert 0 < rank["received_bytes_per_step"] < rank["gathered_bytes_per_step"] - 2000
+    sent = sum(rank["gathered_bytes_per_step"] for rank in exact["rounds"][0]["ranks"])
+    received = sum(rank["received_bytes_per_step"] for rank in exact["rounds"][0]["ranks"])
+    assert 0.2 * sent < received < 0.8 * sent  # about half of what is sent stays with its owner
 
 
 def test_a_run_counts_its_slowest_rank_and_orders_compare_every_rank_with_one_process():
     bench = load_bench()
     ranks = [{"peak_rss_mb": 5.0, "step_seconds": 1.0, "step_cpu_seconds": 3.0, "gathered_bytes_per_step": 7,
-              "records_bytes_per_step": 6, "next_orders": [[0, 1]]},
+              "records_bytes_per_step": 6, "received_bytes_per_step": 2, "next_orders": [[0, 1]]},
              {"peak_rss_mb": 4.0, "step_seconds": 2.0, "step_cpu_seconds": 1.0, "gathered_bytes_per_step": 7,
-              "records_bytes_per_step": 6, "next_orders": [[0, 1]]}]
+              "records_bytes_per_step": 6, "received_bytes_per_step": 3, "next_orders": [[0, 1]]}]
     run = bench.over_ranks(ranks)
     assert (run["peak_rss_mb"], run["step_seconds"], run["step_cpu_seconds"]) == (5.0, 2.0, 3.0)
     alone = {"ranks": [{"next_orders": [[0, 1]]}]}
