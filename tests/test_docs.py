@@ -323,3 +323,25 @@ def test_gpu_session_numbers_are_their_session_records_and_git():
             sizes = git("cat-file", "--batch-check=%(objectsize)", input="\n".join(blobs) + "\n").split()
             row = f"| {commit} | {len(blobs)} | {sum(map(int, sizes)) / 2**20:.1f} |"
             assert row in page, row
+
+
+def test_exact_cdgrab_page_states_the_divided_ddp_bench():
+    """docs/exact-cdgrab.md's table of the products divided over processes is
+    bench/results/exact-ddp-gpt2-small-cpu-divided.json's (step CPU, peak and their ratios, bytes), at its commit."""
+    page = (REPO / "docs" / "exact-cdgrab.md").read_text()
+    table = page[page.index("| variant (2 processes x 4 sequences) | step s (CPU) | vs plain | peak MB | vs plain | sent"):]
+    table = table[:table.index("\n\n")]
+    result = bench_result("exact-ddp-gpt2-small-cpu-divided.json")
+    assert f"exact-ddp-gpt2-small-cpu-divided.json`, commit {result['git_commit'][:7]};" in " ".join(page.split())
+    for label, name in {"plain Trainer (DDP)": "plain", "sketched D = 1024": "sketched D=1024",
+                        "exact_low_memory, divided": "exact_low_memory",
+                        "exact_low_memory, 1 process x 2 replicas (8 sequences)":
+                            "exact_low_memory, 1 process x 2 replicas"}.items():
+        v = result["variants"][name]
+        (row,) = [line for line in table.splitlines() if line.startswith(f"| {label} |")]
+        cells = [cell.strip() for cell in row.split("|")[2:6]]
+        assert cells == [f"{v['step_cpu_seconds']:.2f}", f"{v['step_cpu_vs_plain']:.2f}", f"{v['peak_rss_mb']:.0f}",
+                         f"{v['peak_vs_plain']:.2f}"], row
+    exact = result["variants"]["exact_low_memory"]
+    assert f"{exact['gathered_bytes_per_step'] / 1e6:.1f} MB / {exact['received_bytes_per_step'] / 1e6:.0f} MB |" in table
+    assert result["exact_low_memory_orders_equal_one_process"] is True
