@@ -14,7 +14,9 @@ gradient exchange (rows = this process's workers, each (k, d) per-unit gradients
 Exact CD-GraB from layer records (sorters/exact.py) gathers records instead: `all_gather_units`
 (`CDGraBSampler.step_units`, the engine's `GradientExchange.exchange_units`), per parameter the smaller of
 its records and its per-unit gradient (`exchange_bytes`); `gather_parts` does it for a step recorded in
-parts (the engine's chunks), part by part.
+parts (the engine's chunks), part by part. With a `ParameterShare` (ExactCDGraB dividing the products over
+the processes: the HF Trainer under torchrun, `CDGraBSampler(divide_products=True)`) each parameter's
+records go to its owning process only (`gather_rows_to`).
 """
 from typing import Callable
 
