@@ -60,13 +60,15 @@ class UnitGradients:
     pair), half the products of the records.
     writes_grads: the backward skipped the selected parameters' weight gradients (ExactGradients.recording
     (write_grads=True)): products() takes them from the blocks it forms anyway, stores them in step_grads and
-    adds them to p.grad; write_grads() does it for the parameters products() did not reach."""
+    adds them to p.grad; write_grads() does it for the parameters products() did not reach.
+    grad_sink: None, or a callable (p, grad (R, C)) that receives those gradients instead of p.grad (units
+    gathered from several processes: sorters.sampler hands them to their owners' broadcast)."""
 
     def __init__(self, owner: "ExactGradients", units: int, pieces: dict, scale: torch.Tensor,
-                 step_grads: dict | None = None, step_units: int = 0, writes_grads: bool = False):
+                 step_grads: dict | None = None, step_units: int = 0, writes_grads: bool = False, grad_sink=None):
         self.owner, self.units, self.pieces, self.scale = owner, units, pieces, scale
         self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
-        self.sum_all = False
+        self.sum_all, self.grad_sink = False, grad_sink
 
     def products(self, running_sum: torch.Tensor, how: str | None = None, pairs: Pairs | None = None,
                  share=None):
@@ -136,7 +138,9 @@ class UnitGradients:
         """grad (R, C), this backward's gradient of p: into step_grads and p.grad (which it becomes when None)."""
         grad = grad.to(p.dtype)
         self.step_grads[id(p)] = grad
-        if p.grad is None:
+        if self.grad_sink is not None:
+            self.grad_sink(p, grad)
+        elif p.grad is None:
             p.grad = grad.view(p.shape)
         else:
             p.grad.add_(grad.view(p.shape))
@@ -191,7 +195,7 @@ class UnitGradients:
         for key, parts in other.pieces.items():
             pieces.setdefault(key, []).extend((first + self.units, x) for first, x in parts)
         return UnitGradients(self.owner, self.units + other.units, pieces, torch.cat([self.scale, other.scale]),
-                             self.step_grads, self.step_units, self.writes_grads)
+                             self.step_grads, self.step_units, self.writes_grads, self.grad_sink)
 
 
 class ExactGradients:

@@ -166,6 +166,24 @@ class ParameterShare:
             if owned:
                 self.part_offsets[id(p)], self.size = self.size, self.size + p.numel()
 
+    def broadcast_grads(self, grads: dict, recorded: list[bool], factor: float) -> None:
+        """Every recorded parameter's step gradient from its owner to every process, added to p.grad times
+        `factor` (1 / world size: the processes' mean, as DDP's all-reduce makes it). grads: {id(p): (R, C)}, this
+        process's owned parameters' gradients (UnitGradients.grad_sink); recorded: per parameter, whether the
+        step has records of it (every process alike)."""
+        for p, owner, has in zip(self.params, self.owners, recorded):
+            if not has:
+                continue
+            if owner == self.rank:
+                grad = (grads[id(p)] * factor).to(p.dtype).reshape(p.shape).contiguous()
+            else:
+                grad = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            dist.broadcast(grad, src=owner)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self._reduce is not None:
             return self._reduce(x)

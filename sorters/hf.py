@@ -36,6 +36,7 @@ transformers and accelerate are imported here only, so `import sorters` never ne
 `_get_output_dir` and `_save_checkpoint` are used, as documented subclassing points are not enough:
 the loader's batch size and the checkpoint folder).
 """
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -369,25 +370,30 @@ class CDGraBTrainerMixin:
         sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
         structured, the sketches come from the step's own forward and backward (compute_loss).
 
-        exact_low_memory under torchrun: the backward keeps the weights' gradient products (no
-        write_grads), so DDP's hooks fire and .grad is the processes' mean, as in a plain DDP Trainer.
-        With write_grads the recorded weights would get no gradient from autograd, DDP would average
-        none of them, and each process would step with its own part; and the gathered units carry no
-        backward gradient (all_gather_units), so writing .grad would cost a weight-gradient pass anyway."""
+        exact_low_memory: the backward skips the recorded weights' gradients (write_grads) and the records
+        give .grad: in one process from the products' blocks; under torchrun (_records_write_grads) each
+        parameter's owner takes the step's gradient from its blocks and broadcasts the processes' mean
+        (CDGraBSampler.step_units), so DDP's all-reduce is skipped (no_sync) and .grad is what it would give.
+        Otherwise (a parameter without a layer rule, or not selected) the backward keeps the weights'
+        gradients and DDP averages them."""
         grads, exact = None, self.cdgrab_settings.exact_low_memory
-        if exact:  # one process: the records give the weight gradients too, the backward skips its own
-            self._cdgrab_recording = self.cdgrab_grads.recording(write_grads=self.args.world_size == 1)
+        writes = bool(exact) and self._records_write_grads()
+        if exact:  # the records give the weight gradients too, the backward skips its own
+            self._cdgrab_recording = self.cdgrab_grads.recording(write_grads=writes)
         elif self._uses_grads and not self.cdgrab_settings.structured:
             self.model.train()
             grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
         elif self._uses_grads:
             self._cdgrab_recording = self.cdgrab_grads.recording()
+        unsynced = writes and isinstance(model, torch.nn.parallel.DistributedDataParallel)
         try:
-            loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+            with model.no_sync() if unsynced else contextlib.nullcontext():  # the owners write .grad instead
+                loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
             if exact:
                 units = self._cdgrab_recording.units()  # (micro-batch) units
                 self.cdgrab_sampler.step_units(units)
-                units.write_grads()  # .grad of the parameters the step's products did not reach (one process)
+                if self.args.world_size == 1:
+                    units.write_grads()  # .grad of the parameters the step's products did not reach
                 return loss
             if self._cdgrab_recording is not None:
                 grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)
@@ -395,6 +401,16 @@ class CDGraBTrainerMixin:
             self._cdgrab_recording = None
         self.cdgrab_sampler.step(grads)
         return loss
+
+    def _records_write_grads(self) -> bool:
+        """exact_low_memory: whether the records write .grad (the backward skipping the recorded weights'
+        gradients): always in one process; under torchrun where every trainable parameter is selected and has a
+        layer rule (each then has an owner that writes it; any other would keep autograd's unsynced gradient)."""
+        if self.args.world_size == 1:
+            return True
+        exact = self.cdgrab_grads
+        selected = {id(p) for p in exact.params}
+        return not exact.formed and all(id(p) in selected for p in self.model.parameters() if p.requires_grad)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, *args, **kwargs):
         """The Trainer's loss; with a recording (inside training_step), the model's loss (causal LM or
