@@ -392,8 +392,7 @@ class CDGraBTrainerMixin:
             if exact:
                 units = self._cdgrab_recording.units()  # (micro-batch) units
                 self.cdgrab_sampler.step_units(units)
-                if self.args.world_size == 1:
-                    units.write_grads()  # .grad of the parameters the step's products did not reach
+                units.write_grads()  # one process: .grad of the parameters the step's products did not reach
                 return loss
             if self._cdgrab_recording is not None:
                 grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)

@@ -398,6 +398,7 @@ class CDGraBSampler(Sampler[int]):
                 self.sorter.use_share(ParameterShare(units.owner))
             if units.writes_grads:
                 writes = self._owners_write_grads(units)
+                units.writes_grads = False  # the owners write .grad: the caller's units.write_grads() adds nothing
             units = all_gather_units(units, self.sorter.share)  # with a share: each parameter to its owner
             if writes is not None:  # the owners' blocks give the step's gradient of their parameters
                 units.step_grads, units.step_units, units.writes_grads = {}, units.units, True

@@ -166,3 +166,67 @@ def test_records_gathered_to_their_owners_only_give_the_all_gathered_run_bit_for
         assert all(held == taken for held, taken in zip(divided["held"], divided["taken"])), rank
         assert all(len(held) > len(mine) for held, mine in zip(whole["held"], divided["held"])), rank
     assert ranks[0]["gathered"]["cut"]["pending"].ne(0).any(dim=1).all()  # both workers' units were waiting
+
+
+def train_writing_grads(distributed: bool):
+    """EPOCHS epochs of SGD on TiedNet, one example per replica and step (pairs span steps: every other step
+    has no pair), CDGraBSampler(exact=True) with the backward skipping the weights' gradients
+    (recording(write_grads=True)): in one process hosting both replicas the records write .grad; under 2 gloo
+    processes (divide_products) each parameter's owner writes it and broadcasts the mean, no all-reduce in the
+    loop. Returns (orders, losses, parameters)."""
+    from sorters import CDGraBSampler
+    model = TiedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    exact = ExactGradients(model)
+    ids, targets = data()
+    sampler = CDGraBSampler(N * M, batch_size=1, d=exact.d, num_replicas=None if distributed else N, seed=1,
+                            exact=True, divide_products=distributed)
+    orders, losses = [], []
+    for epoch in range(EPOCHS):
+        indices = list(sampler)
+        orders.append(sampler.all_indices())
+        for t in range(0, len(indices), sampler.loader_batch_size):
+            batch = indices[t:t + sampler.loader_batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            with exact.recording(write_grads=True) as rec:
+                per_example = F.cross_entropy(model(ids[batch]), targets[batch], reduction="none")
+                rec.watch(per_example)
+            loss = per_example.mean()
+            loss.backward()
+            units = rec.units()
+            sampler.step_units(units)
+            units.write_grads()  # one process: what the products did not reach; under torchrun a no-op
+            optimizer.step()
+            losses.append(loss.item())
+    return orders, losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def writing_rank(rank, port, path):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.save(train_writing_grads(True), f"{path}.rank{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_owners_write_the_processes_mean_gradient_as_one_process_writes_its_own(tmp_path):
+    """The weights' gradients from the records under 2 processes (each parameter's owner broadcasting its
+    step gradient over 2, also on the steps without a pair) train as one process hosting both replicas: the
+    same orders, losses averaging to its own, and the same parameters on both ranks."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    run_forked(writing_rank, (port, tmp_path / "run"), 2)
+    ranks = [torch.load(tmp_path / f"run.rank{r}") for r in range(2)]
+    orders, losses, params = train_writing_grads(False)
+    for rank_orders, rank_losses, rank_params in ranks:
+        assert [o.tolist() for o in rank_orders] == [o.tolist() for o in orders]
+        assert set(rank_params) == set(params)
+        for name, p in rank_params.items():
+            torch.testing.assert_close(p, params[name], rtol=1e-5, atol=1e-6)
+    assert [(a + b) / 2 for a, b in zip(ranks[0][1], ranks[1][1])] == pytest.approx(losses, rel=1e-5)
+    assert all(torch.equal(ranks[0][2][name], ranks[1][2][name]) for name in params)
+    assert not torch.equal(orders[1], orders[2])
