@@ -22,8 +22,9 @@ from engine.rundir import metrics_rows
 
 def save_epoch(run: Run, rows: list[dict], recorded_orders: list) -> None:
     """checkpoint.pt (read back by restore), orders.pt, metrics.csv and the epoch's line on stderr, by
-    rank 0; every rank takes part in collecting the optimizer's and reducer's state."""
-    strategy_state = run.optimizer.state_dict(), run.reducer.state_dict()  # collectives with local steps / reducers
+    rank 0; every rank takes part in collecting the optimizer's, reducer's and sorter's state."""
+    # collectives with local steps / reducers, and an exact sorter's running sum divided over the processes
+    strategy_state = run.optimizer.state_dict(), run.reducer.state_dict(), run.sorter.state_dict()
     if not run.writer:
         return
     row, task, args = rows[-1], run.task, run.args
@@ -36,11 +37,11 @@ def save_epoch(run: Run, rows: list[dict], recorded_orders: list) -> None:
 
 def write_epoch_files(run: Run, rows: list[dict], recorded_orders: list, strategy_state: tuple) -> None:
     """checkpoint.pt, orders.pt (--record-orders) and metrics.csv of the epoch just finished (rank 0);
-    strategy_state: the optimizer's and the reducer's state_dict."""
+    strategy_state: the optimizer's, the reducer's and the sorter's state_dict."""
     row, task, args = rows[-1], run.task, run.args
     runlog.atomic_torch_save({
         "benchmark": task.name, "epoch": row["epoch"], "args": dict(vars(args)), "flat": task.model.flat.detach().cpu(),
-        "optimizer": strategy_state[0], "reducer": strategy_state[1], "sorter": run.sorter.state_dict(),
+        "optimizer": strategy_state[0], "reducer": strategy_state[1], "sorter": strategy_state[2],
         "rows": rows, "orders": recorded_orders, "rng": rng_states(run.device),
     }, run.out / "checkpoint.pt")
     if args.record_orders:

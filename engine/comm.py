@@ -194,16 +194,17 @@ class GradientExchange:
             local_mean_grad = local_unit_grads.mean(dim=(0, 1))
         return self.mean_update(local_mean_grad), every
 
-    def exchange_units(self, local_parts, local_mean_grad):
+    def exchange_units(self, local_parts, local_mean_grad, share=None):
         """--exact-low-memory: (update (d,), every worker's units) from this process's units (a list of
         sorters.exact.UnitGradients, the parts its n_local * k units were recorded in, worker-major) and its
         mean gradient (d,). Each part's records (per parameter, or its per-unit gradient where that is
         smaller) are all-gathered (sorters.gather.gather_parts), the update all-reduced as D-RR's is.
         comm_bytes counts what the gathers send as if each worker were its own process (n times one
-        process's bytes per worker), plus the update's n * d floats."""
+        process's bytes per worker), plus the update's n * d floats. share: the sorter's ParameterShare under
+        torchrun (each parameter's records go to its owner only; counted as the all-gather's bytes)."""
         n, n_local = self.comm.n_workers, len(self.comm.local_workers)
         self.comm_bytes += records_bytes(local_parts) * n // n_local
-        every = gather_parts(local_parts, distributed=n_local != n)
+        every = gather_parts(local_parts, distributed=n_local != n, share=share)
         return self.mean_update(local_mean_grad), every
 
     def mean_update(self, local_mean_grad):

@@ -22,6 +22,7 @@ from engine.sketching import make_sketch, sketch_config
 from sorters import build_sorter
 from sorters.balance import sign_loop_for
 from sorters.exact import ExactCDGraB, ExactGradients
+from sorters.gather import ParameterShare
 
 # --overlap auto: below OVERLAP_MIN_D the thread hand-off costs about what the sorter does; above
 # OVERLAP_MAX_BUFFER the second per-unit gradient buffer costs more memory than it saves time (GPT-2:
@@ -76,7 +77,9 @@ def build_run(task, args, comm, device) -> Run:
     sorted_d = sketch.dim if sketch else d
     exact = exact_gradients(task, args)
     if exact is not None:  # the same orders as CD-GraB's, from products of the layer records
-        sorter = ExactCDGraB(n, m, d, seed=args.seed, device=device, sum_all=True)
+        # under torchrun each process takes its own parameters' products (the orders alike, bit for bit)
+        share = ParameterShare(exact) if len(comm.local_workers) != n else None
+        sorter = ExactCDGraB(n, m, d, seed=args.seed, device=device, sum_all=True, share=share)
     else:
         sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs,
                               sign_loop=resolve_sign_loop(args, device, d, sorted_d))

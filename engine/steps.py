@@ -53,7 +53,7 @@ def exact_records_step(task, sorter, exchange, optimizer, exact, unit_ids, posit
     batch = task.units(exchange.comm.local_workers, unit_ids)
     local_parts, local_mean_grad, unit_losses = task.unit_records(exact, batch, n_local, k)
     timer.lap("compute")
-    update, every_unit = exchange.exchange_units(local_parts, local_mean_grad)
+    update, every_unit = exchange.exchange_units(local_parts, local_mean_grad, sorter.share)
     del local_parts
     timer.lap("comm")
     sorter.step(every_unit, positions)

@@ -210,12 +210,13 @@ class ParameterShare:
         return flat
 
 
-def gather_parts(parts: list[UnitGradients], distributed: bool) -> UnitGradients:
+def gather_parts(parts: list[UnitGradients], distributed: bool, share=None) -> UnitGradients:
     """This process's units, recorded in parts (each a fresh recording of the same layers: the engine's
     chunks of a step), -> every process's units, rank-major and within a rank part after part, as one
     UnitGradients: each part is all-gathered on its own (`all_gather_units`) when `distributed`, and every
     process's share of it placed at its units (views, no concatenation: the records are not copied in one
-    process). Every process hands over parts of the same sizes. One process hosting all ranks' units in these
+    process). With a ParameterShare each parameter's records go to its owner only. Every process hands over
+    parts of the same sizes. One process hosting all ranks' units in these
     parts gets the same contributions over the same ranges of units, so the same products."""
     world = dist.get_world_size() if distributed else 1
     local = sum(part.units for part in parts)
@@ -223,13 +224,13 @@ def gather_parts(parts: list[UnitGradients], distributed: bool) -> UnitGradients
     scale = torch.empty(world * local, dtype=parts[0].scale.dtype, device=parts[0].scale.device)
     offset = 0
     for part in parts:
-        every = all_gather_units(part) if distributed else part
+        every = all_gather_units(part, share) if distributed else part
         size = part.units
         for key, contributions in every.pieces.items():
             for first, x in contributions:  # fresh: first 0, every unit of the (gathered) part
                 for rank in range(world):
-                    share = x if world == 1 else x.units_slice(rank * size, (rank + 1) * size)
-                    pieces.setdefault(key, []).append((rank * local + offset, share))
+                    ranks_units = x if world == 1 else x.units_slice(rank * size, (rank + 1) * size)
+                    pieces.setdefault(key, []).append((rank * local + offset, ranks_units))
         for rank in range(world):
             scale[rank * local + offset:rank * local + offset + size] = every.scale[rank * size:(rank + 1) * size]
         offset += size
