@@ -331,8 +331,9 @@ class CDGraBTrainerMixin:
                 logits = getattr(outputs, "logits", None)
                 kind = loss_kind(self.model, logits, batch["labels"])
                 if kind is None:
-                    return (f"{mode} needs a causal LM whose outputs.logits are (B, T, vocab) for (B, T) labels, or a "
-                            f"sequence classifier whose logits are (B, labels) for B labels; use {flag}=False for this model")
+                    return (f"{mode} needs a causal LM or token classifier whose outputs.logits are (B, T, classes) "
+                            f"for (B, T) labels, or a sequence classifier whose logits are (B, labels) for B labels; "
+                            f"use {flag}=False for this model")
                 self._cdgrab_loss_kind = kind
                 with_positions = self._with_positions(batch)
                 if with_positions is not batch and not torch.allclose(
@@ -481,20 +482,24 @@ class CDGraBTrainerMixin:
 
 
 LOSS_WORDS = {"causal_lm": "causal LM (logits at t predict labels at t + 1)",
+              "token_classification": "token classification (logits at t scored against labels at t)",
               "single_label_classification": "single-label classification (cross-entropy)",
               "multi_label_classification": "multi-label classification (binary cross-entropy)",
               "regression": "regression (mean squared error)"}
 
 
 def loss_kind(model, logits, labels) -> str | None:
-    """Which loss the model's own is, as transformers picks it from the outputs: "causal_lm" for (B, T, V)
-    logits and (B, T) labels; for (B, K) logits and B labels (a sequence classifier) the config's problem_type,
+    """Which loss the model's own is, as transformers picks it from the outputs: for (B, T, V) logits and
+    (B, T) labels "token_classification" where the model says so (transformers' loss_type
+    "ForTokenClassification": token t's logits scored against labels[t]), else "causal_lm"; for (B, K) logits
+    and B labels (a sequence classifier) the config's problem_type,
     or as transformers infers it: "regression" for K = 1, "single_label_classification" for integer labels,
     else "multi_label_classification"; None for anything else."""
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         return None
     if logits.dim() == 3 and logits.shape[:2] == labels.shape:
-        return "causal_lm"
+        return "token_classification" if getattr(model, "loss_type", None) == "ForTokenClassification" \
+            else "causal_lm"
     if logits.dim() != 2 or labels.shape[0] != logits.shape[0]:
         return None
     problem = getattr(getattr(model, "config", None), "problem_type", None)
@@ -512,6 +517,8 @@ def example_losses(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> tup
     transformers takes the mean over all B K (regression with K > 1, multi-label)."""
     if kind == "causal_lm":
         return causal_lm_losses(logits, labels)
+    if kind == "token_classification":
+        return labelled_token_losses(logits, labels)
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     B = logits.shape[0]
     if kind == "single_label_classification":
@@ -531,8 +538,15 @@ def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     logits (B, T, V), labels (B, T) -> (losses (B,): the mean cross-entropy over each example's labelled
     tokens; counts (B,): how many it has, in the losses' dtype). The batch's loss is
     (losses * counts).sum() / counts.sum(). An example with no labelled token: loss 0, count 0."""
+    return labelled_token_losses(logits, torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:])
+
+
+def labelled_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's mean cross-entropy of token t's logits against targets[t] over its tokens whose target
+    is not -100, in float32 (or wider): a token classifier's loss (transformers' CrossEntropyLoss over the
+    batch's tokens), and the causal LM's with the targets shifted. logits (B, T, V), targets (B, T) ->
+    (losses (B,), counts (B,)) as causal_lm_losses."""
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     B, T, V = logits.shape  # the classes along the contiguous last dim: (B T, V), as transformers does
     per_token = torch.nn.functional.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T),
                                                   ignore_index=-100, reduction="none").view(B, T)  # 0 where ignored

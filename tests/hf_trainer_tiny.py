@@ -104,6 +104,25 @@ def tiny_gpt2_classifier(num_labels: int) -> transformers.GPT2ForSequenceClassif
     return model
 
 
+def tiny_gpt2_token_classifier(num_labels: int = 5) -> transformers.GPT2ForTokenClassification:
+    """The tiny GPT-2 with a token-classification head (each token's logits over num_labels tags), dropout off."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=T, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, num_labels=num_labels, classifier_dropout=0.0)
+    model = transformers.GPT2ForTokenClassification(config)
+    model.set_attn_implementation("eager")
+    return model
+
+
+def tagged(rows: torch.Tensor, num_labels: int = 5) -> list[dict]:
+    """Examples of a token classifier: a tag per token, about a quarter of them -100 (ignored), so that the
+    examples have different numbers of labelled tokens."""
+    generator = torch.Generator().manual_seed(3)
+    tags = torch.randint(0, num_labels, rows.shape, generator=generator)
+    tags[torch.rand(rows.shape, generator=generator) < 0.25] = -100
+    return [{"input_ids": r, "labels": y} for r, y in zip(rows, tags)]
+
+
 def labelled(rows: torch.Tensor, num_labels: int) -> list[dict]:
     """Examples of a classifier: the rows as input ids, a class each (num_labels 1: a real number, regression)."""
     generator = torch.Generator().manual_seed(2)

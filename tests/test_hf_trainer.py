@@ -502,6 +502,47 @@ def test_each_examples_loss_is_the_classifiers_own_loss_of_that_example_alone(hf
         assert torch.equal(counts, torch.ones(4))
 
 
+def test_a_token_classifier_balances_from_the_records_with_cd_grabs_orders(hf, tmp_path):
+    """A GPT-2 token classifier (a tag per token, some ignored) takes the records' path by default: its loss
+    is each example's mean cross-entropy over its tagged tokens, unshifted, and its orders are those of
+    CD-GraB fed every example's gradient of its own loss by an ordinary backward (the oracle)."""
+    from sorters import CDGraBSettings
+    from sorters.exact import ExactCDGraB
+
+    class Oracle(hf.RecordingTrainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            self.grads.append(torch.stack([hf.backward_of_one(self.model, {key: value[i:i + 1] for key, value in inputs.items()},
+                                                              self.cdgrab_grads.names)
+                                           for i in range(len(inputs["input_ids"]))]))
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    trainer = Oracle(model=hf.tiny_gpt2_token_classifier(), args=hf.training_args(tmp_path),
+                     train_dataset=hf.tagged(hf.token_rows()), cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS))
+    trainer.train()
+    assert isinstance(trainer.cdgrab_sampler.sorter, ExactCDGraB) and trainer.cdgrab_settings.exact_low_memory is True
+    assert trainer.cdgrab_sampler.sorter.near_ties == 0 and trainer._cdgrab_loss_kind == "token_classification"
+    orders = assert_orders_are_the_sorters(hf, trainer, hf.EPOCHS)
+    assert not torch.equal(orders[1], orders[2])
+
+
+def test_each_examples_token_classification_loss_is_the_models_own_loss_of_that_example_alone(hf):
+    """example_losses("token_classification") against transformers' own loss of each example alone (its tagged
+    tokens' mean cross-entropy), and the batch's loss from them against the model's loss of the batch."""
+    from sorters.hf import example_losses, loss_kind
+    rows, model = hf.token_rows(4), hf.tiny_gpt2_token_classifier()
+    tags = torch.stack([example["labels"] for example in hf.tagged(rows)])
+    with torch.no_grad():
+        logits = model(input_ids=rows).logits
+        kind = loss_kind(model, logits, tags)
+        losses, counts = example_losses(kind, logits, tags)
+        own = [model(input_ids=rows[i:i + 1], labels=tags[i:i + 1]).loss for i in range(4)]
+        batch = model(input_ids=rows, labels=tags).loss
+    assert kind == "token_classification" and loss_kind(hf.tiny_gpt2(), logits, tags) == "causal_lm"
+    torch.testing.assert_close(losses, torch.stack(own), rtol=1e-5, atol=1e-6)
+    assert counts.tolist() == (tags != -100).sum(1).tolist() and len(set(counts.tolist())) > 1
+    torch.testing.assert_close((losses * counts).sum() / counts.sum(), batch, rtol=1e-5, atol=1e-6)
+
+
 class UnshiftedLM(torch.nn.Module):
     """A GPT-2 LM whose own loss is NOT the causal LM loss: token t's logits scored against labels[t]."""
 
