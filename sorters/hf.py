@@ -93,14 +93,14 @@ class CDGraBTrainerMixin:
             Trainer. Its seed None means `args.seed`. num_replicas R > 1 in one process hosts R replicas:
             each micro-batch holds R x per_device_train_batch_size examples, as R processes would together.
             structured=True (with sketch_dim, for a causal LM: outputs.logits, labels shifted by one, -100
-            ignored; or a sequence classifier: example_losses) builds the sketches layer by layer from the Trainer's own forward and backward
+            ignored; or a token or sequence classifier: example_losses) builds the sketches layer by layer from the Trainer's own forward and backward
             (LayerSketch.recording): no second pass; the loss is then computed here from the logits, as
             the model computes it, so that each example's own loss can be watched.
             exact_low_memory=True (CD-GraB, the same losses) balances the exact gradients from
             the same records (sorters/exact.py): the orders of exact CD-GraB without forming the
             per-example gradients whole (docs/exact-cdgrab.md). None (the default) takes it wherever it
             gives the same orders and loss (_exact_is_the_default: every selected parameter has a layer
-            rule, the Trainer's own compute_loss, a causal LM or sequence classifier whose outputs.loss is
+            rule, the Trainer's own compute_loss, a causal LM, token or sequence classifier whose outputs.loss is
             the records' loss on the first two examples), and the formed gradients elsewhere; after train() starts,
             cdgrab_settings.exact_low_memory says which (and every checkpoint's cdgrab_sampler.pt). In one process the backward then skips
             the weights' own gradient products, and .grad is written from the same records. Under
@@ -292,7 +292,7 @@ class CDGraBTrainerMixin:
         """exact_low_memory None (auto): True where the records give the orders of CD-GraB fed the gradients
         of the model's own loss: CD-GraB unsketched with a layer rule for every selected parameter
         (CDGraBSettings.exact_applies), the Trainer's own compute_loss (a subclass's would be bypassed), and
-        a causal LM or sequence classifier whose loss on the first two examples is the one the records'
+        a causal LM, token or sequence classifier whose loss on the first two examples is the one the records'
         compute_loss computes."""
         settings = self.cdgrab_settings
         if not (self._uses_grads and settings.exact_applies(self.model)):
