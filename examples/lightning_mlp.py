@@ -3,6 +3,7 @@
     python examples/lightning_mlp.py --epochs 3                  # one process, one replica
     python examples/lightning_mlp.py --epochs 3 --devices 2      # Lightning DDP: 2 CPU processes (gloo)
     python examples/lightning_mlp.py --epochs 3 --replicas 2     # both replicas in one process
+    python examples/lightning_mlp.py --exact-low-memory on       # exact CD-GraB from the step's own backward
 
 An ordinary LightningModule and Trainer; the additions are CDGraBCallback, a LightningCDGraBSampler built
 in setup(), `per_example_grads(batch)` and `Trainer(use_distributed_sampler=False)` (sorters/lightning.py).
@@ -28,7 +29,7 @@ from sorters import SORTER_NAMES, CDGraBSettings  # noqa: E402
 
 try:
     import lightning.pytorch as L
-    from sorters.lightning import CDGraBCallback, LightningCDGraBSampler
+    from sorters.lightning import CDGraBCallback, LightningCDGraBSampler, watch
 except ImportError as error:  # lightning is an optional dependency of the package
     exit_with_error(str(error))
 
@@ -50,6 +51,9 @@ parser.add_argument("--save-orders", default=None,
                     help="write every epoch's orders and losses here (torch.save); under DDP each rank also "
                          "writes its sampler's state to <file>.rank<r>")
 parser.add_argument("--progress", choices=("on", "off"), default="on", help="Lightning's progress bar")
+parser.add_argument("--exact-low-memory", choices=("off", "on"), default="off",
+                    help="on: CD-GraB's exact gradients from the training step's own forward and backward, never "
+                         "formed (docs/exact-cdgrab.md); off: the per-example gradients formed (torch.func)")
 args = parser.parse_args()
 # under torchrun the processes exist already: Lightning joins them, with one device per process
 devices = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else args.devices
@@ -57,7 +61,8 @@ if devices > 1 and args.replicas != 1:
     exit_with_error("--replicas hosts several replicas in ONE process: use it with --devices 1")
 # the sorter's settings (the same object the HF Trainer's glue takes), checked before any data is loaded
 cdgrab = settings_or_exit(CDGraBSettings, sorter=args.sorter, seed=args.seed,
-                          num_replicas=None if devices > 1 else args.replicas)
+                          num_replicas=None if devices > 1 else args.replicas,
+                          exact_low_memory=args.exact_low_memory == "on")
 data = load_or_exit(load_m4, args.data_dir)  # a missing or unreadable data set: one line, exit 2
 train_set = TensorDataset(data.train_x[:args.max_train_examples], data.train_y[:args.max_train_examples])
 
@@ -72,8 +77,10 @@ class Forecaster(L.LightningModule):
         super().__init__()
         torch.manual_seed(args.seed)  # the same initial model in every process
         self.mlp = AutoregressiveMLP(in_len=data.train_x.shape[1], hidden=64, n_layers=3)
-        # (B, d) per-example gradients of the training loss, through forward() (which gives the horizon)
-        self.grads_of = cdgrab.gradients(self, loss_fn)
+        if cdgrab.exact_low_memory:  # the layer records of training_step's own forward and backward
+            self.exact = cdgrab.exact_gradients(self)
+        else:  # (B, d) per-example gradients of the training loss, through forward() (which gives the horizon)
+            self.grads_of = cdgrab.gradients(self, loss_fn)
         self.history = {"orders": [], "train_loss": [], "valid_loss": []}
         self.loss_sum = torch.zeros(())
 
@@ -82,7 +89,8 @@ class Forecaster(L.LightningModule):
         # takes its world size and rank from it (CDGraBCallback finds it as self.sampler)
         try:
             # drop_last: each replica gets a whole number of batches, the tail of the data set is not used
-            self.sampler = cdgrab.sampler(train_set, args.batch_size, d=self.grads_of.d, cls=LightningCDGraBSampler,
+            d = self.exact.d if cdgrab.exact_low_memory else self.grads_of.d
+            self.sampler = cdgrab.sampler(train_set, args.batch_size, d=d, cls=LightningCDGraBSampler,
                                           drop_last=True, epochs=args.epochs)  # KH-SGD's, SBW's thresholds: the run's length
         except ValueError as error:  # settings the sampler refuses, e.g. too few examples for the batch size
             exit_with_error(str(error))
@@ -100,7 +108,10 @@ class Forecaster(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = loss_fn(self(x), y)
+        if cdgrab.exact_low_memory:  # (B,) each window's loss, handed to the recording; their mean is loss_fn's
+            loss = watch(self, (self(x) - y).square().mean(1)).mean()
+        else:
+            loss = loss_fn(self(x), y)
         self.loss_sum += loss.detach()
         return loss
 

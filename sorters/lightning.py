@@ -163,6 +163,10 @@ class CDGraBCallback(Callback):
         if self.sketcher is not None:
             self._check_sketcher()
         self._check_exact()
+        if self.exact is not None and getattr(trainer, "world_size", 1) > 1:
+            # Lightning takes every callback's state on every rank (dump_checkpoint), as a divided sampler's
+            # state_dict() needs: each rank takes its share of the parameters' products
+            self.sampler.divide_products = True
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
         if self.sampler.uses_grads and self.sketcher is None and self.exact is None and self.grads_fn is None \

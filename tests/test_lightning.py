@@ -163,19 +163,23 @@ def test_a_mid_epoch_state_needs_the_lightning_sampler(lit):
 
 
 @needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")
-def test_two_gloo_processes_equal_one_process_and_hold_the_same_state(lit, tmp_path, monkeypatch):
+@pytest.mark.parametrize("exact", ["off", "on"])
+def test_two_gloo_processes_equal_one_process_and_hold_the_same_state(lit, tmp_path, monkeypatch, exact):
     """examples/lightning_mlp.py under torchrun (Lightning joins the 2 processes: DDP over gloo) against
     the same run with both replicas in one process: the same orders, losses to rounding, and both ranks
     end with the same sampler state. The one-process run runs here (runpy): Lightning is imported in this
-    process already, and each fresh process spends seconds importing it."""
-    tiny = ["--max-train-examples", "64", "--batch-size", "8", "--epochs", "2", "--progress", "off"]
+    process already, and each fresh process spends seconds importing it. --exact-low-memory on: the
+    callback has the sampler divide the products over the 2 ranks (each its own parameters'), and the
+    state each rank saves puts the running sum's parts together."""
+    tiny = ["--max-train-examples", "64", "--batch-size", "8", "--epochs", "2", "--progress", "off",
+            "--exact-low-memory", exact]
     multi = run_script(EXAMPLE, *tiny, "--save-orders", tmp_path / "ddp.pt", nproc=2)
     check_ok(multi)
     with monkeypatch.context() as patch:
         patch.setattr(sys, "argv", [EXAMPLE, *tiny, "--replicas", "2", "--save-orders", str(tmp_path / "one.pt"),
                                     "--data-dir", str(DATA_DIR)])
         patch.setattr(sys, "path", list(sys.path))  # the example adds the repo root
-        runpy.run_path(str(REPO / EXAMPLE), run_name="__main__")
+        one = runpy.run_path(str(REPO / EXAMPLE), run_name="__main__")
     a, b = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "one.pt")
     assert len(a["orders"]) == 2 and all(torch.equal(x, y) for x, y in zip(a["orders"], b["orders"]))
     assert not torch.equal(a["orders"][0], a["orders"][1])
@@ -183,6 +187,29 @@ def test_two_gloo_processes_equal_one_process_and_hold_the_same_state(lit, tmp_p
     states = [torch.load(tmp_path / f"ddp.pt.rank{r}") for r in (0, 1)]
     assert states[0]["position"] == states[0]["config"]["m"] == 32  # the whole last epoch stepped
     assert_same(states[0], states[1])
+    if exact == "on":  # the whole running sum: the ranks' parts put together are the one process's
+        torch.testing.assert_close(states[0]["sorter"]["running_sum"],
+                                   one["model"].sampler.state_dict()["sorter"]["running_sum"], rtol=1e-4, atol=1e-6)
+
+
+def test_under_ddp_the_callback_has_an_exact_sampler_divide_the_products(lit):
+    """With exact records and more than one process (Lightning takes every callback's state on every rank,
+    as a divided sampler's state_dict() needs) the callback sets divide_products; in one process it does not."""
+    from types import SimpleNamespace
+
+    from sorters import CDGraBSettings
+
+    settings = CDGraBSettings(num_replicas=REPLICAS, exact_low_memory=True)
+    for world, divided in ((1, False), (2, True)):
+        model = lit.TinyExactModel(settings)
+        model.setup("fit")
+        lit.CDGraBCallback(settings=settings).on_fit_start(SimpleNamespace(datamodule=None, world_size=world), model)
+        assert model.sampler.divide_products is divided
+    formed = lit.TinyExactModel(CDGraBSettings(num_replicas=REPLICAS))
+    formed.setup("fit")
+    lit.CDGraBCallback(settings=CDGraBSettings(num_replicas=REPLICAS)).on_fit_start(
+        SimpleNamespace(datamodule=None, world_size=2), formed)
+    assert formed.sampler.divide_products is False  # not an exact sampler
 
 
 def assert_same(a, b, where="state"):
