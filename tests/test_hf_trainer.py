@@ -454,13 +454,15 @@ def test_by_default_cd_grab_is_exact_low_memory_for_a_causal_lm_and_the_checkpoi
     assert torch.load(tmp_path / "checkpoint-3" / hf.SAMPLER_FILE)["gradients"]["exact_low_memory"] is True
 
 
-@pytest.mark.parametrize("num_labels", [3, 1])
-def test_by_default_a_sequence_classifier_balances_from_the_records_with_cd_grabs_orders(hf, tmp_path, num_labels):
-    """A GPT-2 sequence classifier (3 classes: cross-entropy; 1 output: regression, mean squared error) takes
-    the records' path by default too (its own loss is the records' per-example loss): its orders are those
-    of CD-GraB fed every example's gradient of its own loss by an ordinary backward (the oracle, taken before
-    each micro-batch). torch.func cannot form them for this model (its pooling indexes by the input's
-    values), so the records are the only exact path here."""
+@pytest.mark.parametrize("model, kind", [("classifier 3", "single_label_classification"),
+                                         ("classifier 1", "regression"), ("token classifier", "token_classification")])
+def test_by_default_a_classifier_balances_from_the_records_with_cd_grabs_orders(hf, tmp_path, model, kind):
+    """A GPT-2 sequence classifier (3 classes: cross-entropy; 1 output: regression, mean squared error) or
+    token classifier (a tag per token, some ignored: each example's mean cross-entropy over its tagged tokens,
+    unshifted) takes the records' path by default too (its own loss is the records' per-example loss): its
+    orders are those of CD-GraB fed every example's gradient of its own loss by an ordinary backward (the
+    oracle, taken before each micro-batch). torch.func cannot form them for the sequence classifier (its
+    pooling indexes by the input's values), so the records are the only exact path there."""
     from sorters import CDGraBSettings
     from sorters.exact import ExactCDGraB
 
@@ -471,13 +473,16 @@ def test_by_default_a_sequence_classifier_balances_from_the_records_with_cd_grab
                                            for i in range(len(inputs["input_ids"]))]))
             return super().training_step(model, inputs, *args, **kwargs)
 
-    trainer = Oracle(model=hf.tiny_gpt2_classifier(num_labels), args=hf.training_args(tmp_path),
-                     train_dataset=hf.labelled(hf.token_rows(), num_labels),
+    if model == "token classifier":
+        network, dataset = hf.tiny_gpt2_token_classifier(), hf.tagged(hf.token_rows())
+    else:
+        num_labels = int(model.split()[1])
+        network, dataset = hf.tiny_gpt2_classifier(num_labels), hf.labelled(hf.token_rows(), num_labels)
+    trainer = Oracle(model=network, args=hf.training_args(tmp_path), train_dataset=dataset,
                      cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS))
     trainer.train()
     assert isinstance(trainer.cdgrab_sampler.sorter, ExactCDGraB) and trainer.cdgrab_settings.exact_low_memory is True
-    assert trainer.cdgrab_sampler.sorter.near_ties == 0 and trainer._cdgrab_loss_kind == \
-        ("regression" if num_labels == 1 else "single_label_classification")
+    assert trainer.cdgrab_sampler.sorter.near_ties == 0 and trainer._cdgrab_loss_kind == kind
     orders = assert_orders_are_the_sorters(hf, trainer, hf.EPOCHS)
     assert not torch.equal(orders[1], orders[2])  # the orders follow the gradients
 
@@ -500,29 +505,6 @@ def test_each_examples_loss_is_the_classifiers_own_loss_of_that_example_alone(hf
         assert kind == problem or problem is None
         torch.testing.assert_close(losses, torch.stack(own), rtol=1e-5, atol=1e-6)
         assert torch.equal(counts, torch.ones(4))
-
-
-def test_a_token_classifier_balances_from_the_records_with_cd_grabs_orders(hf, tmp_path):
-    """A GPT-2 token classifier (a tag per token, some ignored) takes the records' path by default: its loss
-    is each example's mean cross-entropy over its tagged tokens, unshifted, and its orders are those of
-    CD-GraB fed every example's gradient of its own loss by an ordinary backward (the oracle)."""
-    from sorters import CDGraBSettings
-    from sorters.exact import ExactCDGraB
-
-    class Oracle(hf.RecordingTrainer):
-        def training_step(self, model, inputs, *args, **kwargs):
-            self.grads.append(torch.stack([hf.backward_of_one(self.model, {key: value[i:i + 1] for key, value in inputs.items()},
-                                                              self.cdgrab_grads.names)
-                                           for i in range(len(inputs["input_ids"]))]))
-            return super().training_step(model, inputs, *args, **kwargs)
-
-    trainer = Oracle(model=hf.tiny_gpt2_token_classifier(), args=hf.training_args(tmp_path),
-                     train_dataset=hf.tagged(hf.token_rows()), cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS))
-    trainer.train()
-    assert isinstance(trainer.cdgrab_sampler.sorter, ExactCDGraB) and trainer.cdgrab_settings.exact_low_memory is True
-    assert trainer.cdgrab_sampler.sorter.near_ties == 0 and trainer._cdgrab_loss_kind == "token_classification"
-    orders = assert_orders_are_the_sorters(hf, trainer, hf.EPOCHS)
-    assert not torch.equal(orders[1], orders[2])
 
 
 def test_each_examples_token_classification_loss_is_the_models_own_loss_of_that_example_alone(hf):
