@@ -80,15 +80,12 @@ class UnitGradients:
         streaming forms anyway, the sum of every unit's records per parameter, for add_to's shortcut.
         share: None (every parameter here), or a sorters.gather.ParameterShare: this process takes the products
         of the parameters it owns only; each parameter's products, from its one owner, are summed over the
-        processes (share.reduce, exact: the others add zeros), then added in the parameters' order, as one
-        process adds them, so every process and one process without a share get the same bits."""
+        processes (share.reduce, exact: the others add zeros). Either way the parameters' products are added
+        in their order, so every process and one process without a share get the same bits."""
         U, r = self.units, self.units if pairs is None else len(pairs.firsts)
-        a = torch.zeros(r, dtype=torch.float64, device=running_sum.device)
-        G = torch.zeros(r, r, dtype=torch.float64, device=running_sum.device)
-        norms = torch.zeros(U, dtype=torch.float64, device=running_sum.device)
         width = r + r * r + (U if pairs is not None else 0)
-        rows = None if share is None else torch.zeros(len(self.owner.params), width, dtype=torch.float64,
-                                                      device=running_sum.device)  # per parameter, flattened
+        rows = torch.zeros(len(self.owner.params), width, dtype=torch.float64,
+                           device=running_sum.device)  # per parameter: its a, G (and norms), flattened
         summing = self.sum_all and self.step_grads is None
         if summing:
             self.step_grads, self.step_units = {}, U
@@ -105,20 +102,12 @@ class UnitGradients:
                 self.step_grads[id(p)] = grad
             elif grad is not None:
                 self._keep_grad(p, grad)
-            if rows is not None:
-                rows[i] = torch.cat([x.reshape(-1) for x in products])
-            else:
-                a += products[0]
-                G += products[1]
-                if pairs is not None:
-                    norms += products[2]
+            rows[i] = torch.cat([x.reshape(-1) for x in products])
             self.owner.last_how[id(p)] = chosen
-        if rows is not None:
-            for row in share.reduce(rows):  # in the parameters' order: the sums one process makes
-                a += row[:r]
-                G += row[r:r + r * r].view(r, r)
-                if pairs is not None:
-                    norms += row[r + r * r:]
+        total = torch.zeros(width, dtype=torch.float64, device=running_sum.device)
+        for row in rows if share is None else share.reduce(rows):  # in the parameters' order
+            total += row
+        a, G, norms = total[:r], total[r:r + r * r].view(r, r), total[r + r * r:]
         if pairs is not None:  # in gradients already (Pairs divides by the scale)
             return tuple(x.cpu() for x in (a, G, norms))
         scale = self.scale.to(a.device, torch.float64)

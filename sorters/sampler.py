@@ -392,37 +392,37 @@ class CDGraBSampler(Sampler[int]):
         if units.units != len(self.replicas_here) * b:
             raise ValueError(f"CDGraBSampler: step_units() got {units.units} units for a step of "
                              f"{len(self.replicas_here)} replica(s) x {b} examples here")
-        writes = None
+        recorded, owned_grads = None, {}  # with write_grads under torch.distributed: what the owners write
         if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
             if self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
                 self.sorter.use_share(ParameterShare(units.owner))
             if units.writes_grads:
-                writes = self._owners_write_grads(units)
+                recorded = self._recorded_for_owners(units)
                 units.writes_grads = False  # the owners write .grad: the caller's units.write_grads() adds nothing
             units = all_gather_units(units, self.sorter.share)  # with a share: each parameter to its owner
-            if writes is not None:  # the owners' blocks give the step's gradient of their parameters
+            if recorded is not None:  # the owners' blocks give the step's gradient of their parameters
                 units.step_grads, units.step_units, units.writes_grads = {}, units.units, True
-                units.grad_sink = lambda p, grad: writes[1].__setitem__(id(p), grad)
+                units.grad_sink = lambda p, grad: owned_grads.__setitem__(id(p), grad)
         try:
             self.sorter.step(units, range(self.position, self.position + b))
         except NonFiniteGradientError as error:
             raise self._named_step(error) from None
-        if writes is not None:
+        if recorded is not None:
             units.write_grads()  # the owned parameters the products did not reach (a step without pairs)
-            self.sorter.share.broadcast_grads(writes[1], writes[0], 1.0 / dist.get_world_size())
+            self.sorter.share.broadcast_grads(owned_grads, recorded, 1.0 / dist.get_world_size())
         self.position += b
         self.resume = None
 
-    def _owners_write_grads(self, units: UnitGradients) -> tuple[list[bool], dict]:
+    def _recorded_for_owners(self, units: UnitGradients) -> list[bool]:
         """Units recorded with write_grads=True under torch.distributed (the backward made no weight gradient
         of the recorded parameters; DDP's all-reduce skipped): each parameter's owner takes its step gradient
         from the blocks its products form, and broadcasts it as the processes' mean (ParameterShare.
-        broadcast_grads). Returns (which parameters this step recorded, the owners' gradients to fill)."""
+        broadcast_grads). Returns which parameters this step recorded (every process alike)."""
         if self.sorter.share is None or units.owner.formed:
             raise ValueError("CDGraBSampler: units recorded with write_grads=True under torch.distributed need "
                              "divide_products=True (each parameter's owner writes its gradient) and a layer rule "
                              "for every selected parameter")
-        return [bool(units.pieces.get(id(p))) for p in units.owner.params], {}
+        return [bool(units.pieces.get(id(p))) for p in units.owner.params]
 
     def _named_step(self, error: NonFiniteGradientError) -> NonFiniteGradientError:
         """The sorter's error, prefixed with the step as this sampler counts it."""
