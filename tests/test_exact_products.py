@@ -100,12 +100,17 @@ def test_each_parameters_products_are_those_of_the_formed_gradients(case, how, m
     units = exact(losses)
     S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     for name, p in zip(exact.names, exact.params):
-        start = exact.offsets[id(p)]
-        g = oracle[:, start:start + p.numel()]
         a, G, chosen, _ = products.parameter_products(units.pieces[id(p)], exact.view(S, p), B, how)
         assert chosen == how or all(isinstance(x, products.Formed) for _, x in units.pieces[id(p)])
-        torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
-        torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
+        assert_products_of_oracle(a, G, oracle, S, exact.offsets[id(p)], p.numel(), name)
+
+
+def assert_products_of_oracle(a, G, oracle, S, start: int, numel: int, name: str) -> None:
+    """One parameter's (a (U,), G (U, U)) against the oracle's formed gradients (U, d), its columns
+    start..start + numel: <S, g_u> and <g_u, g_v> in float64."""
+    g = oracle[:, start:start + numel]
+    torch.testing.assert_close(a, g @ S[start:start + numel], rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_the_products_reach_the_host_in_one_copy(case, monkeypatch):
@@ -381,13 +386,10 @@ def test_a_streamed_block_is_written_by_the_first_outer_of_its_units_only(case, 
     units = exact(losses)
     S = torch.randn(exact.d, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     for name, p in zip(exact.names, exact.params):
-        start = exact.offsets[id(p)]
-        g = oracle[:, start:start + p.numel()]
         pieces = [(first + lo, x.units_slice(lo, hi)) for first, x in units.pieces[id(p)][::-1]
                   for lo, hi in ((0, 2), (2, B))]
         a, G, _, _ = products.parameter_products(pieces, exact.view(S, p), B, "stream")
-        torch.testing.assert_close(a, g @ S[start:start + p.numel()], rtol=1e-10, atol=1e-12, msg=name)
-        torch.testing.assert_close(G, g @ g.T, rtol=1e-10, atol=1e-12, msg=name)
+        assert_products_of_oracle(a, G, oracle, S, exact.offsets[id(p)], p.numel(), name)
 
 
 class WithoutRules(nn.Module):
