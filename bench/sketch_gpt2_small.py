@@ -34,6 +34,10 @@ after the first (first-call allocations), per variant the median over the rounds
 interleaved (every variant once per round) so that a change in the machine's load hits each alike.
 Single-threaded (torch.set_num_threads(--threads), default 1), CPU seconds barely move with other load.
 Writes ONE JSON object to --out (and prints it), then a markdown table.
+
+--device cuda runs every child on one CUDA GPU (the Trainer moves the model there; steps timed after a
+torch.cuda.synchronize()): "peak_rss_mb" is then torch.cuda.max_memory_allocated() over training (the
+process's RSS kept as "host_peak_rss_mb"), and the default --out is bench/results/sketch-gpt2-small-cuda.json.
 """
 import argparse
 import json
@@ -81,10 +85,14 @@ def gpt2_and_rows(rows: int, config: dict | None = None):
     return model, [{"input_ids": r, "labels": r} for r in tokens]
 
 
-def step_timer():
+def step_timer(cuda: bool = False):
     """A TrainerCallback timing every optimizer step: .walls and .cpus (seconds from the step's begin to its
-    end), and .parts (name -> CPU seconds per step of the functions wrapped by .timed(name, fn))."""
+    end), and .parts (name -> CPU seconds per step of the functions wrapped by .timed(name, fn)). cuda: a
+    torch.cuda.synchronize() before each step's clocks are read."""
+    import torch
     from transformers import TrainerCallback
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -92,10 +100,12 @@ def step_timer():
             self.parts, self.part_cpus = {}, {}  # exact_low_memory: CPU seconds of the sorter's parts per step
 
         def on_step_begin(self, *_, **__):
+            sync()
             self.started = (time.perf_counter(), time.process_time())
             self.part_cpus = {}
 
         def on_step_end(self, *_, **__):
+            sync()
             self.walls.append(time.perf_counter() - self.started[0])
             self.cpus.append(time.process_time() - self.started[1])
             for name, seconds in self.part_cpus.items():
@@ -114,10 +124,11 @@ def step_timer():
 
 
 def child(settings: dict | None, steps: int, threads: int, batch: int = BATCH, config: dict | None = None,
-          **training_args) -> dict:
+          device: str = "cpu", **training_args) -> dict:
     """`steps` optimizer steps of GPT-2 small (GPT2Config(**config) if given) in this (fresh) process, on
     BATCH * steps examples, `batch` a device (bench/exact_ddp.py: 4 under torchrun, or 2 replicas' 4 here);
-    training_args: more TrainingArguments (ddp_backend). Returns the measurements."""
+    device "cuda": on the GPU, "peak_rss_mb" the CUDA peak; training_args: more TrainingArguments (ddp_backend).
+    Returns the measurements."""
     import torch
     from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
@@ -127,26 +138,33 @@ def child(settings: dict | None, steps: int, threads: int, batch: int = BATCH, c
     hf_logging.set_verbosity_error()
     torch.set_num_threads(threads)
     model, data = gpt2_and_rows(BATCH * steps, config)
-    timer = step_timer()
+    cuda = device == "cuda"
+    timer = step_timer(cuda)
     if settings is not None and settings.get("exact_low_memory"):
         from sorters.exact import UnitGradients
         # products (a), (b) and the weight gradient from the blocks; the running sum's update (c)
         UnitGradients.products = timer.timed("products", UnitGradients.products)
         UnitGradients.add_to = timer.timed("update", UnitGradients.add_to)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=batch, num_train_epochs=1,
+        if not cuda:
+            training_args["use_cpu"] = True  # on cuda the Trainer moves the model to the GPU
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, num_train_epochs=1,
                                  learning_rate=1e-4, seed=0, report_to=[], disable_tqdm=True, logging_strategy="no",
                                  save_strategy="no", dataloader_drop_last=True, **training_args)
         if settings is None:
             trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
         else:
             trainer = CDGraBTrainer(model=model, args=args, train_dataset=data, callbacks=[timer], **settings)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         trainer.train()
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     d = sum(p.numel() for p in model.parameters())
     result = {"steps": len(timer.walls), "peak_rss_mb": peak_kb / 1024,
               "step_seconds": statistics.median(timer.walls[1:]), "step_cpu_seconds": statistics.median(timer.cpus[1:]),
               "d": d}
+    if cuda:  # the summary's peak is the GPU's; the host's kept beside it
+        result.update(peak_rss_mb=torch.cuda.max_memory_allocated() / 2**20, host_peak_rss_mb=peak_kb / 1024)
     if settings is not None and settings.get("sorter") == "CD-GraB" and not settings.get("sketch_dim"):
         sorter = trainer.cdgrab_sampler.sorter  # one epoch done: the orders it chose for the next
         result["next_orders"] = sorter.next_orders.tolist()
@@ -214,14 +232,20 @@ def main():
     parser.add_argument("--no-sketched", action="store_true", help="leave out the sketched variants (--dims)")
     parser.add_argument("--min-numels", nargs="+", type=int, default=[],
                         help="also run the sketched variants with these sketch_min_numel (default only 2^16)")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sketch-gpt2-small.json"))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: every child on one GPU, peak = torch.cuda.max_memory_allocated()")
+    parser.add_argument("--out", default=None,
+                        help="default bench/results/sketch-gpt2-small.json (-cuda.json with --device cuda)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON settings of one variant
     args = parser.parse_args()
     if args.steps < 2 or args.rounds < 1:
         parser.error("--steps must be >= 2 (the first is not timed) and --rounds >= 1")
     if args.child:
-        print("RESULT " + json.dumps(child(json.loads(args.child), args.steps, args.threads)), flush=True)
+        print("RESULT " + json.dumps(child(json.loads(args.child), args.steps, args.threads, device=args.device)),
+              flush=True)
         return
+    suffix = "-cuda" if args.device == "cuda" else ""
+    args.out = args.out or str(REPO / "bench" / "results" / f"sketch-gpt2-small{suffix}.json")
     from engine.runlog import git_commit, write_result
 
     commit = git_commit()  # when the run starts: the code the children import ("-dirty" if it differs)
@@ -233,7 +257,7 @@ def main():
             chosen = {name: s for name, s in chosen.items() if not name.startswith("sketched")}
         for name, settings in chosen.items():
             command = [sys.executable, __file__, "--child", json.dumps(settings), "--steps", str(args.steps),
-                       "--threads", str(args.threads)]
+                       "--threads", str(args.threads), "--device", args.device]
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
             line = [text for text in done.stdout.splitlines() if text.startswith("RESULT ")]
             if done.returncode or not line:
@@ -243,10 +267,13 @@ def main():
     import torch
     summary = summarise(rounds)
     result = {"git_commit": commit, **headline(summary, args.dims), "variants": summary,
+        **({"device": torch.cuda.get_device_name(), "device_flag": "cuda"} if args.device == "cuda" else {}),
         "settings": {"model": "GPT2Config() (124M), random init, sdpa, dropout 0", "batch": BATCH, "block": BLOCK,
                      "steps_per_run": args.steps, "rounds": args.rounds, "threads": args.threads,
                      "statistic": "median over steps (first dropped), then over rounds",
-                     "peak": "ru_maxrss of a fresh process at the end of training", "torch": torch.__version__,
+                     "peak": ("torch.cuda.max_memory_allocated() over training (host RSS: host_peak_rss_mb)"
+                              if args.device == "cuda" else "ru_maxrss of a fresh process at the end of training"),
+                     "torch": torch.__version__,
                      "cpu_count": os.cpu_count(),
                      "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
     }
