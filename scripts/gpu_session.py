@@ -36,7 +36,8 @@ What a call does, in order:
 5. Here, --unpack (gpu_kit/unpack.py) replaces a shipped checkpoint only by a newer one of the same run,
    removes it only when the run finished, never changes a finished shipped run (unless
    --replace-finished), keeps the longer record where neither side has a checkpoint, and keeps every
-   run's record and log as it came back in reproduction/gpu-sessions/<started>/runs/.
+   run's record and log as it came back in reproduction/gpu-sessions/<started>/runs.tar.gz (packed: the
+   analysis never meets a second copy of a run).
 
 --device cpu --tiny runs the same path on tiny slices (the dry run in tests/test_gpu_session.py). This file
 is the command line; scripts/gpu_kit/ holds the steps, one module each (gpu_kit/session.py: a call, whole).

@@ -90,7 +90,9 @@ def test_the_lstm_grid_runs_in_the_setting_the_rule_picks_and_seed_0_leads():
     lstm = run.Run("LSTM-Wiki2", "CD-GraB", 0, REPO / "nowhere", SimpleNamespace(epochs=None, tiny=False))
     argv = lstm.command(SimpleNamespace(data_dir="datasets", device="cuda", tiny=False), cudnn="on")
     assert argv[argv.index("--clip") + 1] == "0.25" and argv[argv.index("--epochs") + 1] == "50"
-    assert not (REPO / "reproduction" / "LSTM-Wiki2" / lstm.name).exists()
+    shipped = REPO / "reproduction" / "LSTM-Wiki2"
+    assert lstm.name not in {p.name for p in shipped.iterdir()
+                             if json.loads((p / "config.json").read_text())["args"].get("clip") != clip}
     assert grid.QUEUE[:2] == [("LSTM-Wiki2", "D-RR", 0), ("LSTM-Wiki2", "CD-GraB", 0)]
     full = {(b, s, seed) for b in ("LSTM-Wiki2",) for s in ("CD-GraB", "D-RR", "Fold") for seed in (0, 1, 2)} | \
            {(b, s, seed) for b in ("GPT2-Wiki103",) for s in ("CD-GraB", "D-RR") for seed in (0, 1, 2)}
@@ -213,7 +215,8 @@ def test_the_checks_give_the_bench_and_the_profile_flags_they_accept(tmp_path, m
         assert bench.json == str(tmp_path / "gpu-epochs.json") and profile.out == str(tmp_path / "gpu-profile.txt")
         assert bench.data_dir == profile.data_dir == "datasets"
         assert bench.device == profile.device == ("cpu" if tiny else "cuda")
-        assert bench.benchmarks == profile.benchmarks == (["LR-HMDA"] if tiny else list(gpu_epochs.SETTINGS))
+        assert bench.benchmarks == (["LR-HMDA"] if tiny else list(gpu_epochs.SETTINGS))
+        assert profile.benchmarks == (["LR-HMDA"] if tiny else ["LSTM-Wiki2", "GPT2-Wiki103", "MLP-M4", "LR-HMDA"])
         steps = gpu_epochs.parse_steps(bench.steps, bench.benchmarks)  # one-line error if the bench refused them
         assert (steps["LR-HMDA"], profile.steps) == ((2, 2) if tiny else (gpu_epochs.DEFAULT_STEPS["LR-HMDA"], None))
 
@@ -341,8 +344,10 @@ def test_unpack_ships_the_newest_checkpoint_until_the_run_finishes_and_keeps_eve
     assert third["from"] == "shipped checkpoint (epoch 2)" and third["finished"] and third["epochs_this_call"] == 1
     second = session_json(dry_run.tmp / "out2")["runs"][LSTM_KEY]
     assert second["from"] == "nothing shipped" and second["epochs_this_call"] == 1  # the machine's own checkpoint
-    logs = sorted((dry_run.tmp / "sessions").glob(f"*/runs/{LSTM_KEY}/log.txt"))
-    assert len(logs) == 3 and "stopped after epoch 2" in logs[1].read_text()
+    logs = [member_text(archive, f"{LSTM_KEY}/log.txt")
+            for archive in sorted((dry_run.tmp / "sessions").glob("*/runs.tar.gz"))]
+    assert len(logs) == 3 and "stopped after epoch 2" in logs[1]
+    assert not list((dry_run.tmp / "sessions").rglob("config.json"))  # packed: no second copy of a run folder
     assert len(list((dry_run.tmp / "sessions").glob("*/session.json"))) == 3
     assert json.loads((dry_run.tmp / "bench.json").read_text()) == {"benchmarks": {"LR-HMDA": {}}}
     profiles = list(dry_run.tmp.glob("gpu-profile-cpu-*.txt"))  # calls 1 and 3: one file a day
@@ -524,6 +529,24 @@ def call_with_checkpoints(folder, runs: dict, checkpoints: dict):
     return folder
 
 
+def member_text(archive, name: str) -> str:
+    with tarfile.open(archive, "r:gz") as tar:
+        return tar.extractfile(name).read().decode()
+
+
+def test_unpack_keeps_a_longer_record_it_replaces_packed_in_the_session_folder(tmp_path):
+    """A run that comes back shorter but with a checkpoint (it can go on) replaces a longer shipped record
+    that cannot; the longer record is kept, packed, so that no run folder appears twice under the tree."""
+    into, key = tmp_path / "reproduction", "LSTM-Wiki2/Fold-run"
+    places = dict(into=into, bench_json=tmp_path / "bench.json", sessions=tmp_path / "sessions")
+    folder = ship(into, key, rows=20, epochs=50, mark="-2.0")
+    unpack.unpack(call_with_checkpoints(tmp_path / "c1", {key: (5, 50, False)}, {key: 5}), **places)
+    assert shipped_now(folder) == (5, 5)
+    aside = list((tmp_path / "sessions").glob("*/replaced/*.tar.gz"))
+    assert len(aside) == 1 and member_text(aside[0], f"{key}/metrics.csv").count(",-2.0\n") == 20
+    assert not list((tmp_path / "sessions").rglob("config.json"))
+
+
 def shipped_now(folder) -> tuple:
     return (len(read_metrics(folder)), unpack.checkpoint_epoch(folder / "checkpoint.pt.gz"))
 
@@ -537,7 +560,8 @@ def test_unpack_keeps_a_shipped_checkpoint_until_a_newer_one_or_the_runs_end(tmp
     folder = ship(into, key, rows=3, epochs=50, checkpoint=3)
     unpack.unpack(call_with_checkpoints(tmp_path / "c1", {key: (5, 50, False)}, {}), **places)
     assert shipped_now(folder) == (3, 3)
-    assert len(list((tmp_path / "sessions").glob(f"*/runs/{key}/metrics.csv"))) == 1  # the call's record stays
+    records = list((tmp_path / "sessions").glob("*/runs.tar.gz"))  # the call's record stays
+    assert len(records) == 1 and member_text(records[0], f"{key}/metrics.csv").count("\n") == 1 + 5
     unpack.unpack(call_with_checkpoints(tmp_path / "c2", {key: (6, 50, False)}, {key: 6}), **places)
     assert shipped_now(folder) == (6, 6)
     unpack.unpack(call_with_checkpoints(tmp_path / "c3", {key: (2, 50, False)}, {key: 2}), **places)

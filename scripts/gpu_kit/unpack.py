@@ -65,13 +65,14 @@ def unpack_run(tar, key: str, entry: dict, source: Path, into: Path, session_dir
             f", checkpoint of epoch {shipped['checkpoint']}" if shipped["checkpoint"] is not None else "")
         print(f"{target}: kept as shipped ({why}); this call's run reached {entry['epochs_done']} epochs"
               f"{'' if came['checkpoint'] is None else ', checkpoint of epoch ' + str(came['checkpoint'])} "
-              f"(its record: {session_dir / 'runs'})")
+              f"(its record: {session_dir / 'runs.tar.gz'})")
         return
     if came["rows"] < shipped["rows"]:  # a record longer than the one replacing it stays in the session folder
-        keep_aside = session_dir / "replaced" / benchmark / name
-        keep_aside.mkdir(parents=True, exist_ok=True)
-        for file in ("config.json", "metrics.csv"):
-            shutil.copy(target / file, keep_aside / file)
+        keep_aside = session_dir / "replaced" / f"{benchmark}--{name}.tar.gz"  # packed, as keep_records says why
+        keep_aside.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(keep_aside, "w:gz") as aside:
+            for file in ("config.json", "metrics.csv"):
+                aside.add(target / file, arcname=f"{key}/{file}")
     target.mkdir(parents=True, exist_ok=True)
     for file in ("config.json", "metrics.csv"):
         write_atomically(target / file, tar.extractfile(f"{key}/{file}").read())
@@ -84,14 +85,11 @@ def unpack_run(tar, key: str, entry: dict, source: Path, into: Path, session_dir
     print(f"{target}: {state}{', checkpoint kept' if (target / 'checkpoint.pt.gz').exists() else ''}")
 
 
-def keep_records(tar, session_dir: Path) -> None:
+def keep_records(archive: Path, session_dir: Path) -> None:
     """Every run's config.json, metrics.csv and log as the call brought them back, and the bench's and the
-    profile's logs, under the session's folder (session_dir/runs/<benchmark>/<run>/)."""
-    for member in tar.getmembers():
-        if member.isfile() and member.name != "session.json" and not member.name.startswith("/") and ".." not in member.name:
-            path = session_dir / "runs" / member.name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(tar.extractfile(member).read())
+    profile's logs: the call's runs.tar.gz, byte for byte, in the session's folder. Kept packed, so that
+    the analysis, which reads every run folder under reproduction/, never meets a second copy of a run."""
+    shutil.copy(archive, session_dir / "runs.tar.gz")
 
 
 def unpack(source: Path, into: Path, bench_json: Path, sessions: Path, replace_finished: bool = False) -> None:
@@ -112,13 +110,13 @@ def unpack(source: Path, into: Path, bench_json: Path, sessions: Path, replace_f
         for key, entry in manifest["runs"].items():
             if f"{key}/metrics.csv" in names and "epochs_done" in entry:  # else never started
                 unpack_run(tar, key, entry, source, into, session_dir, replace_finished)
-        keep_records(tar, session_dir)
+        keep_records(archive, session_dir)
         manifest["commit"] = runlog.commit_of_code_tree(manifest.get("tree"))
         (session_dir / "session.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        profile = session_dir / "runs" / "gpu-profile.txt"
-        if profile.exists():
+        if "gpu-profile.txt" in names:
             device = re.sub(r"[^A-Za-z0-9]+", "-", manifest["device"].split(",")[0]).strip("-")
-            shutil.copy(profile, bench_json.parent / f"gpu-profile-{device}-{manifest['started'][:10]}.txt")
+            profile = bench_json.parent / f"gpu-profile-{device}-{manifest['started'][:10]}.txt"
+            profile.write_bytes(tar.extractfile("gpu-profile.txt").read())
     if (source / "tests.log").exists():
         shutil.copy(source / "tests.log", session_dir / "tests.log")
     if (source / "gpu-epochs.json").exists():
