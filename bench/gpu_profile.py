@@ -34,6 +34,9 @@ from engine.train import train  # noqa: E402
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 DEFAULT_STEPS = {"LR-HMDA": 100, "MLP-M4": 100, "LSTM-Wiki2": 50, "GPT2-Wiki103": 20}
+# The benchmarks the GPU reproduction waits on come first: the kit gives the profile a fixed budget, and
+# the first run also pays CUDA's start-up, so a cut profile still covers the LSTM and GPT-2.
+DEFAULT_ORDER = ["LSTM-Wiki2", "GPT2-Wiki103", "MLP-M4", "LR-HMDA"]
 
 
 def profiled_epoch(task, device: torch.device):
@@ -85,8 +88,8 @@ def make_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--data-dir", default=default_data_dir(), help="data folder (default $CDGRAB_DATA, else ./datasets)")
-    parser.add_argument("--benchmarks", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="NAME",
-                        help=f"which benchmarks (default all: {', '.join(SETTINGS)})")
+    parser.add_argument("--benchmarks", nargs="+", default=DEFAULT_ORDER, choices=list(SETTINGS), metavar="NAME",
+                        help=f"which benchmarks, in this order (default all: {' '.join(DEFAULT_ORDER)})")
     parser.add_argument("--sorters", nargs="+", default=["D-RR", "CD-GraB"], help="which sorters (default D-RR CD-GraB)")
     parser.add_argument("--steps", type=int, help="profiled steps per run, even (default: "
                         + ", ".join(f"{name}={n}" for name, n in DEFAULT_STEPS.items()) + ")")
