@@ -220,6 +220,32 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_rounds(args) -> tuple[dict, dict]:
+    """Every variant in a fresh child, round by round: ({name: [its children's results]}, {name: the end of
+    its stderr}). A variant that fails is left out from then on and reported, and the others are still
+    measured, so that one variant's failure does not cost a GPU call's other measurements."""
+    rounds, failed = {}, {}
+    for round_ in range(args.rounds):
+        chosen = variants(args.dims, not args.no_exact, args.min_numels, not args.no_low_memory)
+        if args.no_sketched:
+            chosen = {name: s for name, s in chosen.items() if not name.startswith("sketched")}
+        for name, settings in chosen.items():
+            if name in failed:
+                continue
+            command = [sys.executable, __file__, "--child", json.dumps(settings), "--steps", str(args.steps),
+                       "--threads", str(args.threads), "--device", args.device]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+            line = [text for text in done.stdout.splitlines() if text.startswith("RESULT ")]
+            if done.returncode or not line:
+                failed[name] = done.stderr[-3000:]
+                rounds.pop(name, None)  # no variant is summarised over fewer rounds than the others
+                print(f"{name} failed:\n{failed[name]}", file=sys.stderr, flush=True)
+                continue
+            rounds.setdefault(name, []).append(json.loads(line[-1][len("RESULT "):]))
+            print(f"round {round_ + 1} {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
+    return rounds, failed
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", nargs="+", type=int, default=[4096], help="sketch dimensions D")
@@ -250,23 +276,13 @@ def main():
 
     commit = git_commit()  # when the run starts: the code the children import ("-dirty" if it differs)
     load_before = os.getloadavg()
-    rounds = {}
-    for round_ in range(args.rounds):
-        chosen = variants(args.dims, not args.no_exact, args.min_numels, not args.no_low_memory)
-        if args.no_sketched:
-            chosen = {name: s for name, s in chosen.items() if not name.startswith("sketched")}
-        for name, settings in chosen.items():
-            command = [sys.executable, __file__, "--child", json.dumps(settings), "--steps", str(args.steps),
-                       "--threads", str(args.threads), "--device", args.device]
-            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-            line = [text for text in done.stdout.splitlines() if text.startswith("RESULT ")]
-            if done.returncode or not line:
-                sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
-            rounds.setdefault(name, []).append(json.loads(line[-1][len("RESULT "):]))
-            print(f"round {round_ + 1} {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
+    rounds, failed = run_rounds(args)
+    if "plain" not in rounds:
+        sys.exit(f"plain failed:\n{failed['plain']}")
     import torch
     summary = summarise(rounds)
     result = {"git_commit": commit, **headline(summary, args.dims), "variants": summary,
+        **({"failed": failed} if failed else {}),
         **({"device": torch.cuda.get_device_name(), "device_flag": "cuda"} if args.device == "cuda" else {}),
         "settings": {"model": "GPT2Config() (124M), random init, sdpa, dropout 0", "batch": BATCH, "block": BLOCK,
                      "steps_per_run": args.steps, "rounds": args.rounds, "threads": args.threads,
@@ -279,6 +295,8 @@ def main():
     }
     write_result(args.out, result)
     print(markdown(result))
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (their errors are under \"failed\" in {args.out})")
 
 
 if __name__ == "__main__":

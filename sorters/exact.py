@@ -418,7 +418,15 @@ class ExactCDGraB(PairBalancer):
         else:
             self.running_sum = torch.zeros(size, dtype=self.dtype, device=self.device)
 
+    def _keep_sum_beside(self, units: UnitGradients) -> None:
+        """The running sum lives where the records are (the model's device), whatever `device` keeps the
+        orders: the products and the update stream every record against it, and no record crosses devices
+        (a sampler built on the CPU, its default, beside a model on a GPU)."""
+        if self.running_sum.device != units.scale.device:
+            self.running_sum = self.running_sum.to(units.scale.device)
+
     def state_dict(self) -> dict:
+        """As sorters.CDGraB's, every tensor on `device` (a checkpoint loads where the sorter was built)."""
         state = super().state_dict()
         if self.share is not None:  # the processes' parts put together: the whole (d,) running sum
             state["running_sum"] = self.share.reduce(self.share.whole(state["running_sum"], self.d))
@@ -426,7 +434,7 @@ class ExactCDGraB(PairBalancer):
             state["pending"] = state["pending"].owner.flat(state["pending"]).to(self.dtype)
             if self.share is not None:  # each process's parameters (it may hold no records of the others')
                 state["pending"] = self.share.reduce(self.share.whole(self.share.part(state["pending"]), self.d))
-        return state
+        return {key: value.to(self.device) if torch.is_tensor(value) else value for key, value in state.items()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict() of ExactCDGraB, or of sorters.CDGraB of the same n, m, d (the keys are the
@@ -447,6 +455,7 @@ class ExactCDGraB(PairBalancer):
             raise ValueError(f"{self.name}: step() takes the UnitGradients of the {n} x {k} units of the step")
         if torch.is_tensor(self.pending):  # loaded from a checkpoint: worker j's pending gradient is row j
             self.pending = units.owner.formed_units(self.pending)
+        self._keep_sum_beside(units)
         self._next_position += k
         pending = self.pending is not None
         everything = units.join(self.pending) if pending else units

@@ -210,3 +210,19 @@ def test_gpt2_under_torchrun_on_cuda_tokenizes_once(tmp_path):
     assert len([line for line in result.stderr.splitlines() if line.startswith("tokenizing ")]) == 3
     (row,) = read_metrics(tmp_path / "run")
     assert all(math.isfinite(value) for key, value in row.items() if key != "threshold"), row
+
+
+def test_exact_sampler_built_on_the_cpu_balances_a_model_on_the_gpu():
+    """Exact CD-GraB from layer records with the model on the GPU and the sampler on its default device (the
+    CPU), as the HF Trainer and Lightning glue build it: its running sum follows the records to the GPU,
+    and the orders are those of CD-GraB fed each example's formed gradient on the CPU (the oracle), the
+    losses within float32 rounding."""
+    from sorters.exact import ExactCDGraB
+    from tests.test_exact_glue import train
+
+    orders, losses, sampler = train("recording", device="cuda")
+    formed_orders, formed_losses, _ = train("formed")
+    assert isinstance(sampler.sorter, ExactCDGraB) and sampler.sorter.running_sum.device.type == "cuda"
+    assert [o.tolist() for o in orders] == [o.tolist() for o in formed_orders]
+    assert losses == pytest.approx(formed_losses, rel=1e-4)
+    assert all(not torch.is_tensor(v) or v.device.type == "cpu" for v in sampler.sorter.state_dict().values())

@@ -43,14 +43,15 @@ def each_examples_gradient(model, ids, y) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def train(how, pad=0, divide=False):
+def train(how, pad=0, divide=False, device="cpu"):
     """Train TiedNet for EPOCHS epochs with a CDGraBSampler; returns (orders per epoch, losses, sampler).
     how: "recording" (one forward and backward a step, the documented loop), "call" (ExactGradients' own
     backward, then the loop's), or "formed" (the oracle: CD-GraB fed each example's gradient). Under a
     process group each process trains its replica, its gradient averaged as DDP does; pad: extra pad
-    tokens on this process's batches; divide: the sampler's divide_products (each process its parameters')."""
-    ids, targets = data()
-    model = TiedNet()
+    tokens on this process's batches; divide: the sampler's divide_products (each process its parameters');
+    device: the model's and the batches' (the sampler stays on its default, the CPU)."""
+    ids, targets = (x.to(device) for x in data())
+    model = TiedNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5)
     distributed = torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if distributed else 1
