@@ -289,8 +289,8 @@ def test_reproduction_tables_are_the_scripts_output():
 
 
 def test_gpu_session_numbers_are_their_session_records_and_git():
-    """docs/gpus.md's times of the third lent session are its session.json files' (reproduction/gpu-sessions/),
-    docs/performance.md names the commit of bench/results/gpu-epochs.json, and the table of git history
+    """docs/gpus.md's times of the third and fourth lent sessions are their session.json files' and test logs'
+    (reproduction/gpu-sessions/), docs/performance.md names the commit of bench/results/gpu-epochs.json, and the table of git history
     each lent GPU added is what git holds: per session commit, the checkpoint blobs it added or changed."""
     import json
 
@@ -308,6 +308,19 @@ def test_gpu_session_numbers_are_their_session_records_and_git():
               f"{max(e['median_wall_seconds_per_epoch_this_call'] for e in lstm):.1f} s of wall time an epoch "
               f"(training {trains[0]:.1f}-{trains[-1]:.1f})"]
     assert f"median {wall:.1f} s" in page
+    fourth = json.loads((sessions / "2026-11-27T195320" / "session.json").read_text())
+    clipped = {key.split("/")[1].split("-node")[0]: entry for key, entry in fourth["runs"].items()}
+    tested = (sessions / "2026-11-27T195320" / "tests.log").read_text().splitlines()[-1]
+    fold, drr, cdgrab = (clipped[name] for name in ("Fold", "D-RR", "CD-GraB"))
+    firsts = sorted(entry["first_epoch_wall_seconds"] for entry in clipped.values())
+    claims += [f"({tested.split()[0]} passed in {tested.split()[-2].rstrip('s')} s)",
+               "median wall seconds per epoch {:.1f} (D-RR), {:.1f} (CD-GraB) and {:.1f} (Fold), training {:.1f}, "
+               "{:.1f} and {:.1f}, the first epoch {:.1f}-{:.1f} s; in a call of {:.1f} s they reached epochs {}, {} "
+               "and {}".format(*(e["median_wall_seconds_per_epoch_this_call"] for e in (drr, cdgrab, fold)),
+                               *(e["median_train_seconds_this_call"] for e in (drr, cdgrab, fold)), firsts[0],
+                               firsts[-1], fourth["wall_seconds"], *(e["epochs_done"] for e in (drr, cdgrab, fold))),
+               f"wall time to {cdgrab['median_wall_seconds_per_epoch_this_call'] / drr['median_wall_seconds_per_epoch_this_call']:.1f}x "
+               f"(training: 4.0x to {cdgrab['median_train_seconds_this_call'] / drr['median_train_seconds_this_call']:.1f}x)"]
     missing = [claim for claim in claims if claim not in page]
     assert not missing, missing
     commit = bench_result("gpu-epochs.json")["git_commit"]
