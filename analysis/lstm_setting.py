@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from analysis.paper_values import has_paper_settings
+from analysis.paper_values import PAPER_SETTINGS, has_paper_settings
 from engine.flags import with_added_defaults
 
 TOLERANCE = 0.01  # train loss at epoch 1
@@ -45,7 +45,7 @@ def epoch1_losses(results_dir) -> dict:
             continue
         clip = args.get("clip")
         if args.get("sorter") not in PAIR or args.get("seed") != SEED or clip not in SETTINGS \
-                or not has_paper_settings("LSTM-Wiki2", {**args, "clip": None}) or len(rows) < 2:
+                or not has_paper_settings("LSTM-Wiki2", {**args, "clip": PAPER_SETTINGS["LSTM-Wiki2"]["clip"]}) or len(rows) < 2:
             continue
         header, first = rows[0].split(","), rows[1].split(",")
         if first[header.index("epoch")] == "1":

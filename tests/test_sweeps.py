@@ -19,7 +19,7 @@ PAPER = {  # benchmark: (lr as passed, node_cnt, B, run-dir lr)
     "MLP-M4": ("1e-3", "4", "16", "0.001"),  # the paper's figure (the authors' notebook), not the original README
     "GPT2-Wiki103": ("5e-4", "64", "64", "0.0005"),
 }
-TAGS = {"LSTM-Wiki2": "-carry-hidden"}  # run-name part before -seed<N> that names a variant
+TAGS = {"LSTM-Wiki2": "-carry-hidden-clip0.25"}  # run-name part before -seed<N> that names a variant
 
 # The sweeps' own helper snippets (`$PYTHON - ARGS <<'PY'`, `$PYTHON -c ...`) run on the real
 # interpreter, unrecorded. Anything else is recorded (one JSON line of argv per call in $FAKE_LOG).
@@ -189,16 +189,20 @@ def test_run_tag_prints_the_entry_scripts_tag():
                    "--weight-decay", "1e-4") == (0, "-label-sorted-weight-decay0.0001-tf32\n", "")
 
 
-def test_lstm_zero_state_variant_is_one_variable_away(env):
+def test_lstm_zero_state_and_unclipped_variants_are_one_variable_away(env):
     sweep("LSTM-Wiki2", env, LSTM_STATE="zero", SORTERS="D-RR", SEEDS="0")
     (argv,) = calls(env)
-    assert "--carry-hidden" not in argv
-    assert value(argv, "--out") == f"{env['RESULTS']}/LSTM-Wiki2/D-RR-node4-B16-lr5-zero-hidden-seed0"
+    assert "--carry-hidden" not in argv and value(argv, "--clip") == "0.25"
+    assert value(argv, "--out") == f"{env['RESULTS']}/LSTM-Wiki2/D-RR-node4-B16-lr5-zero-hidden-clip0.25-seed0"
     sweep("LSTM-Wiki2", env, SORTERS="D-RR", SEEDS="0")  # the default variant is another run, not a resume
     (argv,) = calls(env)
-    assert "--carry-hidden" in argv and value(argv, "--out").endswith("D-RR-node4-B16-lr5-carry-hidden-seed0")
-    proc = sweep("LSTM-Wiki2", env, check=False, LSTM_STATE="zeros")
-    assert proc.returncode == 2 and "LSTM_STATE" in proc.stderr and calls(env) == []
+    assert "--carry-hidden" in argv and value(argv, "--out").endswith("D-RR-node4-B16-lr5-carry-hidden-clip0.25-seed0")
+    sweep("LSTM-Wiki2", env, LSTM_CLIP="none", SORTERS="D-RR", SEEDS="0")  # the shipped HEAD variant's name
+    (argv,) = calls(env)
+    assert "--clip" not in argv and value(argv, "--out").endswith("D-RR-node4-B16-lr5-carry-hidden-seed0")
+    for variable, bad in (("LSTM_STATE", "zeros"), ("LSTM_CLIP", "0.5")):
+        proc = sweep("LSTM-Wiki2", env, check=False, **{variable: bad})
+        assert proc.returncode == 2 and variable in proc.stderr and calls(env) == []
 
 
 def test_m4_readme_setting_on_request(env):
