@@ -25,6 +25,8 @@ the D-dimensional sketches of the gradients (`sketch_dim=` of both; docs/sketchi
 `LayerSketch` (layer_sketch.py): those sketches layer by layer from one batched backward, without forming
 the per-example gradients of the large weights (`PerExampleGrads(..., structured=True)`).
 """
+__version__ = "1.0.0"  # the one place the version is written: pyproject.toml reads it, CHANGELOG.md names it
+
 from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalance
 from sorters.base import Sorter
 from sorters.checks import NonFiniteGradientError
@@ -39,7 +41,7 @@ from sorters.sampler import CDGraBSampler
 from sorters.settings import CDGraBSettings
 from sorters.sketch import GradientSketch
 
-__all__ = ["SORTER_NAMES", "SORTERS", "Sorter", "NonFiniteGradientError", "build_sorter", "parallel_herding_bound",
+__all__ = ["__version__", "SORTER_NAMES", "SORTERS", "Sorter", "NonFiniteGradientError", "build_sorter", "parallel_herding_bound",
            "CDGraBSampler", "CDGraBSettings", "GradientSketch", "LayerSketch", "PerExampleGrads", "PerExampleLossGrads",
            "per_example_grads", "CDGraB", "IndependentMeanBalance", "IndependentPairBalance", "Fold", "KernelHalving",
            "SelfBalancingWalk", "DistributedRandomReshuffle", "DistributedShuffleOnce"]

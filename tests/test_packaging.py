@@ -47,13 +47,14 @@ def wheel_of_the_installed(name: str, folder: Path) -> Path:
 
 def require_setuptools_that_builds_wheels():
     """Fail in one line unless this interpreter's setuptools makes wheels by itself (>= 70.1; an older one
-    needs the `wheel` package, which a fresh venv lacks: "invalid command 'bdist_wheel'"). torch 2.13.0
-    requires setuptools >= 77.0.3, so the README's set-up brings one."""
+    needs the `wheel` package, which a fresh venv lacks: "invalid command 'bdist_wheel'") and reads the SPDX
+    licence fields of pyproject.toml (>= 77). torch 2.13.0 requires setuptools >= 77.0.3, so the README's
+    set-up brings one."""
     import importlib.metadata
 
     version = importlib.metadata.version("setuptools")
-    if tuple(int(part) for part in version.split(".")[:2]) < (70, 1):
-        pytest.fail(f"setuptools {version} here, older than 70.1 (no bdist_wheel of its own): "
+    if tuple(int(part) for part in version.split(".")[:2]) < (77, 0):
+        pytest.fail(f"setuptools {version} here, older than 77.0.3 (no SPDX licence fields): "
                     "pip install -r requirements.txt (torch 2.13.0 brings setuptools >= 77.0.3)", pytrace=False)
 
 
