@@ -80,16 +80,18 @@ def main():
         record(args.record, args.label, result, args.sorters)
 
 
-def measured_commit() -> str | None:
+def measured_commit() -> str:
     """The checked-out commit, with "-dirty" when code differs from it: changes under bench/results/ (what
-    this bench writes) do not count."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":(exclude)bench/results"], cwd=REPO, capture_output=True, text=True).stdout
-    except OSError:
-        return None
-    return (head + ("-dirty" if changed.strip() else "")) or None
+    this bench writes) do not count. "unknown commit" without a git checkout (engine.runlog)."""
+    sys.path.insert(0, str(REPO))
+    from engine import runlog
+
+    head = runlog.head_commit()
+    changed = runlog.run_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results",
+                             text=True)
+    if head == runlog.UNKNOWN_COMMIT or changed is None or changed.returncode:
+        return runlog.UNKNOWN_COMMIT
+    return head + ("-dirty" if changed.stdout.strip() else "")
 
 
 def record(path: Path, label: str, result: dict, sorters: list[str]) -> None:

@@ -374,23 +374,6 @@ def benchmark_entry(measured: dict, steps_per_epoch: int) -> dict:
     }
 
 
-def git_state(ignored: Path) -> tuple[str | None, bool | None]:
-    """(HEAD's commit, whether the working tree is clean: `git status --porcelain` lists nothing but
-    `ignored`, this report's own file, which a previous run may have left)."""
-    def git(*argv):
-        return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True, timeout=60)
-
-    try:
-        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=all")
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-    if head.returncode or status.returncode:
-        return None, None
-    ignored = ignored.resolve()
-    changed = [line for line in status.stdout.splitlines() if (REPO / line[3:]).resolve() != ignored]
-    return head.stdout.strip(), not changed
-
-
 def steps_note(device: str) -> str:
     timing = ("torch.cuda.synchronize() before reading the clock, never inside the timed steps" if device == "cuda"
               else "the host clock")
@@ -440,7 +423,7 @@ def run_all(args, steps: dict) -> int:
     began = time.perf_counter()
     real_steps = check_inputs(args, steps)
     json_path = Path(args.json)
-    commit, clean = git_state(json_path)
+    commit, clean = runlog.git_state(json_path)  # ("unknown commit", None) without a git checkout
     report = {"device": None, "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": commit,
               "git_clean": clean, "code_tree": runlog.code_tree(),  # finds the commit where .git is older
               "command": " ".join(["python", *sys.argv]), "steps_note": steps_note(args.device),

@@ -23,7 +23,6 @@ the Trainer's step begin to its step end, taken in the round with the median; ro
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from engine.runlog import head_commit  # noqa: E402
 from models.gpt2 import build_gpt2  # noqa: E402
 from sorters.hf import CDGraBTrainer  # noqa: E402
 
@@ -93,7 +93,7 @@ def main() -> None:
             for variant in VARIANTS:
                 rounds[variant].append(seconds_per_step(variant, args.steps, data, tmp))
     median = {variant: statistics.median(times) for variant, times in rounds.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = head_commit(short=True)  # "unknown commit" without a git checkout
     result = {
         "git_commit": commit, "device": "cpu", "torch_threads": torch.get_num_threads(),
         "setting": f"tiny GPT-2 (models/gpt2.py), {BATCH} blocks of {BLOCK} tokens per step, one process, "

@@ -15,7 +15,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 from engine.cli import check_args  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.device import set_tf32  # noqa: E402
+from engine.runlog import git_state  # noqa: E402
 
 
 def build_task(device: torch.device, extra: list[str]):
@@ -41,20 +41,6 @@ def build_task(device: torch.device, extra: list[str]):
     set_tf32(args.tf32)
     torch.manual_seed(args.seed)
     return args, module.LSTMWiki2(args, device)
-
-
-def git_state(ignored: Path) -> tuple[str | None, bool | None]:
-    """(HEAD's commit, whether `git status --porcelain` lists nothing but `ignored`)."""
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-        status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=all"],
-                                capture_output=True, text=True)
-    except OSError:
-        return None, None
-    if head.returncode or status.returncode:
-        return None, None
-    changed = [line for line in status.stdout.splitlines() if (REPO / line[3:]).resolve() != ignored.resolve()]
-    return head.stdout.strip(), not changed
 
 
 def main():

@@ -10,7 +10,6 @@ entries; the sorter itself makes about two passes over them (pair differences, r
 """
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
+from engine.runlog import head_commit  # noqa: E402
 from sorters import build_sorter  # noqa: E402
 from sorters.base import Sorter  # noqa: E402
 
@@ -42,7 +42,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the JSON object to this file")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = head_commit()  # "unknown commit" without a git checkout
     checked = Sorter._screen_nonfinite
     report = {"commit": commit, "torch": torch.__version__, "per_step": {}}
     for n, k, d in SHAPES:

@@ -70,12 +70,14 @@ def main():
     one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
     default_threads = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     python = sys.executable
+    sys.path.insert(0, str(REPO))
+    from engine.runlog import head_commit
+
     report = {
         "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), "
                    f"torch {__import__('torch').__version__}",
         "date": datetime.date.today().isoformat(),
-        "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                     text=True).stdout.strip() or None,
+        "git_commit": head_commit(short=True),  # "unknown commit" without a git checkout
         "command": "python bench/quickstart.py " + " ".join(sys.argv[1:]),
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
     }

@@ -42,6 +42,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--keep", action="store_true", help="keep the clone (beside this checkout) afterwards")
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    from engine.runlog import UNKNOWN_COMMIT, head_commit
+
+    commit = head_commit()
+    if commit == UNKNOWN_COMMIT:
+        parser.exit(2, "error: the test command is timed in a clone of this checkout's HEAD, and this copy is no "
+                       "git checkout (no .git): run it in a git clone\n")
     if subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                       capture_output=True, text=True).stdout.strip():
         sys.exit("error: the checkout has uncommitted changes; commit them (the clone is of HEAD)")
@@ -49,7 +56,6 @@ def main() -> None:
     clone = REPO.parent / f"{REPO.name}-suite-clone"
     if clone.exists():
         sys.exit(f"error: {clone} exists (a --keep of an earlier run?); remove it first")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     try:
         subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
         subprocess.run([sys.executable, "-m", "venv", str(clone / ".venv")], check=True)

@@ -126,13 +126,54 @@ def _format(value):
     return repr(float(value)) if isinstance(value, float) else value
 
 
-def git_commit() -> str | None:
+# ---------------------------------------------------------------------------------------------- provenance
+# Where the code is no git checkout (a source archive, an sdist, a copy without .git) or git is missing,
+# every commit this module reports is UNKNOWN_COMMIT, never an error: the run or bench goes on and says so.
+UNKNOWN_COMMIT = "unknown commit"
+
+
+def run_git(*argv: str, env: dict | None = None, timeout: float = 60,
+            **kwargs) -> subprocess.CompletedProcess | None:
+    """`git ARGV` in REPO_DIR's own repository (captured output), or None where git is missing or hangs.
+    Git never looks above REPO_DIR (GIT_CEILING_DIRECTORIES): a source archive unpacked inside another
+    checkout must not report that checkout's commit."""
+    env = {**(os.environ if env is None else env), "GIT_CEILING_DIRECTORIES": str(REPO_DIR.parent)}
     try:
-        out = subprocess.run(["git", "-C", str(REPO_DIR), "describe", "--always", "--dirty", "--abbrev=40"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
+        return subprocess.run(["git", "-C", str(REPO_DIR), *argv], env=env, capture_output=True, timeout=timeout,
+                              check=False, **kwargs)
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _git_text(*argv: str) -> str | None:
+    """git's stdout, stripped, when it succeeded with some; else None."""
+    out = run_git(*argv, text=True)
+    if out is None or out.returncode:
+        return None
+    return out.stdout.strip() or None
+
+
+def git_commit() -> str:
+    """`git describe --always --dirty --abbrev=40`: HEAD's commit, "-dirty" when tracked files differ from
+    it; UNKNOWN_COMMIT without a git checkout."""
+    return _git_text("describe", "--always", "--dirty", "--abbrev=40") or UNKNOWN_COMMIT
+
+
+def head_commit(short: bool = False) -> str:
+    """HEAD's commit (40 hex digits, or git's short form), or UNKNOWN_COMMIT without a git checkout."""
+    return _git_text("rev-parse", *(["--short"] if short else []), "HEAD") or UNKNOWN_COMMIT
+
+
+def git_state(ignored: Path | None = None) -> tuple[str, bool | None]:
+    """(HEAD's commit, whether the working tree is clean: `git status --porcelain --untracked-files=all`
+    lists nothing but `ignored`, a bench's own report file a previous run may have left); without a git
+    checkout (UNKNOWN_COMMIT, None)."""
+    head, status = head_commit(), run_git("status", "--porcelain", "--untracked-files=all", text=True)
+    if head == UNKNOWN_COMMIT or status is None or status.returncode:
+        return UNKNOWN_COMMIT, None
+    skip = None if ignored is None else Path(ignored).resolve()
+    changed = [line for line in status.stdout.splitlines() if (REPO_DIR / line[3:]).resolve() != skip]
+    return head, not changed
 
 
 def library_versions() -> dict:
@@ -164,15 +205,11 @@ def code_tree() -> str | None:
     if "tree" not in _code_tree_cache:
         index = Path(tempfile.gettempdir()) / f"cdgrab-code-tree-{os.getpid()}.index"
         env = {**os.environ, "GIT_INDEX_FILE": str(index)}
-        git = ["git", "-C", str(REPO_DIR)]
         try:
-            add = subprocess.run([*git, "add", "-A", "--", ".", f":!{EXCLUDED_FROM_CODE_TREE}"], env=env,
-                                 capture_output=True, timeout=120)
-            tree = subprocess.run([*git, "write-tree"], env=env, capture_output=True, text=True, timeout=60)
-            ok = add.returncode == 0 and tree.returncode == 0
-            _code_tree_cache["tree"] = tree.stdout.strip() if ok else None
-        except (OSError, subprocess.SubprocessError):
-            _code_tree_cache["tree"] = None
+            add = run_git("add", "-A", "--", ".", f":!{EXCLUDED_FROM_CODE_TREE}", env=env, timeout=120)
+            tree = run_git("write-tree", env=env, text=True) if add is not None and add.returncode == 0 else None
+            written = tree is not None and tree.returncode == 0
+            _code_tree_cache["tree"] = (tree.stdout.strip() or None) if written else None
         finally:
             index.unlink(missing_ok=True)
     return _code_tree_cache["tree"]
@@ -195,17 +232,19 @@ def tree_without(tree_object: bytes, name: bytes) -> str:
 
 
 def commit_of_code_tree(tree: str | None) -> str | None:
-    """The newest commit here whose files, reproduction/ left out, are `tree` (None when none is)."""
+    """The newest commit here whose files, reproduction/ left out, are `tree`; None when no commit is (the
+    code had uncommitted changes, or is newer than this repository's history); UNKNOWN_COMMIT when the
+    tree is unknown (code_tree() outside a git checkout) or this is no git checkout."""
     if not tree:
-        return None
-    git = ["git", "-C", str(REPO_DIR)]
-    try:
-        log = subprocess.run([*git, "log", "--all", "--format=%H %T"], capture_output=True, text=True, timeout=60)
-        pairs = [line.split() for line in log.stdout.splitlines() if len(line.split()) == 2]
-        batch = subprocess.run([*git, "cat-file", "--batch"], input="".join(f"{t}\n" for _, t in pairs).encode(),
-                               capture_output=True, timeout=120).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+        return UNKNOWN_COMMIT
+    log = run_git("log", "--all", "--format=%H %T", text=True)
+    if log is None or log.returncode:
+        return UNKNOWN_COMMIT
+    pairs = [line.split() for line in log.stdout.splitlines() if len(line.split()) == 2]
+    batch = run_git("cat-file", "--batch", input="".join(f"{t}\n" for _, t in pairs).encode(), timeout=120)
+    if batch is None or batch.returncode:
+        return UNKNOWN_COMMIT
+    batch = batch.stdout
     at = 0
     for commit, _ in pairs:  # --batch answers "<id> tree <size>\n<content>\n" for each, in order
         header_end = batch.index(b"\n", at)

@@ -8,7 +8,8 @@
 #       ./scripts/reproduce-all.sh --max-train-examples 512    # minutes
 #
 # Environment: those of the sweeps (SORTERS SEEDS EPOCHS NPROC RESULTS PYTHON TORCHRUN DATA DRY_RUN;
-# see scripts/sweep-LR-HMDA.sh --help), plus
+# see scripts/sweep-LR-HMDA.sh --help; PYTHON, for the simulation and the figures too, defaults to an
+# activated venv's interpreter, else this checkout's .venv/bin/python, else python3), plus
 #   BENCHMARKS    which sweeps to run           (default "LR-HMDA LSTM-Wiki2 MLP-M4 GPT2-Wiki103")
 #   HERDING_ARGS  extra args for scripts/herding_simulation.py (default none: paper scale, 5 trials,
 #                 ~30 CPU-minutes; "--jobs 2" halves the wall time on an idle 2-core machine)
@@ -21,7 +22,8 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
   exit 0
 fi
 export RESULTS=${RESULTS:-results}
-PYTHON=${PYTHON:-python}
+source "$here/sweep-common.sh"  # default_python; the sweeps and this script start the same interpreter
+export PYTHON=${PYTHON:-$(default_python "$root")}
 FIGURES=${FIGURES:-figures}
 read -ra herding_args <<<"${HERDING_ARGS:-}"
 

@@ -14,12 +14,25 @@
 # there is one (and refuses, exit 2, to touch results it cannot continue: docs/run-directory.md). Output of each run is appended to $RESULTS/logs/<BENCHMARK>/<run>.log.
 
 SWEEP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# default_python ROOT: the interpreter a script starts when $PYTHON is not set: an activated virtual
+# environment's ($VIRTUAL_ENV/bin/python), else the checkout's own venv (ROOT/.venv/bin/python, README's
+# set-up, which works without activating it), else python3 on PATH, else python. A `python` found first
+# on PATH may be another installation, without torch.
+default_python() {
+  local candidate
+  for candidate in ${VIRTUAL_ENV:+"$VIRTUAL_ENV/bin/python"} "$1/.venv/bin/python"; do
+    if [[ -x $candidate ]]; then printf '%s\n' "$candidate"; return; fi
+  done
+  if command -v python3 >/dev/null; then echo python3; else echo python; fi
+}
+
 SORTERS=${SORTERS:-"CD-GraB D-RR"}
 SEEDS=${SEEDS:-"0 1 2 3 4"}
 NPROC=${NPROC:-1}
 RESULTS=${RESULTS:-results}
-PYTHON=${PYTHON:-python}
-TORCHRUN=${TORCHRUN:-torchrun}
+PYTHON=${PYTHON:-$(default_python "$SWEEP_ROOT")}
+TORCHRUN=${TORCHRUN:-}  # empty: "$PYTHON" -m torch.distributed.run, the torchrun of the same interpreter
 DATA=${DATA:-${CDGRAB_DATA:-datasets}}
 EPOCHS=${EPOCHS:-}
 DRY_RUN=${DRY_RUN:-0}
@@ -47,8 +60,9 @@ $3}
             \$TORCHRUN --standalone --nproc_per_node=\$NPROC (node_cnt must be a multiple)  (default 1)
   RESULTS   results root; runs go to
             \$RESULTS/$1/<sorter>-node<n>-B<B>-lr<lr>${4:+-$4}[-<tag>...]-seed<seed>  (default results)
-  PYTHON    python interpreter                      (default python)
-  TORCHRUN  torchrun command                        (default torchrun)
+  PYTHON    interpreter of every run and of the sweep's own checks (default: an activated venv's,
+            else this checkout's .venv/bin/python, else python3 on PATH; here: $PYTHON)
+  TORCHRUN  torchrun command                        (default: \$PYTHON -m torch.distributed.run)
   DATA      data folder, passed as --data-dir       (default \$CDGRAB_DATA, else datasets)
   DRY_RUN   1: print the commands instead of running them
 EOF
@@ -113,7 +127,7 @@ sweep() {
       echo "sweep-$bench: node_cnt $node_cnt is not a multiple of NPROC=$NPROC" >&2
       return 2
     fi
-    read -ra launcher <<<"$TORCHRUN"
+    if [[ -n $TORCHRUN ]]; then read -ra launcher <<<"$TORCHRUN"; else launcher=("$PYTHON" -m torch.distributed.run); fi
     launcher+=(--standalone "--nproc_per_node=$NPROC")
   fi
 

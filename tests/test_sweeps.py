@@ -252,6 +252,53 @@ def test_torchrun_and_overrides(env):
     assert proc.returncode != 0 and "multiple" in proc.stderr and calls(env) == []
 
 
+def test_torchrun_is_that_of_the_sweeps_python_by_default(env):
+    """Without TORCHRUN, NPROC > 1 starts `$PYTHON -m torch.distributed.run`: the launcher of the same
+    interpreter, not a `torchrun` found on PATH."""
+    sweep("MLP-M4", {key: value for key, value in env.items() if key != "TORCHRUN"}, NPROC="4", SORTERS="CD-GraB",
+          SEEDS="3")
+    (argv,) = calls(env)  # the fake PYTHON's arguments
+    assert argv[:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    assert Path(argv[4]).name == "main-MLP-M4.py"
+
+
+def test_the_interpreter_is_the_activated_venv_else_the_checkouts_venv_else_python3(tmp_path):
+    """Without PYTHON, a sweep (a dry run, in a checkout holding just the scripts) starts $VIRTUAL_ENV/bin/python,
+    else the checkout's .venv/bin/python, else python3 from PATH; PYTHON wins over all of them; --help says
+    which it starts."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    for name in ("sweep-common.sh", "sweep-LR-HMDA.sh"):
+        (checkout / "scripts" / name).write_text((SCRIPTS / name).read_text())
+    pythons = {}
+    for name, folder in (("checkout", checkout / ".venv"), ("activated", tmp_path / "activated")):
+        (folder / "bin").mkdir(parents=True)
+        pythons[name] = folder / "bin" / "python"  # a real interpreter: the sweep's own snippet runs on it
+        pythons[name].write_text(f"#!/bin/sh\nexec '{sys.executable}' \"$@\"\n")
+    base = {key: value for key, value in os.environ.items() if key not in ("PYTHON", "VIRTUAL_ENV", "TORCHRUN")}
+    base.update(DRY_RUN="1", SORTERS="D-RR", SEEDS="0", RESULTS=str(tmp_path / "results"), DATA=str(tmp_path),
+                NPROC="2", PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin")  # python3: this interpreter's
+
+    def launcher(**env):
+        proc = subprocess.run(["bash", str(checkout / "scripts" / "sweep-LR-HMDA.sh")], env={**base, **env},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        (command,) = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if "] run  " in line]
+        helped = subprocess.run(["bash", str(checkout / "scripts" / "sweep-LR-HMDA.sh"), "--help"],
+                                env={**base, **env}, capture_output=True, text=True, timeout=60).stdout
+        python = command.split(" -m torch.distributed.run --standalone --nproc_per_node=2 ")[0]
+        assert f"here: {python})" in helped, helped
+        return python
+
+    assert launcher() == "python3"  # neither venv's python is executable yet
+    pythons["checkout"].chmod(0o755)
+    assert launcher() == str(pythons["checkout"])
+    assert launcher(VIRTUAL_ENV=str(tmp_path / "activated")) == str(pythons["checkout"])  # not executable there
+    pythons["activated"].chmod(0o755)
+    assert launcher(VIRTUAL_ENV=str(tmp_path / "activated")) == str(pythons["activated"])
+    assert launcher(VIRTUAL_ENV=str(tmp_path / "activated"), PYTHON=str(pythons["checkout"])) == str(pythons["checkout"])
+
+
 def test_gpt2_uses_wikitext103_train_split_when_present(env):
     folder = Path(env["DATA"]) / "wikitext-103"
     folder.mkdir()

@@ -124,4 +124,6 @@ def unpack(source: Path, into: Path, bench_json: Path, sessions: Path, replace_f
         bench_json.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(source / "gpu-epochs.json", bench_json)
         found = runlog.commit_of_code_tree(report.get("code_tree"))
+        if found == runlog.UNKNOWN_COMMIT:
+            found = "an unknown commit (no code tree in the report, or no git history here to look it up in)"
         print(f"{bench_json}: the bench of {found or 'a code tree no commit here has (commit it, then look again)'}")
