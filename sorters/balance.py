@@ -74,19 +74,19 @@ class CDGraB(PairBalancer):
 
 # sign_loop_for: models of at least this many parameters whose gradients are balanced as sketches take the
 # Gram path on the CPU too (bench/balancing_loop.py gives both loops' cost per vector)
-GRAM_ON_CPU_MIN_PARAMS = 2**20
+_GRAM_ON_CPU_MIN_PARAMS = 2**20
 
 
 def sign_loop_for(device, model_d: int, sorted_d: int) -> str:
     """CD-GraB's sign loop for a model of model_d parameters whose sorter balances sorted_d-dimensional
     vectors (sorted_d < model_d: sketches) on `device`: "gram" off the CPU; on the CPU "compiled" (numba),
-    except for sketches of a model of GRAM_ON_CPU_MIN_PARAMS parameters or more: there the Gram path's
+    except for sketches of a model of _GRAM_ON_CPU_MIN_PARAMS parameters or more: there the Gram path's
     per-vector overhead on short vectors vanishes beside a step that forms per-unit gradients of a large
     model, while importing numba and LLVM is a fixed cost in resident memory (docs/sketching.md measures
     both). For exact gradients that long the compiled loop is much faster, so it stays."""
     if torch.device(device).type != "cpu":
         return "gram"
-    return "gram" if sorted_d < model_d and model_d >= GRAM_ON_CPU_MIN_PARAMS else "compiled"
+    return "gram" if sorted_d < model_d and model_d >= _GRAM_ON_CPU_MIN_PARAMS else "compiled"
 
 
 _MINUS_PLUS_ONE = np.array([-1.0, 1.0])

@@ -46,6 +46,8 @@ from sorters.exact_products import ContributionSink, Formed, Pairs, add_weighted
 from sorters.layer_rules import Layout, apply_rule, tokens
 from sorters.layer_sketch import selected_parameters
 
+__all__ = ["ExactGradients", "ExactRecording", "UnitGradients", "ExactCDGraB", "NEAR_TIE"]
+
 NEAR_TIE = 1e-5
 
 
@@ -521,13 +523,13 @@ class ExactCDGraB(PairBalancer):
         quadratic = (signs[:, None] * diff_G * signs[None, :]).cumsum(0).cumsum(1).diagonal()  # sum_{j,l<=i}
         before = torch.cat([torch.zeros(1, dtype=torch.float64), quadratic[:-1]])            # sum_{j,l<i}
         linear = torch.cat([torch.zeros(1, dtype=torch.float64), (signs * diff_a).cumsum(0)[:-1]])
-        s_norm2 = squared_norm(self.running_sum, self.share) + 2 * linear + before
+        s_norm2 = _squared_norm(self.running_sum, self.share) + 2 * linear + before
         g_norms = norms.to(torch.float64).clamp(min=0).sqrt()
         scale = s_norm2.clamp(min=0).sqrt() * (g_norms[firsts] + g_norms[seconds])
         return int(((scale > 0) & (dots.abs() <= NEAR_TIE * scale)).sum())  # S_i = 0 exactly: a true tie, +1
 
 
-def squared_norm(x: torch.Tensor, share=None, chunk: int = 2**20) -> float:
+def _squared_norm(x: torch.Tensor, share=None, chunk: int = 2**20) -> float:
     """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole); with a
     share (ExactCDGraB), x holds this process's parameters only and the squares are summed over the processes."""
     total = sum(float(part.double().square().sum()) for part in x.split(chunk))

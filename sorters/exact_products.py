@@ -178,7 +178,7 @@ def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- products
 
-def ghost_possible(pieces: list) -> bool:
+def _ghost_possible(pieces: list) -> bool:
     """Ghost products need every contribution factored (Outer or Rows), or every one Formed."""
     kinds = {type(x) for _, x in pieces}
     return Formed not in kinds or kinds == {Formed}
@@ -205,7 +205,7 @@ def ghost_pays(pieces: list, U: int, R: int, C: int) -> bool:
     """Whether the ghost formulas are cheaper than streaming: GHOST_MARGIN * ghost flops < stream flops.
     Streaming also writes and reads the (U, R, C) blocks, which the flop count undercounts, so ghost wins
     up to about twice streaming's flops (bench/exact_products.py times both; docs/exact-cdgrab.md)."""
-    if not ghost_possible(pieces) or all(isinstance(x, Formed) for _, x in pieces):
+    if not _ghost_possible(pieces) or all(isinstance(x, Formed) for _, x in pieces):
         return False
     return GHOST_MARGIN * ghost_cost(pieces, R, C) < stream_cost(pieces, U, R, C)
 
@@ -227,7 +227,7 @@ def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | 
     G = torch.zeros(r, r, dtype=torch.float64, device=S.device)
     norms = torch.zeros(U, dtype=torch.float64, device=S.device) if pairs is not None else None
     block = torch.empty(U, rows, C, dtype=S.dtype, device=S.device)
-    leads, unwritten = block_leads(pieces, U)
+    leads, unwritten = _block_leads(pieces, U)
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         out = block[:, :r1 - r0]
@@ -251,7 +251,7 @@ def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | 
     return (*pairs.rescale(a, G), norms * pairs.inverse_scale.to(norms.device, torch.float64) ** 2)
 
 
-def block_leads(pieces: list, U: int) -> tuple[set, list]:
+def _block_leads(pieces: list, U: int) -> tuple[set, list]:
     """(leads, unwritten): the contributions that WRITE their units' rows of a streamed block (bmm into it,
     instead of adding to zeros: a pass less), the first Outer of each range of units that no earlier
     contribution touches; and the (start, stop) ranges of units no lead writes, zeroed first."""
@@ -332,17 +332,17 @@ def ghost_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor,
     for i, (fx, x) in enumerate(pieces):
         a[fx:fx + x.units] += x.dot(S).double()
         for fy, y in pieces[i:]:
-            block = ghost_gram(x, y).double()
+            block = _ghost_gram(x, y).double()
             G[fx:fx + x.units, fy:fy + y.units] += block
             if y is not x:
                 G[fy:fy + y.units, fx:fx + x.units] += block.T
     return a, G
 
 
-def ghost_gram(x, y) -> torch.Tensor:
+def _ghost_gram(x, y) -> torch.Tensor:
     """(Ux, Uy) <x_u, y_v> for two factored contributions to one parameter."""
     if isinstance(x, Rows) and isinstance(y, Outer):
-        return ghost_gram(y, x).T
+        return _ghost_gram(y, x).T
     if isinstance(x, Formed):
         return x.values.reshape(x.units, -1) @ y.values.reshape(y.units, -1).T
     if isinstance(x, Outer):
@@ -367,7 +367,7 @@ def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = 
     (R, C) is also the sum of the records of units 0..grad_units-1 (streaming: from its blocks), else None."""
     if how is None:
         how = "ghost" if ghost_pays(pieces, U, *S.shape) else "stream"
-    if how == "ghost" and not ghost_possible(pieces):
+    if how == "ghost" and not _ghost_possible(pieces):
         how = "stream"
     grad = None
     if how == "stream":

@@ -16,7 +16,7 @@ Exact CD-GraB from layer records (sorters/exact.py) gathers records instead: `al
 its records and its per-unit gradient (`exchange_bytes`); `gather_parts` does it for a step recorded in
 parts (the engine's chunks), part by part. With a `ParameterShare` (ExactCDGraB dividing the products over
 the processes: the HF Trainer under torchrun, `CDGraBSampler(divide_products=True)`) each parameter's
-records go to its owning process only (`gather_rows_to`).
+records go to its owning process only (`_gather_rows_to`).
 """
 from typing import Callable
 
@@ -60,7 +60,7 @@ def sketch_then_gather(local: torch.Tensor, sketch=None,
     return sketched if gather is None else gather(sketched)
 
 
-def gather_rows_to(local: torch.Tensor, dst: int) -> torch.Tensor | None:
+def _gather_rows_to(local: torch.Tensor, dst: int) -> torch.Tensor | None:
     """local (r, ...) in each process -> (world_size * r, ...) in process `dst` only (rank-major, as
     all_gather_rows), None in the others. Every process calls it at the same time with the same shape."""
     local = local.contiguous()
@@ -81,7 +81,7 @@ def all_gather_units(units: UnitGradients, share=None) -> UnitGradients:
     """This process's U units (records fresh from one backward: each contribution covers all U) -> the
     world_size * U units of every process, rank-major, in every process, with the loss weights (U,).
     share: None, or the ParameterShare of an ExactCDGraB that divides the products: each parameter's records go
-    to its owner only (gather_rows_to), so a process holds every unit of its own parameters and nothing of
+    to its owner only (_gather_rows_to), so a process holds every unit of its own parameters and nothing of
     the others' (its own records of them are sent, then dropped).
     Per parameter, whichever is smaller per unit (`exchange_bytes`) is all-gathered: its contributions'
     records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and values (U, T, C),
@@ -107,7 +107,7 @@ def all_gather_units(units: UnitGradients, share=None) -> UnitGradients:
 
     def gathered(x: torch.Tensor, T: int | None, dst: int | None) -> torch.Tensor | None:
         x = x if T is None else padded(x, T)  # (U, t, ...) padded to T tokens, then gathered
-        return all_gather_rows(x) if dst is None else gather_rows_to(x, dst)
+        return all_gather_rows(x) if dst is None else _gather_rows_to(x, dst)
 
     pieces = {}
     for i, p in enumerate(owner.params):

@@ -59,10 +59,12 @@ except ImportError as error:  # the package depends on torch, numpy and numba on
     raise ImportError("sorters.hf needs transformers and accelerate: pip install 'transformers>=5.17' "
                       "'accelerate>=1.15' (or the package's extra: pip install '.[hf]')") from error
 
+__all__ = ["CDGraBTrainer", "CDGraBTrainerMixin", "SAMPLER_FILE"]
+
 SAMPLER_FILE = "cdgrab_sampler.pt"
 
 # the keyword arguments the mixin took before CDGraBSettings, and the settings' field each one sets
-KEYWORDS = {"sorter": "sorter", "sorter_seed": "seed", "grad_params": "grad_params",
+_KEYWORDS = {"sorter": "sorter", "sorter_seed": "seed", "grad_params": "grad_params",
             "grad_chunk_size": "grad_chunk_size", "sketch_dim": "sketch_dim", "structured": "structured",
             "sketch_min_numel": "min_numel", "num_replicas": "num_replicas", "exact_low_memory": "exact_low_memory"}
 
@@ -93,7 +95,7 @@ class CDGraBTrainerMixin:
             Trainer. Its seed None means `args.seed`. num_replicas R > 1 in one process hosts R replicas:
             each micro-batch holds R x per_device_train_batch_size examples, as R processes would together.
             structured=True (with sketch_dim, for a causal LM: outputs.logits, labels shifted by one, -100
-            ignored; or a token or sequence classifier: example_losses) builds the sketches layer by layer from the Trainer's own forward and backward
+            ignored; or a token or sequence classifier: _example_losses) builds the sketches layer by layer from the Trainer's own forward and backward
             (LayerSketch.recording): no second pass; the loss is then computed here from the logits, as
             the model computes it, so that each example's own loss can be watched.
             exact_low_memory=True (CD-GraB, the same losses) balances the exact gradients from
@@ -116,7 +118,7 @@ class CDGraBTrainerMixin:
     """
 
     def __init__(self, *args, cdgrab: CDGraBSettings | None = None, **kwargs):
-        settings = self.settings_from(cdgrab, {key: kwargs.pop(key) for key in KEYWORDS if key in kwargs})
+        settings = self.settings_from(cdgrab, {key: kwargs.pop(key) for key in _KEYWORDS if key in kwargs})
         super().__init__(*args, **kwargs)
         if settings.seed is None:
             settings = dataclasses.replace(settings, seed=self.args.seed)
@@ -130,13 +132,13 @@ class CDGraBTrainerMixin:
 
     @staticmethod
     def settings_from(cdgrab: CDGraBSettings | None, keywords: dict) -> CDGraBSettings:
-        """The settings: `cdgrab`, or those the keyword arguments (KEYWORDS) build; one line if both."""
+        """The settings: `cdgrab`, or those the keyword arguments (_KEYWORDS) build; one line if both."""
         if cdgrab is not None and keywords:
             raise TypeError(f"CDGraBTrainer: pass cdgrab=CDGraBSettings(...) or the keyword arguments "
                             f"{', '.join(keywords)}, not both")
         if cdgrab is not None and not isinstance(cdgrab, CDGraBSettings):
             raise TypeError(f"CDGraBTrainer: cdgrab must be a sorters.CDGraBSettings, got {type(cdgrab).__name__}")
-        return cdgrab or CDGraBSettings(**{KEYWORDS[key]: value for key, value in keywords.items()})
+        return cdgrab or CDGraBSettings(**{_KEYWORDS[key]: value for key, value in keywords.items()})
 
     @property
     def _uses_grads(self) -> bool:
@@ -312,7 +314,7 @@ class CDGraBTrainerMixin:
             raise ValueError(f"{type(self).__name__}: {refusal}")
 
     def _records_refusal(self, dataset, mode: str) -> str | None:
-        """Why the records' loss (compute_loss: example_losses of the kind loss_kind reads from the model's
+        """Why the records' loss (compute_loss: _example_losses of the kind _loss_kind reads from the model's
         outputs) cannot stand for the model's own on the first two examples: no labels, logits neither a
         causal LM's (B, T, vocab) nor a classifier's (B, K), logits that change with explicit (B, T) position
         ids, or a model loss (outputs.loss) other than that loss of its logits; None when it can (the kind
@@ -329,7 +331,7 @@ class CDGraBTrainerMixin:
             with torch.no_grad():
                 outputs = self.model(**batch)
                 logits = getattr(outputs, "logits", None)
-                kind = loss_kind(self.model, logits, batch["labels"])
+                kind = _loss_kind(self.model, logits, batch["labels"])
                 if kind is None:
                     return (f"{mode} needs a causal LM or token classifier whose outputs.logits are (B, T, classes) "
                             f"for (B, T) labels, or a sequence classifier whose logits are (B, labels) for B labels; "
@@ -340,11 +342,11 @@ class CDGraBTrainerMixin:
                         self.model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
                     return (f"{mode} passes position_ids (B, T) = 0..T-1 so that the position embedding sees the "
                             f"examples, but this model's logits change with them (left padding?); use {flag}=False")
-                losses, counts = example_losses(kind, logits, batch["labels"])
+                losses, counts = _example_losses(kind, logits, batch["labels"])
                 own = getattr(outputs, "loss", None)
                 if not isinstance(own, torch.Tensor) or not torch.allclose(
                         ((losses * counts).sum() / counts.sum()).to(own.dtype), own, rtol=1e-4, atol=1e-6):
-                    return (f"{mode} computes the {LOSS_WORDS[kind]} loss, but this model's own loss "
+                    return (f"{mode} computes the {_LOSS_WORDS[kind]} loss, but this model's own loss "
                             f"(outputs.loss) is another; use {flag}=False for this model")
         finally:
             self.model.train(was_training)
@@ -414,7 +416,7 @@ class CDGraBTrainerMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, *args, **kwargs):
         """The Trainer's loss; with a recording (inside training_step), the model's loss (causal LM or
-        classifier: example_losses) computed from the per-example losses that the recording watches, as the
+        classifier: _example_losses) computed from the per-example losses that the recording watches, as the
         model would compute it."""
         recording = self._cdgrab_recording
         if recording is None:
@@ -423,7 +425,7 @@ class CDGraBTrainerMixin:
         labels = inputs.pop("labels")
         with recording:
             outputs = model(**inputs)
-            losses, counts = example_losses(self.__dict__.get("_cdgrab_loss_kind", "causal_lm"), outputs.logits, labels)
+            losses, counts = _example_losses(self.__dict__.get("_cdgrab_loss_kind", "causal_lm"), outputs.logits, labels)
             recording.watch(losses)
         token_sum = (losses * counts).sum()
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
@@ -481,14 +483,14 @@ class CDGraBTrainerMixin:
                 "exact_low_memory": settings.exact_low_memory}  # which path ran (auto decided), for the record
 
 
-LOSS_WORDS = {"causal_lm": "causal LM (logits at t predict labels at t + 1)",
+_LOSS_WORDS = {"causal_lm": "causal LM (logits at t predict labels at t + 1)",
               "token_classification": "token classification (logits at t scored against labels at t)",
               "single_label_classification": "single-label classification (cross-entropy)",
               "multi_label_classification": "multi-label classification (binary cross-entropy)",
               "regression": "regression (mean squared error)"}
 
 
-def loss_kind(model, logits, labels) -> str | None:
+def _loss_kind(model, logits, labels) -> str | None:
     """Which loss the model's own is, as transformers picks it from the outputs: for (B, T, V) logits and
     (B, T) labels "token_classification" where the model says so (transformers' loss_type
     "ForTokenClassification": token t's logits scored against labels[t]), else "causal_lm"; for (B, K) logits
@@ -503,22 +505,22 @@ def loss_kind(model, logits, labels) -> str | None:
     if logits.dim() != 2 or labels.shape[0] != logits.shape[0]:
         return None
     problem = getattr(getattr(model, "config", None), "problem_type", None)
-    if problem in LOSS_WORDS:
+    if problem in _LOSS_WORDS:
         return problem
     if logits.shape[1] == 1:
         return "regression"
     return "single_label_classification" if not labels.dtype.is_floating_point else "multi_label_classification"
 
 
-def example_losses(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each example's loss of `kind` (loss_kind), as transformers computes a batch's, and its weight:
+def _example_losses(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's loss of `kind` (_loss_kind), as transformers computes a batch's, and its weight:
     (losses (B,), counts (B,)), the batch's loss (losses * counts).sum() / counts.sum(). A classifier's
     logits (B, K): its examples weigh alike (counts 1), each loss the mean over its K outputs where
     transformers takes the mean over all B K (regression with K > 1, multi-label)."""
     if kind == "causal_lm":
-        return causal_lm_losses(logits, labels)
+        return _causal_lm_losses(logits, labels)
     if kind == "token_classification":
-        return labelled_token_losses(logits, labels)
+        return _labelled_token_losses(logits, labels)
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     B = logits.shape[0]
     if kind == "single_label_classification":
@@ -531,21 +533,21 @@ def example_losses(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> tup
     return losses, torch.ones(B, dtype=losses.dtype, device=losses.device)
 
 
-def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each example's causal LM loss, as transformers computes a batch's (ForCausalLMLoss): token t's
     logits predict labels[t + 1], labels of -100 are ignored, in float32 (or wider).
 
     logits (B, T, V), labels (B, T) -> (losses (B,): the mean cross-entropy over each example's labelled
     tokens; counts (B,): how many it has, in the losses' dtype). The batch's loss is
     (losses * counts).sum() / counts.sum(). An example with no labelled token: loss 0, count 0."""
-    return labelled_token_losses(logits, torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:])
+    return _labelled_token_losses(logits, torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:])
 
 
-def labelled_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _labelled_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each example's mean cross-entropy of token t's logits against targets[t] over its tokens whose target
     is not -100, in float32 (or wider): a token classifier's loss (transformers' CrossEntropyLoss over the
     batch's tokens), and the causal LM's with the targets shifted. logits (B, T, V), targets (B, T) ->
-    (losses (B,), counts (B,)) as causal_lm_losses."""
+    (losses (B,), counts (B,)) as _causal_lm_losses."""
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     B, T, V = logits.shape  # the classes along the contiguous last dim: (B T, V), as transformers does
     per_token = torch.nn.functional.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T),

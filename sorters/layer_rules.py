@@ -134,21 +134,21 @@ def _add_bias(module, g: torch.Tensor, sink: Sink) -> None:
         sink.add(bias, g.sum(1))
 
 
-def linear_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _linear_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """nn.Linear, y = a W^T + b with W (out, in); a (U, T, in), g (U, T, out)."""
     if sink.wants(module.weight):
         sink.add_outer(module.weight, g, a)
     _add_bias(module, g, sink)
 
 
-def conv1d_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _conv1d_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """transformers' Conv1D, y = a W + b with W (in, out); a (U, T, in), g (U, T, out)."""
     if sink.wants(module.weight):
         sink.add_outer(module.weight, a, g)
     _add_bias(module, g, sink)
 
 
-def embedding_rule(module, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _embedding_rule(module, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """nn.Embedding; ids (U, T) the looked-up rows, g (U, T, C)."""
     if module.padding_idx is not None:  # F.embedding gives the padding row no gradient
         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
@@ -156,7 +156,7 @@ def embedding_rule(module, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> No
         sink.add_rows(module.weight, ids, g)
 
 
-def layer_norm_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _layer_norm_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """nn.LayerNorm over its last dims, flattened to n entries; a (U, T, n), g (U, T, n)."""
     U, weight, bias = g.shape[0], module.weight, module.bias
     if weight is not None and sink.wants(weight):
@@ -166,7 +166,7 @@ def layer_norm_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> Non
         sink.add(bias, g.sum(1).view(U, *bias.shape))
 
 
-RULES = {"Linear": linear_rule, "Conv1D": conv1d_rule, "Embedding": embedding_rule, "LayerNorm": layer_norm_rule}
+RULES = {"Linear": _linear_rule, "Conv1D": _conv1d_rule, "Embedding": _embedding_rule, "LayerNorm": _layer_norm_rule}
 STRUCTURED_KINDS = ("Linear", "Conv1D", "Embedding")  # the layers whose 2-D weight may be a TensorSketch block
 
 

@@ -85,6 +85,8 @@ except ImportError as error:  # the package depends on torch, numpy and numba on
     raise ImportError("sorters.lightning needs PyTorch Lightning: pip install 'lightning>=2.4' "
                       "(or the package's extra: pip install '.[lightning]')") from error
 
+__all__ = ["CDGraBCallback", "LightningCDGraBSampler", "watch"]
+
 
 class LightningCDGraBSampler(CDGraBSampler):
     """A CDGraBSampler (same arguments) for Lightning: len() is the whole epoch's, also in the epoch after a

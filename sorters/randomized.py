@@ -34,7 +34,7 @@ from sorters.base import PairBalancer, pair_views
 from sorters.checks import check_seed
 
 DELTA = 0.5  # failure probability, as in the published code
-SBW_C_MULTIPLIER = 30.0  # c = b_max * 30 log(...), as in the published code
+_SBW_C_MULTIPLIER = 30.0  # c = b_max * 30 log(...), as in the published code
 
 
 _LOOPS = []  # the module of compiled loops, once imported
@@ -48,7 +48,7 @@ def _loops():
     return _LOOPS[0]
 
 
-class ThresholdPairBalance(PairBalancer):
+class _ThresholdPairBalance(PairBalancer):
     """Shared machinery of KH-SGD and SBW; subclasses set `rule`, `_draw` and `_epoch_constants`.
 
     epochs: the run's total number of epochs E (both rules' constants depend on it).
@@ -148,7 +148,7 @@ class ThresholdPairBalance(PairBalancer):
         self._draws_epoch, self._views = None, None
 
 
-class KernelHalving(ThresholdPairBalance):
+class KernelHalving(_ThresholdPairBalance):
     """KH-SGD (Carrell et al. 2025): pair balance with the kernel-halving threshold.
 
     For the i-th pair difference of epoch e (i = 0 .. P-1 over the visiting order, P = n * floor(m/2)),
@@ -178,7 +178,7 @@ class KernelHalving(ThresholdPairBalance):
         return float(self.rule_state[_loops().KH_V])
 
 
-class SelfBalancingWalk(ThresholdPairBalance):
+class SelfBalancingWalk(_ThresholdPairBalance):
     """SBW (Alweiss, Liu & Sawhney 2021) as run by Carrell et al. 2025: add iff <S, v> <= c (1 - 2u),
     one u uniform in [0, 1) per pair difference.
 
@@ -203,7 +203,7 @@ class SelfBalancingWalk(ThresholdPairBalance):
 
     def _epoch_constants(self, epoch):
         walk = max(self.pairs_per_epoch, 1) * self.total_epochs * self.d / DELTA
-        self.rule_state[_loops().SBW_C_OVER_B_MAX] = SBW_C_MULTIPLIER * math.log(walk)
+        self.rule_state[_loops().SBW_C_OVER_B_MAX] = _SBW_C_MULTIPLIER * math.log(walk)
 
     @property
     def b_max(self) -> float:

@@ -75,36 +75,36 @@ from sorters.gather import ParameterShare, all_gather_rows, all_gather_units, sk
 from sorters.sketch import GradientSketch
 
 
-VIEWS = ("rank", "global")
+_VIEWS = ("rank", "global")
 
 
-OWNER = "CDGraBSampler"
+_OWNER = "CDGraBSampler"
 
 
-def check_arguments(dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs,
+def _check_arguments(dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs,
                     sketch_dim, view, nonfinite, exact) -> tuple:
     """CDGraBSampler's arguments one by one: types, choices and the combinations exact=True allows
     (TypeError / ValueError, one line each). Returns (batch_size, d, num_replicas, rank, seed, sketch_dim) as
     Python ints (NumPy integers and 0-dim integer tensors are accepted)."""
-    batch_size, sketch_dim = check_int(OWNER, "batch_size", batch_size), check_int(OWNER, "sketch_dim", sketch_dim)
-    d, num_replicas, rank = (check_int(OWNER, name, value, none_ok=True) for name, value in
+    batch_size, sketch_dim = check_int(_OWNER, "batch_size", batch_size), check_int(_OWNER, "sketch_dim", sketch_dim)
+    d, num_replicas, rank = (check_int(_OWNER, name, value, none_ok=True) for name, value in
                              (("d", d), ("num_replicas", num_replicas), ("rank", rank)))
-    seed = check_seed(OWNER, seed)
+    seed = check_seed(_OWNER, seed)
     if not (epochs is None or isinstance(epochs, int)):
-        raise TypeError(f"{OWNER}: epochs must be an integer or None, got {epochs!r}")
-    check_device(OWNER, device)
-    check_choice(OWNER, "nonfinite", nonfinite, NONFINITE_MODES)
+        raise TypeError(f"{_OWNER}: epochs must be an integer or None, got {epochs!r}")
+    check_device(_OWNER, device)
+    check_choice(_OWNER, "nonfinite", nonfinite, NONFINITE_MODES)
     for name, flag in (("drop_last", drop_last), ("exact", exact)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{OWNER}: {name} must be True or False, got {flag!r}")
+            raise TypeError(f"{_OWNER}: {name} must be True or False, got {flag!r}")
     if exact and (sorter != "CD-GraB" or sketch_dim or nonfinite != "raise"):
-        raise ValueError(f"{OWNER}: exact=True balances CD-GraB's exact gradients from layer records: it needs "
+        raise ValueError(f"{_OWNER}: exact=True balances CD-GraB's exact gradients from layer records: it needs "
                          f"sorter='CD-GraB', sketch_dim=0 and nonfinite='raise', got sorter={sorter!r}, "
                          f"sketch_dim={sketch_dim}, nonfinite={nonfinite!r}")
     if isinstance(dataset, bool) or not (isinstance(dataset, int) or hasattr(dataset, "__len__")):
-        raise TypeError(f"{OWNER}: dataset must be a sized dataset or its length (an int), got "
+        raise TypeError(f"{_OWNER}: dataset must be a sized dataset or its length (an int), got "
                         f"{type(dataset).__name__}")
-    if view not in VIEWS:
+    if view not in _VIEWS:
         raise ValueError(f"view must be 'rank' (this process's replica; plain DDP loops) or 'global' (every "
                          f"replica's batches, for Accelerate's prepare / the HF Trainer), got {view!r}")
     if not isinstance(sorter, str) or sorter not in SORTER_NAMES:
@@ -116,7 +116,7 @@ def check_arguments(dataset, batch_size, d, sorter, num_replicas, rank, seed, dr
     return batch_size, d, num_replicas, rank, seed, sketch_dim
 
 
-def replicas_of(num_replicas, rank, batch_size: int, distributed: bool) -> tuple:
+def _replicas_of(num_replicas, rank, batch_size: int, distributed: bool) -> tuple:
     """(num_replicas, rank): the process group's where not given (rank None: every replica hosted here)."""
     if num_replicas is None:
         num_replicas = dist.get_world_size() if distributed else 1
@@ -129,7 +129,7 @@ def replicas_of(num_replicas, rank, batch_size: int, distributed: bool) -> tuple
     return num_replicas, rank
 
 
-def examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, drop_last: bool, view: str) -> int:
+def _examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, drop_last: bool, view: str) -> int:
     """m, the examples each replica trains on per epoch (drop_last: whole batches only)."""
     if drop_last:
         m = n_examples // (num_replicas * batch_size) * batch_size
@@ -147,7 +147,7 @@ def examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, dr
     return m
 
 
-def check_sorter_needs(sorter: str, d, num_replicas: int, rank, distributed: bool, epochs) -> None:
+def _check_sorter_needs(sorter: str, d, num_replicas: int, rank, distributed: bool, epochs) -> None:
     """What the sorter needs: gradients' d and every replica's gradients (balancing), the run's length."""
     if SORTERS[sorter].uses_grads:
         if d is None or d < 1:
@@ -219,16 +219,16 @@ class CDGraBSampler(Sampler[int]):
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
                  drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0,
                  view: str = "rank", nonfinite: str = "raise", exact: bool = False, divide_products: bool = False):
-        batch_size, d, num_replicas, rank, seed, sketch_dim = check_arguments(
+        batch_size, d, num_replicas, rank, seed, sketch_dim = _check_arguments(
             dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs, sketch_dim, view,
             nonfinite, exact)
         if not isinstance(divide_products, bool) or (divide_products and not exact):
-            raise ValueError(f"{OWNER}: divide_products must be True (with exact=True) or False, got {divide_products!r}")
+            raise ValueError(f"{_OWNER}: divide_products must be True (with exact=True) or False, got {divide_products!r}")
         distributed = dist.is_available() and dist.is_initialized()
-        num_replicas, rank = replicas_of(num_replicas, rank, batch_size, distributed)
-        n_examples = check_int(OWNER, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset), 1)
-        m = examples_per_replica(n_examples, num_replicas, batch_size, drop_last, view)
-        check_sorter_needs(sorter, d, num_replicas, rank, distributed, epochs)
+        num_replicas, rank = _replicas_of(num_replicas, rank, batch_size, distributed)
+        n_examples = check_int(_OWNER, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset), 1)
+        m = _examples_per_replica(n_examples, num_replicas, batch_size, drop_last, view)
+        _check_sorter_needs(sorter, d, num_replicas, rank, distributed, epochs)
         # one map for every process: it depends on (d, sketch_dim, seed) only; built at its first use (the
         # `sketch` property), since a caller that hands step() sketches already never needs it
         if sketch_dim and not (isinstance(d, int) and d >= 1):

@@ -20,7 +20,7 @@ KH, SBW = 1, 2  # rule codes
 # seen so far in the run); and two constants of the epoch: KH's penalty factor F (L_i = log(F (i + 1)))
 # and SBW's c / b_max
 INDEX, KH_V, SBW_B_MAX, KH_PENALTY_FACTOR, SBW_C_OVER_B_MAX = range(5)
-STATE_SLOTS = 5
+_STATE_SLOTS = 5
 
 
 @njit(cache=True, nogil=True)

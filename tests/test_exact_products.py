@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import sorters.exact_products as products
 from sorters.balance import CDGraB
-from sorters.exact import ExactCDGraB, ExactGradients, squared_norm
-from sorters.hf import causal_lm_losses
+from sorters.exact import ExactCDGraB, ExactGradients, _squared_norm
+from sorters.hf import _causal_lm_losses
 
 V, E, T, B = 13, 6, 5, 6
 
@@ -68,7 +68,7 @@ def tiny_gpt2():
     positions = torch.arange(T).expand(B, T)
 
     def losses(rows=slice(None)):
-        return causal_lm_losses(model(input_ids=ids[rows], position_ids=positions[rows]).logits, ids[rows])[0]
+        return _causal_lm_losses(model(input_ids=ids[rows], position_ids=positions[rows]).logits, ids[rows])[0]
 
     return model, losses
 
@@ -256,7 +256,7 @@ def gpt2_case():
     def losses_of(idx):
         rows = ids[idx]
         positions = torch.arange(T).expand(len(rows), T)
-        return lambda: causal_lm_losses(model(input_ids=rows, position_ids=positions).logits, rows)[0]
+        return lambda: _causal_lm_losses(model(input_ids=rows, position_ids=positions).logits, rows)[0]
 
     return model, losses_of
 
@@ -339,10 +339,10 @@ def test_near_ties_are_counted_for_every_pair_as_the_sign_loop_meets_them():
 
 
 def test_the_running_sums_squared_norm_is_taken_a_chunk_at_a_time_in_float64():
-    """squared_norm (the near-tie scale's ||S||^2) against a float64 sum, over chunks that do not divide d."""
+    """_squared_norm (the near-tie scale's ||S||^2) against a float64 sum, over chunks that do not divide d."""
     x = torch.tensor([3e4, 1.0, -2.5, 1e-3, 7.0, -3e4, 0.5], dtype=torch.float32)
     expected = sum(float(v) ** 2 for v in x.double())
-    assert squared_norm(x, chunk=3) == pytest.approx(expected, rel=1e-15)
+    assert _squared_norm(x, chunk=3) == pytest.approx(expected, rel=1e-15)
 
 
 def test_the_trainer_with_one_example_a_step_writes_grad_on_the_steps_without_pairs(tmp_path):

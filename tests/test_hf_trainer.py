@@ -265,13 +265,13 @@ def test_structured_sketches_are_the_map_of_each_examples_gradient_and_resume_ch
 
 
 def test_causal_lm_losses_are_the_models_own_loss_of_each_example_and_of_the_batch(hf):
-    from sorters.hf import causal_lm_losses
+    from sorters.hf import _causal_lm_losses
     model = hf.tiny_gpt2().double()
     ids = hf.token_rows(3)
     labels = ids.clone()
     labels[0, :3] = -100  # a prompt left out of the loss
     labels[2, 5:] = -100
-    losses, counts = causal_lm_losses(model(input_ids=ids).logits, labels)
+    losses, counts = _causal_lm_losses(model(input_ids=ids).logits, labels)
     assert counts.tolist() == [hf.T - 3, hf.T - 1, 4]  # token t predicts labels[t + 1]
     for i in range(3):
         alone = model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss
@@ -488,8 +488,8 @@ def test_by_default_a_classifier_balances_from_the_records_with_cd_grabs_orders(
 
 
 def test_each_examples_loss_is_the_classifiers_own_loss_of_that_example_alone(hf):
-    """example_losses against transformers' own loss of each example alone, for the three problem types."""
-    from sorters.hf import example_losses, loss_kind
+    """_example_losses against transformers' own loss of each example alone, for the three problem types."""
+    from sorters.hf import _example_losses, _loss_kind
     rows = hf.token_rows(4)
     for num_labels, problem, labels in [(3, None, torch.tensor([0, 2, 1, 2])), (1, None, torch.randn(4)),
                                         (2, "regression", torch.randn(4, 2)),
@@ -498,8 +498,8 @@ def test_each_examples_loss_is_the_classifiers_own_loss_of_that_example_alone(hf
         model.config.problem_type = problem
         with torch.no_grad():
             logits = model(input_ids=rows).logits
-            kind = loss_kind(model, logits, labels)
-            losses, counts = example_losses(kind, logits, labels)
+            kind = _loss_kind(model, logits, labels)
+            losses, counts = _example_losses(kind, logits, labels)
             model.config.problem_type = kind  # what transformers inferred for the batch: fixed for single examples
             own = [model(input_ids=rows[i:i + 1], labels=labels[i:i + 1]).loss for i in range(4)]
         assert kind == problem or problem is None
@@ -508,18 +508,18 @@ def test_each_examples_loss_is_the_classifiers_own_loss_of_that_example_alone(hf
 
 
 def test_each_examples_token_classification_loss_is_the_models_own_loss_of_that_example_alone(hf):
-    """example_losses("token_classification") against transformers' own loss of each example alone (its tagged
+    """_example_losses("token_classification") against transformers' own loss of each example alone (its tagged
     tokens' mean cross-entropy), and the batch's loss from them against the model's loss of the batch."""
-    from sorters.hf import example_losses, loss_kind
+    from sorters.hf import _example_losses, _loss_kind
     rows, model = hf.token_rows(4), hf.tiny_gpt2_token_classifier()
     tags = torch.stack([example["labels"] for example in hf.tagged(rows)])
     with torch.no_grad():
         logits = model(input_ids=rows).logits
-        kind = loss_kind(model, logits, tags)
-        losses, counts = example_losses(kind, logits, tags)
+        kind = _loss_kind(model, logits, tags)
+        losses, counts = _example_losses(kind, logits, tags)
         own = [model(input_ids=rows[i:i + 1], labels=tags[i:i + 1]).loss for i in range(4)]
         batch = model(input_ids=rows, labels=tags).loss
-    assert kind == "token_classification" and loss_kind(hf.tiny_gpt2(), logits, tags) == "causal_lm"
+    assert kind == "token_classification" and _loss_kind(hf.tiny_gpt2(), logits, tags) == "causal_lm"
     torch.testing.assert_close(losses, torch.stack(own), rtol=1e-5, atol=1e-6)
     assert counts.tolist() == (tags != -100).sum(1).tolist() and len(set(counts.tolist())) > 1
     torch.testing.assert_close((losses * counts).sum() / counts.sum(), batch, rtol=1e-5, atol=1e-6)

@@ -1,8 +1,11 @@
 """The import graph, read from the source (ast, no import): the suite's rooms stand in layers (LAYERS) with
 no arrow from a lower room up to a higher one and no circle; no circle inside sorters/, and no arrow from
 it to any room of the suite; and the one threshold table (sorters/thresholds.py) that
-the torch-free engine/flags.py and analysis/paper_values.py write out, agreeing with them."""
+the torch-free engine/flags.py and analysis/paper_values.py write out, agreeing with them. And the decided
+public API (issue #59): docs/api.md lists exactly the public modules' __all__, every module is public or
+internal there, and the names a module keeps to itself start with an underscore."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,3 +121,108 @@ def test_one_threshold_table_and_the_torch_free_copies_agree():
     assert table == {"library": 2**16, "engine": 2**20}
     assert engine_default == FLAGS["sketch_min_numel"].added == _COMMON["sketch_min_numel"] == table["engine"]
     assert library_default == CDGraBSettings().min_numel == table["library"]
+
+
+# ---- the public API (issue #59): docs/api.md, the modules' __all__ and the underscore rules ----
+
+API_PAGE = ROOT / "docs" / "api.md"
+
+
+def api_page() -> tuple[dict[str, list[str]], list[str]]:
+    """docs/api.md read as ({public module: the names of its table}, [internal modules]): a public module is a
+    `## \\`sorters...\\`` heading, its names the first cells of its table; the internal ones the first cells
+    of the table under "## Internal modules"."""
+    public, internal, section = {}, [], None
+    for line in API_PAGE.read_text().splitlines():
+        if line.startswith("## "):
+            heading = line[3:].strip()
+            section = heading.strip("`") if heading.startswith("`sorters") else heading
+            if heading.startswith("`sorters"):
+                public[section] = []
+        elif line.startswith("| `") and section is not None:
+            name = line.split("|")[1].strip().strip("`")
+            if section == "Internal modules":
+                internal.append(name)
+            elif section in public:
+                public[section].append(name)
+    return public, internal
+
+
+def defined_names(path: Path) -> list[str]:
+    """The names a module defines at its top level (def, class, assignment), not those it imports."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [t.id for t in targets if isinstance(t, ast.Name)]
+    return [name for name in names if not (name.startswith("__") and name.endswith("__"))]
+
+
+def module_path(module: str) -> Path:
+    return ROOT / "sorters" / ("__init__.py" if module == "sorters" else module.split(".", 1)[1] + ".py")
+
+
+def test_the_api_page_reads_its_tables():
+    public, internal = api_page()
+    assert list(public) == ["sorters", "sorters.exact", "sorters.hf", "sorters.lightning"]
+    assert "CDGraBSampler" in public["sorters"] and "watch" in public["sorters.lightning"]
+    assert "sorters.balance" in internal and "sorters" not in internal
+
+
+def test_the_api_page_lists_exactly_every_public_modules_all():
+    """Every name of every public module's __all__ is on the page, under its module, and every name the page
+    lists is in that __all__ and exists."""
+    import importlib
+
+    public, _ = api_page()
+    for module, names in public.items():
+        imported = importlib.import_module(module)
+        exported = getattr(imported, "__all__", None)
+        assert exported is not None, f"{module} is public (docs/api.md) but has no __all__"
+        assert len(set(exported)) == len(exported), f"{module}.__all__ names something twice"
+        assert len(set(names)) == len(names), f"docs/api.md lists a name of {module} twice"
+        missing, extra = sorted(set(exported) - set(names)), sorted(set(names) - set(exported))
+        assert not missing, f"{module}.__all__ has names docs/api.md does not list: {missing}"
+        assert not extra, f"docs/api.md lists names that are not in {module}.__all__: {extra}"
+        absent = [name for name in names if not hasattr(imported, name)]
+        assert not absent, f"{module} has no {absent}"
+
+
+def test_every_module_is_public_or_internal_on_the_page():
+    public, internal = api_page()
+    modules = {"sorters" if p.stem == "__init__" else f"sorters.{p.stem}" for p in (ROOT / "sorters").glob("*.py")}
+    listed = set(public) | set(internal)
+    unlisted = sorted(m for m in modules - listed if not m.split(".")[-1].startswith("_"))
+    assert not unlisted, f"modules docs/api.md neither lists as public nor as internal: {unlisted}"
+    assert not listed - modules, f"docs/api.md lists modules that do not exist: {sorted(listed - modules)}"
+    assert not set(public) & set(internal)
+
+
+def test_a_public_modules_other_names_are_private():
+    """In a public module, every name it defines and does not export starts with an underscore."""
+    public, _ = api_page()
+    for module, names in public.items():
+        loose = [name for name in defined_names(module_path(module)) if name not in names and not name.startswith("_")]
+        assert not loose, f"{module} defines {loose}: in its __all__ (and docs/api.md), or with a leading underscore"
+
+
+def test_a_name_used_only_inside_its_module_is_private():
+    """Internal modules too: a top-level name that no other Python file of the checkout mentions is a
+    module-private helper, so its name starts with an underscore (sampler.check_arguments -> _check_arguments)."""
+    sources = {path: path.read_text() for room in ("sorters", "engine", "bench", "tests", "analysis", "scripts",
+                                                   "examples", "models", "data", "common")
+               for path in (ROOT / room).rglob("*.py")}
+    sources.update({path: path.read_text() for path in ROOT.glob("*.py")})
+    public, _ = api_page()
+    loose = []
+    for path in sorted((ROOT / "sorters").glob("*.py")):
+        module = "sorters" if path.stem == "__init__" else f"sorters.{path.stem}"
+        for name in defined_names(path):
+            if name.startswith("_") or name in public.get(module, ()):
+                continue
+            pattern = re.compile(rf"\b{re.escape(name)}\b")
+            if not any(pattern.search(text) for other, text in sources.items() if other != path):
+                loose.append(f"{module}.{name}")
+    assert not loose, f"names used only inside their module, without a leading underscore: {loose}"
