@@ -2,7 +2,7 @@
 Step time, peak memory and the bytes each process all-gathers per step, of the plain Trainer, CD-GraB from
 D = 1024 sketches of the layer records, and exact CD-GraB from the layer records (exact_low_memory).
 
-    OMP_NUM_THREADS=1 python bench/exact_ddp.py --out bench/results/exact-ddp-gpt2-small-cpu.json
+    OMP_NUM_THREADS=1 python bench/exact_ddp.py --rounds 3     # bench/results/exact-ddp-gpt2-small-cpu.json
     python bench/exact_ddp.py --small-config --steps 2 --out /tmp/ddp.json      # a quick smoke run
 
 The model, data and measurements are bench/sketch_gpt2_small.py's (its child() runs in every process):

@@ -3,10 +3,15 @@ sketches built from the layer records (CDGraBTrainer(structured=True)) against t
 exact CD-GraB (every example's whole gradient formed) beside them. Issue #31's goal: the sketched step at
 <= 1.25x the plain Trainer's time and <= 1.1x its peak memory.
 
-    OMP_NUM_THREADS=1 python bench/sketch_gpt2_small.py                       # D 4096, 2 rounds
-    python bench/sketch_gpt2_small.py --dims 1024 4096 --rounds 3 --steps 5 --no-exact
+    OMP_NUM_THREADS=1 python bench/sketch_gpt2_small.py --dims 1024 --rounds 1 --steps 3  # every variant
+    python bench/sketch_gpt2_small.py --dims 1024 4096 --rounds 2 --steps 4 \
+        --out bench/results/sketch-gpt2-small-sketch-dims.json      # two sketch dimensions
     python bench/sketch_gpt2_small.py --dims 1024 --min-numels 1048576 4194304 --no-exact \
         --out bench/results/sketch-gpt2-small-threshold.json        # which weights are blocks
+    python bench/sketch_gpt2_small.py --no-exact --no-sketched --rounds 2 \
+        --out bench/results/sketch-gpt2-small-exact-low-memory-parts.json   # exact_low_memory's parts
+
+bench/results/ keeps one file per measurement, named by what it measures (older runs are in git history).
 
 The model is `GPT2Config()` (124M parameters, the 50,257-token vocabulary tied to the output layer),
 randomly initialised (nothing is downloaded), dropout off, sdpa attention (no attention mask, which

@@ -2,6 +2,7 @@
 that lead somewhere, a docs/ index that lists every page, and no citation of files a user does not have
 (the private reference notes this suite was written from). Reads files only: no training."""
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -347,12 +348,12 @@ def test_gpu_history_table_is_what_git_holds():
 
 def test_exact_cdgrab_page_states_the_divided_ddp_bench():
     """docs/exact-cdgrab.md's table of the products divided over processes is
-    bench/results/exact-ddp-gpt2-small-cpu-divided.json's (step CPU, peak and their ratios, bytes), at its commit."""
+    bench/results/exact-ddp-gpt2-small-cpu.json's (step CPU, peak and their ratios, bytes), at its commit."""
     page = (REPO / "docs" / "exact-cdgrab.md").read_text()
     table = page[page.index("| variant (2 processes x 4 sequences) | step s (CPU) | vs plain | peak MB | vs plain | sent"):]
     table = table[:table.index("\n\n")]
-    result = bench_result("exact-ddp-gpt2-small-cpu-divided.json")
-    assert f"exact-ddp-gpt2-small-cpu-divided.json`, commit {result['git_commit'][:7]};" in " ".join(page.split())
+    result = bench_result("exact-ddp-gpt2-small-cpu.json")
+    assert f"exact-ddp-gpt2-small-cpu.json`, commit {result['git_commit'][:7]};" in " ".join(page.split())
     for label, name in {"plain Trainer (DDP)": "plain", "sketched D = 1024": "sketched D=1024",
                         "exact_low_memory, divided": "exact_low_memory",
                         "exact_low_memory, 1 process x 2 replicas (8 sequences)":
@@ -365,3 +366,73 @@ def test_exact_cdgrab_page_states_the_divided_ddp_bench():
     exact = result["variants"]["exact_low_memory"]
     assert f"{exact['gathered_bytes_per_step'] / 1e6:.1f} MB / {exact['received_bytes_per_step'] / 1e6:.0f} MB |" in table
     assert result["exact_low_memory_orders_equal_one_process"] is True
+
+
+def test_gpt2_small_numbers_are_the_current_bench_files():
+    """The GPT-2 small Trainer numbers of README.md, docs/frameworks.md and docs/exact-cdgrab.md are those of the
+    bench's current files: bench/results/sketch-gpt2-small.json (every variant, one run) and
+    sketch-gpt2-small-exact-low-memory-parts.json (exact_low_memory's split of the sorter's share)."""
+    result = bench_result("sketch-gpt2-small.json")
+    v = result["variants"]
+    sketched, exact, low = v[f"sketched D={result['sketch_dim']}"], v["exact"], v["exact_low_memory"]
+    ratios = {name: (f"{m['step_cpu_vs_plain']:.2f}x", f"{m['peak_vs_plain']:.2f}x") for name, m in v.items()}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (f"steps at {ratios['sketched D=1024'][0]} the plain Trainer's time and peaks at {ratios['sketched D=1024'][1]} "
+            f"its memory (CPU, bench/results/sketch-gpt2-small.json;") in readme
+    assert (f"at {ratios['exact_low_memory'][0]} the plain step and {ratios['exact_low_memory'][1].rstrip('x')}x its "
+            f"peak, against {ratios['exact'][0]} and {ratios['exact'][1]} when they are formed (the same run;") in readme
+    frameworks = " ".join((REPO / "docs" / "frameworks.md").read_text().split())
+    assert (f"steps at {ratios['sketched D=1024'][0]} the plain `Trainer`'s time and {ratios['sketched D=1024'][1]} its "
+            f"peak memory with D = 1024, where exact CD-GraB takes {ratios['exact'][0]} and {ratios['exact'][1]} with "
+            f"the formed gradients, and {ratios['exact_low_memory'][0]} and {ratios['exact_low_memory'][1]} from") in frameworks
+    page = (REPO / "docs" / "exact-cdgrab.md").read_text()
+    flat = " ".join(page.split())
+    assert f"(`bench/results/sketch-gpt2-small.json`, commit {result['git_commit'][:7]}," in flat
+    for name, m in (("plain", v["plain"]), (f"sketched D={result['sketch_dim']}", sketched), ("exact", exact),
+                    ("exact_low_memory", low)):
+        row = (f"| {name} | {m['step_seconds']:.2f} | {m['step_vs_plain']:.2f} | {m['step_cpu_seconds']:.2f} | "
+               f"{m['step_cpu_vs_plain']:.2f} | {m['peak_rss_mb'] * 2**20 / 2**30:.2f} | {m['peak_vs_plain']:.2f} |")
+        assert row in page, row
+    parts = bench_result("sketch-gpt2-small-exact-low-memory-parts.json")
+    plain, low = parts["variants"]["plain"], parts["variants"]["exact_low_memory"]
+    split = [r["part_cpu_seconds"] for r in low["rounds"]]
+    rest = [r["step_cpu_seconds"] - p["products"] - p["update"] for r, p in zip(low["rounds"], split)]
+    assert (f"(commit {parts['git_commit'][:7]}), plain and exact_low_memory alone" in flat and
+            f"plain {plain['step_seconds']:.2f} s, exact_low_memory {low['step_seconds']:.2f} s "
+            f"({low['step_vs_plain']:.2f}x) and {low['peak_vs_plain']:.2f}x the peak; products "
+            f"{min(p['products'] for p in split):.1f}-{max(p['products'] for p in split):.1f} s and update "
+            f"{statistics.median(p['update'] for p in split):.1f} s of its step" in flat), flat
+    assert f"took about {statistics.median(rest):.1f} s against the plain step's {plain['step_seconds']:.2f} s" in flat
+    assert f"step ratios ({low_ratio(result)}, {low['step_vs_plain']:.2f}x)" in flat
+
+
+def low_ratio(result: dict) -> str:
+    return f"{result['variants']['exact_low_memory']['step_vs_plain']:.2f}x"
+
+
+def quoted_bench_files() -> list[tuple[str, str]]:
+    """(page, file name) for every bench result a page names: each bench/results/NAME, and each bare file name
+    of a bench's family (its first two words those of a file in bench/results: sketch-gpt2-small-....json);
+    a bare suffix of a JSON file such as `-8mib.json` as it is. A glob (bench/results/sketch-gpt2-small*.json) names none."""
+    families = {"-".join(path.name.split("-")[:2]) for path in (REPO / "bench" / "results").iterdir()}
+    quoted = []
+    for page in PAGES:
+        text = page.read_text()
+        quoted += [(page.name, name) for name in re.findall(r"bench/results/([\w.-]+\.(?:json|txt))\b(?!\*)", text)]
+        for name in re.findall(r"(?<![\w/.$*-])(-?[\w.]+(?:-[\w.]+)*\.(?:json|txt))\b", text):
+            if name.startswith("-") and name.endswith(".json") or "-".join(name.split("-")[:2]) in families:
+                quoted.append((page.name, name))
+    return quoted
+
+
+def test_docs_quote_current_bench_files_only():
+    """Every bench result the docs name is a file in bench/results/ now (a superseded run lives in git history,
+    not beside the current one), named by what it measures: no file there is named by a commit
+    (<name>-<7 hex digits>.json), and no page names a file by a bare suffix."""
+    results = REPO / "bench" / "results"
+    by_commit = [path.name for path in results.iterdir() if re.search(r"-[0-9a-f]{7}\.json$", path.name)]
+    assert not by_commit, f"bench/results/ files named by a commit (git history keeps old runs): {by_commit}"
+    quoted = quoted_bench_files()
+    assert ("README.md", "sketch-gpt2-small.json") in quoted  # the check reads what it should
+    missing = [(page, name) for page, name in quoted if not (results / name).is_file()]
+    assert not missing, f"pages name bench results that are not in bench/results/: {missing}"
