@@ -32,13 +32,13 @@ from sorters.base import Sorter
 from sorters.checks import NonFiniteGradientError
 from sorters.fold import Fold
 from sorters.herding import parallel_herding_bound
-from sorters.randomized import KernelHalving, SelfBalancingWalk
-from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
 from sorters.layer_sketch import LayerSketch
 from sorters.per_example import PerExampleGrads, PerExampleLossGrads, per_example_grads
+from sorters.randomized import KernelHalving, SelfBalancingWalk
 from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters.sampler import CDGraBSampler
 from sorters.settings import CDGraBSettings
+from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
 from sorters.sketch import GradientSketch
 
 __all__ = ["__version__", "SORTER_NAMES", "SORTERS", "Sorter", "NonFiniteGradientError", "build_sorter", "parallel_herding_bound",

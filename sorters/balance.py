@@ -18,7 +18,7 @@ class CDGraB(PairBalancer):
     Exactness rule. The running sum S is kept in float64. Each pair difference v (formed in the
     gradients' float32) gets the sign +1 (first unit to the left) when <S, v> <= 0, else -1, and
     S += sign * v. Both implementations below give the signs of a float64 sequential reference of
-    exactly this rule, except where |<S, v>| <= 1e-5 ||S|| ||v|| (a near-tie, where rounding may
+    exactly this rule, except where ``|<S, v>| <= 1e-5 ||S|| ||v||`` (a near-tie, where rounding may
     decide), and the same orders from run to run and on every rank (fixed reduction orders):
 
     - on the CPU, a compiled sequential loop (`_pair_signs_cpu`): float64 sum, float64 dot;
@@ -27,8 +27,20 @@ class CDGraB(PairBalancer):
       <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij, and S += D^T signs: a few matrix products and
       three small kernels per difference instead of two passes over d per difference.
 
-    sign_loop: "compiled" (the numba loop; CPU only), "gram" (`signs_by_gram`, on any device), or None:
-    "compiled" on the CPU, "gram" elsewhere. `sign_loop_for` says which one pays for a model.
+    Args:
+        n_workers: n, the number of workers.
+        m: the units each worker visits per epoch.
+        d: the length of one unit's gradient (or sketch).
+        seed: the seed of every random draw (the first epoch's orders).
+        device: where the orders and the running sums live.
+        dtype: the dtype of a kept unpaired gradient (the gradients' dtype).
+        sign_loop: ``"compiled"`` (the numba loop; CPU only), ``"gram"`` (``signs_by_gram``, on any device), or
+            None: ``"compiled"`` on the CPU, ``"gram"`` elsewhere. ``sign_loop_for`` says which one pays for a
+            model.
+        nonfinite: ``"raise"`` or ``"skip"`` (`Sorter`).
+
+    Raises:
+        ValueError: an unknown sign loop, or ``"compiled"`` off the CPU (and `Sorter`'s checks).
     """
 
     name = "CD-GraB"
@@ -36,8 +48,8 @@ class CDGraB(PairBalancer):
 
     NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("sign_loop",)  # how the signs are computed, not what they are
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, sign_loop=None,
-                 nonfinite="raise"):
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, sign_loop: str | None = None, nonfinite: str = "raise") -> None:
         super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
         if sign_loop is None:
             sign_loop = "compiled" if self.device.type == "cpu" else "gram"
@@ -53,7 +65,13 @@ class CDGraB(PairBalancer):
     def _reset_running_sums(self):
         self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()`` (`Sorter.load_state_dict`); a float32 running sum of an older
+        checkpoint is widened to float64.
+
+        Args:
+            state: what ``state_dict()`` returned.
+        """
         super().load_state_dict(state)
         # checkpoints written before the sum was float64 hold a float32 one
         self.running_sum = self.running_sum.to(torch.float64)

@@ -23,6 +23,19 @@ class Sorter:
 
     `step` must see every position 0..m-1 exactly once per epoch, in increasing order (the last
     chunk may be shorter). Sorters whose `uses_grads` is False ignore `grads` (pass None).
+
+    Args:
+        n_workers: n, the number of workers (replicas) whose orders the sorter makes.
+        m: the units (examples) each worker visits per epoch.
+        d: the length of one unit's gradient (or of its sketch).
+        seed: the seed of every random draw; the same seed gives the same orders in every process.
+        device: where the orders and the sorter's sums live (the gradients' device).
+        nonfinite: what ``step`` does with NaN / inf gradients: ``"raise"`` (`NonFiniteGradientError`) or
+            ``"skip"`` (the step's units are balanced as zero vectors and counted in ``skipped_steps``).
+
+    Raises:
+        ValueError: a size below 1, an unknown ``nonfinite`` or device (one line).
+        TypeError: a size or seed that is not an integer.
     """
 
     name = "base"
@@ -33,7 +46,8 @@ class Sorter:
     # balancers then keep a reference to a step's unpaired last unit instead of copying it.
     grads_stay_valid = False
 
-    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device="cpu", nonfinite: str = "raise"):
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
+                 nonfinite: str = "raise") -> None:
         self.n, self.m, self.d = (check_int(self.name, name, value)
                                   for name, value in (("n_workers", n_workers), ("m", m), ("d", d)))
         if self.n < 1 or self.m < 1 or self.d < 1:
@@ -56,7 +70,16 @@ class Sorter:
         return torch.stack(rows).to(self.device)
 
     def sort(self) -> torch.Tensor:
-        """Start an epoch; return the (n, m) orders to use in it (a copy)."""
+        """Start an epoch.
+
+        Returns:
+            The (n, m) LongTensor of this epoch's orders (a copy): row j, a permutation of range(m), is worker
+            j's order of its units.
+
+        Raises:
+            ValueError: the previous epoch ended before ``step`` saw all m positions.
+            NonFiniteGradientError: off the CPU, a step of the previous epoch held NaN / inf gradients.
+        """
         self._raise_deferred_nonfinite()
         if self._next_position not in (0, self.m):
             raise ValueError(f"{self.name}: the epoch ended after {self._next_position} of {self.m} "
@@ -69,8 +92,20 @@ class Sorter:
     def _next_epoch_orders(self) -> torch.Tensor:
         return self.orders
 
-    def step(self, grads, positions) -> None:
-        """Record the gradients of the units just used. grads: (n, k, d); positions: (k,) or a range."""
+    def step(self, grads: torch.Tensor | None, positions: torch.Tensor | list[int] | range) -> None:
+        """Record the gradients of the units just used.
+
+        Args:
+            grads: (n, k, d), ``grads[j, i]`` worker j's gradient of the unit at epoch position
+                ``positions[i]``; None for the sorters that do not use gradients (``uses_grads`` False).
+            positions: (k,) the epoch positions of the step, consecutive and continuing the epoch (a LongTensor,
+                a list or a range).
+
+        Raises:
+            ValueError: positions that do not continue the epoch, or grads of another shape.
+            NonFiniteGradientError: NaN / inf gradients with ``nonfinite="raise"`` (on the CPU here, elsewhere
+                at the next ``sort``).
+        """
         self._next_position += self._check_positions(positions)[1]
 
     def _check_positions(self, positions) -> tuple[int, int]:
@@ -141,8 +176,8 @@ class Sorter:
 
     @property
     def skipped_steps(self) -> int:
-        """Steps whose NaN / inf gradients were balanced as zeros (nonfinite="skip"), over the whole run
-        (kept in state_dict). On a GPU, reading it waits for the device."""
+        """Steps whose NaN / inf gradients were balanced as zeros (``nonfinite="skip"``), over the whole run
+        (kept in ``state_dict``). On a GPU, reading it waits for the device."""
         return int(self.nonfinite_record[1])
 
     # ------------------------------------------------------------------ checkpoints
@@ -155,14 +190,27 @@ class Sorter:
         return {k: v for k, v in vars(self).items() if k not in self.NOT_IN_STATE}
 
     def state_dict(self) -> dict:
+        """The sorter's whole state, for a checkpoint.
+
+        Returns:
+            A dict of tensors (copies) and numbers, with its format version; ``load_state_dict`` of a sorter of
+            the same kind and size continues from it with the same orders.
+        """
         state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._state_items().items()}
         state["generator"] = self.generator.get_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict() of a sorter of the same kind and size; a state that is not one (missing
-        keys, a tensor of another shape, a position outside the epoch, orders that are not permutations)
-        is refused with one line before anything changes."""
+        """Restore a ``state_dict()`` of a sorter of the same kind and size.
+
+        Args:
+            state: what ``state_dict()`` returned (tensors on any device).
+
+        Raises:
+            ValueError: a state that is not one (missing keys, a tensor of another shape, a position outside the
+                epoch, orders that are not permutations, another format), refused with one line before anything
+                changes.
+        """
         self._check_state(state)
         known = self._state_items().keys() | {"generator"}
         for key, value in state.items():

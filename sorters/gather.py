@@ -18,7 +18,7 @@ parts (the engine's chunks), part by part. With a `ParameterShare` (ExactCDGraB 
 the processes: the HF Trainer under torchrun, `CDGraBSampler(divide_products=True)`) each parameter's
 records go to its owning process only (`_gather_rows_to`).
 """
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -227,7 +227,7 @@ def gather_parts(parts: list[UnitGradients], distributed: bool, share=None) -> U
         every = all_gather_units(part, share) if distributed else part
         size = part.units
         for key, contributions in every.pieces.items():
-            for first, x in contributions:  # fresh: first 0, every unit of the (gathered) part
+            for _first, x in contributions:  # fresh: first 0, every unit of the (gathered) part
                 for rank in range(world):
                     ranks_units = x if world == 1 else x.units_slice(rank * size, (rank + 1) * size)
                     pieces.setdefault(key, []).append((rank * local + offset, ranks_units))

@@ -90,7 +90,8 @@ _ignore_a_datasets_folder()
 class CDGraBTrainerMixin:
     """Mix into a `transformers.Trainer` (sub)class, first in the bases, to train on CD-GraB's orders.
 
-    cdgrab: a sorters.CDGraBSettings (sorters/settings.py: sorter, seed, grad_params, grad_chunk_size,
+    Args:
+        cdgrab: a sorters.CDGraBSettings (sorters/settings.py: sorter, seed, grad_params, grad_chunk_size,
             sketch_dim, structured, min_numel, num_replicas); the rest of the keyword arguments go to the
             Trainer. Its seed None means `args.seed`. num_replicas R > 1 in one process hosts R replicas:
             each micro-batch holds R x per_device_train_batch_size examples, as R processes would together.
@@ -109,6 +110,7 @@ class CDGraBTrainerMixin:
             torchrun each process's records are all-gathered (CDGraBSampler.step_units), and the backward
             is the ordinary one, so that DDP averages .grad over the processes as for any Trainer (see
             training_step).
+
     The settings' fields may also be given as keyword arguments, as before CDGraBSettings (`sorter=`,
     `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the others by their names): they
     build the settings (not together with `cdgrab=`).

@@ -155,7 +155,7 @@ class LayerSketch:
         return self._finish(state), losses.detach()
 
     def recording(self) -> "Recording":
-        """For a loop that runs its own backward (the HF Trainer, Lightning, DDP, mixed precision):
+        """For a loop that runs its own backward (the HF Trainer, Lightning, DDP, mixed precision)::
 
             with sketcher.recording() as rec:
                 losses = per_example_losses(model(x))   # (B,): the forward runs inside the block

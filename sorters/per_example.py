@@ -41,28 +41,29 @@ from sorters.thresholds import check_min_numel
 class PerExampleGrads:
     """Callable: (inputs, targets) -> per-example gradients (B, d) of `loss_fn(model(inputs), targets)`.
 
-    model:      an nn.Module (a DistributedDataParallel wrapper is unwrapped: its `.module` is used). It must
-                be a pure function of its parameters and inputs (vmap replays it per example): dropout in
-                training mode with p > 0 is refused with a ValueError, BatchNorm only works in eval mode.
-    loss_fn:    loss_fn(outputs, targets) -> scalar mean loss over the batch, as used for training; it
-                is called on batches of ONE example (outputs and targets keep a batch dim of size 1).
-    params:     which parameters to differentiate: None (every parameter with requires_grad), a regular
-                expression, or a list of them; a parameter is kept when `re.search` finds any of them in
-                its name (names as in `model.named_parameters()`).
-    chunk_size: examples per vmap chunk (None: the whole batch at once); smaller uses less memory.
-    sketch_dim: 0 (the default): return the gradients. D > 0: return their sketches under
-                `GradientSketch(d, D, sketch_seed)` (sorters/sketch.py), (B, D); the (B, d) gradients
-                are still formed first (the sketch saves communication and balancing, not this). Give
-                `CDGraBSampler(..., sketch_dim=D, seed=sketch_seed)` the same D and seed: it then takes
-                these sketches as they are.
-    sketch_seed: seeds the sketch (the sampler's `seed`).
-    structured: with sketch_dim, build the sketches layer by layer from ONE batched forward and backward
-                (sorters/layer_sketch.py, LayerSketch), never forming the per-example gradients of the
-                Linear / Conv1D / Embedding weights of at least `min_numel` entries; the map is then
-                GradientSketch(d, D, sketch_seed, blocks=layer_blocks(model, params, min_numel)), and the
-                loss of example i is loss_fn on example i's rows of the batched outputs (a batch of one).
-                Every layer input must have the examples on dim 0. Give the sampler these (B, D) sketches:
-                its own map (for (B, d) gradients) is the plain CountSketch, not this one.
+    Args:
+        model: an nn.Module (a DistributedDataParallel wrapper is unwrapped: its `.module` is used). It must
+            be a pure function of its parameters and inputs (vmap replays it per example): dropout in
+            training mode with p > 0 is refused with a ValueError, BatchNorm only works in eval mode.
+        loss_fn: loss_fn(outputs, targets) -> scalar mean loss over the batch, as used for training; it
+            is called on batches of ONE example (outputs and targets keep a batch dim of size 1).
+        params: which parameters to differentiate: None (every parameter with requires_grad), a regular
+            expression, or a list of them; a parameter is kept when `re.search` finds any of them in
+            its name (names as in `model.named_parameters()`).
+        chunk_size: examples per vmap chunk (None: the whole batch at once); smaller uses less memory.
+        sketch_dim: 0 (the default): return the gradients. D > 0: return their sketches under
+            `GradientSketch(d, D, sketch_seed)` (sorters/sketch.py), (B, D); the (B, d) gradients
+            are still formed first (the sketch saves communication and balancing, not this). Give
+            `CDGraBSampler(..., sketch_dim=D, seed=sketch_seed)` the same D and seed: it then takes
+            these sketches as they are.
+        sketch_seed: seeds the sketch (the sampler's `seed`).
+        structured: with sketch_dim, build the sketches layer by layer from ONE batched forward and backward
+            (sorters/layer_sketch.py, LayerSketch), never forming the per-example gradients of the
+            Linear / Conv1D / Embedding weights of at least `min_numel` entries; the map is then
+            GradientSketch(d, D, sketch_seed, blocks=layer_blocks(model, params, min_numel)), and the
+            loss of example i is loss_fn on example i's rows of the batched outputs (a batch of one).
+            Every layer input must have the examples on dim 0. Give the sampler these (B, D) sketches:
+            its own map (for (B, d) gradients) is the plain CountSketch, not this one.
 
     Attributes: `names` (the selected parameter names, in `named_parameters()` order), `d` (their total
     number of elements, in that order), `sketch` (the GradientSketch, or None), `dim` (the number of
@@ -182,6 +183,7 @@ class PerExampleLossGrads(PerExampleGrads):
 
     The model must be traceable by torch.func; with transformers that means (each refused with a one-line
     ValueError, before any work where the model's attributes tell, else when torch.func fails):
+
       - `attn_implementation="eager"` when the batch has an `attention_mask`: sdpa reads the mask's
         values in Python (to skip an all-ones mask), which vmap cannot do (`model.set_attn_implementation
         ("eager")` switches a loaded model); sdpa without a mask is traced fine;

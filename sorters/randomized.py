@@ -153,13 +153,25 @@ class KernelHalving(_ThresholdPairBalance):
 
     For the i-th pair difference of epoch e (i = 0 .. P-1 over the visiting order, P = n * floor(m/2)),
     with v reset to 0 at every epoch start, U_i uniform in [-1, 1] drawn afresh each epoch, and
+    ratio = v L_i / b2 (v before this pair's update)::
+
         L_i = log( (4 / delta) (log E + 1) (log P + 1) (i + 1) e ),   delta = 0.5, E = the run's epochs,
-    ratio = v L_i / b2 (v before this pair's update):
         ratio <= 1:  t = b2,                v <- 2 b2
         else:        t = sqrt(ratio) b2,    v <- v + 2 b2 max(0, L_i + 1/2 - sqrt(ratio)) / L_i
+
     and the pair is added iff <S, v> <= U_i t. A zero difference (b2 = 0) is added iff U_i >= 0 and
     leaves v unchanged (what the published code does: its threshold is NaN there). With one worker,
     P = m / 2 as in the published code.
+
+    Args:
+        n_workers: n, the number of workers.
+        m: the units each worker visits per epoch.
+        d: the length of one unit's gradient.
+        seed: the seed of the orders and of the threshold's draws.
+        device: where the orders and the running sum live.
+        dtype: the dtype of a kept unpaired gradient.
+        epochs: E, the run's total number of epochs (the constants depend on it).
+        nonfinite: ``"raise"`` or ``"skip"`` (`Sorter`).
     """
 
     name = "KH-SGD"
@@ -183,16 +195,27 @@ class SelfBalancingWalk(_ThresholdPairBalance):
     one u uniform in [0, 1) per pair difference.
 
     The constant, c = b_max * 30 * log(P E d / delta), delta = 0.5:
+
     - P E is the number of pair differences the walk visits in the run (P = n * floor(m/2) per epoch,
       E = the run's epochs), d the gradient length: the walk's length and dimension in the
       self-balancing walk's bound. With one worker P E d / delta = m E d / delta / 2, the published
       constant's argument.
     - b_max bounds the pair-difference norm. The published code hard-coded it for its HMDA features;
       here it needs no knowledge of the data in advance: b_max is the largest ||v|| seen so far in the
-      run, the current difference included (so |<S, v>| / c is measured in units of a norm the walk has
+      run, the current difference included (so ``|<S, v>| / c`` is measured in units of a norm the walk has
       actually met; c grows when a larger difference arrives and never shrinks). It is kept across
       epochs and in checkpoints (`b_max`). Until a non-zero difference arrives c = 0 and the rule is
       CD-GraB's (add iff <S, v> <= 0).
+
+    Args:
+        n_workers: n, the number of workers.
+        m: the units each worker visits per epoch.
+        d: the length of one unit's gradient.
+        seed: the seed of the orders and of the threshold's draws.
+        device: where the orders and the running sum live.
+        dtype: the dtype of a kept unpaired gradient.
+        epochs: E, the run's total number of epochs (the constants depend on it).
+        nonfinite: ``"raise"`` or ``"skip"`` (`Sorter`).
     """
 
     name = "SBW"

@@ -169,41 +169,43 @@ def _check_sorter_needs(sorter: str, d, num_replicas: int, rank, distributed: bo
 class CDGraBSampler(Sampler[int]):
     """Yields this process's example indices in the order chosen by `sorter` (default CD-GraB).
 
-    dataset:      a sized dataset (only its length is used) or the length itself, N.
-    batch_size:   examples per replica per optimizer step (k). step() positions advance by it.
-    d:            length of one example's gradient as given to step() (PerExampleGrads(...).d); needed by
-                  the balancing sorters, ignored by the others.
-    sorter:       one of SORTER_NAMES.
-    num_replicas, rank: as DistributedSampler; default from torch.distributed. Without a process group,
-                  rank=None (the default) hosts all num_replicas replicas in this process; an explicit
-                  rank yields that replica only and is allowed only for sorters that ignore gradients.
-    seed:         seeds the sorter; must be the same in every process.
-    drop_last:    False: N must split evenly, m = N / num_replicas (else a ValueError); the last batch of
-                  an epoch holds m % batch_size examples when that is not 0. True: m = the largest
-                  multiple of batch_size with num_replicas * m <= N; the last N - num_replicas * m
-                  examples are never used, and every batch is full. (DistributedSampler instead pads or
-                  drops only to a multiple of num_replicas.) Any m works for every sorter: with m odd
-                  the pair sorters' unpaired last example takes the middle slot of the next order.
-    device:       where the sorter keeps its state and balances ("cpu": compiled loop, fastest at small d).
-    epochs:       the run's total number of epochs; required by KH-SGD and SBW, whose thresholds depend on
-                  it (sorters/randomized.py), ignored by the others.
-    sketch_dim:   0 (the default): balance the gradients themselves. D > 0 (balancing sorters only):
-                  balance their D-dimensional sketches (see above); D >= d is the identity (exact).
-    view:         "rank" (the default): yield the replicas whose gradients step() takes. "global": yield
-                  every replica's examples, step by step in replica order, for loaders that Accelerate
-                  re-shards (see above); every batch must be full (m a multiple of batch_size).
-    nonfinite:    what step() does with per-example gradients holding NaN or inf: "raise" (the default; a
-                  NonFiniteGradientError, a ValueError naming the step) or "skip" (the sorter balances the
-                  step's examples as zero vectors; `skipped_steps` counts them, kept in state_dict). On the
-                  CPU the check is at each step; on a GPU it adds no host synchronisation, so "raise" raises
-                  at the next epoch's start (docs/sampler.md).
-    exact:        True: exact CD-GraB from layer records (sorters/exact.py, docs/exact-cdgrab.md): the sorter is an
-                  ExactCDGraB (the orders of CD-GraB, a float32 running sum), d = ExactGradients(model).d, and each
-                  batch is handed over with step_units(units) instead of step(grads). Needs sorter="CD-GraB".
-    divide_products: with exact=True under torch.distributed: each process takes the products and the running
-                  sum's update of its share of the parameters only (sorters.gather.ParameterShare; the same
-                  orders, bit for bit), about 1 / world size of that work. Then EVERY process must call
-                  state_dict() together (it sums the running sum's shares), not rank 0 alone.
+    Args:
+        dataset: a sized dataset (only its length is used) or the length itself, N.
+        batch_size: examples per replica per optimizer step (k). step() positions advance by it.
+        d: length of one example's gradient as given to step() (PerExampleGrads(...).d); needed by
+            the balancing sorters, ignored by the others.
+        sorter: one of SORTER_NAMES.
+        num_replicas: as DistributedSampler; default from torch.distributed. Without a process group,
+            rank=None (the default) hosts all num_replicas replicas in this process; an explicit
+            rank yields that replica only and is allowed only for sorters that ignore gradients.
+        rank: as num_replicas.
+        seed: seeds the sorter; must be the same in every process.
+        drop_last: False: N must split evenly, m = N / num_replicas (else a ValueError); the last batch of
+            an epoch holds m % batch_size examples when that is not 0. True: m = the largest
+            multiple of batch_size with num_replicas * m <= N; the last N - num_replicas * m
+            examples are never used, and every batch is full. (DistributedSampler instead pads or
+            drops only to a multiple of num_replicas.) Any m works for every sorter: with m odd
+            the pair sorters' unpaired last example takes the middle slot of the next order.
+        device: where the sorter keeps its state and balances ("cpu": compiled loop, fastest at small d).
+        epochs: the run's total number of epochs; required by KH-SGD and SBW, whose thresholds depend on
+            it (sorters/randomized.py), ignored by the others.
+        sketch_dim: 0 (the default): balance the gradients themselves. D > 0 (balancing sorters only):
+            balance their D-dimensional sketches (see above); D >= d is the identity (exact).
+        view: "rank" (the default): yield the replicas whose gradients step() takes. "global": yield
+            every replica's examples, step by step in replica order, for loaders that Accelerate
+            re-shards (see above); every batch must be full (m a multiple of batch_size).
+        nonfinite: what step() does with per-example gradients holding NaN or inf: "raise" (the default; a
+            NonFiniteGradientError, a ValueError naming the step) or "skip" (the sorter balances the
+            step's examples as zero vectors; `skipped_steps` counts them, kept in state_dict). On the
+            CPU the check is at each step; on a GPU it adds no host synchronisation, so "raise" raises
+            at the next epoch's start (docs/sampler.md).
+        exact: True: exact CD-GraB from layer records (sorters/exact.py, docs/exact-cdgrab.md): the sorter is an
+            ExactCDGraB (the orders of CD-GraB, a float32 running sum), d = ExactGradients(model).d, and each
+            batch is handed over with step_units(units) instead of step(grads). Needs sorter="CD-GraB".
+        divide_products: with exact=True under torch.distributed: each process takes the products and the running
+            sum's update of its share of the parameters only (sorters.gather.ParameterShare; the same
+            orders, bit for bit), about 1 / world size of that work. Then EVERY process must call
+            state_dict() together (it sums the running sum's shares), not rank 0 alone.
 
     Epochs: call step() once for every batch (the sampler counts positions with it); sorters that ignore
     gradients may instead have no step() at all in an epoch, if set_epoch(next epoch) is called before
@@ -265,8 +267,8 @@ class CDGraBSampler(Sampler[int]):
 
     @property
     def loader_batch_size(self) -> int:
-        """The DataLoader batch size that makes one batch one replica-step: batch_size per replica hosted
-        here (view="rank"), or batch_size (view="global": the loader is dealt out batch by batch)."""
+        """The DataLoader batch size that makes one batch one replica-step (batch_size per replica hosted
+        here with view="rank"; batch_size with view="global", where the loader is dealt out batch by batch)."""
         return self.batch_size if self.view == "global" else len(self.replicas_here) * self.batch_size
 
     def __len__(self) -> int:
@@ -437,7 +439,7 @@ class CDGraBSampler(Sampler[int]):
 
     @property
     def sketch(self) -> GradientSketch | None:
-        """The map step() applies to (., d) gradients: GradientSketch(d, sketch_dim, seed), or None without
+        """The map that step() applies to (., d) gradients, GradientSketch(d, sketch_dim, seed), or None without
         sketch_dim. Built at first use (a model's d coordinates cost 5 bytes each)."""
         if self._sketch is None and self.sketch_dim:
             self._sketch = GradientSketch(self.d, self.sketch_dim, self.seed)

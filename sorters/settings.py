@@ -30,30 +30,31 @@ from sorters.thresholds import STRUCTURED_MIN_NUMEL, check_min_numel
 class CDGraBSettings:
     """How the glue orders examples and forms what the sorter balances.
 
-    sorter:          one of sorters.SORTER_NAMES.
-    seed:            seeds the sorter and the sketch, the same in every process; None: the framework's own
-                     (the HF Trainer's args.seed), else 0.
-    grad_params:     which parameters' per-example gradients are balanced: None (every trainable one), a
-                     regular expression or a sequence of them, matched with re.search against
-                     named_parameters() names. Fewer coordinates cost less.
-    grad_chunk_size: examples per torch.func call (None: the whole batch); bounds memory.
-    sketch_dim:      0: balance the (B, d) gradients; D > 0: their (B, D) sketches (docs/sketching.md).
-    structured:      with sketch_dim > 0 and a sorter that balances gradients: build the sketches layer by
-                     layer from one batched backward (LayerSketch), never forming per example the
-                     Linear / Conv1D / Embedding weights of at least min_numel entries.
-    min_numel:       with structured: that threshold (>= 1; default the library's row of
-                     sorters/thresholds.py, which says why it differs from the engine's).
-    num_replicas:    replicas the data is split over; None: the number of processes.
-    exact_low_memory: True (CD-GraB only, sketch_dim 0): balance the exact gradients without forming them
-                     whole: their products come layer by layer from the training step's own forward and
-                     backward (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer, Lightning's
-                     CDGraBCallback and your own loop (sampler(...) builds CDGraBSampler(exact=True), fed by
-                     step_units; under torch.distributed it all-gathers the layer records). False: form the
-                     per-example gradients (torch.func). None (the default, "auto"): the HF Trainer takes
-                     True where it gives CD-GraB's orders of the model's own loss (`exact_applies` and a
-                     causal LM's loss, see CDGraBTrainerMixin), else False; elsewhere (Lightning, your own
-                     loop, whose code picks the path) None is False.
-    """
+    Args:
+        sorter: one of sorters.SORTER_NAMES.
+        seed: seeds the sorter and the sketch, the same in every process; None: the framework's own
+            (the HF Trainer's args.seed), else 0.
+        grad_params: which parameters' per-example gradients are balanced: None (every trainable one), a
+            regular expression or a sequence of them, matched with re.search against
+            named_parameters() names. Fewer coordinates cost less.
+        grad_chunk_size: examples per torch.func call (None: the whole batch); bounds memory.
+        sketch_dim: 0: balance the (B, d) gradients; D > 0: their (B, D) sketches (docs/sketching.md).
+        structured: with sketch_dim > 0 and a sorter that balances gradients: build the sketches layer by
+            layer from one batched backward (LayerSketch), never forming per example the
+            Linear / Conv1D / Embedding weights of at least min_numel entries.
+        min_numel: with structured: that threshold (>= 1; default the library's row of
+            sorters/thresholds.py, which says why it differs from the engine's).
+        num_replicas: replicas the data is split over; None: the number of processes.
+        exact_low_memory: True (CD-GraB only, sketch_dim 0): balance the exact gradients without forming them
+            whole: their products come layer by layer from the training step's own forward and
+            backward (sorters/exact.py; docs/exact-cdgrab.md). The HF Trainer, Lightning's
+            CDGraBCallback and your own loop (sampler(...) builds CDGraBSampler(exact=True), fed by
+            step_units; under torch.distributed it all-gathers the layer records). False: form the
+            per-example gradients (torch.func). None (the default, "auto"): the HF Trainer takes
+            True where it gives CD-GraB's orders of the model's own loss (`exact_applies` and a
+            causal LM's loss, see CDGraBTrainerMixin), else False; elsewhere (Lightning, your own
+            loop, whose code picks the path) None is False.
+            """
     sorter: str = "CD-GraB"
     seed: int | None = None
     grad_params: str | tuple[str, ...] | None = None
@@ -95,7 +96,7 @@ class CDGraBSettings:
 
     @property
     def uses_grads(self) -> bool:
-        """Whether the sorter balances gradients (False for D-RR, D-SO, Fold: no gradients are formed)."""
+        """Whether the sorter balances gradients (False for D-RR, D-SO and Fold, for which none are formed)."""
         return SORTERS[self.sorter].uses_grads
 
     def exact_applies(self, model) -> bool:

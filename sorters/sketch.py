@@ -43,7 +43,7 @@ class GradientSketch:
     12 bytes per input coordinate for float32 (GPT-2, d = 6.8M: 82 MB), plus a signed copy of at
     most CHUNK_BYTES of the input at a time. Time: one pass over the input, d multiplications and
     d additions per row. Deterministic: each output is the sum of its inputs in increasing order of
-    i (CPU: index_add_; other devices: index_put_ with accumulate, which sorts stably), so a row's
+    i (CPU: ``index_add_``; other devices: ``index_put_`` with accumulate, which sorts stably), so a row's
     sketch does not depend on the other rows of the batch, and the same input gives the same
     sketch from run to run.
 
