@@ -170,3 +170,80 @@ def check_installed_distribution(site: Path) -> None:
     assert base == ["numba", "numpy", "torch"], requires
     extras = {requirement.split("extra ==")[1].strip().strip("'\"") for requirement in requires if "extra ==" in requirement}
     assert extras == {"hf", "lightning"}, requires
+
+
+# ------------------------------------------------------------------ the release checks' own checks (fast: no build)
+def release_checks():
+    """scripts/release_checks.py as a module (it builds nothing when imported)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("release_checks", REPO / "scripts" / "release_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", ["as built", "stale file", "changed module", "no py.typed", "no licence"])
+def test_the_wheel_contents_check_finds_what_a_stale_build_ships(tmp_path, case):
+    """A wheel written here from the checkout's package as setuptools lays one out, and broken as a stale
+    build/lib/ or a lost package-data entry would break it: the check names exactly the file."""
+    import zipfile
+
+    checks = release_checks()
+    project = {"name": "cdgrab-sorters", "license-files": ["LICENSE"]}
+    info = "cdgrab_sorters-9.9.9.dist-info"
+    files = {path.relative_to(REPO).as_posix(): path.read_bytes() for path in (REPO / "sorters").rglob("*.py")
+             if "__pycache__" not in path.parts}
+    files |= {"sorters/py.typed": b"", f"{info}/METADATA": b"", f"{info}/WHEEL": b"", f"{info}/RECORD": b"",
+              f"{info}/top_level.txt": b"sorters\n", f"{info}/licenses/LICENSE": (REPO / "LICENSE").read_bytes()}
+    expected = []
+    if case == "stale file":
+        files["sorters/removed_long_ago.py"] = b"x = 1\n"
+        expected = ["holds sorters/removed_long_ago.py, which the package does not have (a stale build?)"]
+    elif case == "changed module":
+        files["sorters/sampler.py"] += b"\n# an older build's copy\n"
+        expected = ["sorters/sampler.py differs from the source's"]
+    elif case == "no py.typed":
+        del files["sorters/py.typed"]
+        expected = ["lacks sorters/py.typed"]
+    elif case == "no licence":
+        del files[f"{info}/licenses/LICENSE"]
+        expected = [f"lacks {info}/licenses/LICENSE"]
+    wheel = tmp_path / "cdgrab_sorters-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    problems = checks.check_wheel_files(wheel, REPO, project, "9.9.9")
+    assert [problem.split(": ", 1)[1] for problem in problems] == expected
+
+
+def test_the_sdists_tests_need_only_the_library(tmp_path):
+    """MANIFEST.in's test files exist and import only the library, torch, numpy, pytest, transformers and
+    tests/helpers.py (what the unpacked sdist holds); a test importing the engine is caught."""
+    checks = release_checks()
+    listed = checks.manifest_tests(REPO)
+    assert {"tests/conftest.py", "tests/helpers.py", "tests/test_sorters.py"} <= set(listed), listed
+    assert all((REPO / name).is_file() for name in listed), listed
+    assert {name: checks.non_library_imports(REPO / name) for name in listed} == {name: [] for name in listed}
+    engine_test = tmp_path / "test_engine_thing.py"
+    engine_test.write_text("import torch\nfrom tests.test_sampler import x\n\ndef test_it():\n    from engine.comm import C\n")
+    assert checks.non_library_imports(engine_test) == ["tests.test_sampler", "engine.comm"]
+
+
+def test_the_compatibility_table_is_what_ci_runs():
+    """docs/compatibility.md's CI row is requirements.txt's pins, and its Python pyproject's lower bound."""
+    import re
+    import tomllib
+
+    pins = dict(line.split("#")[0].strip().split("==") for line in (REPO / "requirements.txt").read_text().splitlines()
+                if "==" in line.split("#")[0])
+    page = (REPO / "docs" / "compatibility.md").read_text()
+    header = re.search(r"^\| run \|(.*)\|$", page, flags=re.M).group(1)
+    row = re.search(r"^\| CI: `requirements.txt`'s pins \|(.*)\|$", page, flags=re.M).group(1)
+    columns = [cell.strip().lower() for cell in header.split("|")]
+    cells = [cell.strip().split(" ")[0] for cell in row.split("|")]
+    table = dict(zip(columns, cells))
+    python = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert table.pop("python") == python.removeprefix(">=")
+    assert table == {name: pins[name] for name in table}, (table, pins)
+    assert set(table) == {"torch", "numpy", "numba", "transformers", "accelerate", "lightning"}
