@@ -45,7 +45,7 @@ from common.errors import OneLineErrorParser  # noqa: E402
 
 # what a checkout may hold that is not the project's (a copy without git leaves these out)
 NOT_SOURCE = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "build", "dist", "results",
-              "figures", "datasets", "mutants", ".ipynb_checkpoints"}
+              "figures", "datasets", "mutants", "gpu-data", ".ipynb_checkpoints"}
 # modules a library-only test may import besides the standard library (transformers, accelerate: the [hf]
 # extra's; tests.helpers: the suite's helpers, which import the standard library and pytest only)
 LIBRARY_TEST_IMPORTS = {"sorters", "torch", "numpy", "pytest", "transformers", "accelerate", "tests"}
@@ -78,13 +78,14 @@ def clean_env() -> dict:
 # ------------------------------------------------------------------------------------------- 1. clean copy
 def source_files(tree: Path) -> list[Path]:
     """The tree's source files, relative: git's view where `tree` is a git work tree (tracked files and the
-    untracked ones it does not ignore, present on disk), else every file outside NOT_SOURCE, *.egg-info and
-    virtual environments (folders holding pyvenv.cfg)."""
+    untracked ones it does not ignore, present on disk), else every file; never one under NOT_SOURCE (a
+    tool's cache that .gitignore misses), *.egg-info or a virtual environment (a folder holding pyvenv.cfg)."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=tree,
                             capture_output=True) if (tree / ".git").exists() and shutil.which("git") else None
     if listed is not None and listed.returncode == 0:
         names = [Path(name) for name in listed.stdout.decode().split("\0") if name]
-        return [name for name in names if (tree / name).is_file() and not (tree / name).is_symlink()]
+        return [name for name in names if (tree / name).is_file() and not (tree / name).is_symlink()
+                and not NOT_SOURCE.intersection(name.parts)]
     files = []
     for folder, dirs, names in os.walk(tree):
         dirs[:] = [d for d in dirs if d not in NOT_SOURCE and not d.endswith(".egg-info")
