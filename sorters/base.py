@@ -7,6 +7,7 @@ Notation (the authors' code, not the paper): `n` workers, each owning `m` local 
 import numpy as np
 import torch
 
+from sorters._state_format import FORMAT_KEY, SORTER_STATE_FORMAT, saved_format
 from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
                             check_seed, check_state_keys)
 
@@ -198,6 +199,7 @@ class Sorter:
         """
         state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._state_items().items()}
         state["generator"] = self.generator.get_state()
+        state[FORMAT_KEY] = SORTER_STATE_FORMAT  # sorters/_state_format.py
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -230,6 +232,8 @@ class Sorter:
         """One clear line for a state this sorter cannot continue from."""
         owner = f"{self.name}.load_state_dict"
         now = self._state_items()
+        # format 0 (no format key, saved before the formats were recorded) holds format 1's keys: it loads as is
+        saved_format(owner, state, SORTER_STATE_FORMAT)
         check_state_keys(owner, state, [k for k in [*now, "generator"] if k not in self.OPTIONAL_STATE],
                          f"{self.name}'s state_dict()")
         for key in ("n", "m", "d"):

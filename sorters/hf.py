@@ -47,6 +47,7 @@ import os
 import torch
 
 from sorters import CDGraBSampler, PerExampleLossGrads
+from sorters._state_format import FORMAT_KEY, TRAINER_STATE_FORMAT, saved_format
 from sorters.exact import ExactCDGraB
 from sorters.gather import ParameterShare
 from sorters.layer_sketch import LayerSketch
@@ -447,7 +448,8 @@ class CDGraBTrainerMixin:
         if self.args.should_save and state is not None:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             path = os.path.join(folder, SAMPLER_FILE)
-            torch.save({"sampler": state, "gradients": self._gradient_settings()}, path + ".tmp")
+            torch.save({"sampler": state, "gradients": self._gradient_settings(), FORMAT_KEY: TRAINER_STATE_FORMAT},
+                       path + ".tmp")  # the format: sorters/_state_format.py
             os.replace(path + ".tmp", path)  # never a half-written state beside a complete checkpoint
 
     def _saved_sampler_state(self) -> dict:
@@ -461,6 +463,8 @@ class CDGraBTrainerMixin:
         except Exception as error:
             raise ValueError(f"{type(self).__name__}: cannot read {path} ({error}); resume from another "
                              "checkpoint") from None
+        # format 0 (no format key): the two layouts below, both still read; a newer format is refused
+        saved_format(f"{type(self).__name__}: {path}", saved, TRAINER_STATE_FORMAT)
         if "sampler" not in saved:  # written before the gradient settings were recorded
             saved = {"sampler": saved, "gradients": {"structured": False, "sketch_min_numel": None,
                                                      "grad_params": self._gradient_settings()["grad_params"]}}

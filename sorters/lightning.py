@@ -74,6 +74,7 @@ Under DDP each rank hands over its own records and the sampler all-gathers them 
 
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
+from sorters._state_format import FORMAT_KEY, LIGHTNING_STATE_FORMAT, saved_format
 from sorters.exact import ExactCDGraB, ExactGradients
 from sorters.layer_sketch import LayerSketch
 from sorters.sampler import CDGraBSampler
@@ -261,9 +262,10 @@ class CDGraBCallback(Callback):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        if self.sampler is None:
-            return {} if self._pending_state is None else self._pending_state
-        return {"sampler": self.sampler.state_dict(), "sketch_map": self._sketch_map()}
+        if self.sampler is None:  # nothing to save yet, or the loaded state still waiting for the sampler
+            return {FORMAT_KEY: LIGHTNING_STATE_FORMAT} if self._pending_state is None else self._pending_state
+        return {"sampler": self.sampler.state_dict(), "sketch_map": self._sketch_map(),
+                FORMAT_KEY: LIGHTNING_STATE_FORMAT}  # the format: sorters/_state_format.py
 
     def _sketch_map(self) -> dict | None:
         """The sketcher's map (None without one): what the sampler's sketch_dim and seed do not say."""
@@ -274,6 +276,8 @@ class CDGraBCallback(Callback):
                 "blocks": [[block.offset, block.rows, block.cols] for block in sketch.blocks]}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # format 0 (no format key) holds format 1's keys; a newer format is refused at once, not at fit start
+        saved_format("CDGraBCallback.load_state_dict", state_dict, LIGHTNING_STATE_FORMAT)
         if "sampler" not in state_dict:
             return
         if self.sampler is None:  # Lightning restores callbacks before on_fit_start: keep it until then

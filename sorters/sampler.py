@@ -67,6 +67,7 @@ if dist.is_available():
     import torch.distributed.nn  # noqa: F401
 
 from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
+from sorters._state_format import FORMAT_KEY, SAMPLER_STATE_FORMAT, saved_format
 from sorters.balance import sign_loop_for
 from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
                             check_seed, check_state_keys)
@@ -470,7 +471,7 @@ class CDGraBSampler(Sampler[int]):
         It holds no rank or view: every process's state is the same (the gradients are all-gathered),
         so rank 0's checkpoint restores every process, in either view."""
         return {"sorter": self.sorter.state_dict(), "position": self.position, "started": self.started,
-                "config": self._config()}
+                "config": self._config(), FORMAT_KEY: SAMPLER_STATE_FORMAT}  # sorters/_state_format.py
 
     def load_state_dict(self, state: dict, replay_from_epoch_start: bool = False) -> None:
         """Restore a state_dict. Saved mid-epoch (after k of its steps), the next iteration yields the rest
@@ -482,6 +483,7 @@ class CDGraBSampler(Sampler[int]):
         if not isinstance(replay_from_epoch_start, bool):
             raise TypeError(f"replay_from_epoch_start must be True or False, got {replay_from_epoch_start!r}")
         owner = "CDGraBSampler.load_state_dict"
+        saved_format(owner, state, SAMPLER_STATE_FORMAT)  # format 0 (no format key) holds format 1's keys
         check_state_keys(owner, state, ("sorter", "position", "started", "config"), "CDGraBSampler.state_dict()")
         if not isinstance(state["config"], dict) or not isinstance(state["sorter"], dict):
             raise ValueError(f"{owner}: state['config'] and state['sorter'] must be dicts, as state_dict() saves them")
