@@ -25,7 +25,14 @@ def load_bench():
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def head_at_start():
+    """HEAD's commit (or "unknown commit") as the bench run starts: in a checkout others commit to meanwhile,
+    HEAD at the assertion may be newer than the code the run recorded."""
+    return expected_head()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, head_at_start):
     """(report from --out, stdout) of one run: plain, sketched D=64 and exact_low_memory under torchrun."""
     path = tmp_path_factory.mktemp("exact-ddp") / "report.json"
     result = run_python([sys.executable, "bench/exact_ddp.py", "--small-config", "--steps", "2", "--dim", str(DIM),
@@ -34,10 +41,10 @@ def smoke(tmp_path_factory):
     return json.loads(path.read_text()), result.stdout
 
 
-def test_report_layout_and_every_rank_ran_every_step(smoke):
+def test_report_layout_and_every_rank_ran_every_step(smoke, head_at_start):
     report, stdout = smoke
     assert json.loads(stdout[:stdout.rindex("\n}") + 2]) == report  # the printed object is the written one
-    head = expected_head()  # "unknown commit" in a source archive
+    head = head_at_start  # "unknown commit" in a source archive
     assert report["git_commit"] in (head, f"{head}-dirty" if GIT_CHECKOUT else head)
     assert report["sketch_dim"] == DIM and report["exact_low_memory_orders_equal_one_process"] is None
     assert report["processes"] == {"plain": 2, f"sketched D={DIM}": 2, "exact_low_memory": 2}
