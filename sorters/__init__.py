@@ -41,7 +41,8 @@ from sorters.settings import CDGraBSettings
 from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
 from sorters.sketch import GradientSketch
 
-__all__ = ["__version__", "SORTER_NAMES", "SORTERS", "Sorter", "NonFiniteGradientError", "build_sorter", "parallel_herding_bound",
-           "CDGraBSampler", "CDGraBSettings", "GradientSketch", "LayerSketch", "PerExampleGrads", "PerExampleLossGrads",
-           "per_example_grads", "CDGraB", "IndependentMeanBalance", "IndependentPairBalance", "Fold", "KernelHalving",
-           "SelfBalancingWalk", "DistributedRandomReshuffle", "DistributedShuffleOnce"]
+__all__ = ["__version__", "SORTER_NAMES", "SORTERS", "Sorter", "NonFiniteGradientError", "build_sorter",
+           "parallel_herding_bound", "CDGraBSampler", "CDGraBSettings", "GradientSketch", "LayerSketch",
+           "PerExampleGrads", "PerExampleLossGrads", "per_example_grads", "CDGraB", "IndependentMeanBalance",
+           "IndependentPairBalance", "Fold", "KernelHalving", "SelfBalancingWalk", "DistributedRandomReshuffle",
+           "DistributedShuffleOnce"]

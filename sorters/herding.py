@@ -3,11 +3,24 @@ import torch
 
 
 def parallel_herding_bound(z: torch.Tensor, orders: torch.Tensor, center: bool = True) -> float:
-    """max over prefixes k of || sum_{t<=k} sum_j z[j, orders[j, t]] ||_inf.
+    """The parallel herding bound: max over prefixes k of || sum_{t<=k} sum_j z[j, orders[j, t]] ||_inf.
 
-    z: (n, m, d) worker j's m vectors; orders: (n, m) row j a permutation of range(m).
-    With `center`, each worker's vectors are first centred on their mean (the paper's setting:
-    every worker's m vectors sum to zero), so a perfectly balanced order scores near 0.
+    Args:
+        z: (n, m, d), worker j's m vectors in row j.
+        orders: (n, m), row j a permutation of range(m): worker j's order.
+        center: first centre each worker's vectors on their mean (the paper's setting: every worker's m
+            vectors sum to zero), so that a perfectly balanced order scores near 0.
+
+    Returns:
+        The bound, computed in float64.
+
+    Raises:
+        ValueError: `orders` is not of shape (n, m).
+
+    Example:
+        >>> z = torch.tensor([[[1.0], [-1.0]], [[2.0], [-2.0]]])
+        >>> parallel_herding_bound(z, torch.tensor([[0, 1], [1, 0]]))
+        1.0
     """
     n, m, _ = z.shape
     if tuple(orders.shape) != (n, m):

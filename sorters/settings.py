@@ -11,8 +11,9 @@ The fields are checked once, when the object is made (one line per bad value: Ty
 type, ValueError for a bad value), so a script can build its settings from its flags before it loads any
 data and refuse bad ones at once. Frozen: a run's settings do not change under it.
 """
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class CDGraBSettings:
     num_replicas: int | None = None
     exact_low_memory: bool | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         owner = "CDGraBSettings"
         if not isinstance(self.sorter, str) or self.sorter not in SORTERS:
             raise ValueError(f"{owner}: unknown sorter {self.sorter!r}; choose one of {', '.join(SORTERS)}")
@@ -74,7 +75,8 @@ class CDGraBSettings:
         params = self.grad_params
         if not (params is None or isinstance(params, str) or isinstance(params, Sequence)
                 and params and all(isinstance(p, str) for p in params)):
-            raise TypeError(f"{owner}: grad_params must be None, a regular expression or a list of them, got {params!r}")
+            raise TypeError(f"{owner}: grad_params must be None, a regular expression or a list of them, "
+                            f"got {params!r}")
         if params is not None and not isinstance(params, str):
             object.__setattr__(self, "grad_params", tuple(params))  # frozen, and comparable with a saved one
         check_int(owner, "grad_chunk_size", self.grad_chunk_size, 1, none_ok=True)
@@ -88,7 +90,8 @@ class CDGraBSettings:
                              f"sketch_dim > 0 and a balancing sorter, got sketch_dim={self.sketch_dim}, "
                              f"sorter={self.sorter}")
         if self.exact_low_memory is not None and not isinstance(self.exact_low_memory, bool):
-            raise TypeError(f"{owner}: exact_low_memory must be None (auto), True or False, got {self.exact_low_memory!r}")
+            raise TypeError(f"{owner}: exact_low_memory must be None (auto), True or False, "
+                            f"got {self.exact_low_memory!r}")
         if self.exact_low_memory and (self.sorter != "CD-GraB" or self.sketch_dim or self.structured):
             raise ValueError(f"{owner}: exact_low_memory=True balances CD-GraB's exact gradients: it needs "
                              f"sorter='CD-GraB', sketch_dim=0 and structured=False, got sorter={self.sorter}, "
@@ -99,11 +102,22 @@ class CDGraBSettings:
         """Whether the sorter balances gradients (False for D-RR, D-SO and Fold, for which none are formed)."""
         return SORTERS[self.sorter].uses_grads
 
-    def exact_applies(self, model) -> bool:
-        """Whether exact_low_memory can balance `model` with these settings: CD-GraB, no sketch, and every
-        selected parameter in a layer with a rule (sorters/layer_rules.py: Linear, Conv1D, Embedding,
-        LayerNorm). Whether the loss is one the glue's records compute as the model does is the glue's
-        to check (the HF Trainer: a causal LM's own loss)."""
+    def exact_applies(self, model: torch.nn.Module) -> bool:
+        """Whether exact_low_memory can balance `model` with these settings.
+
+        It can with CD-GraB, no sketch, and every selected parameter in a layer with a rule
+        (sorters/layer_rules.py: Linear, Conv1D, Embedding, LayerNorm). Whether the loss is one the glue's
+        records compute as the model does is the glue's to check (the HF Trainer: a causal LM's own loss).
+
+        Args:
+            model: the model to train (a DistributedDataParallel wrapper is unwrapped).
+
+        Returns:
+            True where the exact path applies, else False.
+
+        Raises:
+            ValueError: grad_params selects no parameter of `model` (one line).
+        """
         if self.sorter != "CD-GraB" or self.sketch_dim or self.structured:
             return False
         model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
@@ -111,39 +125,90 @@ class CDGraBSettings:
 
     @property
     def resolved_seed(self) -> int:
-        """seed, or 0 when None (a framework with its own seed passes that instead)."""
+        """`seed`, or 0 when None (a framework with its own seed passes that instead)."""
         return 0 if self.seed is None else self.seed
 
-    def gradients(self, model, loss_fn) -> PerExampleGrads:
-        """The per-example gradients these settings balance, for (inputs, targets) batches: a PerExampleGrads
-        whose call gives (B, d) gradients, (B, sketch_dim) sketches, or with structured the layer-by-layer
-        sketches. Building it computes nothing; call it only when `uses_grads`."""
+    def gradients(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]) -> PerExampleGrads:
+        """The per-example gradients these settings balance, for (inputs, targets) batches.
+
+        Building it computes nothing; call it only when `uses_grads`.
+
+        Args:
+            model: the model to train.
+            loss_fn: loss_fn(outputs, targets) -> the scalar mean loss of a batch (see PerExampleGrads).
+
+        Returns:
+            A PerExampleGrads whose call gives (B, d) gradients, (B, sketch_dim) sketches, or with
+            structured the layer-by-layer sketches.
+        """
         return PerExampleGrads(model, loss_fn, params=self.grad_params, chunk_size=self.grad_chunk_size,
                                sketch_dim=self.sketch_dim, sketch_seed=self.resolved_seed,
                                structured=self.structured, min_numel=self.min_numel)
 
-    def loss_gradients(self, model) -> PerExampleLossGrads:
-        """As gradients(), of the model's own loss on dict batches (transformers models; not structured:
-        the HF glue builds those sketches from the Trainer's own backward)."""
+    def loss_gradients(self, model: torch.nn.Module) -> PerExampleLossGrads:
+        """As gradients(), of the model's own loss on dict batches.
+
+        For transformers models; not structured: the HF glue builds those sketches from the Trainer's own
+        backward.
+
+        Args:
+            model: a model that computes its own loss from a dict batch holding "labels".
+
+        Returns:
+            A PerExampleLossGrads whose call gives (B, d) gradients or (B, sketch_dim) sketches.
+        """
         return PerExampleLossGrads(model, params=self.grad_params, chunk_size=self.grad_chunk_size,
                                    sketch_dim=self.sketch_dim, sketch_seed=self.resolved_seed)
 
-    def layer_sketch(self, model):
-        """structured: the LayerSketch of `model` with these settings (sketch_dim, seed, grad_params,
-        min_numel), for glue that records the training step's own backward (Lightning's CDGraBCallback)."""
+    def layer_sketch(self, model: torch.nn.Module) -> LayerSketch:
+        """The LayerSketch of `model` with these settings (sketch_dim, seed, grad_params, min_numel).
+
+        For glue that records the training step's own backward (Lightning's CDGraBCallback).
+
+        Args:
+            model: the model to train.
+
+        Returns:
+            The LayerSketch, whose sketches are (B, sketch_dim).
+
+        Raises:
+            ValueError: structured is False (one line).
+        """
         if not self.structured:
             raise ValueError("CDGraBSettings: layer_sketch() builds structured sketches: set structured=True")
-        return LayerSketch(model, self.sketch_dim, self.resolved_seed, params=self.grad_params, min_numel=self.min_numel)
+        return LayerSketch(model, self.sketch_dim, self.resolved_seed, params=self.grad_params,
+                           min_numel=self.min_numel)
 
-    def exact_gradients(self, model):
-        """exact_low_memory: the ExactGradients of `model` (sorters/exact.py) for these grad_params; its `d` is
-        the sampler's d."""
+    def exact_gradients(self, model: torch.nn.Module) -> ExactGradients:
+        """For exact_low_memory: the ExactGradients of `model` (sorters/exact.py) for these grad_params.
+
+        Args:
+            model: the model to train.
+
+        Returns:
+            The ExactGradients; its `d` is the sampler's d.
+        """
         return ExactGradients(model, params=self.grad_params)
 
-    def sampler(self, dataset, batch_size: int, d: int | None, cls=CDGraBSampler, **kwargs) -> CDGraBSampler:
-        """A CDGraBSampler (or the subclass `cls`, e.g. LightningCDGraBSampler) with these settings' sorter,
-        seed, sketch_dim and num_replicas; d: the gradients' length (the `d` of gradients(); ignored for
-        sorters that balance none). kwargs: the sampler's others (drop_last, epochs, view, rank, ...)."""
+    def sampler(self, dataset: Sized | int, batch_size: int, d: int | None,
+                cls: type[CDGraBSampler] = CDGraBSampler, **kwargs: Any) -> CDGraBSampler:
+        """A CDGraBSampler with these settings' sorter, seed, sketch_dim and num_replicas.
+
+        Args:
+            dataset: the training set (only its length is read), or that length.
+            batch_size: examples per batch and replica.
+            d: the gradients' length (the `d` of gradients(), or of exact_gradients() with
+                exact_low_memory); ignored for sorters that balance none.
+            cls: CDGraBSampler or a subclass of it (e.g. sorters.lightning.LightningCDGraBSampler).
+            **kwargs: the sampler's other arguments (drop_last, epochs, view, rank, ...).
+
+        Returns:
+            The sampler, an instance of `cls`.
+
+        Raises:
+            TypeError: the sampler refuses an argument of the wrong type (one line).
+            ValueError: the sampler refuses an argument's value (one line).
+        """
         if self.exact_low_memory:  # an ExactCDGraB, stepped with step_units (d: exact_gradients(model).d)
             kwargs = {"exact": True, **kwargs}
         return cls(dataset, batch_size=batch_size, d=d if self.uses_grads else None, sorter=self.sorter,
