@@ -4,6 +4,8 @@ Notation (the authors' code, not the paper): `n` workers, each owning `m` local 
 (examples, bptt chunks, windows, token blocks), `d` model parameters. An epoch visits positions
 0..m-1; at position t worker j uses its local unit `orders[j, t]`.
 """
+import warnings
+
 import numpy as np
 import torch
 
@@ -149,11 +151,12 @@ class Sorter:
                 return grads
             if self.nonfinite == "raise":
                 worker, unit = np.argwhere(~np.isfinite(grads).all(axis=2))[0]
-                raise NonFiniteGradientError(
-                    f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, step at positions "
-                    f"{start}..{start + grads.shape[1] - 1} of {self.m} (worker {worker}, position {start + unit}); "
-                    "lower the learning rate or fix the input, or pass nonfinite='skip' to skip such steps",
-                    self.epoch, start)
+                where = (f"step at positions {start}..{start + grads.shape[1] - 1} of {self.m} (worker {worker}, "
+                         f"position {start + unit}); lower the learning rate or fix the input, or pass "
+                         "nonfinite='skip' to skip such steps")
+                what = f"{self.name}: non-finite gradient (nan or inf)"
+                raise NonFiniteGradientError(f"{what} in epoch {self.epoch}, {where}", self.epoch, start,
+                                             f"{what}, {where}")
             self.nonfinite_record[1] += 1
             return np.zeros_like(grads)
         bad = ~torch.isfinite(grads).all()
@@ -170,10 +173,10 @@ class Sorter:
             return
         at = int(self.nonfinite_record[0])
         if at >= 0:
-            raise NonFiniteGradientError(
-                f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, step at position {at} of "
-                f"{self.m} (on {self.device} the check runs at the epoch's end); lower the learning rate or fix the "
-                "input, or pass nonfinite='skip' to skip such steps", self.epoch, at)
+            where = (f"step at position {at} of {self.m} (on {self.device} the check runs at the epoch's end); lower "
+                     "the learning rate or fix the input, or pass nonfinite='skip' to skip such steps")
+            what = f"{self.name}: non-finite gradient (nan or inf)"
+            raise NonFiniteGradientError(f"{what} in epoch {self.epoch}, {where}", self.epoch, at, f"{what}, {where}")
 
     @property
     def skipped_steps(self) -> int:
@@ -285,6 +288,10 @@ class OnlineBalancer(Sorter):
 
     def _next_epoch_orders(self):
         if self._next_position == 0:  # no step this epoch (e.g. the very first sort): keep the order
+            if self.epoch > 0:  # an epoch was started and got no gradient: a loop that forgot step()
+                warnings.warn(f"{self.name}: sort() after an epoch without any step(), so the next epoch repeats "
+                              f"this one's order (a fixed order, not {self.name}): call step(grads, positions) for "
+                              "every batch of an epoch", UserWarning, stacklevel=3)
             return self.orders
         assert bool((self.next_orders >= 0).all()), "balancer left a slot of next_orders empty"
         return self.next_orders

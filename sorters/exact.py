@@ -40,10 +40,10 @@ import torch
 
 from sorters.balance import gram_signs
 from sorters.base import PairBalancer
-from sorters.checks import NonFiniteGradientError, check_module
+from sorters.checks import NonFiniteGradientError, check_module, check_no_dropout
 from sorters.exact_products import ContributionSink, Formed, Pairs, add_weighted, matrix_shape, parameter_products, \
     summed
-from sorters.layer_rules import Layout, apply_rule, tokens
+from sorters.layer_rules import Layout, apply_rule, examples_of_call, spread_over_examples, tokens
 from sorters.layer_sketch import selected_parameters
 
 __all__ = ["ExactGradients", "ExactRecording", "UnitGradients", "ExactCDGraB", "NEAR_TIE"]
@@ -194,9 +194,13 @@ class ExactGradients:
 
     model:  an nn.Module; the selected parameters of Linear, transformers Conv1D, Embedding (without
             scale_grad_by_freq) and LayerNorm layers, each used through its own forward, are recorded (every
-            recorded layer's input has the examples on dim 0: GPT-2's position_ids (B, T)); any other
+            recorded layer's input has the examples on dim 0, or 1 there for an input the model's output
+            broadcasts over its B examples: GPT-2's default (1, T) position_ids, layer_rules.spread_over_examples;
+            the model is called as usual, `model(input_ids=x)`); any other
             selected parameter (Conv2d, LSTM, a bare nn.Parameter) is formed per example by a batched
             vector-Jacobian product at watch() (`formed`; the constructor warns which), as LayerSketch does.
+            A BatchNorm or a dropout module (p > 0) in training mode is refused when a recording starts: each
+            example's gradient must not depend on the other examples or on random masks.
     params: None (every trainable parameter) or regular expressions searched in the names.
     how:    "stream", "ghost" or None (per parameter, the cheaper by the cost formula).
     Attributes: names, d, params ([parameter] in named_parameters() order, a tied one once), offsets.
@@ -285,23 +289,31 @@ class ExactRecording:
         self.owner, self.handles, self.pieces, self.scale, self.B, self.fresh = owner, [], {}, None, None, False
         self.selected = {id(p) for p in owner.params}
         self.write_grads, self.turned_off, self.formed_grads, self.active = write_grads, [], {}, True
+        self.examples = None  # the examples of the model's current call (examples_of_call), at its forward
 
     def __enter__(self) -> "ExactRecording":
         if any(m.training for m in self.owner.batch_norms):
             raise ValueError("ExactGradients: a BatchNorm in training mode mixes the examples of a batch, so their "
                              "own gradients are not what one backward records; put it in eval mode (model.eval() "
                              "for its statistics) or use GroupNorm / LayerNorm")
+        check_no_dropout("ExactGradients", self.owner.model)
+
+        def count_examples(model, args, kwargs):  # the model's call: how many examples a broadcast input serves
+            self.examples = examples_of_call(args, kwargs)
+
         def record(module, args, output):
             if not isinstance(output, torch.Tensor):
                 return None
             if self.turned_off and not output.requires_grad and torch.is_grad_enabled():
                 output = output.detach().requires_grad_()
             if output.requires_grad:
-                entry = [module, args[0].detach()]
+                a, output = spread_over_examples(args[0].detach(), output, self.examples)  # (1, T) ids: (B, T)
+                entry = [module, a]
                 output.register_hook(lambda g, entry=entry: self._on_grad(entry, g))
             return output
 
-        self.handles = [module.register_forward_hook(record) for module in self.owner.layers]
+        self.handles = [self.owner.model.register_forward_pre_hook(count_examples, with_kwargs=True)]
+        self.handles += [module.register_forward_hook(record) for module in self.owner.layers]
         if self.write_grads:  # a formed parameter keeps autograd's gradient: no layer rule gives it from records
             self.turned_off = [p for p in self.owner.params if p.requires_grad and id(p) not in self.owner.formed_ids]
             for p in self.turned_off:
@@ -322,7 +334,8 @@ class ExactRecording:
         entry[1] = None
         if self.B is not None and (a.shape[0] != self.B or g.shape[0] != self.B):
             raise ValueError(f"ExactGradients: {type(module).__name__} got an input of shape {tuple(a.shape)} for "
-                             f"{self.B} examples: every recorded layer's input needs the examples on dim 0")
+                             f"{self.B} examples: every recorded layer's input needs the examples on dim 0 "
+                             "(or 1 there, for an input the model broadcasts over them)")
         with torch.no_grad():
             kind = self.owner.layers[module]
             apply_rule(module, kind, *tokens(module, kind, a, g.detach()), ContributionSink(self.pieces, self.selected))
@@ -468,9 +481,11 @@ class ExactCDGraB(PairBalancer):
             pairs = Pairs(firsts, seconds, 1.0 / everything.scale)
             diff_a, diff_G, norms = everything.products(self.running_sum, pairs=pairs, share=self.share)
             if not bool(diff_a.isfinite().all() and diff_G.isfinite().all() and norms.isfinite().all()):
-                raise NonFiniteGradientError(f"{self.name}: non-finite gradient (nan or inf) in epoch {self.epoch}, "
-                                             f"step at positions {start}..{start + k - 1} of {self.m}; lower the "
-                                             "learning rate or fix the input", self.epoch, start)
+                where = f"step at positions {start}..{start + k - 1} of {self.m}; lower the learning rate or fix the " \
+                        "input"
+                what = f"{self.name}: non-finite gradient (nan or inf)"
+                raise NonFiniteGradientError(f"{what} in epoch {self.epoch}, {where}", self.epoch, start,
+                                             f"{what}, {where}")
             signs = gram_signs(diff_a, diff_G)
             self.near_ties += self._count_near_ties(diff_a, diff_G, signs, norms, firsts, seconds)
             self.last_products = (diff_a, diff_G)

@@ -25,7 +25,11 @@ What the mixin changes in the Trainer, and why:
   (`skip_first_batches`), so the state is loaded with `replay_from_epoch_start=True`; the orders are an
   uninterrupted run's;
 - what it cannot honour is refused with one line when `train()` starts, before the first step (see
-  `CDGraBTrainerMixin.check_settings`).
+  `CDGraBTrainerMixin.check_settings`);
+- for a sorter that balances gradients, it reads train_dataset[0] and [1] once before training (a dry
+  run: through the collator into the model, in eval mode without gradients, to choose exact_low_memory's
+  default and refuse what the layer records cannot serve; the formed path also forms item 0's gradient),
+  logged at INFO level by the logger "sorters.hf".
 
 One process can also host several replicas (`num_replicas=R` when not launched by torchrun): each
 micro-batch is then every replica's `per_device_train_batch_size` examples side by side, and the orders
@@ -41,6 +45,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 import math
 import os
 
@@ -48,6 +53,7 @@ import torch
 
 from sorters import CDGraBSampler, PerExampleLossGrads
 from sorters._state_format import FORMAT_KEY, TRAINER_STATE_FORMAT, saved_format
+from sorters.checks import check_no_dropout, plural
 from sorters.exact import ExactCDGraB
 from sorters.gather import ParameterShare
 from sorters.layer_sketch import LayerSketch
@@ -63,6 +69,7 @@ except ImportError as error:  # the package depends on torch, numpy and numba on
 __all__ = ["CDGraBTrainer", "CDGraBTrainerMixin", "SAMPLER_FILE"]
 
 SAMPLER_FILE = "cdgrab_sampler.pt"
+_LOGGER = logging.getLogger(__name__)  # "sorters.hf": the dry run's reads of the user's data (INFO)
 
 # the keyword arguments the mixin took before CDGraBSettings, and the settings' field each one sets
 _KEYWORDS = {"sorter": "sorter", "sorter_seed": "seed", "grad_params": "grad_params",
@@ -196,9 +203,10 @@ class CDGraBTrainerMixin:
                              "one replica (leave num_replicas unset)")
         batch = args.per_device_train_batch_size
         if len(dataset) % (world * batch) and not args.dataloader_drop_last:
-            raise ValueError(f"{name}: {len(dataset)} examples do not split into full batches of "
-                             f"{world} replicas x {batch}; pass dataloader_drop_last=True (the last "
-                             f"{len(dataset) % (world * batch)} examples are never used) or trim the dataset")
+            raise ValueError(f"{name}: a dataset of {plural(len(dataset), 'example')} does not split into full "
+                             f"batches of {plural(world, 'replica')} x {batch}; pass dataloader_drop_last=True (the "
+                             f"last {plural(len(dataset) % (world * batch), 'example')} would never be used) or trim "
+                             "the dataset")
         if self._uses_grads:
             self._check_gradients_can_be_formed()
 
@@ -207,6 +215,8 @@ class CDGraBTrainerMixin:
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
             raise ValueError(f"{name}: gradient checkpointing cannot be traced by torch.func, which forms the "
                              f"per-example gradients {self.cdgrab_settings.sorter} balances; turn it off")
+        # the Trainer trains in training mode: one line for the formed gradients and the layer records alike
+        check_no_dropout(name, self.model, trains=True)
         if args.neftune_noise_alpha is not None:
             raise ValueError(f"{name}: NEFTune adds random noise in the forward, which per-example gradients cannot "
                              "replay; leave neftune_noise_alpha unset")
@@ -281,8 +291,11 @@ class CDGraBTrainerMixin:
 
     def _first_gradients_dry_run(self, dataset) -> None:
         """Form one example's gradient now, so that a model torch.func cannot trace (sdpa with a mask,
-        dropout, a forward without labels) is refused before the first step, in PerExampleLossGrads' line."""
+        dropout, a forward without labels) is refused before the first step, in PerExampleLossGrads' line.
+        Reads train_dataset[0] (logged at INFO)."""
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        _LOGGER.info("%s: reading train_dataset[0] before training, to form its gradient once (a dry run that "
+                     "refuses a model the per-example gradients cannot trace)", type(self).__name__)
         batch = self._prepare_inputs(collate([dataset[0]]))
         was_training = self.model.training
         self.model.train()
@@ -321,8 +334,11 @@ class CDGraBTrainerMixin:
         outputs) cannot stand for the model's own on the first two examples: no labels, logits neither a
         causal LM's (B, T, vocab) nor a classifier's (B, K), logits that change with explicit (B, T) position
         ids, or a model loss (outputs.loss) other than that loss of its logits; None when it can (the kind
-        is then kept for compute_loss)."""
+        is then kept for compute_loss). Reads train_dataset[0] and [1] (logged at INFO)."""
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        _LOGGER.info("%s: reading train_dataset[0] and [1] before training, to run the model on them once (a dry "
+                     "run, eval mode, no gradients: it checks %s against the model's own loss)", type(self).__name__,
+                     mode)
         batch = self._prepare_inputs(collate([dataset[0], dataset[min(1, len(dataset) - 1)]]))
         if "labels" not in batch:
             return (f"{mode} computes the model's loss from the batch's labels; the collator gives none "

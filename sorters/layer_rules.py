@@ -207,6 +207,36 @@ def check_units(owner: str, module, a: torch.Tensor, g: torch.Tensor, U: int, wh
                          f"every recorded layer's input needs the {what} on dim 0")
 
 
+# ------------------------------------------------------------------------------------------- broadcast inputs
+
+def examples_of_call(args: tuple, kwargs: dict, batch_dim: int = 0) -> int | None:
+    """The examples in one call of a model: the largest size on batch_dim among its tensor arguments
+    (input_ids (B, T), labels (B, T), attention_mask (B, T) beside position_ids (1, T): B), None without any."""
+    sizes = [t.shape[batch_dim] for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() > batch_dim]
+    return max(sizes, default=None)
+
+
+def spread_over_examples(a, output, examples: int | None, batch_dim: int = 0):
+    """A recorded call whose input has ONE row on the examples' dim while the model's call has B > 1 examples:
+    a layer applied to something shared by the batch, whose output the model broadcasts over it (GPT-2's
+    position embedding of its default (1, T) position_ids, added to the (B, T, C) token embeddings).
+    Returns (a, output) expanded to B rows on batch_dim (views, no copy), the output so that the model
+    continues from it: the broadcast then adds nothing, so the forward is unchanged, and the gradient reaching
+    the expanded output is every example's own output gradient, row by row (a broadcast output's would be
+    their sum, from which no example's can be recovered). Exact when the model uses the output as a broadcast
+    over the examples (row b of the expansion enters example b's computation only), as transformers models
+    do. Any other call is returned as it is."""
+    if not (examples and examples > 1 and torch.is_tensor(a) and torch.is_tensor(output)
+            and a.dim() > batch_dim and a.shape[batch_dim] == 1
+            and output.dim() > batch_dim and output.shape[batch_dim] == 1):
+        return a, output
+
+    def expanded(t: torch.Tensor) -> torch.Tensor:
+        return t.expand(*(examples if i == batch_dim else -1 for i in range(t.dim())))
+
+    return expanded(a), expanded(output)
+
+
 # ------------------------------------------------------------------------------------------- the layout
 
 class Layout:

@@ -38,8 +38,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sorters.checks import check_int, check_module, check_seed
-from sorters.layer_rules import BlockSink, Layout, Sink, apply_rule, check_units, scatter_rows, tokens
+from sorters.checks import check_int, check_module, check_no_dropout, check_seed
+from sorters.layer_rules import BlockSink, Layout, Sink, apply_rule, check_units, examples_of_call, scatter_rows, \
+    spread_over_examples, tokens
 from sorters.sketch import GradientSketch
 from sorters.thresholds import STRUCTURED_MIN_NUMEL, check_min_numel  # the library's row (thresholds.py: why)
 
@@ -70,9 +71,10 @@ class LayerSketch:
     """Callable: per_example_losses_fn -> ((B, dim) sketches of the B per-example gradients, (B,) losses).
 
     model:     an nn.Module (a DistributedDataParallel's module is used); its parameters are read at each
-               call. Examples must be independent in the forward (no BatchNorm in training mode), and every
-               input of a recorded layer must have the examples on dim 0 (e.g. GPT-2's position_ids (B, T)
-               or broadcast from (1, T) inside the model: only layer INPUTS count).
+               call. Examples must be independent in the forward (no BatchNorm or dropout in training mode:
+               refused), and every input of a recorded layer must have the examples on batch_dim, or 1 there
+               for an input whose output the model broadcasts over them (a transformers model called as usual,
+               `model(input_ids=x)`: its position embedding gets (1, T) position_ids).
     dim, seed: the map's size and seed (GradientSketch); dim >= d gives the per-example gradients exactly.
     params:    which parameters (as PerExampleGrads: None, or regular expressions searched in the names).
     min_numel: weights of Linear / Conv1D / Embedding layers with at least this many entries are never
@@ -174,13 +176,25 @@ class LayerSketch:
 
     def _record_calls(self, state) -> list:
         """Forward hooks on the recorded layers: each call's input is kept, and its output's gradient,
-        when it arrives in the backward, adds the call's contribution (then the input is dropped)."""
+        when it arrives in the backward, adds the call's contribution (then the input is dropped). A call whose
+        input has one row on batch_dim, broadcast by the model over its B examples (GPT-2's default (1, T)
+        position_ids), is recorded as B rows: sorters.layer_rules.spread_over_examples. Refuses dropout in
+        training mode (sorters.checks.check_no_dropout)."""
+        check_no_dropout("LayerSketch", self.model)
+
+        def count_examples(model, args, kwargs):  # the model's call: how many examples a broadcast input serves
+            state.examples = examples_of_call(args, kwargs, self.batch_dim)
+
         def record(module, args, output):
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                entry = [module, args[0].detach(), None]
+                a, output = spread_over_examples(args[0].detach(), output, state.examples, self.batch_dim)
+                entry = [module, a, None]
                 output.register_hook(lambda g, entry=entry: self._on_grad(entry, g, state))
+                return output
+            return None
 
-        return [module.register_forward_hook(record) for module in self.layout.layers]
+        return [self.model.register_forward_pre_hook(count_examples, with_kwargs=True)] + \
+            [module.register_forward_hook(record) for module in self.layout.layers]
 
     @staticmethod
     def _check_losses(losses) -> None:
@@ -324,6 +338,7 @@ class _Pass(Sink):
 
     def __init__(self):
         self.B, self.active, self.rest, self.out, self.called = 0, False, None, None, set()
+        self.examples = None  # the examples of the model's current call (examples_of_call)
         self.sketcher, self.sink = None, None
 
     def view(self, p: torch.Tensor) -> torch.Tensor:

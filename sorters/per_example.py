@@ -33,7 +33,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
 from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch, selected_parameters
-from sorters.checks import check_int, check_module, check_seed
+from sorters.checks import check_int, check_module, check_no_dropout, check_seed
 from sorters.sketch import GradientSketch
 from sorters.thresholds import check_min_numel
 
@@ -145,12 +145,9 @@ class PerExampleGrads:
 
     def _refuse_dropout(self) -> None:
         """Dropout in training mode makes each example's loss random, which vmap refuses with a message
-        about 'randomness' that does not say what to do; name the module and the fix instead."""
-        for name, module in self.model.named_modules():
-            if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-                raise ValueError(f"{type(self).__name__}: module {name or 'model'!r} is "
-                                 f"{type(module).__name__}(p={module.p}) in training mode; per-example gradients need a model without randomness: "
-                                 "set its p to 0, or call model.eval() while computing them")
+        about 'randomness' that does not say what to do; name the module and the fix instead (the layer
+        records' line: sorters.checks.check_no_dropout)."""
+        check_no_dropout(type(self).__name__, self.model)
 
 
 def _randomness_error(owner: str, error: RuntimeError) -> ValueError:

@@ -51,6 +51,7 @@ yields the rest of the epoch, or, with load_state_dict(state, replay_from_epoch_
 epoch for a loader that skips the batches already used itself (accelerate's skip_first_batches).
 """
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters._state_format import FORMAT_KEY, SAMPLER_STATE_FORMAT, saved_format
 from sorters.balance import sign_loop_for
 from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
-                            check_seed, check_state_keys)
+                            check_seed, check_state_keys, plural)
 from sorters.exact import ExactCDGraB, UnitGradients
 from sorters.gather import ParameterShare, all_gather_rows, all_gather_units, sketch_then_gather
 from sorters.sketch import GradientSketch
@@ -140,7 +141,8 @@ def _examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, d
             raise ValueError(f"a dataset of {n_examples} examples does not split over {num_replicas} replicas "
                              f"({n_examples % num_replicas} left over); pass drop_last=True or trim the dataset")
     if m == 0:
-        raise ValueError(f"{n_examples} examples are too few for {num_replicas} replicas x batch_size {batch_size}")
+        raise ValueError(f"{plural(n_examples, 'example')} {'is' if n_examples == 1 else 'are'} too few for "
+                         f"{plural(num_replicas, 'replica')} x batch_size {batch_size}")
     if view == "global" and m % batch_size:
         # a short last step would shift the loader's batch_size chunks off the replica boundaries
         raise ValueError(f"view='global' needs every batch full, but {m} examples per replica leave a last batch "
@@ -214,7 +216,9 @@ class CDGraBSampler(Sampler[int]):
     DataLoader epoch) after a complete epoch starts the next epoch, whose order depends on every earlier
     epoch's gradients, so epochs are never skipped or replayed. An iteration in which step() was never
     called does not count: the next one yields the same epoch again (peeking at a batch with
-    next(iter(loader)) changes nothing). Ending an epoch part-way is an error, except right after
+    next(iter(loader)) changes nothing); for a sorter that balances gradients, an iteration after two that
+    went through the same epoch without any step() warns (UserWarning): a loop that forgets step() would
+    otherwise train on one fixed order. Ending an epoch part-way is an error, except right after
     load_state_dict of a state saved part-way (the resume, see load_state_dict).
     """
 
@@ -258,6 +262,8 @@ class CDGraBSampler(Sampler[int]):
         self.position = 0          # examples per replica passed to step() in the current epoch
         self.started = False       # whether the current epoch's orders were drawn (by __iter__)
         self.resume = None         # after a mid-epoch load_state_dict, until the next step(): "rest" / "replay"
+        self._iterated_through = False  # the last iteration yielded every index it had (_yield_all)
+        self._unstepped_passes = 0      # whole iterations through the current epoch before its first step()
 
     # ------------------------------------------------------------------ what a DataLoader sees
 
@@ -323,16 +329,34 @@ class CDGraBSampler(Sampler[int]):
             raise ValueError(f"the previous epoch ended after step() saw {self.position} of {self.m} examples per "
                              "replica; call step() for every batch (a DataLoader with drop_last=True skips the "
                              "last, short batch: pass drop_last=True to the sampler instead)")
+        if self._iterated_through and self.started and self.position == 0 and self.resume is None:
+            self._unstepped_passes += 1
+        self._iterated_through = False
+        if self._unstepped_passes >= 2 and self.uses_grads:
+            # one whole pass without step() may be a look at the data or an evaluation; two in a row, and not one
+            # step() since the epoch began, is a loop that forgot step() and trains on one fixed order
+            warnings.warn(f"CDGraBSampler: {self._unstepped_passes} iterations went through the same epoch without "
+                          f"any step() call, so {self.sorter.name} got no gradients and yields the same order again: "
+                          f"a fixed order (as D-SO), not {self.sorter.name}. Call sampler.step(per-example gradients) "
+                          "after every batch (exact=True: step_units); an iteration without steps does not count as "
+                          "an epoch", UserWarning, stacklevel=2)
         if not self.started or self.position == self.m:  # else no step() yet, or a resume: the same epoch
             try:
                 self.sorter.sort()
             except NonFiniteGradientError as error:  # found on the device path at the epoch's end
                 raise self._named_step(error) from None
+            self._unstepped_passes = 0
             self.position, self.started = 0, True
         first = self.position if self.resume == "rest" else 0
         indices = self.all_indices()[self.replicas_yielded]  # (R, m)
         steps = [indices[:, t:t + self.batch_size].reshape(-1) for t in range(first, self.m, self.batch_size)]
-        return iter(torch.cat(steps).tolist())
+        return self._yield_all(torch.cat(steps).tolist())
+
+    def _yield_all(self, indices: list):
+        """The iteration's indices; once the last is taken, it notes that this iteration went through (so that
+        the next one can tell a whole epoch without step() calls from a peek at its first batches)."""
+        yield from indices
+        self._iterated_through = True
 
     def all_indices(self) -> torch.Tensor:
         """(num_replicas, m) LongTensor: row r holds replica r's dataset indices in the current epoch's
@@ -394,7 +418,7 @@ class CDGraBSampler(Sampler[int]):
         b = min(self.batch_size, self.m - self.position)
         if units.units != len(self.replicas_here) * b:
             raise ValueError(f"CDGraBSampler: step_units() got {units.units} units for a step of "
-                             f"{len(self.replicas_here)} replica(s) x {b} examples here")
+                             f"{plural(len(self.replicas_here), 'replica')} x {plural(b, 'example')} here")
         recorded, owned_grads = None, {}  # with write_grads under torch.distributed: what the owners write
         if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
             if self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
@@ -428,10 +452,11 @@ class CDGraBSampler(Sampler[int]):
         return [bool(units.pieces.get(id(p))) for p in units.owner.params]
 
     def _named_step(self, error: NonFiniteGradientError) -> NonFiniteGradientError:
-        """The sorter's error, prefixed with the step as this sampler counts it."""
+        """The sorter's error, prefixed with the step and the epoch as this sampler counts them (from 0, as
+        set_epoch): the sorter's own epoch count (from 1) is left out of the line."""
         step, steps = error.position // self.batch_size, math.ceil(self.m / self.batch_size)
         return NonFiniteGradientError(f"CDGraBSampler: step {step} of {steps} in epoch {error.epoch - 1} (counting "
-                                      f"from 0): {error}", error.epoch, error.position)
+                                      f"from 0): {error.unplaced}", error.epoch, error.position)
 
     @property
     def skipped_steps(self) -> int:

@@ -172,7 +172,7 @@ def test_the_exact_sampler_takes_records_only_and_says_so_in_one_line():
     assert "built with exact=True" in refusal(ValueError, plain.step_units, units)
     assert "got Tensor" in refusal(TypeError, sampler.step_units, torch.zeros(REPLICAS * K, exact.d))
     short = exact(lambda: F.cross_entropy(model(ids[:K]), y[:K], reduction="none"))
-    assert "got 3 units for a step of 2 replica(s) x 3 examples" in refusal(ValueError, sampler.step_units, short)
+    assert "got 3 units for a step of 2 replicas x 3 examples" in refusal(ValueError, sampler.step_units, short)
     assert "sorter='CD-GraB', sketch_dim=0" in refusal(ValueError, CDGraBSampler, 24, batch_size=K, d=exact.d,
                                                        sorter="I-B", exact=True)
     assert "exact must be True or False" in refusal(TypeError, CDGraBSampler, 24, batch_size=K, d=3, exact=1)

@@ -339,7 +339,7 @@ def test_a_non_finite_gradient_is_refused_naming_the_step(name, value):
     with pytest.raises(NonFiniteGradientError) as info:
         feed(sampler, 2, table, poison=(1, 4, 3, value))  # epoch 1, step 4, replica 1's second example
     assert str(info.value) == (
-        f"CDGraBSampler: step 4 of 6 in epoch 1 (counting from 0): {name}: non-finite gradient (nan or inf) in epoch 2, "
+        f"CDGraBSampler: step 4 of 6 in epoch 1 (counting from 0): {name}: non-finite gradient (nan or inf), "
         f"step at positions 8..9 of 12 (worker 1, position 9); lower the learning rate or fix the input, or pass "
         "nonfinite='skip' to skip such steps")
     assert isinstance(info.value, ValueError) and sampler.position == 8  # the step did not count
@@ -397,7 +397,7 @@ def test_on_the_device_path_the_check_reads_nothing_inside_a_step_and_raises_at_
     with pytest.raises(NonFiniteGradientError) as info:
         iter(sampler)  # the next epoch's sort()
     assert str(info.value).startswith(f"CDGraBSampler: step 3 of 6 in epoch 0 (counting from 0): {name}: non-finite "
-                                      "gradient (nan or inf) in epoch 1, step at position 6 of 12 (on cpu the check "
+                                      "gradient (nan or inf), step at position 6 of 12 (on cpu the check "
                                       "runs at the epoch's end)")
 
 
