@@ -374,46 +374,44 @@ def test_gpt2_small_numbers_are_the_current_bench_files():
     sketch-gpt2-small-exact-low-memory-parts.json (exact_low_memory's split of the sorter's share)."""
     result = bench_result("sketch-gpt2-small.json")
     v = result["variants"]
-    sketched, exact, low = v[f"sketched D={result['sketch_dim']}"], v["exact"], v["exact_low_memory"]
-    ratios = {name: (f"{m['step_cpu_vs_plain']:.2f}x", f"{m['peak_vs_plain']:.2f}x") for name, m in v.items()}
+    sketched = f"sketched D={result['sketch_dim']}"
+    time, peak = ({name: f"{m[key]:.2f}x" for name, m in v.items()} for key in ("step_cpu_vs_plain", "peak_vs_plain"))
     readme = " ".join((REPO / "README.md").read_text().split())
-    assert (f"steps at {ratios['sketched D=1024'][0]} the plain Trainer's time and peaks at {ratios['sketched D=1024'][1]} "
-            f"its memory (CPU, bench/results/sketch-gpt2-small.json;") in readme
-    assert (f"at {ratios['exact_low_memory'][0]} the plain step and {ratios['exact_low_memory'][1].rstrip('x')}x its "
-            f"peak, against {ratios['exact'][0]} and {ratios['exact'][1]} when they are formed (the same run;") in readme
+    assert (f"steps at {time[sketched]} the plain Trainer's time and peaks at {peak[sketched]} its memory (CPU, "
+            "bench/results/sketch-gpt2-small.json;") in readme
+    assert (f"at {time['exact_low_memory']} the plain step and {peak['exact_low_memory']} its peak, against "
+            f"{time['exact']} and {peak['exact']} when they are formed (the same run;") in readme
     frameworks = " ".join((REPO / "docs" / "frameworks.md").read_text().split())
-    assert (f"steps at {ratios['sketched D=1024'][0]} the plain `Trainer`'s time and {ratios['sketched D=1024'][1]} its "
-            f"peak memory with D = 1024, where exact CD-GraB takes {ratios['exact'][0]} and {ratios['exact'][1]} with "
-            f"the formed gradients, and {ratios['exact_low_memory'][0]} and {ratios['exact_low_memory'][1]} from") in frameworks
+    assert (f"steps at {time[sketched]} the plain `Trainer`'s time and {peak[sketched]} its peak memory with "
+            f"D = {result['sketch_dim']}, where exact CD-GraB takes {time['exact']} and {peak['exact']} with the "
+            f"formed gradients, and {time['exact_low_memory']} and {peak['exact_low_memory']} from") in frameworks
     page = (REPO / "docs" / "exact-cdgrab.md").read_text()
     flat = " ".join(page.split())
     assert f"(`bench/results/sketch-gpt2-small.json`, commit {result['git_commit'][:7]}," in flat
-    for name, m in (("plain", v["plain"]), (f"sketched D={result['sketch_dim']}", sketched), ("exact", exact),
-                    ("exact_low_memory", low)):
+    for name in ("plain", sketched, "exact", "exact_low_memory"):
+        m = v[name]
         row = (f"| {name} | {m['step_seconds']:.2f} | {m['step_vs_plain']:.2f} | {m['step_cpu_seconds']:.2f} | "
-               f"{m['step_cpu_vs_plain']:.2f} | {m['peak_rss_mb'] * 2**20 / 2**30:.2f} | {m['peak_vs_plain']:.2f} |")
+               f"{m['step_cpu_vs_plain']:.2f} | {m['peak_rss_mb'] / 1024:.2f} | {m['peak_vs_plain']:.2f} |")
         assert row in page, row
     parts = bench_result("sketch-gpt2-small-exact-low-memory-parts.json")
     plain, low = parts["variants"]["plain"], parts["variants"]["exact_low_memory"]
     split = [r["part_cpu_seconds"] for r in low["rounds"]]
     rest = [r["step_cpu_seconds"] - p["products"] - p["update"] for r, p in zip(low["rounds"], split)]
+    products = sorted(f"{p['products']:.1f}" for p in split)
     assert (f"(commit {parts['git_commit'][:7]}), plain and exact_low_memory alone" in flat and
             f"plain {plain['step_seconds']:.2f} s, exact_low_memory {low['step_seconds']:.2f} s "
             f"({low['step_vs_plain']:.2f}x) and {low['peak_vs_plain']:.2f}x the peak; products "
-            f"{min(p['products'] for p in split):.1f}-{max(p['products'] for p in split):.1f} s and update "
-            f"{statistics.median(p['update'] for p in split):.1f} s of its step" in flat), flat
+            f"{products[0]}-{products[-1]} s and update {statistics.median(p['update'] for p in split):.1f} s "
+            "of its step" in flat), flat
     assert f"took about {statistics.median(rest):.1f} s against the plain step's {plain['step_seconds']:.2f} s" in flat
-    assert f"step ratios ({low_ratio(result)}, {low['step_vs_plain']:.2f}x)" in flat
-
-
-def low_ratio(result: dict) -> str:
-    return f"{result['variants']['exact_low_memory']['step_vs_plain']:.2f}x"
+    assert f"step ratios ({v['exact_low_memory']['step_vs_plain']:.2f}x, {low['step_vs_plain']:.2f}x)" in flat
 
 
 def quoted_bench_files() -> list[tuple[str, str]]:
     """(page, file name) for every bench result a page names: each bench/results/NAME, and each bare file name
     of a bench's family (its first two words those of a file in bench/results: sketch-gpt2-small-....json);
-    a bare suffix of a JSON file such as `-8mib.json` as it is. A glob (bench/results/sketch-gpt2-small*.json) names none."""
+    a bare suffix of a JSON file such as `-8mib.json` as it is. A glob (bench/results/sketch-gpt2-small*.json)
+    names none."""
     families = {"-".join(path.name.split("-")[:2]) for path in (REPO / "bench" / "results").iterdir()}
     quoted = []
     for page in PAGES:

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import re
 import os
-import subprocess
 import sys
 import time
 
@@ -60,7 +59,8 @@ def test_report_layout(smoke, head_at_start):
     report, stdout, _ = smoke
     assert json.loads(stdout) == report  # the printed object is the written one
     assert report["git_commit"] == head_at_start  # "unknown commit" in a source archive
-    assert report["git_clean"] is (git("status", "--porcelain", "--untracked-files=all") == "" if GIT_CHECKOUT else None)
+    clean = git("status", "--porcelain", "--untracked-files=all") == "" if GIT_CHECKOUT else None
+    assert report["git_clean"] is clean
     assert report["goals"] == {"D-RR/textbook": 1.1, "CD-GraB/D-RR": 1.15}
     assert report["torch"] == torch.__version__ and report["device"].startswith("cpu")
     assert "steps_per_epoch" in report["steps_note"]

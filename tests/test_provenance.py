@@ -107,8 +107,8 @@ def test_provenance_in_a_git_checkout_and_in_its_source_archive(tmp_path):
 
     archive = repo / "unpacked"  # inside the checkout: git must not find the enclosing repository
     archive.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(archive)], check=True,
-                   input=subprocess.run(["git", "-C", str(repo), "archive", "HEAD"], capture_output=True, check=True).stdout)
+    tar = subprocess.run(["git", "-C", str(repo), "archive", "HEAD"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(archive)], input=tar, check=True)
     assert not (archive / ".git").exists() and (archive / "engine" / "runlog.py").exists()
     source = runlog_of(archive)
     assert source.git_commit() == source.head_commit() == source.head_commit(short=True) == UNKNOWN_COMMIT

@@ -80,7 +80,8 @@ def test_the_interpreter_is_the_activated_venv_else_the_checkouts_venv_else_pyth
     assert interpreter() == "python3"  # neither executable yet
     (tmp_path / "checkout" / ".venv" / "bin" / "python").chmod(0o755)
     assert interpreter() == str(tmp_path / "checkout" / ".venv" / "bin" / "python")
-    assert interpreter(VIRTUAL_ENV=str(tmp_path / "activated")) == str(tmp_path / "checkout" / ".venv" / "bin" / "python")
+    checkouts = str(tmp_path / "checkout" / ".venv" / "bin" / "python")
+    assert interpreter(VIRTUAL_ENV=str(tmp_path / "activated")) == checkouts  # not executable there yet
     (tmp_path / "activated" / "bin" / "python").chmod(0o755)
     assert interpreter(VIRTUAL_ENV=str(tmp_path / "activated")) == str(tmp_path / "activated" / "bin" / "python")
     assert interpreter(VIRTUAL_ENV=str(tmp_path / "activated"), PYTHON="/opt/py") == "/opt/py"
