@@ -298,7 +298,8 @@ class ExactRecording:
                              "for its statistics) or use GroupNorm / LayerNorm")
         check_no_dropout("ExactGradients", self.owner.model)
 
-        def count_examples(model, args, kwargs):  # the model's call: how many examples a broadcast input serves
+        # the model's call: how many examples a broadcast input serves
+        def count_examples(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             self.examples = examples_of_call(args, kwargs)
 
         def record(module, args, output):

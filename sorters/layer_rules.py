@@ -210,13 +210,15 @@ def check_units(owner: str, module, a: torch.Tensor, g: torch.Tensor, U: int, wh
 # ------------------------------------------------------------------------------------------- broadcast inputs
 
 def examples_of_call(args: tuple, kwargs: dict, batch_dim: int = 0) -> int | None:
-    """The examples in one call of a model: the largest size on batch_dim among its tensor arguments
-    (input_ids (B, T), labels (B, T), attention_mask (B, T) beside position_ids (1, T): B), None without any."""
+    """The examples in one call of a model: the size on batch_dim that most of its tensor arguments share, the
+    larger on a tie (input_ids, labels, attention_mask (B, T) beside position_ids (1, T) or a head_mask
+    (layers, heads): B; `model(x)`: x's), None without any tensor argument."""
     sizes = [t.shape[batch_dim] for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() > batch_dim]
-    return max(sizes, default=None)
+    return max(sizes, key=lambda size: (sizes.count(size), size), default=None)
 
 
-def spread_over_examples(a, output, examples: int | None, batch_dim: int = 0):
+def spread_over_examples(a: torch.Tensor, output: torch.Tensor, examples: int | None,
+                         batch_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A recorded call whose input has ONE row on the examples' dim while the model's call has B > 1 examples:
     a layer applied to something shared by the batch, whose output the model broadcasts over it (GPT-2's
     position embedding of its default (1, T) position_ids, added to the (B, T, C) token embeddings).

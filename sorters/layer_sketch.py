@@ -182,7 +182,8 @@ class LayerSketch:
         training mode (sorters.checks.check_no_dropout)."""
         check_no_dropout("LayerSketch", self.model)
 
-        def count_examples(model, args, kwargs):  # the model's call: how many examples a broadcast input serves
+        # the model's call: how many examples a broadcast input serves
+        def count_examples(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             state.examples = examples_of_call(args, kwargs, self.batch_dim)
 
         def record(module, args, output):

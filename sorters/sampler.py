@@ -52,6 +52,7 @@ epoch for a loader that skips the batches already used itself (accelerate's skip
 """
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -352,7 +353,7 @@ class CDGraBSampler(Sampler[int]):
         steps = [indices[:, t:t + self.batch_size].reshape(-1) for t in range(first, self.m, self.batch_size)]
         return self._yield_all(torch.cat(steps).tolist())
 
-    def _yield_all(self, indices: list):
+    def _yield_all(self, indices: list[int]) -> Iterator[int]:
         """The iteration's indices; once the last is taken, it notes that this iteration went through (so that
         the next one can tell a whole epoch without step() calls from a peek at its first batches)."""
         yield from indices

@@ -116,7 +116,7 @@ def test_exact_cdgrab_from_the_natural_call_orders_as_cdgrab_fed_the_oracle(mode
         for start in range(0, m, k):
             positions = range(start, min(start + k, m))
             batch = torch.tensor([j * m + int(orders[j, t]) for j in range(n) for t in positions])  # worker-major
-            ours.step(exact(lambda: natural_losses(model, IDS[batch])), positions)
+            ours.step(exact(lambda batch=batch: natural_losses(model, IDS[batch])), positions)
             reference.step(formed[batch].view(n, len(positions), -1), positions)
     torch.testing.assert_close(ours.running_sum, reference.running_sum, rtol=0, atol=1e-12)  # sort() zeroes it
     assert torch.equal(ours.sort(), reference.sort()) and ours.near_ties == 0
@@ -137,3 +137,14 @@ def test_layer_sketch_of_the_natural_call_is_the_map_of_the_oracle(model_and_ora
     losses.mean().backward()
     model.zero_grad(set_to_none=True)
     torch.testing.assert_close(recording.sketches(), expected, rtol=0, atol=1e-12)
+
+
+def test_the_examples_are_what_most_of_the_calls_tensors_share():
+    """The count a broadcast input is spread to: not fooled by position_ids (1, T) given explicitly, nor by a
+    tensor argument that is not per example (a (layers, heads) mask)."""
+    from sorters.layer_rules import examples_of_call
+    ids, positions, mask = torch.zeros(4, T), torch.zeros(1, T), torch.zeros(12, 2)
+    assert examples_of_call((), {"input_ids": ids, "position_ids": positions}) == 4
+    assert examples_of_call((), {"input_ids": ids, "labels": ids, "head_mask": mask, "position_ids": positions}) == 4
+    assert examples_of_call((ids,), {}) == 4 and examples_of_call((), {"use_cache": False}) is None
+    assert examples_of_call((torch.zeros(T, 3), torch.zeros(2, 3, 8)), {}, batch_dim=1) == 3  # time-major

@@ -184,7 +184,7 @@ def test_the_sampler_names_a_non_finite_step_with_one_epoch_count():
 
     def epoch():
         for (indices,) in loader:
-            sampler.step_units(exact(lambda: model(x[indices]).squeeze(1) ** 2))
+            sampler.step_units(exact(lambda indices=indices: model(x[indices]).squeeze(1) ** 2))
 
     epoch()
     x[5, 0] = float("nan")
