@@ -74,14 +74,19 @@ Under DDP each rank hands over its own records and the sampler all-gathers them 
 
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
 from sorters._state_format import FORMAT_KEY, LIGHTNING_STATE_FORMAT, saved_format
-from sorters.exact import ExactCDGraB, ExactGradients
-from sorters.layer_sketch import LayerSketch
+from sorters.exact import ExactCDGraB, ExactGradients, ExactRecording
+from sorters.layer_sketch import LayerSketch, Recording
 from sorters.sampler import CDGraBSampler
 from sorters.settings import CDGraBSettings
 
 try:
-    from lightning.pytorch import Callback
+    from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError as error:  # the package depends on torch, numpy and numba only
     raise ImportError("sorters.lightning needs PyTorch Lightning: pip install 'lightning>=2.4' "
                       "(or the package's extra: pip install '.[lightning]')") from error
@@ -90,12 +95,15 @@ __all__ = ["CDGraBCallback", "LightningCDGraBSampler", "watch"]
 
 
 class LightningCDGraBSampler(CDGraBSampler):
-    """A CDGraBSampler (same arguments) for Lightning: len() is the whole epoch's, also in the epoch after a
-    mid-epoch load_state_dict, whose iteration yields only its rest. Lightning takes len() less the
-    batches it had done from a resumed epoch's fresh iterator; the plain sampler's len() (the rest) would
-    make it stop that many batches short."""
+    """A CDGraBSampler (same arguments) for Lightning: len() is the whole epoch's.
+
+    Also in the epoch after a mid-epoch load_state_dict, whose iteration yields only its rest. Lightning takes
+    len() less the batches it had done from a resumed epoch's fresh iterator; the plain sampler's len() (the
+    rest) would make it stop that many batches short.
+    """
 
     def __len__(self) -> int:
+        """The number of indices a whole epoch yields in this process, also while resuming one."""
         return len(self.replicas_yielded) * self.m
 
 
@@ -103,60 +111,93 @@ class CDGraBCallback(Callback):
     """Drives a CDGraBSampler from a Lightning Trainer: one step() per training batch, set-up checks,
     and the sampler's state in the checkpoint.
 
-    sampler:  the CDGraBSampler the training DataLoader uses, or None (the default): the LightningModule's
-              (else the DataModule's) attribute `sampler`, looked up at on_fit_start. Under DDP build it in
-              their `setup()`: Lightning has started the process group by then (the sampler reads its world
-              size and rank from it), and setup() runs before on_fit_start.
-    grads_fn: grads_fn(pl_module, batch) -> (B, d) per-example gradients of the batch's B examples (B =
-              sampler.loader_batch_size; rows in the order the sampler yielded them; d = the sampler's d,
-              or its sketch_dim). None (the default): `pl_module.per_example_grads(batch)`. Called only
-              for sorters that balance gradients (`sampler.uses_grads`).
-    sketcher: a LayerSketch of the module's network instead of grads_fn: the (B, D) sketches come from the
-              training step's own forward and backward; training_step must pass its (B,) per-example
-              losses to `watch(self, losses)` and build its loss from them (see the module docstring).
-              None: with settings.structured, the LightningModule's attribute `sketcher`.
-    exact:    an ExactGradients of the module's network (with a sampler built with exact=True): exact
-              CD-GraB from the same recording, watch() as for the sketcher. None: with
-              settings.exact_low_memory, the LightningModule's attribute `exact`.
-    settings: a sorters.CDGraBSettings, or None: the sampler and sketcher are then taken as built. Given,
-              on_fit_start refuses in one line a sampler (or sketcher) built with other settings;
-              structured=True means sketches from the step's own backward (a sketcher).
-              exact_low_memory None (the settings' default, "auto" in the HF Trainer) is False here:
-              the module's code (self.exact and watch(), or per_example_grads) picks the path.
+    Args:
+        sampler: the CDGraBSampler the training DataLoader uses, or None (the default): the LightningModule's
+            (else the DataModule's) attribute `sampler`, looked up at on_fit_start. Under DDP build it in
+            their `setup()`: Lightning has started the process group by then (the sampler reads its world
+            size and rank from it), and setup() runs before on_fit_start.
+        grads_fn: grads_fn(pl_module, batch) -> (B, d) per-example gradients of the batch's B examples (B =
+            sampler.loader_batch_size; rows in the order the sampler yielded them; d = the sampler's d,
+            or its sketch_dim). None (the default): `pl_module.per_example_grads(batch)`. Called only
+            for sorters that balance gradients (`sampler.uses_grads`).
+        sketcher: a LayerSketch of the module's network instead of grads_fn: the (B, D) sketches come from the
+            training step's own forward and backward; training_step must pass its (B,) per-example
+            losses to `watch(self, losses)` and build its loss from them (see the module docstring).
+            None: with settings.structured, the LightningModule's attribute `sketcher`.
+        settings: a sorters.CDGraBSettings, or None: the sampler and sketcher are then taken as built. Given,
+            on_fit_start refuses in one line a sampler (or sketcher) built with other settings;
+            structured=True means sketches from the step's own backward (a sketcher).
+            exact_low_memory None (the settings' default, "auto" in the HF Trainer) is False here:
+            the module's code (self.exact and watch(), or per_example_grads) picks the path.
+        exact: an ExactGradients of the module's network (with a sampler built with exact=True): exact
+            CD-GraB from the same recording, watch() as for the sketcher. None: with
+            settings.exact_low_memory, the LightningModule's attribute `exact`.
+
+    Raises:
+        ValueError: more than one of grads_fn, sketcher and exact; a sketcher without settings.structured,
+            grads_fn with structured or exact_low_memory settings, or exact without exact_low_memory
+            (each one line).
+        TypeError: settings that are not a CDGraBSettings (one line).
     """
 
-    def __init__(self, sampler: CDGraBSampler | None = None, grads_fn=None, sketcher: LayerSketch | None = None,
-                 *, settings: CDGraBSettings | None = None, exact: ExactGradients | None = None):
+    def __init__(self, sampler: CDGraBSampler | None = None,
+                 grads_fn: Callable[[LightningModule, Any], torch.Tensor] | None = None,
+                 sketcher: LayerSketch | None = None, *, settings: CDGraBSettings | None = None,
+                 exact: ExactGradients | None = None) -> None:
         if sum(x is not None for x in (sketcher, grads_fn, exact)) > 1:
             raise ValueError("CDGraBCallback: pass one of grads_fn, sketcher and exact")
         if settings is not None and not isinstance(settings, CDGraBSettings):
-            raise TypeError(f"CDGraBCallback: settings must be a sorters.CDGraBSettings, got {type(settings).__name__}")
+            raise TypeError(f"CDGraBCallback: settings must be a sorters.CDGraBSettings, "
+                            f"got {type(settings).__name__}")
         if settings is not None and not settings.structured and sketcher is not None:
             raise ValueError("CDGraBCallback: a sketcher builds structured sketches: pass "
                              "CDGraBSettings(structured=True, sketch_dim=...) with it")
         if settings is not None and (settings.structured or settings.exact_low_memory) and grads_fn is not None:
             mode = "structured=True" if settings.structured else "exact_low_memory=True"
-            raise ValueError(f"CDGraBCallback: {mode} takes what it balances from the step's own backward: drop grads_fn")
+            raise ValueError(f"CDGraBCallback: {mode} takes what it balances from the step's own backward: "
+                             "drop grads_fn")
         if settings is not None and not settings.exact_low_memory and exact is not None:
             raise ValueError("CDGraBCallback: exact= balances from layer records: pass "
                              "CDGraBSettings(exact_low_memory=True) with it")
         self.sampler, self.grads_fn, self.sketcher, self.settings = sampler, grads_fn, sketcher, settings
         self.exact = exact          # ExactGradients: exact CD-GraB from the step's own backward
-        self._pending_state = None  # a checkpoint's state loaded before the sampler was found
-        self._recording = None      # sketcher: the current batch's LayerSketch recording
+        self._pending_state: dict[str, Any] | None = None  # a checkpoint's state loaded before the sampler was found
+        # the current batch's recording: the sketcher's (LayerSketch) or the exact path's (ExactGradients)
+        self._recording: Recording | ExactRecording | None = None
+
+    @property
+    def _sampler(self) -> CDGraBSampler:
+        """The sampler, which the hooks after on_fit_start have (on_fit_start finds it or refuses)."""
+        if self.sampler is None:
+            raise RuntimeError("CDGraBCallback: no sampler yet: Lightning's on_fit_start hook finds it")
+        return self.sampler
 
     # ------------------------------------------------------------------ set-up
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Lightning's hook: refuses `Trainer(use_distributed_sampler=True)` before fitting.
+
+        Raises:
+            ValueError: the Trainer would replace the sampler with a DistributedSampler (one line).
+        """
         if stage == "fit" and getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
             raise ValueError("CDGraBCallback: pass Trainer(use_distributed_sampler=False): the CDGraBSampler "
                              "already gives each rank its examples, and Lightning would replace it")
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Lightning's hook: finds the sampler (and sketcher, exact records), checks them against each other
+        and the settings, and loads a checkpoint's state that came before the sampler was found.
+
+        Raises:
+            ValueError: no sampler; a sampler, sketcher or ExactGradients built with other settings or of
+                another d; a gradient sorter without per_example_grads or grads_fn (each one line).
+        """
         if self.sampler is None:
-            for owner in (pl_module, trainer.datamodule):
-                if isinstance(getattr(owner, "sampler", None), CDGraBSampler):
-                    self.sampler = owner.sampler
+            # Trainer.datamodule is set by Lightning's data connector at fit, not declared on the class
+            for owner in (pl_module, trainer.datamodule):  # type: ignore[attr-defined]
+                found = getattr(owner, "sampler", None)
+                if isinstance(found, CDGraBSampler):
+                    self.sampler = found
                     break
             else:
                 raise ValueError("CDGraBCallback: no sampler: pass CDGraBCallback(sampler=...) or set "
@@ -169,24 +210,30 @@ class CDGraBCallback(Callback):
         if self.exact is not None and getattr(trainer, "world_size", 1) > 1:
             # Lightning takes every callback's state on every rank (dump_checkpoint), as a divided sampler's
             # state_dict() needs: each rank takes its share of the parameters' products
-            self.sampler.divide_products = True
+            self._sampler.divide_products = True
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
-        if self.sampler.uses_grads and self.sketcher is None and self.exact is None and self.grads_fn is None \
+        if self._sampler.uses_grads and self.sketcher is None and self.exact is None and self.grads_fn is None \
                 and not hasattr(pl_module, "per_example_grads"):
-            raise ValueError(f"CDGraBCallback: {self.sampler.sorter.name} balances per-example gradients: define "
+            raise ValueError(f"CDGraBCallback: {self._sampler.sorter.name} balances per-example gradients: define "
                              "per_example_grads(self, batch) -> (B, d) in the LightningModule, or pass grads_fn")
 
-    def _check_settings(self, pl_module) -> None:
+    def _check_settings(self, pl_module: LightningModule) -> None:
         """The sampler (and, structured, the sketcher) must be the ones these settings build."""
-        settings, sampler = self.settings, self.sampler
-        built = {"sorter": sampler.sorter.name, "seed": sampler.seed, "sketch_dim": sampler.sketch_dim}
-        wanted = {"sorter": settings.sorter, "seed": settings.resolved_seed, "sketch_dim": settings.sketch_dim}
+        settings, sampler = self.settings, self._sampler
+        if settings is None:
+            return
+        built: dict[str, object] = {"sorter": sampler.sorter.name, "seed": sampler.seed,
+                                    "sketch_dim": sampler.sketch_dim}
+        wanted: dict[str, object] = {"sorter": settings.sorter, "seed": settings.resolved_seed,
+                                     "sketch_dim": settings.sketch_dim}
         if settings.num_replicas is not None:
             built["num_replicas"], wanted["num_replicas"] = sampler.num_replicas, settings.num_replicas
         if built != wanted:
-            changed = ", ".join(f"{key}={built[key]!r} (settings: {wanted[key]!r})" for key in built if built[key] != wanted[key])
-            raise ValueError(f"CDGraBCallback: the sampler was built with {changed}: build it with settings.sampler(...)")
+            changed = ", ".join(f"{key}={built[key]!r} (settings: {wanted[key]!r})"
+                                for key in built if built[key] != wanted[key])
+            raise ValueError(f"CDGraBCallback: the sampler was built with {changed}: "
+                             "build it with settings.sampler(...)")
         if settings.exact_low_memory and self.exact is None:
             self.exact = getattr(pl_module, "exact", None)
         if not settings.structured:
@@ -195,14 +242,19 @@ class CDGraBCallback(Callback):
             self.sketcher = getattr(pl_module, "sketcher", None)
         if not isinstance(self.sketcher, LayerSketch):
             raise ValueError("CDGraBCallback: structured=True needs a sketcher: set self.sketcher = "
-                             "settings.layer_sketch(self.net) in the LightningModule, or pass CDGraBCallback(sketcher=...)")
-        if (self.sketcher.dim, self.sketcher.sketch.seed) != (min(settings.sketch_dim, self.sketcher.d), settings.resolved_seed):
-            raise ValueError(f"CDGraBCallback: the sketcher has dim={self.sketcher.dim}, seed={self.sketcher.sketch.seed}, "
+                             "settings.layer_sketch(self.net) in the LightningModule, or pass "
+                             "CDGraBCallback(sketcher=...)")
+        sketcher = self.sketcher
+        if (sketcher.dim, sketcher.sketch.seed) != (min(settings.sketch_dim, sketcher.d), settings.resolved_seed):
+            raise ValueError(f"CDGraBCallback: the sketcher has dim={sketcher.dim}, seed={sketcher.sketch.seed}, "
                              f"the settings sketch_dim={settings.sketch_dim}, seed={settings.resolved_seed}: build it "
                              "with settings.layer_sketch(...)")
 
     def _check_sketcher(self) -> None:
-        sampler, sketcher = self.sampler, self.sketcher
+        """The sampler balances gradients, of the sketcher's d and dim."""
+        sampler, sketcher = self._sampler, self.sketcher
+        if sketcher is None:
+            return
         if not sampler.uses_grads:
             raise ValueError(f"CDGraBCallback: {sampler.sorter.name} balances no gradients: drop the sketcher")
         if sampler.sketch_dim != sketcher.dim or sampler.d != sketcher.d:
@@ -212,13 +264,14 @@ class CDGraBCallback(Callback):
 
     def _check_exact(self) -> None:
         """An exact sampler (ExactCDGraB) and an ExactGradients of the same d come together, or neither."""
-        sampler, exact = self.sampler, self.exact
+        sampler, exact = self._sampler, self.exact
         is_exact = isinstance(sampler.sorter, ExactCDGraB)
         if exact is None and not is_exact:
             return
         if not isinstance(exact, ExactGradients):
-            raise ValueError("CDGraBCallback: an exact sampler (exact=True) needs the layer records: set self.exact = "
-                             "settings.exact_gradients(self.net) in the LightningModule, or pass CDGraBCallback(exact=...)")
+            raise ValueError("CDGraBCallback: an exact sampler (exact=True) needs the layer records: set "
+                             "self.exact = settings.exact_gradients(self.net) in the LightningModule, or pass "
+                             "CDGraBCallback(exact=...)")
         if not is_exact:
             raise ValueError("CDGraBCallback: exact CD-GraB needs a sampler built with exact=True: build it with "
                              "CDGraBSettings(exact_low_memory=True).sampler(...)")
@@ -228,27 +281,46 @@ class CDGraBCallback(Callback):
 
     # ------------------------------------------------------------------ per batch
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if not self.sampler.uses_grads:
-            self.sampler.step(None)
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Lightning's hook: steps the sampler with the batch's per-example gradients, or starts the recording
+        of the training step's forward (sketcher, exact), whose sampler step comes after its backward.
+
+        Args:
+            trainer: the Lightning Trainer.
+            pl_module: the LightningModule; its per_example_grads(batch) gives the (B, d) gradients unless
+                grads_fn, a sketcher or exact is set.
+            batch: the training batch, of the B = sampler.loader_batch_size examples the sampler yielded.
+            batch_idx: the batch's index in the epoch.
+        """
+        sampler = self._sampler
+        if not sampler.uses_grads:
+            sampler.step(None)
             return
         recorder = self.sketcher if self.sketcher is not None else self.exact
         if recorder is not None:  # the step's forward is recorded; the sampler steps after its backward
             self._recording = recorder.recording().__enter__()
-            pl_module.cdgrab_recording = self._recording
+            # nn.Module.__setattr__ is annotated for tensors and modules only; it sets any attribute
+            pl_module.cdgrab_recording = self._recording  # type: ignore[assignment]
             return
-        grads = self.grads_fn(pl_module, batch) if self.grads_fn else pl_module.per_example_grads(batch)
-        self.sampler.step(grads)  # balancing sorters all-gather here: every rank calls it at the same batch
+        # nn.Module.__getattr__ is annotated as giving a Tensor or Module; this is the user's method
+        grads = self.grads_fn(pl_module, batch) if self.grads_fn else pl_module.per_example_grads(batch)  # type: ignore[operator]
+        sampler.step(grads)  # balancing sorters all-gather here: every rank calls it at the same batch
 
-    def on_after_backward(self, trainer, pl_module) -> None:
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Lightning's hook: with a recording (sketcher, exact), ends it and steps the sampler with its sketches
+        or layer records.
+
+        Raises:
+            ValueError: the step's loss was not built from the losses handed to watch() (one line).
+        """
         recording, self._recording = self._recording, None
         if recording is None:
             return
         recording.__exit__(None, None, None)
-        pl_module.cdgrab_recording = None
+        pl_module.cdgrab_recording = None  # type: ignore[assignment]  # see on_train_batch_start
         try:
-            if self.exact is not None:  # .grad is this backward's alone when it was None at watch()
-                self.sampler.step_units(recording.units(from_grad=True))  # all-gathered under DDP
+            if isinstance(recording, ExactRecording):  # .grad is this backward's alone when it was None at watch()
+                self._sampler.step_units(recording.units(from_grad=True))  # all-gathered under DDP
                 return
             sketches = recording.sketches()
         except ValueError as error:
@@ -257,17 +329,24 @@ class CDGraBCallback(Callback):
             raise ValueError("CDGraBCallback: the training step's loss is not built from watched per-example "
                              "losses: in training_step, losses = watch(self, per_example_losses) and return a "
                              "loss made of them (e.g. losses.mean())") from None
-        self.sampler.step(sketches.float())  # all-gathered: every rank calls it at the same batch
+        self._sampler.step(sketches.float())  # all-gathered: every rank calls it at the same batch
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
+        """The callback's state in Lightning's checkpoint.
+
+        Returns:
+            The sampler's state_dict() under "sampler", the sketcher's map under "sketch_map" (None without
+            one) and the state's format under "format_version"; before the sampler is found, the state
+            loaded and waiting for it, if any.
+        """
         if self.sampler is None:  # nothing to save yet, or the loaded state still waiting for the sampler
             return {FORMAT_KEY: LIGHTNING_STATE_FORMAT} if self._pending_state is None else self._pending_state
         return {"sampler": self.sampler.state_dict(), "sketch_map": self._sketch_map(),
                 FORMAT_KEY: LIGHTNING_STATE_FORMAT}  # the format: sorters/_state_format.py
 
-    def _sketch_map(self) -> dict | None:
+    def _sketch_map(self) -> dict[str, object] | None:
         """The sketcher's map (None without one): what the sampler's sketch_dim and seed do not say."""
         if self.sketcher is None:
             return None
@@ -275,7 +354,17 @@ class CDGraBCallback(Callback):
         return {"d": sketch.d, "dim": sketch.dim, "seed": sketch.seed,
                 "blocks": [[block.offset, block.rows, block.cols] for block in sketch.blocks]}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the sampler from a state that state_dict() returned (kept until on_fit_start finds the
+        sampler, when it comes first).
+
+        Args:
+            state_dict: the callback's state from Lightning's checkpoint.
+
+        Raises:
+            ValueError: a state of a newer format; a state saved with another sketch map; a state saved part-way
+                through an epoch for a sampler that is not a LightningCDGraBSampler (each one line).
+        """
         # format 0 (no format key) holds format 1's keys; a newer format is refused at once, not at fit start
         saved_format("CDGraBCallback.load_state_dict", state_dict, LIGHTNING_STATE_FORMAT)
         if "sampler" not in state_dict:
@@ -298,10 +387,23 @@ class CDGraBCallback(Callback):
         self.sampler.load_state_dict(state)  # mid-epoch: its next iteration is the rest of that epoch
 
 
-def watch(pl_module, losses):
-    """In a LightningModule's training_step under CDGraBCallback(sketcher=...) or (exact=...): hand the (B,)
-    per-example losses (still attached to the graph) to the batch's recording; returns them. Does nothing
-    outside a recorded batch (validation, or a callback without a sketcher)."""
+def watch(pl_module: LightningModule, losses: torch.Tensor) -> torch.Tensor:
+    """Hands a training step's per-example losses to the batch's recording.
+
+    For a LightningModule's training_step under CDGraBCallback(sketcher=...) or (exact=...). Does nothing
+    outside a recorded batch (validation, or a callback without a sketcher).
+
+    Args:
+        pl_module: the LightningModule (its training_step's `self`).
+        losses: (B,) per-example losses, still attached to the graph; the step's loss must be built from them.
+
+    Returns:
+        `losses`, unchanged.
+
+    Example:
+        In training_step: ``losses = watch(self, F.cross_entropy(self.net(x), y, reduction="none"))``, then
+        ``return losses.mean()``.
+    """
     recording = getattr(pl_module, "cdgrab_recording", None)
     if recording is not None:
         recording.watch(losses)
