@@ -24,7 +24,7 @@ def pytest_configure(config):
 # the longest of all, last: the other process sat idle for the whole of it. A module that takes more than
 # about 20 s (pytest --durations) belongs here.
 LONGEST_FIRST = ("test_readme_commands.py", "test_gpu_session.py", "test_communication.py", "test_gpt2_wiki103.py",
-                 "test_notebooks.py", "test_hf_trainer.py", "test_reproduction.py", "test_packaging.py",
+                 "test_docs_blocks.py", "test_notebooks.py", "test_examples_standalone.py", "test_hf_trainer.py", "test_reproduction.py", "test_packaging.py",
                  "test_lr_hmda.py", "test_sweeps.py", "test_lstm_wiki2.py", "test_sketch_records.py",
                  "test_multinode.py", "test_sampler.py", "test_linear_stack.py", "test_gpu_bench.py",
                  "test_lstm_eval.py", "test_sketch.py", "test_reorderers.py", "test_device.py")
