@@ -19,6 +19,7 @@ script only; never edit it by hand.
 Exit status: 0 when every selected test passed, 1 when a test failed (the record is written all the same),
 2 for bad input (one line that says what to do).
 """
+import ctypes
 import json
 import os
 import platform
@@ -82,6 +83,7 @@ ENGINE_RUNS = (
     "tests/test_sketch_records.py::test_gpt2_sketched_from_records_trains_and_one_process_equals_torchrun",
 )
 UNKNOWN_COMMIT = "unknown commit"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PACKAGES = ("torch", "numpy", "numba", "transformers", "accelerate", "lightning", "pytest")
 # Run by the interpreter under test, in the tree the tests run in: its versions, and the `sorters` it imports.
 VERSIONS_PROGRAM = """
@@ -153,15 +155,25 @@ def pytest_command(python: Path, tests: list[str], deselect: list[str], workers:
             *tests, *[arg for node in deselect for arg in ("--deselect", node)], *extra]
 
 
+def die_with_parent() -> None:
+    """In the child, before it runs pytest: the kernel kills it when this script dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: --timeout and the SIGTERM handler still stop it
+
+
 def run_pytest(command: list[str], cwd: Path, env: dict, timeout: float, log) -> tuple[int | None, str, float]:
     """Run `command`, echoing its output (and writing it to `log`); its exit status (None: stopped after
     `timeout` seconds), output and wall seconds."""
     lines = []
     start = time.monotonic()
+    # pytest in a process group of its own, so that stopping it stops the processes its tests start too
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)  # its own group: the timer stops its children too
+                               text=True, start_new_session=True, preexec_fn=die_with_parent)
     timer = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
     timer.start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a plain kill of this script stops pytest too
     try:
         for line in process.stdout:
             lines.append(line)
@@ -170,7 +182,7 @@ def run_pytest(command: list[str], cwd: Path, env: dict, timeout: float, log) ->
             if log:
                 log.write(line)
         process.wait()
-    except KeyboardInterrupt:
+    except BaseException:  # interrupted: leave no test running
         os.killpg(process.pid, signal.SIGKILL)
         raise
     finally:
