@@ -26,14 +26,15 @@ The model must treat examples independently: no BatchNorm in training mode (it m
 use GroupNorm / LayerNorm or eval-mode BatchNorm), and no dropout in training mode (vmap refuses
 random operations): call it with the model in eval mode, i.e. order by the gradients without dropout.
 """
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, overload
 
 import torch
 from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
-from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch, selected_parameters
 from sorters.checks import check_int, check_module, check_no_dropout, check_seed
+from sorters.layer_sketch import STRUCTURED_MIN_NUMEL, LayerSketch, selected_parameters
 from sorters.sketch import GradientSketch
 from sorters.thresholds import check_min_numel
 
@@ -65,20 +66,28 @@ class PerExampleGrads:
             Every layer input must have the examples on dim 0. Give the sampler these (B, D) sketches:
             its own map (for (B, d) gradients) is the plain CountSketch, not this one.
 
-    Attributes: `names` (the selected parameter names, in `named_parameters()` order), `d` (their total
-    number of elements, in that order), `sketch` (the GradientSketch, or None), `dim` (the number of
-    columns of the result: `sketch.dim`, else d).
+    Attributes:
+        names: the selected parameter names, in `named_parameters()` order.
+        d: their total number of elements, in that order.
+        sketch: the GradientSketch, or None.
+        dim: the number of columns of the result: `sketch.dim`, else d.
+
+    Raises:
+        TypeError: a model that is not an nn.Module, a loss_fn that is not callable, or an argument of the
+            wrong type (one line).
+        ValueError: params that select no parameter, or a value out of range (one line).
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn, params: str | Sequence[str] | None = None,
-                 chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0,
-                 structured: bool = False, min_numel: int = STRUCTURED_MIN_NUMEL):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+                 params: str | Sequence[str] | None = None, chunk_size: int | None = None, sketch_dim: int = 0,
+                 sketch_seed: int = 0, structured: bool = False, min_numel: int = STRUCTURED_MIN_NUMEL) -> None:
         owner = type(self).__name__
         check_module(owner, model)
         if loss_fn is not None and not callable(loss_fn) or loss_fn is None and owner == "PerExampleGrads":
             raise TypeError(f"{owner}: loss_fn must be callable (outputs, targets) -> scalar loss, got {loss_fn!r}")
         chunk_size = check_int(owner, "chunk_size", chunk_size, 1, none_ok=True)
-        sketch_dim, sketch_seed = check_int(owner, "sketch_dim", sketch_dim, 0), check_seed(owner, sketch_seed, "sketch_seed")
+        sketch_dim = check_int(owner, "sketch_dim", sketch_dim, 0)
+        sketch_seed = check_seed(owner, sketch_seed, "sketch_seed")
         min_numel = check_min_numel(owner, min_numel)
         if not isinstance(structured, bool):
             raise TypeError(f"{owner}: structured must be True or False, got {structured!r}")
@@ -90,8 +99,8 @@ class PerExampleGrads:
         self.d = sum(p.numel() for _, p in chosen)
         if sketch_dim < 0:
             raise ValueError(f"PerExampleGrads: sketch_dim must be >= 0 (0: no sketch), got {sketch_dim}")
-        self.sketch = GradientSketch(self.d, sketch_dim, sketch_seed) if sketch_dim else None
-        self.layers = None  # the LayerSketch of structured=True
+        self.sketch: GradientSketch | None = GradientSketch(self.d, sketch_dim, sketch_seed) if sketch_dim else None
+        self.layers: LayerSketch | None = None  # the LayerSketch of structured=True
         if structured:
             if not sketch_dim:
                 raise ValueError(f"{type(self).__name__}: structured=True needs sketch_dim > 0")
@@ -99,13 +108,25 @@ class PerExampleGrads:
             self.sketch = self.layers.sketch
         self.dim = self.sketch.dim if self.sketch else self.d
 
-    def __call__(self, inputs, targets, out: torch.Tensor | None = None) -> torch.Tensor:
-        """inputs: a tensor (B, ...) or a tuple of them (positional arguments of the model), dim 0 the
-        examples; targets: (B, ...). Returns (B, d) gradients, detached, in the parameters' dtype.
+    def __call__(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-example gradients of a batch.
 
-        out: optional (B, d) buffer to write into and return. Reusing one saves, at large B * d, the
-        page faults of a fresh allocation every step (at d = 669,706, B = 64: about 110 of 390 ms)."""
+        Args:
+            inputs: a tensor (B, ...) or a tuple of them (positional arguments of the model), dim 0 the examples.
+            targets: (B, ...), the examples' targets.
+            out: optional (B, dim) buffer to write into and return. Reusing one saves, at large B * d, the page
+                faults of a fresh allocation every step.
+
+        Returns:
+            The (B, d) gradients (B, dim when sketched), detached, in the parameters' dtype.
+
+        Raises:
+            ValueError: the model draws random numbers in its forward (dropout in training mode) (one line).
+        """
         self._refuse_dropout()
+        loss_fn = self.loss_fn
+        assert loss_fn is not None  # __init__ refuses None here; PerExampleLossGrads has a __call__ of its own
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if self.layers is not None:
             sketches, _ = self.layers(lambda: self._batched_losses(inputs, targets))
@@ -116,10 +137,11 @@ class PerExampleGrads:
         fixed = {name: p.detach() for name, p in named.items() if name not in selected}
         buffers = dict(self.model.named_buffers())
 
-        def one_example_loss(differentiated, example_inputs, example_target):
+        def one_example_loss(differentiated: dict[str, torch.Tensor], example_inputs: tuple[torch.Tensor, ...],
+                             example_target: torch.Tensor) -> torch.Tensor:
             as_batch = tree_map(lambda t: t.unsqueeze(0), (example_inputs, example_target))
             outputs = functional_call(self.model, ({**fixed, **differentiated}, buffers), as_batch[0])
-            return self.loss_fn(outputs, as_batch[1])
+            return loss_fn(outputs, as_batch[1])
 
         try:
             grads = vmap(grad(one_example_loss), in_dims=(None, 0, 0), chunk_size=self.chunk_size)(
@@ -134,12 +156,15 @@ class PerExampleGrads:
         sketches = self.sketch(torch.cat([grads[name].reshape(batch, -1) for name in self.names], dim=1))
         return sketches if out is None else out.copy_(sketches)
 
-    def _batched_losses(self, inputs: tuple, targets) -> torch.Tensor:
+    def _batched_losses(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         """(B,) per-example losses from ONE batched forward: loss_fn on each example's rows of the outputs,
         as a batch of one (vmap over the examples: the graph stays the batched forward's)."""
-        def one_example_loss(example_outputs, example_target):
+        loss_fn = self.loss_fn
+        assert loss_fn is not None  # structured=True is PerExampleGrads', whose loss_fn __init__ checked
+
+        def one_example_loss(example_outputs: object, example_target: torch.Tensor) -> torch.Tensor:
             as_batch = tree_map(lambda t: t.unsqueeze(0), (example_outputs, example_target))
-            return self.loss_fn(*as_batch)
+            return loss_fn(*as_batch)
 
         return vmap(one_example_loss)(self.model(*inputs), targets)
 
@@ -151,13 +176,34 @@ class PerExampleGrads:
 
 
 def _randomness_error(owner: str, error: RuntimeError) -> ValueError:
+    """torch.func's refusal of a random op, as one line that says what to change."""
     return ValueError(f"{owner}: the model draws random numbers in its forward ({error}); "
                       "per-example gradients need a model that is a pure function of its parameters: "
                       "turn the random op off (e.g. dropout p = 0, or model.eval()) while computing them")
 
 
-def per_example_grads(model: torch.nn.Module, loss_fn, inputs, targets, params=None) -> torch.Tensor:
-    """One-off form of PerExampleGrads(model, loss_fn, params)(inputs, targets): (B, d)."""
+def per_example_grads(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+                      inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor,
+                      params: str | Sequence[str] | None = None) -> torch.Tensor:
+    """One-off form of PerExampleGrads(model, loss_fn, params)(inputs, targets).
+
+    Args:
+        model: as for PerExampleGrads.
+        loss_fn: loss_fn(outputs, targets) -> the scalar mean loss of a batch, as for PerExampleGrads.
+        inputs: a tensor (B, ...) or a tuple of them, dim 0 the examples.
+        targets: (B, ...), the examples' targets.
+        params: which parameters to differentiate, as for PerExampleGrads.
+
+    Returns:
+        The (B, d) per-example gradients, detached.
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> grads = per_example_grads(model, torch.nn.functional.cross_entropy, torch.randn(4, 3),
+        ...                           torch.tensor([0, 1, 1, 0]))
+        >>> tuple(grads.shape)
+        (4, 8)
+    """
     return PerExampleGrads(model, loss_fn, params)(inputs, targets)
 
 
@@ -173,10 +219,14 @@ class PerExampleLossGrads(PerExampleGrads):
     is exactly what `model(**{k: v[i:i+1]}).loss` gives: for a causal LM with labels = -100 at the pads,
     the mean over that example's own labelled tokens (an example with none has loss nan and gradient nan).
 
-    model, params, chunk_size, sketch_dim, sketch_seed: as for PerExampleGrads (there is no loss_fn).
-    chunk_size bounds the examples per vmap call; the chunks are written straight into the result's rows,
-    so the result equals the unchunked one and peak memory is the (B, d) result plus one chunk's
-    per-example intermediates.
+    Args:
+        model: as for PerExampleGrads (there is no loss_fn).
+        params: as for PerExampleGrads.
+        chunk_size: the examples per vmap call (None: the whole batch); the chunks are written straight into
+            the result's rows, so the result equals the unchunked one and peak memory is the (B, d) result plus
+            one chunk's per-example intermediates.
+        sketch_dim: as for PerExampleGrads.
+        sketch_seed: as for PerExampleGrads.
 
     The model must be traceable by torch.func; with transformers that means (each refused with a one-line
     ValueError, before any work where the model's attributes tell, else when torch.func fails):
@@ -191,30 +241,55 @@ class PerExampleLossGrads(PerExampleGrads):
     """
 
     def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None,
-                 chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0):
+                 chunk_size: int | None = None, sketch_dim: int = 0, sketch_seed: int = 0) -> None:
         super().__init__(model, None, params, chunk_size, sketch_dim, sketch_seed)
         # structured=True is not offered here: the model's own loss is the batch's token mean, from which
         # the per-example losses LayerSketch needs are not recoverable in general
         if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"PerExampleLossGrads: chunk_size must be >= 1 (None: the whole batch), got {chunk_size}")
+            raise ValueError(f"PerExampleLossGrads: chunk_size must be >= 1 (None: the whole batch), "
+                             f"got {chunk_size}")
 
-    def __call__(self, batch: Mapping[str, torch.Tensor], out: torch.Tensor | None = None,
-                 return_losses: bool = False):
-        """batch: keyword arguments of the model; every tensor's dim 0 is the examples (B, ...), e.g.
-        input_ids, attention_mask, labels (B, T); other values are passed unchanged to every example.
-        Returns the (B, d) gradients (B, dim when sketched), detached, in the parameters' dtype, or with
-        return_losses the pair (gradients, the (B,) per-example losses, detached, in the loss's dtype:
-        transformers computes a causal LM's loss in float32 even for a float64 model).
+    # A dict batch instead of PerExampleGrads' (inputs, targets): the subclass shares the constructor's
+    # parameter selection and sketch, not the call (hence the override mypy would refuse)
+    @overload  # type: ignore[override]
+    def __call__(self, batch: Mapping[str, Any], out: torch.Tensor | None = None,
+                 return_losses: Literal[False] = False) -> torch.Tensor: ...
 
-        out: optional (B, dim) buffer to write into and return (see PerExampleGrads)."""
+    @overload
+    def __call__(self, batch: Mapping[str, Any], out: torch.Tensor | None = None, *,
+                 return_losses: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def __call__(self, batch: Mapping[str, Any], out: torch.Tensor | None = None,
+                 return_losses: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def __call__(self, batch: Mapping[str, Any], out: torch.Tensor | None = None,
+                 return_losses: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The per-example gradients of a dict batch, of the model's own loss.
+
+        Args:
+            batch: keyword arguments of the model; every tensor's dim 0 is the examples (B, ...), e.g.
+                input_ids, attention_mask, labels (B, T); other values are passed unchanged to every example.
+            out: optional (B, dim) buffer to write into and return (see PerExampleGrads).
+            return_losses: also return the per-example losses.
+
+        Returns:
+            The (B, d) gradients (B, dim when sketched), detached, in the parameters' dtype; with return_losses
+            the pair (gradients, the (B,) per-example losses, detached, in the loss's dtype: transformers
+            computes a causal LM's loss in float32 even for a float64 model).
+
+        Raises:
+            ValueError: tensors without one common dim 0, an `out` of another shape, a model that returns no
+                scalar loss, or one torch.func cannot trace (one line that says what to change).
+        """
         tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
         constants = {key: value for key, value in batch.items() if key not in tensors}
         sizes = {key: value.shape[0] if value.dim() else None for key, value in tensors.items()}
         if not tensors or len(set(sizes.values())) != 1 or None in sizes.values():
-            raise ValueError(f"PerExampleLossGrads: the batch needs tensors with one common dim 0 (the examples); "
+            raise ValueError("PerExampleLossGrads: the batch needs tensors with one common dim 0 (the examples); "
                              f"got dim 0 sizes {sizes}")
         self._refuse_untraceable("attention_mask" in tensors)
-        size = next(iter(sizes.values()))
+        size = next(size for size in sizes.values() if size is not None)  # B: every tensor's (checked above)
         selected = set(self.names)
         named = dict(self.model.named_parameters())
         differentiated = {name: named[name].detach() for name in self.names}
@@ -224,10 +299,11 @@ class PerExampleLossGrads(PerExampleGrads):
         if out is None:
             out = torch.empty(size, self.dim, dtype=dtype, device=device)
         elif out.shape != (size, self.dim):
-            raise ValueError(f"PerExampleLossGrads: out must have shape ({size}, {self.dim}), got {tuple(out.shape)}")
-        losses = []
+            raise ValueError(f"PerExampleLossGrads: out must have shape ({size}, {self.dim}), "
+                             f"got {tuple(out.shape)}")
+        losses: list[torch.Tensor] = []
 
-        def one_example_loss(differentiated, example):
+        def one_example_loss(differentiated: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> torch.Tensor:
             as_batch = {key: value.unsqueeze(0) for key, value in example.items()}
             outputs = functional_call(self.model, ({**fixed, **differentiated}, buffers), (),
                                       {**as_batch, **constants})
@@ -260,8 +336,8 @@ class PerExampleLossGrads(PerExampleGrads):
         if checkpointing is None:
             checkpointing = getattr(self.model, "is_gradient_checkpointing", False)
         if checkpointing:
-            raise ValueError("PerExampleLossGrads: the model has gradient checkpointing on, which torch.func cannot "
-                             "trace; call model.gradient_checkpointing_disable() (transformers 5: "
+            raise ValueError("PerExampleLossGrads: the model has gradient checkpointing on, which torch.func "
+                             "cannot trace; call model.gradient_checkpointing_disable() (transformers 5: "
                              "model.activation_checkpointing_disable()) while computing them")
         attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if has_attention_mask and attention == "sdpa":
@@ -280,13 +356,13 @@ class PerExampleLossGrads(PerExampleGrads):
                               "(model.gradient_checkpointing_disable(), transformers 5: "
                               "model.activation_checkpointing_disable()) while computing them")
         if "data-dependent control flow" in message or ".item()" in message:
-            return ValueError("PerExampleLossGrads: the model's forward branches on tensor values, which torch.func "
-                              "cannot trace; with transformers, use attn_implementation=\"eager\" "
+            return ValueError("PerExampleLossGrads: the model's forward branches on tensor values, which "
+                              "torch.func cannot trace; with transformers, use attn_implementation=\"eager\" "
                               "(model.set_attn_implementation(\"eager\")): sdpa does with an attention_mask")
         return error
 
 
-def _loss_of(outputs) -> torch.Tensor:
+def _loss_of(outputs: object) -> torch.Tensor:
     """The scalar loss of a model's outputs: `outputs.loss` (a transformers ModelOutput, or any mapping
     with "loss"), or the first element of a tuple (transformers with return_dict=False)."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else (

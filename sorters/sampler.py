@@ -52,7 +52,8 @@ epoch for a loader that skips the batches already used itself (accelerate's skip
 """
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,15 +69,23 @@ if dist.is_available():
     # called without an active exception", SIGABRT) after a run that succeeded.
     import torch.distributed.nn  # noqa: F401
 
-from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters._state_format import FORMAT_KEY, SAMPLER_STATE_FORMAT, saved_format
 from sorters.balance import sign_loop_for
-from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
-                            check_seed, check_state_keys, plural)
+from sorters.base import Sorter
+from sorters.checks import (
+    NONFINITE_MODES,
+    NonFiniteGradientError,
+    check_choice,
+    check_device,
+    check_int,
+    check_seed,
+    check_state_keys,
+    plural,
+)
 from sorters.exact import ExactCDGraB, UnitGradients
 from sorters.gather import ParameterShare, all_gather_rows, all_gather_units, sketch_then_gather
+from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters.sketch import GradientSketch
-
 
 _VIEWS = ("rank", "global")
 
@@ -84,15 +93,18 @@ _VIEWS = ("rank", "global")
 _OWNER = "CDGraBSampler"
 
 
-def _check_arguments(dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs,
-                    sketch_dim, view, nonfinite, exact) -> tuple:
+def _check_arguments(dataset: object, batch_size: object, d: object, sorter: object, num_replicas: object,
+                     rank: object, seed: object, drop_last: object, device: object, epochs: object,
+                     sketch_dim: object, view: object, nonfinite: object, exact: object
+                     ) -> tuple[int, int | None, int | None, int | None, int, int]:
     """CDGraBSampler's arguments one by one: types, choices and the combinations exact=True allows
     (TypeError / ValueError, one line each). Returns (batch_size, d, num_replicas, rank, seed, sketch_dim) as
     Python ints (NumPy integers and 0-dim integer tensors are accepted)."""
-    batch_size, sketch_dim = check_int(_OWNER, "batch_size", batch_size), check_int(_OWNER, "sketch_dim", sketch_dim)
-    d, num_replicas, rank = (check_int(_OWNER, name, value, none_ok=True) for name, value in
-                             (("d", d), ("num_replicas", num_replicas), ("rank", rank)))
-    seed = check_seed(_OWNER, seed)
+    checked_batch_size = check_int(_OWNER, "batch_size", batch_size)
+    checked_sketch_dim = check_int(_OWNER, "sketch_dim", sketch_dim)
+    checked_d, checked_num_replicas, checked_rank = (check_int(_OWNER, name, value, none_ok=True) for name, value in
+                                                     (("d", d), ("num_replicas", num_replicas), ("rank", rank)))
+    checked_seed = check_seed(_OWNER, seed)
     if not (epochs is None or isinstance(epochs, int)):
         raise TypeError(f"{_OWNER}: epochs must be an integer or None, got {epochs!r}")
     check_device(_OWNER, device)
@@ -100,10 +112,10 @@ def _check_arguments(dataset, batch_size, d, sorter, num_replicas, rank, seed, d
     for name, flag in (("drop_last", drop_last), ("exact", exact)):
         if not isinstance(flag, bool):
             raise TypeError(f"{_OWNER}: {name} must be True or False, got {flag!r}")
-    if exact and (sorter != "CD-GraB" or sketch_dim or nonfinite != "raise"):
+    if exact and (sorter != "CD-GraB" or checked_sketch_dim or nonfinite != "raise"):
         raise ValueError(f"{_OWNER}: exact=True balances CD-GraB's exact gradients from layer records: it needs "
                          f"sorter='CD-GraB', sketch_dim=0 and nonfinite='raise', got sorter={sorter!r}, "
-                         f"sketch_dim={sketch_dim}, nonfinite={nonfinite!r}")
+                         f"sketch_dim={checked_sketch_dim}, nonfinite={nonfinite!r}")
     if isinstance(dataset, bool) or not (isinstance(dataset, int) or hasattr(dataset, "__len__")):
         raise TypeError(f"{_OWNER}: dataset must be a sized dataset or its length (an int), got "
                         f"{type(dataset).__name__}")
@@ -112,14 +124,15 @@ def _check_arguments(dataset, batch_size, d, sorter, num_replicas, rank, seed, d
                          f"replica's batches, for Accelerate's prepare / the HF Trainer), got {view!r}")
     if not isinstance(sorter, str) or sorter not in SORTER_NAMES:
         raise ValueError(f"unknown sorter {sorter!r}; choose one of {', '.join(SORTER_NAMES)}")
-    if sketch_dim < 0 or (sketch_dim and not SORTERS[sorter].uses_grads):
+    if checked_sketch_dim < 0 or (checked_sketch_dim and not SORTERS[sorter].uses_grads):
         balancing = ", ".join(name for name, cls in SORTERS.items() if cls.uses_grads)
         raise ValueError(f"sketch_dim must be 0, or > 0 with a sorter that balances gradients "
-                         f"({balancing}); got {sketch_dim} with {sorter}")
-    return batch_size, d, num_replicas, rank, seed, sketch_dim
+                         f"({balancing}); got {checked_sketch_dim} with {sorter}")
+    return checked_batch_size, checked_d, checked_num_replicas, checked_rank, checked_seed, checked_sketch_dim
 
 
-def _replicas_of(num_replicas, rank, batch_size: int, distributed: bool) -> tuple:
+def _replicas_of(num_replicas: int | None, rank: int | None, batch_size: int,
+                 distributed: bool) -> tuple[int, int | None]:
     """(num_replicas, rank): the process group's where not given (rank None: every replica hosted here)."""
     if num_replicas is None:
         num_replicas = dist.get_world_size() if distributed else 1
@@ -132,7 +145,8 @@ def _replicas_of(num_replicas, rank, batch_size: int, distributed: bool) -> tupl
     return num_replicas, rank
 
 
-def _examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, drop_last: bool, view: str) -> int:
+def _examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, drop_last: bool,
+                          view: str) -> int:
     """m, the examples each replica trains on per epoch (drop_last: whole batches only)."""
     if drop_last:
         m = n_examples // (num_replicas * batch_size) * batch_size
@@ -151,7 +165,8 @@ def _examples_per_replica(n_examples: int, num_replicas: int, batch_size: int, d
     return m
 
 
-def _check_sorter_needs(sorter: str, d, num_replicas: int, rank, distributed: bool, epochs) -> None:
+def _check_sorter_needs(sorter: str, d: int | None, num_replicas: int, rank: int | None, distributed: bool,
+                        epochs: int | None) -> None:
     """What the sorter needs: gradients' d and every replica's gradients (balancing), the run's length."""
     if SORTERS[sorter].uses_grads:
         if d is None or d < 1:
@@ -223,28 +238,35 @@ class CDGraBSampler(Sampler[int]):
     load_state_dict of a state saved part-way (the resume, see load_state_dict).
     """
 
-    def __init__(self, dataset, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
+    def __init__(self, dataset: Sized | int, batch_size: int, d: int | None = None, sorter: str = "CD-GraB",
                  num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
-                 drop_last: bool = False, device="cpu", epochs: int | None = None, sketch_dim: int = 0,
-                 view: str = "rank", nonfinite: str = "raise", exact: bool = False, divide_products: bool = False):
+                 drop_last: bool = False, device: str | torch.device = "cpu", epochs: int | None = None,
+                 sketch_dim: int = 0, view: str = "rank", nonfinite: str = "raise", exact: bool = False,
+                 divide_products: bool = False) -> None:
         batch_size, d, num_replicas, rank, seed, sketch_dim = _check_arguments(
             dataset, batch_size, d, sorter, num_replicas, rank, seed, drop_last, device, epochs, sketch_dim, view,
             nonfinite, exact)
         if not isinstance(divide_products, bool) or (divide_products and not exact):
-            raise ValueError(f"{_OWNER}: divide_products must be True (with exact=True) or False, got {divide_products!r}")
+            raise ValueError(f"{_OWNER}: divide_products must be True (with exact=True) or False, "
+                             f"got {divide_products!r}")
         distributed = dist.is_available() and dist.is_initialized()
         num_replicas, rank = _replicas_of(num_replicas, rank, batch_size, distributed)
-        n_examples = check_int(_OWNER, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset), 1)
+        n_examples = check_int(_OWNER, "the dataset's length", dataset if isinstance(dataset, int) else len(dataset),
+                               1)
         m = _examples_per_replica(n_examples, num_replicas, batch_size, drop_last, view)
         _check_sorter_needs(sorter, d, num_replicas, rank, distributed, epochs)
         # one map for every process: it depends on (d, sketch_dim, seed) only; built at its first use (the
         # `sketch` property), since a caller that hands step() sketches already never needs it
         if sketch_dim and not (isinstance(d, int) and d >= 1):
-            raise ValueError(f"sketch_dim={sketch_dim} needs the gradients' dimension d (an integer >= 1), got {d!r}")
-        self._sketch, self.sketch_dim = None, sketch_dim
-        self._sketched_width = min(sketch_dim, d) if sketch_dim else None  # D, or d where D >= d (the identity)
+            raise ValueError(f"sketch_dim={sketch_dim} needs the gradients' dimension d (an integer >= 1), "
+                             f"got {d!r}")
+        self._sketch: GradientSketch | None = None
+        self.sketch_dim = sketch_dim
+        # D, or d where D >= d (the identity); d is an int >= 1 wherever sketch_dim > 0 (checked above)
+        self._sketched_width = min(sketch_dim, d) if sketch_dim and d is not None else None
         sorted_d = self._sketched_width or (d or 1)
         # CD-GraB's sign loop: sketches of a large model skip numba (sorters.balance.sign_loop_for)
+        self.sorter: Sorter
         if exact:  # products of layer records (step_units); a float32 running sum, no (d,) float64 one
             self.sorter = ExactCDGraB(num_replicas, m, d, seed=seed, device=device)
         else:
@@ -262,7 +284,7 @@ class CDGraBSampler(Sampler[int]):
         self.replicas_yielded = list(range(num_replicas)) if view == "global" else self.replicas_here
         self.position = 0          # examples per replica passed to step() in the current epoch
         self.started = False       # whether the current epoch's orders were drawn (by __iter__)
-        self.resume = None         # after a mid-epoch load_state_dict, until the next step(): "rest" / "replay"
+        self.resume: str | None = None  # after a mid-epoch load_state_dict, until the next step(): "rest" / "replay"
         self._iterated_through = False  # the last iteration yielded every index it had (_yield_all)
         self._unstepped_passes = 0      # whole iterations through the current epoch before its first step()
 
@@ -285,11 +307,21 @@ class CDGraBSampler(Sampler[int]):
         return len(self.replicas_yielded) * (self.m - first)
 
     def set_epoch(self, epoch: int) -> None:
-        """Optional, for DistributedSampler loops; the sampler's orders do not depend on it, but it checks
-        `epoch` (counting from 0) against the epoch the next iteration yields, e, which catches a resume
-        without load_state_dict and an epoch without step() calls. Accepted: e (again and again); e - 1
-        before any step() of epoch e (frameworks that call set_epoch from two places, one lagging);
-        e + 1 after an epoch without any step() for sorters that ignore gradients (it completes epoch e)."""
+        """Checks the epoch a loop is about to run; optional, for DistributedSampler loops.
+
+        The sampler's orders do not depend on it, but it checks `epoch` against the epoch the next iteration
+        yields, e, which catches a resume without load_state_dict and an epoch without step() calls.
+        Accepted: e (again and again); e - 1 before any step() of epoch e (frameworks that call set_epoch from
+        two places, one lagging); e + 1 after an epoch without any step() for sorters that ignore gradients
+        (it completes epoch e).
+
+        Args:
+            epoch: the epoch, counting from 0 (a Python, NumPy or torch integer).
+
+        Raises:
+            TypeError: `epoch` is not an integer (one line).
+            ValueError: `epoch` is none of those accepted (one line that says why).
+        """
         if isinstance(epoch, bool) or not hasattr(epoch, "__index__"):  # numpy and torch integers are fine
             raise TypeError(f"set_epoch takes the epoch as an int (counting from 0), got {epoch!r}")
         epoch = epoch.__index__()
@@ -303,11 +335,12 @@ class CDGraBSampler(Sampler[int]):
             self._complete_epoch_without_steps()
             return
         if epoch == current + 1 and self.started and self.position == 0:
-            raise ValueError(f"set_epoch({epoch}): epoch {current} ended without step() calls, but {self.sorter.name} "
-                             "orders by gradients: call sampler.step(per-example grads) after every batch")
+            raise ValueError(f"set_epoch({epoch}): epoch {current} ended without step() calls, but "
+                             f"{self.sorter.name} orders by gradients: call sampler.step(per-example grads) after "
+                             "every batch")
         raise ValueError(f"set_epoch({epoch}): this sampler's next epoch is {current} (counting from 0; "
-                         f"{'part-way, ' if drawn else ''}an epoch counts once step() has seen it); its orders depend "
-                         "on every earlier epoch, so to resume, load the state_dict saved with the checkpoint")
+                         f"{'part-way, ' if drawn else ''}an epoch counts once step() has seen it); its orders "
+                         "depend on every earlier epoch, so to resume, load the state_dict saved with the checkpoint")
 
     def _complete_epoch_without_steps(self) -> None:
         """Count the started epoch's every position as stepped (sorters that ignore gradients only)."""
@@ -322,13 +355,22 @@ class CDGraBSampler(Sampler[int]):
             return self.sorter.epoch - 1  # unfinished: with no step() yet it comes again, part-way iter refuses
         return self.sorter.epoch
 
-    def __iter__(self):
-        """Start the next epoch; the indices of the replicas yielded here, step by step: for each step,
-        replica after replica, its next batch_size (or fewer, at the epoch's end) examples. After a
-        mid-epoch load_state_dict: the rest of that epoch (or all of it, replay_from_epoch_start=True)."""
+    def __iter__(self) -> Iterator[int]:
+        """Starts the next epoch and yields the indices of the replicas yielded here, step by step.
+
+        For each step, replica after replica, its next batch_size (or fewer, at the epoch's end) examples.
+        After a mid-epoch load_state_dict: the rest of that epoch (or all of it, replay_from_epoch_start=True).
+
+        Raises:
+            ValueError: the previous epoch ended part-way (step() did not see all its batches).
+            NonFiniteGradientError: off the CPU, a step of the previous epoch held NaN / inf gradients.
+
+        Warns:
+            UserWarning: the third iteration through the same epoch without any step() (a gradient sorter).
+        """
         if 0 < self.position < self.m and self.resume is None:
-            raise ValueError(f"the previous epoch ended after step() saw {self.position} of {self.m} examples per "
-                             "replica; call step() for every batch (a DataLoader with drop_last=True skips the "
+            raise ValueError(f"the previous epoch ended after step() saw {self.position} of {self.m} examples "
+                             "per replica; call step() for every batch (a DataLoader with drop_last=True skips the "
                              "last, short batch: pass drop_last=True to the sampler instead)")
         if self._iterated_through and self.started and self.position == 0 and self.resume is None:
             self._unstepped_passes += 1
@@ -336,11 +378,11 @@ class CDGraBSampler(Sampler[int]):
         if self._unstepped_passes >= 2 and self.uses_grads:
             # one whole pass without step() may be a look at the data or an evaluation; two in a row, and not one
             # step() since the epoch began, is a loop that forgot step() and trains on one fixed order
-            warnings.warn(f"CDGraBSampler: {self._unstepped_passes} iterations went through the same epoch without "
-                          f"any step() call, so {self.sorter.name} got no gradients and yields the same order again: "
-                          f"a fixed order (as D-SO), not {self.sorter.name}. Call sampler.step(per-example gradients) "
-                          "after every batch (exact=True: step_units); an iteration without steps does not count as "
-                          "an epoch", UserWarning, stacklevel=2)
+            warnings.warn(f"CDGraBSampler: {self._unstepped_passes} iterations went through the same epoch "
+                          f"without any step() call, so {self.sorter.name} got no gradients and yields the same "
+                          f"order again: a fixed order (as D-SO), not {self.sorter.name}. Call "
+                          "sampler.step(per-example gradients) after every batch (exact=True: step_units); an "
+                          "iteration without steps does not count as an epoch", UserWarning, stacklevel=2)
         if not self.started or self.position == self.m:  # else no step() yet, or a resume: the same epoch
             try:
                 self.sorter.sort()
@@ -360,21 +402,32 @@ class CDGraBSampler(Sampler[int]):
         self._iterated_through = True
 
     def all_indices(self) -> torch.Tensor:
-        """(num_replicas, m) LongTensor: row r holds replica r's dataset indices in the current epoch's
-        order (every process knows every replica's order)."""
+        """Every replica's dataset indices in the current epoch's order (every process knows them all).
+
+        Returns:
+            A (num_replicas, m) LongTensor on the CPU: row r holds replica r's indices.
+        """
         first_index = torch.arange(self.num_replicas)[:, None] * self.m
         return self.sorter.orders.cpu() + first_index
 
     # ------------------------------------------------------------------ gradients
 
     def step(self, grads: torch.Tensor | None) -> None:
-        """Hand the sorter the per-example gradients of the batch just used.
+        """Hands the sorter the per-example gradients of the batch just used.
 
-        grads: (R * b, d) or (R, b, d), R = the replicas hosted here (1 under torch.distributed), b =
-        batch_size (fewer for the epoch's last batch when m % batch_size != 0), rows in the order the
-        sampler yielded the examples. None is accepted for sorters that ignore gradients. Balancing
-        sorters under torch.distributed all-gather them: every process must call step() together.
-        With sketch_dim = D, the last dimension may also be D: sketches made with the same D and seed.
+        Balancing sorters under torch.distributed all-gather them: every process must call step() together.
+
+        Args:
+            grads: (R * b, d) or (R, b, d), R = the replicas hosted here (1 under torch.distributed), b =
+                batch_size (fewer for the epoch's last batch when m % batch_size != 0), rows in the order the
+                sampler yielded the examples. None is accepted for sorters that ignore gradients. With
+                sketch_dim = D, the last dimension may also be D: sketches made with the same D and seed.
+
+        Raises:
+            ValueError: a step outside an epoch, a sampler built with exact=True (it takes step_units), or
+                gradients of another shape (one line naming the shapes it takes).
+            TypeError: `grads` is not a tensor.
+            NonFiniteGradientError: `grads` holds NaN or inf (nonfinite="raise"), naming the step and epoch.
         """
         if not self.started:
             raise ValueError("step() before the epoch started: iterate over the sampler (the DataLoader) first")
@@ -386,28 +439,40 @@ class CDGraBSampler(Sampler[int]):
                              "hand each batch over with step_units(exact(...)) or step_units(recording.units())")
         b = min(self.batch_size, self.m - self.position)
         R = len(self.replicas_here)
+        balanced = None  # what the sorter balances: every replica's (num_replicas, b, D) rows; None if it ignores them
         if grads is not None or self.uses_grads:
             grads = self._check_shape(grads, R, b)
-        if self.uses_grads:
-            rows = grads.detach()  # (R * b, d or D) or (R, b, d or D): replica after replica
-            # the map is built only where it changes something: full-width gradients and D < d (a caller
-            # handing sketches never needs it)
-            sketch = self.sketch if self.sketch_dim and rows.shape[-1] == self.d != self._sketched_width else None
-            every = sketch_then_gather(rows, sketch, all_gather_rows if self.gathers else None)
-            grads = every.reshape(self.num_replicas, b, every.shape[-1])  # (num_replicas, b, D)
+            if self.uses_grads:
+                rows = grads.detach()  # (R * b, d or D) or (R, b, d or D): replica after replica
+                # the map is built only where it changes something: full-width gradients and D < d (a caller
+                # handing sketches never needs it)
+                sketch = self.sketch if self.sketch_dim and rows.shape[-1] == self.d != self._sketched_width else None
+                every = sketch_then_gather(rows, sketch, all_gather_rows if self.gathers else None)
+                balanced = every.reshape(self.num_replicas, b, every.shape[-1])  # (num_replicas, b, D)
         try:
-            self.sorter.step(grads if self.uses_grads else None, range(self.position, self.position + b))
+            self.sorter.step(balanced, range(self.position, self.position + b))
         except NonFiniteGradientError as error:
             raise self._named_step(error) from None
         self.position += b
         self.resume = None  # the resumed epoch goes on; from here on a part-way end is an error again
 
     def step_units(self, units: UnitGradients) -> None:
-        """step() for exact CD-GraB from layer records (a sampler built with exact=True): `units`, the
-        UnitGradients of the batch just used (sorters/exact.py: ExactGradients' call, or a recording's
-        units()), R * b units in the order the sampler yielded the examples. Under torch.distributed each
-        process hands over its own b units and they are all-gathered (`all_gather_units`: every layer's
-        records), so every process balances every replica's units as one process hosting them all does."""
+        """step() for exact CD-GraB from layer records (a sampler built with exact=True).
+
+        Under torch.distributed each process hands over its own b units and they are all-gathered
+        (`all_gather_units`: every layer's records), so every process balances every replica's units as one
+        process hosting them all does.
+
+        Args:
+            units: the UnitGradients of the batch just used (sorters.exact: ExactGradients' call, or a
+                recording's units()), R * b units in the order the sampler yielded the examples.
+
+        Raises:
+            ValueError: a sampler not built with exact=True, a step outside an epoch, or another number of
+                units (one line).
+            TypeError: `units` is not a UnitGradients.
+            NonFiniteGradientError: the units' gradients hold NaN or inf, naming the step and epoch.
+        """
         if not isinstance(self.sorter, ExactCDGraB):
             raise ValueError("CDGraBSampler: step_units() takes layer records, for a sampler built with exact=True "
                              "(CDGraBSettings(exact_low_memory=True).sampler(...)); this one takes step(grads)")
@@ -420,37 +485,43 @@ class CDGraBSampler(Sampler[int]):
         if units.units != len(self.replicas_here) * b:
             raise ValueError(f"CDGraBSampler: step_units() got {units.units} units for a step of "
                              f"{plural(len(self.replicas_here), 'replica')} x {plural(b, 'example')} here")
-        recorded, owned_grads = None, {}  # with write_grads under torch.distributed: what the owners write
+        # with write_grads under torch.distributed: the share whose owners write .grad, and which parameters the
+        # step recorded; then what the owners write, id(parameter) -> its gradient
+        writers: tuple[ParameterShare, list[bool]] | None = None
+        owned_grads: dict[int, torch.Tensor] = {}
         if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
             if self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
                 self.sorter.use_share(ParameterShare(units.owner))
             if units.writes_grads:
-                recorded = self._recorded_for_owners(units)
+                writers = self._recorded_for_owners(units, self.sorter.share)
                 units.writes_grads = False  # the owners write .grad: the caller's units.write_grads() adds nothing
             units = all_gather_units(units, self.sorter.share)  # with a share: each parameter to its owner
-            if recorded is not None:  # the owners' blocks give the step's gradient of their parameters
+            if writers is not None:  # the owners' blocks give the step's gradient of their parameters
                 units.step_grads, units.step_units, units.writes_grads = {}, units.units, True
                 units.grad_sink = lambda p, grad: owned_grads.__setitem__(id(p), grad)
         try:
             self.sorter.step(units, range(self.position, self.position + b))
         except NonFiniteGradientError as error:
             raise self._named_step(error) from None
-        if recorded is not None:
+        if writers is not None:
+            share, recorded = writers
             units.write_grads()  # the owned parameters the products did not reach (a step without pairs)
-            self.sorter.share.broadcast_grads(owned_grads, recorded, 1.0 / dist.get_world_size())
+            share.broadcast_grads(owned_grads, recorded, 1.0 / dist.get_world_size())
         self.position += b
         self.resume = None
 
-    def _recorded_for_owners(self, units: UnitGradients) -> list[bool]:
+    def _recorded_for_owners(self, units: UnitGradients,
+                             share: ParameterShare | None) -> tuple[ParameterShare, list[bool]]:
         """Units recorded with write_grads=True under torch.distributed (the backward made no weight gradient
         of the recorded parameters; DDP's all-reduce skipped): each parameter's owner takes its step gradient
         from the blocks its products form, and broadcasts it as the processes' mean (ParameterShare.
-        broadcast_grads). Returns which parameters this step recorded (every process alike)."""
-        if self.sorter.share is None or units.owner.formed:
+        broadcast_grads). Returns the sorter's `share` and which parameters this step recorded (every process
+        alike)."""
+        if share is None or units.owner.formed:
             raise ValueError("CDGraBSampler: units recorded with write_grads=True under torch.distributed need "
                              "divide_products=True (each parameter's owner writes its gradient) and a layer rule "
                              "for every selected parameter")
-        return [bool(units.pieces.get(id(p))) for p in units.owner.params]
+        return share, [bool(units.pieces.get(id(p))) for p in units.owner.params]
 
     def _named_step(self, error: NonFiniteGradientError) -> NonFiniteGradientError:
         """The sorter's error, prefixed with the step and the epoch as this sampler counts them (from 0, as
@@ -461,28 +532,30 @@ class CDGraBSampler(Sampler[int]):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps whose gradients held NaN or inf and were balanced as zeros (nonfinite="skip"), over the run."""
+        """The steps whose gradients held NaN or inf and were balanced as zeros (nonfinite="skip"), in the run."""
         return self.sorter.skipped_steps
 
     @property
     def sketch(self) -> GradientSketch | None:
         """The map that step() applies to (., d) gradients, GradientSketch(d, sketch_dim, seed), or None without
         sketch_dim. Built at first use (a model's d coordinates cost 5 bytes each)."""
-        if self._sketch is None and self.sketch_dim:
+        if self._sketch is None and self.sketch_dim and self.d is not None:  # d is given wherever sketch_dim is
             self._sketch = GradientSketch(self.d, self.sketch_dim, self.seed)
         return self._sketch
 
-    def _check_shape(self, grads, R: int, b: int) -> torch.Tensor:
-        d = self.d if self.d is not None else "d"
+    def _check_shape(self, grads: torch.Tensor | None, R: int, b: int) -> torch.Tensor:
+        """`grads` itself when it is a tensor of one of the shapes step() takes, else one line that names them."""
+        d: int | str = self.d if self.d is not None else "d"
         widths = [d] + ([self._sketched_width] if self.sketch_dim and self._sketched_width != d else [])
-        expected = [shape for w in widths for shape in [(R * b, w)] + ([(R, b, w)] if R > 1 else [])]
+        expected: list[tuple[int | str | None, ...]] = [
+            shape for w in widths for shape in [(R * b, w)] + ([(R, b, w)] if R > 1 else [])]
         if grads is not None and not torch.is_tensor(grads):
             raise TypeError(f"{self.sorter.name} sampler: step() takes the per-example gradients as a tensor of "
                             f"shape {' or '.join(map(str, expected))}, got a {type(grads).__name__}")
         shape = None if grads is None else tuple(grads.shape)
         if shape is not None and len(shape) in (2, 3) and self.d is None:
             expected = [e[:-1] + shape[-1:] for e in expected]  # any d for sorters that ignore gradients
-        if shape not in expected:
+        if grads is None or shape not in expected:  # (None is never expected)
             at = f" at step {self.position // self.batch_size} of {math.ceil(self.m / self.batch_size)}"
             raise ValueError(f"{self.sorter.name} sampler: grads must have shape "
                              f"{' or '.join(map(str, expected))}{at}, got {shape}")
@@ -490,29 +563,46 @@ class CDGraBSampler(Sampler[int]):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue with the same orders: the sorter's state and the position.
-        Save it between epochs or mid-epoch (after some step() calls: load_state_dict then resumes at
-        the next batch); plain tensors and numbers only, so torch.load(weights_only=True) reads it.
-        It holds no rank or view: every process's state is the same (the gradients are all-gathered),
-        so rank 0's checkpoint restores every process, in either view."""
+
+        Save it between epochs or mid-epoch (after some step() calls: load_state_dict then resumes at the next
+        batch). It holds no rank or view: every process's state is the same (the gradients are all-gathered),
+        so rank 0's checkpoint restores every process, in either view.
+
+        Returns:
+            A dict of plain tensors and numbers (torch.load(weights_only=True) reads it): "sorter", "position",
+            "started", "config" and its "format_version".
+        """
         return {"sorter": self.sorter.state_dict(), "position": self.position, "started": self.started,
                 "config": self._config(), FORMAT_KEY: SAMPLER_STATE_FORMAT}  # sorters/_state_format.py
 
-    def load_state_dict(self, state: dict, replay_from_epoch_start: bool = False) -> None:
-        """Restore a state_dict. Saved mid-epoch (after k of its steps), the next iteration yields the rest
-        of that epoch, from step k on: for loaders that continue where they stopped (Lightning, or a
-        plain loop). replay_from_epoch_start=True yields the whole epoch again instead, for loaders that
-        replay it and drop the first k batches themselves without step() (the HF Trainer, through
-        accelerate's skip_first_batches); either way the orders are those of an uninterrupted run.
-        Saved between epochs, both give the next epoch."""
+    def load_state_dict(self, state: dict[str, Any], replay_from_epoch_start: bool = False) -> None:
+        """Restores a state that state_dict() returned.
+
+        Saved mid-epoch (after k of its steps), the next iteration yields the rest of that epoch, from step k
+        on: for loaders that continue where they stopped (Lightning, or a plain loop). Either way the orders
+        are those of an uninterrupted run. Saved between epochs, both give the next epoch.
+
+        Args:
+            state: the dict that state_dict() returned (of this format or an older one).
+            replay_from_epoch_start: yield the whole epoch again instead, for loaders that replay it and drop
+                the first k batches themselves without step() (the HF Trainer, through accelerate's
+                skip_first_batches).
+
+        Raises:
+            TypeError: `state` is not a dict, or replay_from_epoch_start is not a bool (one line).
+            ValueError: a state of a newer format, one that lacks keys or does not hold together, or one
+                saved with other settings (one line naming them).
+        """
         if not isinstance(replay_from_epoch_start, bool):
             raise TypeError(f"replay_from_epoch_start must be True or False, got {replay_from_epoch_start!r}")
         owner = "CDGraBSampler.load_state_dict"
         saved_format(owner, state, SAMPLER_STATE_FORMAT)  # format 0 (no format key) holds format 1's keys
         check_state_keys(owner, state, ("sorter", "position", "started", "config"), "CDGraBSampler.state_dict()")
         if not isinstance(state["config"], dict) or not isinstance(state["sorter"], dict):
-            raise ValueError(f"{owner}: state['config'] and state['sorter'] must be dicts, as state_dict() saves them")
+            raise ValueError(f"{owner}: state['config'] and state['sorter'] must be dicts, "
+                             "as state_dict() saves them")
         if not isinstance(state["started"], bool):
             raise ValueError(f"{owner}: state['started'] must be True or False, got {state['started']!r}")
         position = check_int(owner, "state['position']", state["position"], 0, self.m)
@@ -524,15 +614,16 @@ class CDGraBSampler(Sampler[int]):
         if saved != now:
             differ = {key: (saved.get(key), now.get(key)) for key in saved.keys() | now.keys()
                       if saved.get(key) != now.get(key)}
-            raise ValueError(f"sampler state is for other settings: " + ", ".join(
+            raise ValueError("sampler state is for other settings: " + ", ".join(
                 f"{key} {was} (this sampler: {is_now})" for key, (was, is_now) in sorted(differ.items())))
         self.sorter.load_state_dict(state["sorter"])
         self.position, self.started = position, state["started"]
         mid_epoch = self.started and 0 < self.position < self.m
         self.resume = ("replay" if replay_from_epoch_start else "rest") if mid_epoch else None
 
-    def _config(self) -> dict:
-        config = {"sorter": self.sorter.name, "num_replicas": self.num_replicas, "m": self.m,
+    def _config(self) -> dict[str, object]:
+        """The settings a state is for: the orders differ under any other."""
+        config: dict[str, object] = {"sorter": self.sorter.name, "num_replicas": self.num_replicas, "m": self.m,
                   "batch_size": self.batch_size, "d": self.d, "seed": self.seed, "sketch_dim": self.sketch_dim}
         if self.epochs is not None:  # only where it changes the orders (KH-SGD, SBW)
             config["epochs"] = self.epochs
