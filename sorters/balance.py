@@ -1,10 +1,14 @@
 """The balancing sorters: CD-GraB (coordinated), and the independent per-worker baselines I-PB and I-B."""
 import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
-from sorters.base import OnlineBalancer, PairBalancer, array_views, pair_views
+from sorters.base import HostOrDeviceArray, OnlineBalancer, PairBalancer, array_views, pair_views
 
 
 class CDGraB(PairBalancer):
@@ -62,10 +66,10 @@ class CDGraB(PairBalancer):
             _pair_signs_cpu()(np.zeros(1, np.float64), units, 0, units, 1, np.empty((1, 1), np.bool_),
                               _MINUS_PLUS_ONE)
 
-    def _reset_running_sums(self):
+    def _reset_running_sums(self) -> None:
         self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` (`Sorter.load_state_dict`); a float32 running sum of an older
         checkpoint is widened to float64.
 
@@ -76,7 +80,8 @@ class CDGraB(PairBalancer):
         # checkpoints written before the sum was float64 hold a float32 one
         self.running_sum = self.running_sum.to(torch.float64)
 
-    def _pair_signs(self, xp, first_units, first_index, second_units, second_index, n_pairs):
+    def _pair_signs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
+                    second_units: HostOrDeviceArray, second_index: int, n_pairs: int) -> HostOrDeviceArray:
         if xp is np and self.sign_loop == "compiled":
             plus = np.empty((n_pairs, self.n), dtype=np.bool_)  # (P, n): the visiting order
             s = self.running_sum.numpy()  # shares memory: the loop updates the sum in place
@@ -86,8 +91,8 @@ class CDGraB(PairBalancer):
             first_units, second_units = torch.from_numpy(first_units), torch.from_numpy(second_units)
         firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
         diffs = (firsts - seconds).transpose(0, 1).reshape(-1, self.d)  # (P * n, d) pair-major, worker-minor
-        plus = signs_by_gram(self.running_sum, diffs).reshape(-1, self.n).T
-        return plus.numpy() if xp is np else plus
+        first_left = signs_by_gram(self.running_sum, diffs).reshape(-1, self.n).T
+        return first_left.numpy() if xp is np else first_left
 
 
 # sign_loop_for: models of at least this many parameters whose gradients are balanced as sketches take the
@@ -95,7 +100,7 @@ class CDGraB(PairBalancer):
 _GRAM_ON_CPU_MIN_PARAMS = 2**20
 
 
-def sign_loop_for(device, model_d: int, sorted_d: int) -> str:
+def sign_loop_for(device: str | torch.device, model_d: int, sorted_d: int) -> str:
     """CD-GraB's sign loop for a model of model_d parameters whose sorter balances sorted_d-dimensional
     vectors (sorted_d < model_d: sketches) on `device`: "gram" off the CPU; on the CPU "compiled" (numba),
     except for sketches of a model of _GRAM_ON_CPU_MIN_PARAMS parameters or more: there the Gram path's
@@ -111,7 +116,7 @@ _MINUS_PLUS_ONE = np.array([-1.0, 1.0])
 
 
 @functools.cache
-def _pair_signs_cpu():
+def _pair_signs_cpu() -> Callable[..., None]:
     """CD-GraB's sign loop on the CPU, compiled by numba on first use (about a second; cached on disk).
 
     signs(s (d,) float64, first_units (n, k1, d), first_index, second_units (n, k2, d), second_index,
@@ -128,7 +133,9 @@ def _pair_signs_cpu():
     from numba import njit
 
     @njit(fastmath={"reassoc", "contract"}, cache=True, nogil=True)
-    def signs(s, first_units, first_index, second_units, second_index, plus, minus_plus_one):
+    def signs(s: NDArray[np.float64], first_units: NDArray[np.floating], first_index: int,
+              second_units: NDArray[np.floating], second_index: int, plus: NDArray[np.bool_],
+              minus_plus_one: NDArray[np.float64]) -> None:
         n_pairs, n = plus.shape
         d = s.shape[0]
         dot = 0.0
@@ -187,7 +194,8 @@ def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return signs
 
 
-def gram_products(running_sum: torch.Tensor, diffs: torch.Tensor):
+def gram_products(running_sum: torch.Tensor,
+                  diffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[list[slice], torch.Tensor | None]]:
     """(a, G, widened) for the device path: a = D S (r,) and G = D D^T (r, r) in float64, from the (r, d)
     differences D widened to float64 GRAM_CHUNK_BYTES at a time; `widened` is (columns, the last chunk
     widened), which add_signed reuses when there is a single chunk."""
@@ -204,23 +212,35 @@ def gram_products(running_sum: torch.Tensor, diffs: torch.Tensor):
     return a, gram, (columns, wide)
 
 
-def add_signed(running_sum: torch.Tensor, diffs: torch.Tensor, signs: torch.Tensor, widened) -> None:
+def add_signed(running_sum: torch.Tensor, diffs: torch.Tensor, signs: torch.Tensor,
+               widened: tuple[list[slice], torch.Tensor | None]) -> None:
     """running_sum (d,) float64 += D^T signs, for diffs (r, d) and signs (r,) float64 of +-1."""
     columns, wide = widened
     for cols in columns:
-        part = wide if len(columns) == 1 else diffs[:, cols].to(torch.float64)
+        part = wide if len(columns) == 1 and wide is not None else diffs[:, cols].to(torch.float64)
         running_sum[cols].addmv_(part.T, signs)
 
 
 class IndependentPairBalance(PairBalancer):
-    """I-PB: every worker runs its own pair balance on its own gradients (no coordination)."""
+    """I-PB: every worker runs its own pair balance on its own gradients (no coordination).
+
+    Args:
+        n_workers: n, the number of workers.
+        m: the units each worker visits per epoch.
+        d: the length of one unit's gradient (or sketch).
+        seed: the seed of every random draw (the first epoch's orders).
+        device: where the orders and the running sums live.
+        dtype: the dtype of the running sums and of a kept unpaired gradient (the gradients' dtype).
+        nonfinite: ``"raise"`` or ``"skip"`` (`Sorter`).
+    """
 
     name = "I-PB"
 
-    def _reset_running_sums(self):
+    def _reset_running_sums(self) -> None:
         self.running_sums = torch.zeros(self.n, self.d, dtype=self.dtype, device=self.device)
 
-    def _pair_signs(self, xp, first_units, first_index, second_units, second_index, n_pairs):
+    def _pair_signs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
+                    second_units: HostOrDeviceArray, second_index: int, n_pairs: int) -> HostOrDeviceArray:
         sums = array_views(self.running_sums)[1][0] if xp is np else self.running_sums
         firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
         diffs = firsts - seconds
@@ -235,38 +255,49 @@ class IndependentPairBalance(PairBalancer):
 
 class IndependentMeanBalance(OnlineBalancer):
     """I-B: GraB mean balance per worker (GraB: Lu et al., NeurIPS 2022). Each unit's gradient is centred with the
-    worker's stale mean of the previous epoch (zero in the first epoch), then signed by herding."""
+    worker's stale mean of the previous epoch (zero in the first epoch), then signed by herding.
+
+    Args:
+        n_workers: n, the number of workers.
+        m: the units each worker visits per epoch.
+        d: the length of one unit's gradient (or sketch).
+        seed: the seed of every random draw (the first epoch's orders).
+        device: where the orders, the means and the running sums live.
+        dtype: the dtype of the means and the running sums (the gradients' dtype).
+        nonfinite: ``"raise"`` or ``"skip"`` (`Sorter`).
+    """
 
     name = "I-B"
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise"):
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, nonfinite: str = "raise") -> None:
         super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
         self.stale_mean = torch.zeros(self.n, self.d, dtype=dtype, device=self.device)
 
-    def _reset_epoch_state(self):
+    def _reset_epoch_state(self) -> None:
         super()._reset_epoch_state()
         self.grad_sum = torch.zeros(self.n, self.d, dtype=self.dtype, device=self.device)
         self.running_sums = torch.zeros(self.n, self.d, dtype=self.dtype, device=self.device)
         self.left = torch.zeros(self.n, dtype=torch.long, device=self.device)
         self.right = torch.full((self.n,), self.m - 1, dtype=torch.long, device=self.device)
 
-    def sort(self):
+    def sort(self) -> torch.Tensor:
         if self._next_position == self.m:  # a full epoch was seen: its mean centres the next one
             self.stale_mean = self.grad_sum / self.m
         return super().sort()
 
-    def step(self, grads, positions):
+    def step(self, grads: torch.Tensor | None, positions: torch.Tensor | list[int] | range) -> None:
         start, k = self._check_positions(positions)
-        grads = self._check_grads(grads, k).detach().to(device=self.device, dtype=self.dtype)
-        xp, (grads,) = array_views(grads)
-        grads = self._screen_nonfinite(xp, grads, start)
+        grads_tensor = self._check_grads(grads, k).detach().to(device=self.device, dtype=self.dtype)
+        xp, (grads_xp,) = array_views(grads_tensor)
+        grads_xp = self._screen_nonfinite(xp, grads_xp, start)
         self._next_position += k
-        xp, (grads, grad_sum, stale_mean, sums, left, right, next_orders, orders) = array_views(
-            grads, self.grad_sum, self.stale_mean, self.running_sums, self.left, self.right,
+        xp, (grads_xp, grad_sum, stale_mean, sums, left, right, next_orders, orders) = array_views(
+            grads_xp, self.grad_sum, self.stale_mean, self.running_sums, self.left, self.right,
             self.next_orders, self.orders)
         workers = xp.arange(self.n) if xp is np else torch.arange(self.n, device=self.device)
         for i, position in enumerate(range(start, start + k)):
-            g = grads[:, i]
+            g = grads_xp[:, i]
             grad_sum += g
             centred = g - stale_mean
             plus = (sums * centred).sum(1) <= 0

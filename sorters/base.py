@@ -5,13 +5,27 @@ Notation (the authors' code, not the paper): `n` workers, each owning `m` local 
 0..m-1; at position t worker j uses its local unit `orders[j, t]`.
 """
 import warnings
+from types import ModuleType
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 
 from sorters._state_format import FORMAT_KEY, SORTER_STATE_FORMAT, saved_format
-from sorters.checks import (NONFINITE_MODES, NonFiniteGradientError, check_choice, check_device, check_int,
-                            check_seed, check_state_keys)
+from sorters.checks import (
+    NONFINITE_MODES,
+    NonFiniteGradientError,
+    check_choice,
+    check_device,
+    check_int,
+    check_seed,
+    check_state_keys,
+)
+
+# An array of a step's bookkeeping: a NumPy array sharing a CPU tensor's memory (array_views), a tensor elsewhere.
+# The code that handles it is written once against both, calling the module `xp` (numpy or torch) that came with
+# it; no static type follows that switch, so to the type checker such an array is Any.
+HostOrDeviceArray: TypeAlias = Any
 
 
 class Sorter:
@@ -111,23 +125,25 @@ class Sorter:
         """
         self._next_position += self._check_positions(positions)[1]
 
-    def _check_positions(self, positions) -> tuple[int, int]:
+    def _check_positions(self, positions: torch.Tensor | list[int] | range) -> tuple[int, int]:
         """Check that `positions` (a LongTensor / list (k,), or a range) continue the epoch; return
         (first position, k). The caller advances `_next_position` once the whole step is valid."""
+        index = None  # the positions as a (k,) CPU LongTensor, unless a range of step 1 spared making it
         if isinstance(positions, range) and positions.step == 1:  # the engine's form: no tensor work
             start, k, consecutive = positions.start, len(positions), True
         else:
-            positions = torch.as_tensor(positions, dtype=torch.long).cpu().reshape(-1)
-            k = positions.numel()
-            start = int(positions[0]) if k else self._next_position
-            consecutive = torch.equal(positions, torch.arange(start, start + k))
+            index = torch.as_tensor(positions, dtype=torch.long).cpu().reshape(-1)
+            k = index.numel()
+            start = int(index[0]) if k else self._next_position
+            consecutive = torch.equal(index, torch.arange(start, start + k))
         if k == 0 or not consecutive or start != self._next_position or start + k > self.m:
-            shown = list(positions)[:8] if isinstance(positions, range) else positions.tolist()[:8]
+            shown = list(positions)[:8] if index is None else index.tolist()[:8]
             raise ValueError(f"{self.name}: expected positions {self._next_position}..."
                              f"{min(self._next_position + max(k, 1), self.m) - 1} of {self.m}, got {shown}")
         return start, k
 
-    def _check_grads(self, grads, k: int) -> torch.Tensor:
+    def _check_grads(self, grads: object, k: int) -> torch.Tensor:
+        """`grads` as the (n, k, d) tensor of a step of k units, else one line (TypeError, ValueError)."""
         if grads is not None and not torch.is_tensor(grads):
             raise TypeError(f"{self.name}: grads must be a tensor of shape (n, k, d) = {(self.n, k, self.d)}, "
                             f"got a {type(grads).__name__}")
@@ -138,7 +154,7 @@ class Sorter:
 
     # ------------------------------------------------------------------ non-finite gradients
 
-    def _screen_nonfinite(self, xp, grads, start: int):
+    def _screen_nonfinite(self, xp: ModuleType, grads: HostOrDeviceArray, start: int) -> HostOrDeviceArray:
         """grads (n, k, d) of the step at epoch positions start.. (a NumPy array when xp is numpy, else a
         tensor), or, for nonfinite="skip" and a step holding NaN / inf, zeros in their place (its units are
         balanced as zero vectors). With NumPy (the CPU) the check is eager: nonfinite="raise" raises here,
@@ -186,14 +202,15 @@ class Sorter:
 
     # ------------------------------------------------------------------ checkpoints
 
-    NOT_IN_STATE = ("generator", "device", "_pending_storage", "grads_stay_valid", "nonfinite")
+    NOT_IN_STATE: tuple[str, ...] = ("generator", "device", "_pending_storage", "grads_stay_valid", "nonfinite")
     # keys that states saved by earlier versions lack: load_state_dict keeps the fresh sorter's value
-    OPTIONAL_STATE = ("nonfinite_record",)
+    OPTIONAL_STATE: tuple[str, ...] = ("nonfinite_record",)
 
-    def _state_items(self) -> dict:
+    def _state_items(self) -> dict[str, Any]:
+        """The attributes a checkpoint holds (every one but NOT_IN_STATE), by name."""
         return {k: v for k, v in vars(self).items() if k not in self.NOT_IN_STATE}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The sorter's whole state, for a checkpoint.
 
         Returns:
@@ -205,7 +222,7 @@ class Sorter:
         state[FORMAT_KEY] = SORTER_STATE_FORMAT  # sorters/_state_format.py
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` of a sorter of the same kind and size.
 
         Args:
@@ -227,11 +244,11 @@ class Sorter:
                 setattr(self, key, value.to(self.device, copy=True) if torch.is_tensor(value) else value)
 
     # (minimum, maximum) of the integers of a state; the others only need to be integers
-    def _int_bounds(self) -> dict:
+    def _int_bounds(self) -> dict[str, tuple[int | None, int | None]]:
         return {"epoch": (0, None), "_next_position": (0, self.m), "left": (0, self.m),
                 "right": (-1, self.m - 1), "pending_position": (-1, self.m - 1)}
 
-    def _check_state(self, state) -> None:
+    def _check_state(self, state: dict[str, Any]) -> None:
         """One clear line for a state this sorter cannot continue from."""
         owner = f"{self.name}.load_state_dict"
         now = self._state_items()
@@ -278,15 +295,16 @@ class OnlineBalancer(Sorter):
 
     uses_grads = True
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise"):
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, nonfinite: str = "raise") -> None:
         super().__init__(n_workers, m, d, seed, device, nonfinite)
         self.dtype = dtype
         self._reset_epoch_state()
 
-    def _reset_epoch_state(self):
+    def _reset_epoch_state(self) -> None:
         self.next_orders = torch.full((self.n, self.m), -1, dtype=torch.long, device=self.device)
 
-    def _next_epoch_orders(self):
+    def _next_epoch_orders(self) -> torch.Tensor:
         if self._next_position == 0:  # no step this epoch (e.g. the very first sort): keep the order
             if self.epoch > 0:  # an epoch was started and got no gradient: a loop that forgot step()
                 warnings.warn(f"{self.name}: sort() after an epoch without any step(), so the next epoch repeats "
@@ -296,7 +314,7 @@ class OnlineBalancer(Sorter):
         assert bool((self.next_orders >= 0).all()), "balancer left a slot of next_orders empty"
         return self.next_orders
 
-    def sort(self):
+    def sort(self) -> torch.Tensor:
         orders = super().sort()
         self._reset_epoch_state()
         return orders
@@ -311,46 +329,47 @@ class PairBalancer(OnlineBalancer):
     takes the one slot left in the middle. Subclasses decide the signs (`_pair_signs`).
     """
 
-    def _reset_epoch_state(self):
+    def _reset_epoch_state(self) -> None:
         super()._reset_epoch_state()
         self.left, self.right = 0, self.m - 1
-        self.pending = None           # (n, d) copy of an unpaired first unit's gradients
+        self.pending: torch.Tensor | None = None  # (n, d) copy of an unpaired first unit's gradients
         self.pending_position = -1
         self._reset_running_sums()
 
-    def _reset_running_sums(self):
+    def _reset_running_sums(self) -> None:
         raise NotImplementedError
 
-    def _pair_signs(self, xp, first_units, first_index: int, second_units, second_index: int, n_pairs: int):
+    def _pair_signs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
+                    second_units: HostOrDeviceArray, second_index: int, n_pairs: int) -> HostOrDeviceArray:
         """Signs of n_pairs consecutive pairs: pair p of worker j is (first_units[j, first_index + 2p],
         second_units[j, second_index + 2p]); the unit arrays are (n, k', d), C-contiguous NumPy arrays
         when xp is numpy, else tensors. Return (n, P) bool of the same kind, True = first goes left."""
         raise NotImplementedError
 
-    def step(self, grads, positions):
+    def step(self, grads: torch.Tensor | None, positions: torch.Tensor | list[int] | range) -> None:
         start, k = self._check_positions(positions)
-        grads = self._check_grads(grads, k).detach()  # the sorter never differentiates
-        if grads.device != self.device or grads.dtype != self.dtype:
-            grads = grads.to(device=self.device, dtype=self.dtype)
-        grads_tensor = grads
-        xp, (grads,) = array_views(grads)  # NumPy on the CPU: a tenth of torch's per-op overhead here
-        screened = self._screen_nonfinite(xp, grads, start)
-        if xp is np and (screened is not grads or not grads.flags.c_contiguous):
-            grads = np.ascontiguousarray(screened)  # compiled loops assume rows of contiguous units
-            grads_tensor = torch.from_numpy(grads)
-        elif screened is not grads:  # the device path's "skip": zeros where the step was not finite
-            grads = grads_tensor = screened
+        grads_tensor = self._check_grads(grads, k).detach()  # the sorter never differentiates
+        if grads_tensor.device != self.device or grads_tensor.dtype != self.dtype:
+            grads_tensor = grads_tensor.to(device=self.device, dtype=self.dtype)
+        # the step's grads as xp's array: NumPy on the CPU (a tenth of torch's per-op overhead here), else the tensor
+        xp, (grads_xp,) = array_views(grads_tensor)
+        screened = self._screen_nonfinite(xp, grads_xp, start)
+        if xp is np and (screened is not grads_xp or not grads_xp.flags.c_contiguous):
+            grads_xp = np.ascontiguousarray(screened)  # compiled loops assume rows of contiguous units
+            grads_tensor = torch.from_numpy(grads_xp)
+        elif screened is not grads_xp:  # the device path's "skip": zeros where the step was not finite
+            grads_xp = grads_tensor = screened
         self._next_position += k
         paired_from = 0
         if self.pending is not None:  # the pair that began in the previous step
             pending = array_views(self.pending)[1][0]
             if xp is np and not pending.flags.c_contiguous:  # a kept (n, d) row slice of an (n, k, d) step
                 pending = np.ascontiguousarray(pending)
-            self._place_pairs(xp, self._pair_signs(xp, pending[:, None], 0, grads, 0, 1), self.pending_position)
+            self._place_pairs(xp, self._pair_signs(xp, pending[:, None], 0, grads_xp, 0, 1), self.pending_position)
             self.pending, paired_from = None, 1
         n_pairs = (k - paired_from) // 2
         if n_pairs:
-            signs = self._pair_signs(xp, grads, paired_from, grads, paired_from + 1, n_pairs)
+            signs = self._pair_signs(xp, grads_xp, paired_from, grads_xp, paired_from + 1, n_pairs)
             self._place_pairs(xp, signs, start + paired_from)
         if (k - paired_from) % 2:  # an unpaired last unit: its partner comes with the next step
             # a copy, unless the caller promised to keep this step's grads (grads_stay_valid); never a
@@ -359,11 +378,11 @@ class PairBalancer(OnlineBalancer):
             if self.grads_stay_valid:
                 self.pending = grads_tensor[:, k - 1]
             else:
-                self.pending = self._pending_buffer(grads.shape[0], grads.shape[2])
+                self.pending = self._pending_buffer(grads_xp.shape[0], grads_xp.shape[2])
                 if xp is np:
-                    np.copyto(self.pending.numpy(), grads[:, k - 1])
+                    np.copyto(self.pending.numpy(), grads_xp[:, k - 1])
                 else:
-                    self.pending.copy_(grads[:, k - 1])
+                    self.pending.copy_(grads_xp[:, k - 1])
             self.pending_position = start + k - 1
         if self._next_position == self.m and self.pending is not None:
             assert self.left == self.right
@@ -378,7 +397,7 @@ class PairBalancer(OnlineBalancer):
             buffer = self._pending_storage = torch.empty(n, d, dtype=self.dtype, device=self.device)
         return buffer
 
-    def _place_pairs(self, xp, first_left, first: int):
+    def _place_pairs(self, xp: ModuleType, first_left: HostOrDeviceArray, first: int) -> None:
         """first_left: (n, P) bool (a NumPy array when xp is numpy, else a tensor) for the pairs at
         epoch positions (first, first + 1), (first + 2, first + 3), ... Pair i takes slot left + i on
         the left and right - i on the right."""
@@ -394,13 +413,14 @@ class PairBalancer(OnlineBalancer):
         self.left, self.right = left + n_pairs, right - n_pairs
 
 
-def pair_views(first_units, first_index: int, second_units, second_index: int, n_pairs: int):
+def pair_views(first_units: HostOrDeviceArray, first_index: int, second_units: HostOrDeviceArray, second_index: int,
+               n_pairs: int) -> tuple[HostOrDeviceArray, HostOrDeviceArray]:
     """(firsts, seconds), each (n, n_pairs, d): the pairs that _pair_signs describes, as views."""
     return (first_units[:, first_index:first_index + 2 * n_pairs:2],
             second_units[:, second_index:second_index + 2 * n_pairs:2])
 
 
-def array_views(*tensors):
+def array_views(*tensors: torch.Tensor | np.ndarray) -> tuple[ModuleType, list[HostOrDeviceArray]]:
     """(numpy, NumPy arrays sharing memory) on the CPU, where per-op overhead is ~10x lower than
     torch's for these small per-step updates; (torch, the tensors) elsewhere. The bookkeeping is
     written once against either. NumPy arrays pass through."""

@@ -42,11 +42,13 @@ class Fold(Sorter):
     from randperm). Like CD-GraB, the first sort() returns that order, and an epoch without any step
     keeps the order; every later sort() after a full epoch applies the map. With these rules Fold's
     orders equal our CD-GraB's, epoch by epoch, when every pair difference CD-GraB sees is zero.
+
+    The constructor takes `Sorter`'s arguments (``d`` is only checked: no gradient is read).
     """
 
     name = "Fold"
 
-    def _next_epoch_orders(self):
+    def _next_epoch_orders(self) -> torch.Tensor:
         if self._next_position == 0:  # no step this epoch (e.g. the very first sort): keep the order
             return self.orders
         return self.orders[:, fold_map(self.m).to(self.orders.device)]

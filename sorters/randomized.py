@@ -25,22 +25,25 @@ pair index and the rule state (`rule_state`).
 docs/reorderers.md describes both rules, the choice of c, and how to run them.
 """
 import math
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from sorters.balance import add_signed, gram_products
-from sorters.base import PairBalancer, pair_views
+from sorters.base import HostOrDeviceArray, PairBalancer, pair_views
 from sorters.checks import check_seed
 
 DELTA = 0.5  # failure probability, as in the published code
 _SBW_C_MULTIPLIER = 30.0  # c = b_max * 30 log(...), as in the published code
 
 
-_LOOPS = []  # the module of compiled loops, once imported
+_LOOPS: list[ModuleType] = []  # the module of compiled loops (sorters/threshold_loops.py), once imported
 
 
-def _loops():
+def _loops() -> ModuleType:
     """The compiled loops (importing numba on first use; a list lookup afterwards, per step)."""
     if not _LOOPS:
         from sorters import threshold_loops
@@ -61,13 +64,16 @@ class _ThresholdPairBalance(PairBalancer):
     # regenerated from (seed, epoch) after a resume; views
     NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("_draws", "_draws_epoch", "_views")
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, epochs=None, nonfinite="raise"):
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, epochs: int | None = None, nonfinite: str = "raise") -> None:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"{self.name}: needs the run's total number of epochs (an integer >= 1; its "
                              f"threshold depends on it), got {epochs!r}")
         self.total_epochs, self.seed = epochs, check_seed(self.name, seed)
         self.rule_state = torch.zeros(5, dtype=torch.float64)  # on the CPU whatever the device: host scalars
-        self._draws, self._draws_epoch, self._views = None, None, None
+        self._draws: NDArray[np.float64] | None = None
+        self._draws_epoch: int | None = None
+        self._views: tuple[NDArray[np.float64], NDArray[np.float64]] | None = None
         super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
         self.pairs_per_epoch = self.n * (self.m // 2)
         if self.device.type == "cpu":  # compile (or load) the loop now, not inside the first epoch
@@ -75,14 +81,14 @@ class _ThresholdPairBalance(PairBalancer):
             _loops().rule_signs(self.rule, np.zeros(1), units, 0, units, 1, np.empty((1, 1), np.bool_),
                                 np.zeros(1), state)
 
-    def _reset_running_sums(self):
+    def _reset_running_sums(self) -> None:
         loops = _loops()
         self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
         self.rule_state[loops.INDEX] = 0
         self.rule_state[loops.KH_V] = 0  # KH's v restarts every epoch; SBW's b_max lives for the run
         self._views = None
 
-    def _numpy_views(self):
+    def _numpy_views(self) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """(running sum, rule state) as NumPy arrays sharing memory (the CPU path), kept between steps:
         at LR-HMDA's size a step's whole sign loop costs about as much as a few tensor-to-NumPy calls."""
         if self._views is None:
@@ -91,29 +97,31 @@ class _ThresholdPairBalance(PairBalancer):
 
     # ------------------------------------------------------------------ randomness
 
-    def epoch_draws(self, epoch: int) -> np.ndarray:
+    def epoch_draws(self, epoch: int) -> NDArray[np.float64]:
         """(P,) float64: the draws of epoch `epoch` (1-based), one per pair difference in visiting order."""
         entropy = [self.seed % 2**64, epoch, self.rule]
         return self._draw(np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy))),
                           self.pairs_per_epoch)
 
-    def _draw(self, generator: np.random.Generator, count: int) -> np.ndarray:
+    def _draw(self, generator: np.random.Generator, count: int) -> NDArray[np.float64]:
         raise NotImplementedError
 
     def _epoch_constants(self, epoch: int) -> None:
         """Set the rule's constants for epoch `epoch` in rule_state."""
         raise NotImplementedError
 
-    def _current_draws(self) -> np.ndarray:
-        if self._draws_epoch != self.epoch:  # once per epoch, and after a resume
-            self._draws = self.epoch_draws(self.epoch)
+    def _current_draws(self) -> NDArray[np.float64]:
+        draws = self._draws
+        if draws is None or self._draws_epoch != self.epoch:  # once per epoch, and after a resume
+            draws = self._draws = self.epoch_draws(self.epoch)
             self._epoch_constants(max(self.epoch, 1))  # (epoch 0: steps before the first sort)
             self._draws_epoch = self.epoch
-        return self._draws
+        return draws
 
     # ------------------------------------------------------------------ the signs
 
-    def _pair_signs(self, xp, first_units, first_index, second_units, second_index, n_pairs):
+    def _pair_signs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
+                    second_units: HostOrDeviceArray, second_index: int, n_pairs: int) -> HostOrDeviceArray:
         loops = _LOOPS[0]
         draws = self._draws if self._draws_epoch == self.epoch else self._current_draws()
         if xp is np:
@@ -130,19 +138,19 @@ class _ThresholdPairBalance(PairBalancer):
         a, gram, widened = gram_products(self.running_sum, diffs)
         signs = np.empty(diffs.shape[0])
         loops.rule_signs_from_gram(self.rule, a.cpu().numpy(), gram.cpu().numpy(), signs, draws, state)
-        signs = torch.from_numpy(signs).to(diffs.device)
-        add_signed(self.running_sum, diffs, signs, widened)
-        return (signs > 0).reshape(-1, self.n).T
+        signs_tensor = torch.from_numpy(signs).to(diffs.device)
+        add_signed(self.running_sum, diffs, signs_tensor, widened)
+        return (signs_tensor > 0).reshape(-1, self.n).T
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _check_state(self, state) -> None:
+    def _check_state(self, state: dict[str, Any]) -> None:
         super()._check_state(state)
         if state["total_epochs"] != self.total_epochs:
             raise ValueError(f"{self.name}: state is for epochs={state['total_epochs']}, sorter has "
                              f"{self.total_epochs} (the threshold depends on the run's epochs)")
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.rule_state = self.rule_state.cpu()
         self._draws_epoch, self._views = None, None
@@ -177,10 +185,10 @@ class KernelHalving(_ThresholdPairBalance):
     name = "KH-SGD"
     rule = 1  # threshold_loops.KH
 
-    def _draw(self, generator, count):
+    def _draw(self, generator: np.random.Generator, count: int) -> NDArray[np.float64]:
         return generator.uniform(-1.0, 1.0, count)
 
-    def _epoch_constants(self, epoch):
+    def _epoch_constants(self, epoch: int) -> None:
         factor = (4 / DELTA) * (math.log(self.total_epochs) + 1) * (math.log(max(self.pairs_per_epoch, 1)) + 1) * epoch
         self.rule_state[_loops().KH_PENALTY_FACTOR] = factor
 
@@ -221,10 +229,10 @@ class SelfBalancingWalk(_ThresholdPairBalance):
     name = "SBW"
     rule = 2  # threshold_loops.SBW
 
-    def _draw(self, generator, count):
+    def _draw(self, generator: np.random.Generator, count: int) -> NDArray[np.float64]:
         return generator.random(count)
 
-    def _epoch_constants(self, epoch):
+    def _epoch_constants(self, epoch: int) -> None:
         walk = max(self.pairs_per_epoch, 1) * self.total_epochs * self.d / DELTA
         self.rule_state[_loops().SBW_C_OVER_B_MAX] = _SBW_C_MULTIPLIER * math.log(walk)
 

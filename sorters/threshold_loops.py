@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 from numba import njit
+from numpy.typing import NDArray
 
 KH, SBW = 1, 2  # rule codes
 # slots of `state`: the index i of the next pair difference in the epoch's visiting order; KH's v (twice
@@ -24,7 +25,7 @@ _STATE_SLOTS = 5
 
 
 @njit(cache=True, nogil=True)
-def decide(rule, dot, b2, draws, state):
+def decide(rule: int, dot: float, b2: float, draws: NDArray[np.float64], state: NDArray[np.float64]) -> bool:
     """Add (True: the pair's first unit goes left, S += v) or subtract, for the next pair difference v
     with dot = <S, v> and b2 = ||v||^2 (both float64), and advance the pair index."""
     i = np.int64(state[INDEX])
@@ -54,7 +55,9 @@ def decide(rule, dot, b2, draws, state):
 
 
 @njit(fastmath={"reassoc", "contract"}, cache=True, nogil=True)
-def rule_signs(rule, s, first_units, first_index, second_units, second_index, plus, draws, state):
+def rule_signs(rule: int, s: NDArray[np.float64], first_units: NDArray[np.floating], first_index: int,
+               second_units: NDArray[np.floating], second_index: int, plus: NDArray[np.bool_],
+               draws: NDArray[np.float64], state: NDArray[np.float64]) -> None:
     """The CPU path: CD-GraB's one-pass loop with the rule's decision.
 
     s (d,) float64 running sum, updated in place; first_units (n, k1, d), second_units (n, k2, d),
@@ -93,7 +96,8 @@ def rule_signs(rule, s, first_units, first_index, second_units, second_index, pl
 
 
 @njit(cache=True, nogil=True)
-def rule_signs_from_gram(rule, a, gram, signs, draws, state):
+def rule_signs_from_gram(rule: int, a: NDArray[np.float64], gram: NDArray[np.float64], signs: NDArray[np.float64],
+                         draws: NDArray[np.float64], state: NDArray[np.float64]) -> None:
     """The device path's recursion, on the host: a (r,) = D S and gram (r, r) = D D^T (float64) of a
     block of r differences in visiting order; fills signs (r,) float64 with +1 (add) or -1, using
     <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij and ||v_i||^2 = G_ii."""

@@ -26,6 +26,6 @@ ENGINE_STRUCTURED_MIN_NUMEL = STRUCTURED_MIN_NUMEL_BY_USE["engine"]
 MIN_NUMEL_FLOOR = 1  # a threshold of 1 already makes every 2-D weight a block: lower ones mean nothing else
 
 
-def check_min_numel(owner: str, value, name: str = "min_numel") -> int:
+def check_min_numel(owner: str, value: object, name: str = "min_numel") -> int:
     """value as an int >= MIN_NUMEL_FLOOR, else one line (TypeError: not an integer; ValueError: too small)."""
     return check_int(owner, name, value, MIN_NUMEL_FLOOR)
