@@ -35,6 +35,8 @@ Which contributions a layer makes is the library's one table of layer rules (sor
 they arrive through a ContributionSink, which keeps them factored.
 """
 
+from typing import cast
+
 import torch
 
 from sorters.layer_rules import Sink
@@ -45,7 +47,7 @@ STREAM_BLOCK_BYTES = 8 * 2**20  # the (U, rows, C) block streaming holds at once
 class Outer:
     """sum_t left[u, t] right[u, t]^T for each unit u: left (U, T, R), right (U, T, C), an (R, C) matrix each."""
 
-    def __init__(self, left: torch.Tensor, right: torch.Tensor):
+    def __init__(self, left: torch.Tensor, right: torch.Tensor) -> None:
         self.left, self.right = left, right
         self.units, self.tokens = left.shape[0], left.shape[1]
 
@@ -68,7 +70,8 @@ class Outer:
         """S (R, C) += sum_u x_u: one product over every unit's tokens (a layer's weight gradient)."""
         S.addmm_(self.left.reshape(-1, self.left.shape[2]).T, self.right.reshape(-1, self.right.shape[2]))
 
-    def select(self, units) -> "Outer":
+    def select(self, units: torch.Tensor) -> "Outer":
+        """The units `units` ((k,) LongTensor), in this order: a copy of their records."""
         return Outer(self.left[units], self.right[units])
 
     def units_slice(self, start: int, stop: int) -> "Outer":
@@ -82,7 +85,7 @@ class Outer:
 class Rows:
     """Embedding rows: values[u, t] (C,) into row ids[u, t] of unit u's (R, C) matrix; ids (U, T)."""
 
-    def __init__(self, ids: torch.Tensor, values: torch.Tensor, num_rows: int):
+    def __init__(self, ids: torch.Tensor, values: torch.Tensor, num_rows: int) -> None:
         self.ids, self.values, self.num_rows = ids, values, num_rows
         self.units, self.tokens = ids.shape
 
@@ -102,7 +105,7 @@ class Rows:
     def add_sum(self, S: torch.Tensor) -> None:
         S.index_add_(0, self.ids.reshape(-1), self.values.reshape(-1, self.values.shape[2]))
 
-    def select(self, units) -> "Rows":
+    def select(self, units: torch.Tensor) -> "Rows":
         return Rows(self.ids[units], self.values[units], self.num_rows)
 
     def units_slice(self, start: int, stop: int) -> "Rows":
@@ -115,7 +118,7 @@ class Rows:
 class Formed:
     """Per-unit gradients already formed: values (U, R, C) (a vector parameter: (U, n, 1))."""
 
-    def __init__(self, values: torch.Tensor):
+    def __init__(self, values: torch.Tensor) -> None:
         self.values = values
         self.units, self.tokens = values.shape[0], 1
 
@@ -131,7 +134,7 @@ class Formed:
     def add_sum(self, S: torch.Tensor) -> None:
         S.add_(self.values.sum(0))
 
-    def select(self, units) -> "Formed":
+    def select(self, units: torch.Tensor) -> "Formed":
         return Formed(self.values[units])
 
     def units_slice(self, start: int, stop: int) -> "Formed":
@@ -139,6 +142,18 @@ class Formed:
 
     def scaled(self, factors: torch.Tensor) -> "Formed":
         return Formed(self.values * factors[:, None, None])
+
+
+# one layer call's contribution to a parameter's per-unit gradients, factored (Outer, Rows) or formed
+Contribution = Outer | Rows | Formed
+# one parameter's contributions in recording order: (the contribution's first unit, the contribution)
+Pieces = list[tuple[int, Contribution]]
+# the products of U units, (a (U,), G (U, U)), or of r pairs' differences, (a (r,), G (r, r), norms (U,))
+_Products = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# parameter_products' result: the products, then how they were taken ("stream" or "ghost") and the gradient
+# sum it was asked for (or None)
+_ParameterProducts = (tuple[torch.Tensor, torch.Tensor, str, torch.Tensor | None]
+                     | tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, torch.Tensor | None])
 
 
 # ------------------------------------------------------------------------------------ from the rules' table
@@ -152,13 +167,13 @@ class ContributionSink(Sink):
     add(p, value (U, *p.shape)) -> Formed (U, R, C) (a bias or LayerNorm vector: (U, n, 1)).
     selected: the ids of the parameters wanted (the others are skipped by the rules)."""
 
-    def __init__(self, pieces: dict, selected: set):
+    def __init__(self, pieces: dict[int, Pieces], selected: set[int]) -> None:
         self.pieces, self.selected = pieces, selected
 
     def wants(self, p: torch.Tensor) -> bool:
         return id(p) in self.selected
 
-    def _keep(self, p: torch.Tensor, contribution) -> None:
+    def _keep(self, p: torch.Tensor, contribution: Contribution) -> None:
         self.pieces.setdefault(id(p), []).append((0, contribution))
 
     def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
@@ -178,13 +193,13 @@ def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- products
 
-def _ghost_possible(pieces: list) -> bool:
+def _ghost_possible(pieces: Pieces) -> bool:
     """Ghost products need every contribution factored (Outer or Rows), or every one Formed."""
     kinds = {type(x) for _, x in pieces}
     return Formed not in kinds or kinds == {Formed}
 
 
-def stream_cost(pieces: list, U: int, R: int, C: int) -> float:
+def stream_cost(pieces: Pieces, U: int, R: int, C: int) -> float:
     """Forming the units' gradients block by block: each contribution's batched product (Outer: 2 U T R C
     flops; Rows: writing U T C), zeroing and reading the (U, R, C) blocks for (a) and (b)."""
     form = sum(2 * x.units * x.tokens * R * C if isinstance(x, Outer) else x.units * x.tokens * C
@@ -192,7 +207,7 @@ def stream_cost(pieces: list, U: int, R: int, C: int) -> float:
     return form + (2 * U + 4) * U * R * C
 
 
-def ghost_cost(pieces: list, R: int, C: int) -> float:
+def ghost_cost(pieces: Pieces, R: int, C: int) -> float:
     """The ghost formulas: (a) 2 U T R C per Outer, (b) 2 (U T)(U' T') (R + C) per pair of contributions."""
     dot = sum(2 * x.units * x.tokens * R * C if isinstance(x, Outer) else 2 * x.units * x.tokens * C
               for _, x in pieces)
@@ -201,7 +216,7 @@ def ghost_cost(pieces: list, R: int, C: int) -> float:
     return dot + gram
 
 
-def ghost_pays(pieces: list, U: int, R: int, C: int) -> bool:
+def ghost_pays(pieces: Pieces, U: int, R: int, C: int) -> bool:
     """Whether the ghost formulas are cheaper than streaming: GHOST_MARGIN * ghost flops < stream flops.
     Streaming also writes and reads the (U, R, C) blocks, which the flop count undercounts, so ghost wins
     up to about twice streaming's flops (bench/exact_products.py times both; docs/exact-cdgrab.md)."""
@@ -213,8 +228,8 @@ def ghost_pays(pieces: list, U: int, R: int, C: int) -> bool:
 GHOST_MARGIN = 0.5
 
 
-def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | None = None, grad_units: int = 0,
-                    pairs: "Pairs | None" = None) -> tuple:
+def stream_products(pieces: Pieces, S: torch.Tensor, U: int, grad: torch.Tensor | None = None, grad_units: int = 0,
+                    pairs: "Pairs | None" = None) -> _Products:
     """(a, G) in float64 by forming the units' gradients STREAM_BLOCK_BYTES of rows at a time: of the units,
     (a (U,), G (U, U)); with `pairs`, of the pairs' differences (a (r,), G (r, r)) and the units' squared
     norms (U,) as a third result (the Gram of r differences costs r^2 against U^2). pieces: [(first unit,
@@ -235,7 +250,8 @@ def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | 
             out[first:stop].zero_()
         for i, (first, x) in enumerate(pieces):
             if i in leads:
-                torch.bmm(x.left[:, :, r0:r1].transpose(1, 2), x.right, out=out[first:first + x.units])
+                lead = cast(Outer, x)  # _block_leads picks Outers only
+                torch.bmm(lead.left[:, :, r0:r1].transpose(1, 2), lead.right, out=out[first:first + x.units])
             else:
                 x.add_rows(out[first:first + x.units], r0, r1)
         flat = out.reshape(U, -1)
@@ -246,16 +262,17 @@ def stream_products(pieces: list, S: torch.Tensor, U: int, grad: torch.Tensor | 
             flat = pairs.differences(flat)
         a += (flat @ S[r0:r1].reshape(-1)).double()
         G += (flat @ flat.T).double()
-    if pairs is None:
+    if pairs is None or norms is None:  # (norms is None exactly when pairs is)
         return a, G
     return (*pairs.rescale(a, G), norms * pairs.inverse_scale.to(norms.device, torch.float64) ** 2)
 
 
-def _block_leads(pieces: list, U: int) -> tuple[set, list]:
+def _block_leads(pieces: Pieces, U: int) -> tuple[set[int], list[tuple[int, int]]]:
     """(leads, unwritten): the contributions that WRITE their units' rows of a streamed block (bmm into it,
     instead of adding to zeros: a pass less), the first Outer of each range of units that no earlier
     contribution touches; and the (start, stop) ranges of units no lead writes, zeroed first."""
-    leads, touched, written = set(), [False] * U, [False] * U
+    leads: set[int] = set()
+    touched, written = [False] * U, [False] * U
     for i, (first, x) in enumerate(pieces):
         span = range(first, first + x.units)
         if isinstance(x, Outer) and not any(touched[u] for u in span):
@@ -264,7 +281,8 @@ def _block_leads(pieces: list, U: int) -> tuple[set, list]:
                 written[u] = True
         for u in span:
             touched[u] = True
-    unwritten, start = [], None
+    unwritten: list[tuple[int, int]] = []
+    start: int | None = None
     for u, done in enumerate(written + [True]):  # a sentinel closes the last range
         if not done and start is None:
             start = u
@@ -278,7 +296,7 @@ class Pairs:
     """r pairs of units (firsts[i], seconds[i]) and each unit's factor (the inverse of its records' scale):
     the difference i is firsts[i]'s gradient less seconds[i]'s."""
 
-    def __init__(self, firsts: list[int], seconds: list[int], inverse_scale: torch.Tensor):
+    def __init__(self, firsts: list[int], seconds: list[int], inverse_scale: torch.Tensor) -> None:
         device = inverse_scale.device
         self.firsts, self.seconds, self.inverse_scale = firsts, seconds, inverse_scale
         self.first_index = torch.tensor(firsts, dtype=torch.long, device=device)
@@ -302,20 +320,20 @@ class Pairs:
         first = flat[self.first_index].mul_(self.first_factor.to(flat.dtype))
         return first.sub_(flat[self.second_index].mul_(self.second_factor.to(flat.dtype)))
 
-    def rescale(self, a: torch.Tensor, G: torch.Tensor) -> tuple:
+    def rescale(self, a: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The products of `differences` (float64) as products of the gradients' differences."""
         if self.common is None:
             return a, G
         return a * self.common, G * (self.common * self.common)
 
-    def combine(self, a: torch.Tensor, G: torch.Tensor) -> tuple:
+    def combine(self, a: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The units' (a (U,), G (U, U)) of gradients -> the differences' (a (r,), G (r, r)), the units' norms (U,)."""
         f, s = self.first_index.to(a.device), self.second_index.to(a.device)
         diff_G = G[f][:, f] - G[f][:, s] - G[s][:, f] + G[s][:, s]
         return a[f] - a[s], diff_G, G.diagonal().clone()
 
 
-def summed(pieces: list, R: int, C: int, units: int, dtype, device) -> torch.Tensor:
+def summed(pieces: Pieces, R: int, C: int, units: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(R, C) sum over units 0..units-1 of their gradients (contributions starting at a unit >= units are
     another step's: left out), one product per contribution."""
     out = torch.zeros(R, C, dtype=dtype, device=device)
@@ -325,7 +343,7 @@ def summed(pieces: list, R: int, C: int, units: int, dtype, device) -> torch.Ten
     return out
 
 
-def ghost_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ghost_products(pieces: Pieces, S: torch.Tensor, U: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(a (U,), G (U, U)) in float64 from the contributions' factors, never forming a unit's gradient."""
     a = torch.zeros(U, dtype=torch.float64, device=S.device)
     G = torch.zeros(U, U, dtype=torch.float64, device=S.device)
@@ -339,37 +357,41 @@ def ghost_products(pieces: list, S: torch.Tensor, U: int) -> tuple[torch.Tensor,
     return a, G
 
 
-def _ghost_gram(x, y) -> torch.Tensor:
-    """(Ux, Uy) <x_u, y_v> for two factored contributions to one parameter."""
+def _ghost_gram(x: Contribution, y: Contribution) -> torch.Tensor:
+    """(Ux, Uy) <x_u, y_v> for two factored contributions to one parameter (or two formed ones: the pieces
+    pass _ghost_possible, so a Formed x comes with a Formed y, and a factored x with a factored y)."""
     if isinstance(x, Rows) and isinstance(y, Outer):
         return _ghost_gram(y, x).T
     if isinstance(x, Formed):
-        return x.values.reshape(x.units, -1) @ y.values.reshape(y.units, -1).T
+        return x.values.reshape(x.units, -1) @ cast(Formed, y).values.reshape(y.units, -1).T
     if isinstance(x, Outer):
         left = x.left.reshape(-1, x.left.shape[2])
         right = x.right.reshape(-1, x.right.shape[2])
         if isinstance(y, Outer):
             tokens = (left @ y.left.reshape(-1, y.left.shape[2]).T) * (right @ y.right.reshape(-1, y.right.shape[2]).T)
         else:  # Outer x Rows (a tied matrix): left_ut[ids_vt'] (right_ut . values_vt')
-            tokens = left[:, y.ids.reshape(-1)] * (right @ y.values.reshape(-1, y.values.shape[2]).T)
+            rows = cast(Rows, y)
+            tokens = left[:, rows.ids.reshape(-1)] * (right @ rows.values.reshape(-1, rows.values.shape[2]).T)
     else:  # Rows x Rows: [ids_ut = ids_vt'] (values_ut . values_vt')
+        y = cast(Rows, y)
         same = x.ids.reshape(-1, 1) == y.ids.reshape(1, -1)
         tokens = same * (x.values.reshape(-1, x.values.shape[2]) @ y.values.reshape(-1, y.values.shape[2]).T)
     return tokens.view(x.units, x.tokens, y.units, y.tokens).sum((1, 3))
 
 
-def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = None, grad_units: int = 0,
-                       pairs: "Pairs | None" = None):
+def parameter_products(pieces: Pieces, S: torch.Tensor, U: int, how: str | None = None, grad_units: int = 0,
+                       pairs: "Pairs | None" = None) -> _ParameterProducts:
     """(a, G, how, grad): one parameter's products for U units, pieces [(first unit, contribution)], S (R, C):
     (a (U,), G (U, U)) of the records; with `pairs`, (a, G, norms, how, grad): (a (r,), G (r, r)) of the pairs'
     gradient differences and norms (U,) the units' squared gradient norms, the records divided by their
-    scale (pairs.inverse_scale (U,)). how: "stream", "ghost", or None (the cheaper by `ghost_pays`). grad_units > 0: grad
-    (R, C) is also the sum of the records of units 0..grad_units-1 (streaming: from its blocks), else None."""
+    scale (pairs.inverse_scale (U,)). how: "stream", "ghost", or None (the cheaper by `ghost_pays`). grad_units > 0:
+    grad (R, C) is also the sum of the records of units 0..grad_units-1 (streaming: from its blocks), else None."""
     if how is None:
         how = "ghost" if ghost_pays(pieces, U, *S.shape) else "stream"
     if how == "ghost" and not _ghost_possible(pieces):
         how = "stream"
     grad = None
+    products: _Products
     if how == "stream":
         grad = torch.empty(S.shape, dtype=S.dtype, device=S.device) if grad_units else None
         products = stream_products(pieces, S, U, grad, grad_units, pairs)
@@ -379,11 +401,12 @@ def parameter_products(pieces: list, S: torch.Tensor, U: int, how: str | None = 
             factor = pairs.inverse_scale.to(products[0].device, torch.float64)
             products = pairs.combine(products[0] * factor, products[1] * factor[:, None] * factor[None, :])
         if grad_units:
-            grad = summed(pieces, *S.shape, grad_units, S.dtype, S.device)
+            R, C = S.shape
+            grad = summed(pieces, R, C, grad_units, S.dtype, S.device)
     return (*products, how, grad)
 
 
-def add_weighted(pieces: list, S: torch.Tensor, w: torch.Tensor) -> None:
+def add_weighted(pieces: Pieces, S: torch.Tensor, w: torch.Tensor) -> None:
     """S (R, C) += sum_u w_u g_u over the units of nonzero weight (w (U,) in S's dtype): Outer and Rows skip
     the others unit by unit (no copy of the kept units' records), Formed multiplies them by 0."""
     for first, x in pieces:

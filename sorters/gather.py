@@ -23,17 +23,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from sorters.exact import UnitGradients
-from sorters.exact_products import Formed, Outer, Rows, matrix_shape
+from sorters.exact import ExactGradients, UnitGradients
+from sorters.exact_products import Contribution, Formed, Outer, Pieces, Rows, matrix_shape
+from sorters.sketch import GradientSketch
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; GPU images may be older
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def sketch_rows(rows: torch.Tensor, sketch=None) -> torch.Tensor:
+def sketch_rows(rows: torch.Tensor, sketch: GradientSketch | None = None) -> torch.Tensor:
     """rows (..., d) -> (..., D): `sketch(rows)` when a sketch is given and the rows are its d wide; else
     `rows` unchanged (no sketch, or rows that are sketches already, (..., D), as a caller may hand them).
-    `sketch`: a GradientSketch (or anything with `.d` and a (..., d) -> (..., D) call)."""
+    `sketch`: a GradientSketch (at run time anything with `.d` and a (..., d) -> (..., D) call)."""
     if sketch is None or rows.shape[-1] != sketch.d:
         return rows
     return sketch(rows)
@@ -50,7 +51,7 @@ def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sketch_then_gather(local: torch.Tensor, sketch=None,
+def sketch_then_gather(local: torch.Tensor, sketch: GradientSketch | None = None,
                        gather: Callable[[torch.Tensor], torch.Tensor] | None = all_gather_rows) -> torch.Tensor:
     """local (r, ..., d) or, already sketched, (r, ..., D) -> (n * r, ..., D): this process's rows sketched
     (`sketch_rows`), then gathered with every other process's by `gather` (r, ..., D) -> (n * r, ..., D)
@@ -73,11 +74,11 @@ def _gather_rows_to(local: torch.Tensor, dst: int) -> torch.Tensor | None:
     return out
 
 
-def _gather(local: torch.Tensor, into: list | None, dst: int) -> None:  # one place to count it (bench/)
+def _gather(local: torch.Tensor, into: list[torch.Tensor] | None, dst: int) -> None:  # one place to count it (bench/)
     dist.gather(local, into, dst=dst)
 
 
-def all_gather_units(units: UnitGradients, share=None) -> UnitGradients:
+def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None) -> UnitGradients:
     """This process's U units (records fresh from one backward: each contribution covers all U) -> the
     world_size * U units of every process, rank-major, in every process, with the loss weights (U,).
     share: None, or the ParameterShare of an ExactCDGraB that divides the products: each parameter's records go
@@ -89,8 +90,9 @@ def all_gather_units(units: UnitGradients, share=None) -> UnitGradients:
     several Formed contributions). Tokens are padded with zeros to the longest process's T, which adds
     nothing to any product. The result holds no backward gradient (step_grads): under DDP .grad is the
     processes' mean, so the running sum's update reads every unit's records."""
-    def ints(values):  # one process's integers -> (world_size, n), every process's
-        return all_gather_rows(torch.tensor([values], dtype=torch.long)).tolist()
+    def ints(values: list[int]) -> list[list[int]]:  # one process's integers -> (world_size, n), every process's
+        rows: list[list[int]] = all_gather_rows(torch.tensor([values], dtype=torch.long)).tolist()
+        return rows
 
     owner, U = units.owner, units.units
     parts = [(p, x) for p in owner.params for first, x in units.pieces.get(id(p), [])
@@ -109,9 +111,9 @@ def all_gather_units(units: UnitGradients, share=None) -> UnitGradients:
         x = x if T is None else padded(x, T)  # (U, t, ...) padded to T tokens, then gathered
         return all_gather_rows(x) if dst is None else _gather_rows_to(x, dst)
 
-    pieces = {}
+    pieces: dict[int, Pieces] = {}
     for i, p in enumerate(owner.params):
-        mine = [(x, T) for (q, x), T in zip(parts, longest) if q is p]
+        mine: list[tuple[Contribution, int]] = [(x, T) for (q, x), T in zip(parts, longest) if q is p]
         if not mine:
             continue
         dst = None if share is None else share.owners[i]
@@ -121,16 +123,20 @@ def all_gather_units(units: UnitGradients, share=None) -> UnitGradients:
             for x, _ in mine:
                 x.add_rows(out, 0, out.shape[1])
             mine = [(Formed(out), 1)]
-        kept = dst is None or dst == share.rank
         for x, T in mine:
+            # the gathered tensors, None in a process that does not own p (it keeps nothing of it)
+            all_units: Contribution | None
             if isinstance(x, Outer):
-                parts_of = (Outer, gathered(x.left, T, dst), gathered(x.right, T, dst))
+                left, right = gathered(x.left, T, dst), gathered(x.right, T, dst)
+                all_units = None if left is None or right is None else Outer(left, right)
             elif isinstance(x, Rows):
-                parts_of = (Rows, gathered(x.ids, T, dst), gathered(x.values, T, dst), x.num_rows)
+                ids, values = gathered(x.ids, T, dst), gathered(x.values, T, dst)
+                all_units = None if ids is None or values is None else Rows(ids, values, x.num_rows)
             else:
-                parts_of = (Formed, gathered(x.values, None, dst))
-            if kept:  # the gathered tensors (none in a process that does not own p)
-                pieces.setdefault(id(p), []).append((0, parts_of[0](*parts_of[1:])))
+                formed_values = gathered(x.values, None, dst)
+                all_units = None if formed_values is None else Formed(formed_values)
+            if all_units is not None:
+                pieces.setdefault(id(p), []).append((0, all_units))
     return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
 
 
@@ -145,8 +151,8 @@ class ParameterShare:
     view, part, whole). reduce(x): x summed over the processes in place (all_reduce) and returned; a test
     passes its own."""
 
-    def __init__(self, exact, rank: int | None = None, world: int | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, exact: ExactGradients, rank: int | None = None, world: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         rank = dist.get_rank() if rank is None else rank
         world = dist.get_world_size() if world is None else world
         if not 0 <= rank < world:
@@ -161,12 +167,13 @@ class ParameterShare:
         self.owned = [owner == rank for owner in owners]
         self._reduce = reduce
         # the owned parameters, one after the other, make this process's part of a flat (d,) vector
-        self.part_offsets, self.size = {}, 0
+        self.part_offsets: dict[int, int] = {}
+        self.size = 0
         for p, owned in zip(self.params, self.owned):
             if owned:
                 self.part_offsets[id(p)], self.size = self.size, self.size + p.numel()
 
-    def broadcast_grads(self, grads: dict, recorded: list[bool], factor: float) -> None:
+    def broadcast_grads(self, grads: dict[int, torch.Tensor], recorded: list[bool], factor: float) -> None:
         """Every recorded parameter's step gradient from its owner to every process, added to p.grad times
         `factor` (1 / world size: the processes' mean, as DDP's all-reduce makes it). grads: {id(p): (R, C)}, this
         process's owned parameters' gradients (UnitGradients.grad_sink); recorded: per parameter, whether the
@@ -185,6 +192,7 @@ class ParameterShare:
                 p.grad.add_(grad)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the processes, in place (all_reduce, or the `reduce` given), and returned."""
         if self._reduce is not None:
             return self._reduce(x)
         dist.all_reduce(x)
@@ -210,7 +218,7 @@ class ParameterShare:
         return flat
 
 
-def gather_parts(parts: list[UnitGradients], distributed: bool, share=None) -> UnitGradients:
+def gather_parts(parts: list[UnitGradients], distributed: bool, share: ParameterShare | None = None) -> UnitGradients:
     """This process's units, recorded in parts (each a fresh recording of the same layers: the engine's
     chunks of a step), -> every process's units, rank-major and within a rank part after part, as one
     UnitGradients: each part is all-gathered on its own (`all_gather_units`) when `distributed`, and every
@@ -220,7 +228,8 @@ def gather_parts(parts: list[UnitGradients], distributed: bool, share=None) -> U
     parts gets the same contributions over the same ranges of units, so the same products."""
     world = dist.get_world_size() if distributed else 1
     local = sum(part.units for part in parts)
-    owner, pieces = parts[0].owner, {}
+    owner = parts[0].owner
+    pieces: dict[int, Pieces] = {}
     scale = torch.empty(world * local, dtype=parts[0].scale.dtype, device=parts[0].scale.device)
     offset = 0
     for part in parts:
@@ -256,7 +265,7 @@ def records_bytes(parts: list[UnitGradients]) -> int:
     return total
 
 
-def exchange_bytes(p: torch.Tensor, contributions: list, tokens: list[int]) -> tuple[int, int]:
+def exchange_bytes(p: torch.Tensor, contributions: list[Contribution], tokens: list[int]) -> tuple[int, int]:
     """(records, formed): bytes PER UNIT of exchanging parameter p's contributions (sorters/exact_products.py)
     with these token counts as records, or p's gradient formed (R x C entries). Outer: T (R + C) entries;
     Rows: T int64 ids and T x C entries; Formed: R x C entries."""

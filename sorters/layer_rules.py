@@ -27,9 +27,14 @@ from these rules, where each sits in the flat (d,) vector of the chosen paramete
 structured sketch may make blocks (`Layout.blocks(min_numel)`).
 """
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from sorters.sketch import TensorBlock
 
 
 def layer_kind(module: torch.nn.Module) -> str | None:
@@ -76,8 +81,8 @@ class FormedSink(Sink):
     (the rules pass fresh tensors, so no copy), later ones (a tied weight, a layer used twice) are added in
     place, and rows are scattered onto it (onto zeros when nothing came first)."""
 
-    def __init__(self):
-        self.grads = {}
+    def __init__(self) -> None:
+        self.grads: dict[int, torch.Tensor] = {}
 
     def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
         if id(p) in self.grads:
@@ -96,7 +101,7 @@ class BlockSink(Sink):
     gradients: TensorBlock.add_outer / add_rows add their sketches to out (U, D)), and every other parameter
     to the sink `formed`. blocks: id(weight) -> its TensorBlock."""
 
-    def __init__(self, formed: Sink, blocks: dict, out: torch.Tensor):
+    def __init__(self, formed: Sink, blocks: "dict[int, TensorBlock]", out: torch.Tensor) -> None:
         self.formed, self.blocks, self.out = formed, blocks, out
 
     def wants(self, p: torch.Tensor) -> bool:
@@ -128,27 +133,28 @@ def scatter_rows(view: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torc
 
 # ------------------------------------------------------------------------------------------- the rules
 
-def _add_bias(module, g: torch.Tensor, sink: Sink) -> None:
+def _add_bias(module: torch.nn.Module, g: torch.Tensor, sink: Sink) -> None:
     bias = getattr(module, "bias", None)
     if bias is not None and sink.wants(bias):
         sink.add(bias, g.sum(1))
 
 
-def _linear_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _linear_rule(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """nn.Linear, y = a W^T + b with W (out, in); a (U, T, in), g (U, T, out)."""
     if sink.wants(module.weight):
         sink.add_outer(module.weight, g, a)
     _add_bias(module, g, sink)
 
 
-def _conv1d_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _conv1d_rule(module: torch.nn.Module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """transformers' Conv1D, y = a W + b with W (in, out); a (U, T, in), g (U, T, out)."""
-    if sink.wants(module.weight):
-        sink.add_outer(module.weight, a, g)
+    weight = cast(torch.Tensor, module.weight)  # a Parameter (transformers is not imported here to say so)
+    if sink.wants(weight):
+        sink.add_outer(weight, a, g)
     _add_bias(module, g, sink)
 
 
-def _embedding_rule(module, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _embedding_rule(module: torch.nn.Embedding, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """nn.Embedding; ids (U, T) the looked-up rows, g (U, T, C)."""
     if module.padding_idx is not None:  # F.embedding gives the padding row no gradient
         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
@@ -156,7 +162,7 @@ def _embedding_rule(module, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> N
         sink.add_rows(module.weight, ids, g)
 
 
-def _layer_norm_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def _layer_norm_rule(module: torch.nn.LayerNorm, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """nn.LayerNorm over its last dims, flattened to n entries; a (U, T, n), g (U, T, n)."""
     U, weight, bias = g.shape[0], module.weight, module.bias
     if weight is not None and sink.wants(weight):
@@ -166,11 +172,13 @@ def _layer_norm_rule(module, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> No
         sink.add(bias, g.sum(1).view(U, *bias.shape))
 
 
-RULES = {"Linear": _linear_rule, "Conv1D": _conv1d_rule, "Embedding": _embedding_rule, "LayerNorm": _layer_norm_rule}
+# kind -> rule(module, a, g, sink); each rule takes the module of its kind (layer_kind)
+RULES: dict[str, Callable[..., None]] = {"Linear": _linear_rule, "Conv1D": _conv1d_rule, "Embedding": _embedding_rule,
+                                         "LayerNorm": _layer_norm_rule}
 STRUCTURED_KINDS = ("Linear", "Conv1D", "Embedding")  # the layers whose 2-D weight may be a TensorSketch block
 
 
-def tokens(module, kind: str, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tokens(module: torch.nn.Module, kind: str, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One call's input a (U, ..., in) (ids (U, ...) for an Embedding) and output gradient g (U, ..., out)
     as the rule's (U, T, in) and (U, T, out) (ids (U, T)): every position of the call a token."""
     U = a.shape[0]
@@ -178,12 +186,13 @@ def tokens(module, kind: str, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.T
         ids = a.reshape(U, -1)
         return ids, g.reshape(U, ids.shape[1], -1)
     if kind == "LayerNorm":
-        n = math.prod(module.normalized_shape)
+        n = math.prod(cast(torch.nn.LayerNorm, module).normalized_shape)
         return a.reshape(U, -1, n), g.reshape(U, -1, n)
     return a.reshape(U, -1, a.shape[-1]), g.reshape(U, -1, g.shape[-1])
 
 
-def calls_as_tokens(module, kind: str, inputs: list, grads: list) -> tuple[torch.Tensor, torch.Tensor]:
+def calls_as_tokens(module: torch.nn.Module, kind: str, inputs: list[torch.Tensor],
+                    grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Every call of one layer (a layer used several times) as ONE token batch, the calls' tokens side by
     side on dim 1, so the rule runs once: inputs, grads lists of each call's a and g (as `tokens`)."""
     if len(inputs) > 1 and kind != "Embedding" and all(t.dim() == 2 for t in inputs + grads):
@@ -195,12 +204,13 @@ def calls_as_tokens(module, kind: str, inputs: list, grads: list) -> tuple[torch
     return torch.cat([a for a, _ in pairs], dim=1), torch.cat([g for _, g in pairs], dim=1)
 
 
-def apply_rule(module, kind: str, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
+def apply_rule(module: torch.nn.Module, kind: str, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """Add the units' gradients of module's parameters from its tokens a, g (as `tokens` gives them)."""
     RULES[kind](module, a, g, sink)
 
 
-def check_units(owner: str, module, a: torch.Tensor, g: torch.Tensor, U: int, what: str = "units") -> None:
+def check_units(owner: str, module: torch.nn.Module, a: torch.Tensor, g: torch.Tensor, U: int,
+                what: str = "units") -> None:
     """A recorded call must have the U units (examples) on dim 0 of its input and output gradient."""
     if a.shape[0] != U or g.shape[0] != U:
         raise ValueError(f"{owner}: {type(module).__name__} got an input of shape {tuple(a.shape)} for {U} {what}: "
@@ -209,7 +219,7 @@ def check_units(owner: str, module, a: torch.Tensor, g: torch.Tensor, U: int, wh
 
 # ------------------------------------------------------------------------------------------- broadcast inputs
 
-def examples_of_call(args: tuple, kwargs: dict, batch_dim: int = 0) -> int | None:
+def examples_of_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int = 0) -> int | None:
     """The examples in one call of a model: the size on batch_dim that most of its tensor arguments share, the
     larger on a tie (input_ids, labels, attention_mask (B, T) beside position_ids (1, T) or a head_mask
     (layers, heads): B; `model(x)`: x's), None without any tensor argument."""
@@ -252,25 +262,29 @@ class Layout:
     formed:   [(name, parameter)] of the chosen parameters without a rule.
     """
 
-    def __init__(self, model: torch.nn.Module, chosen: list):
-        self.offsets, offset = {}, 0
+    def __init__(self, model: torch.nn.Module, chosen: list[tuple[str, torch.Tensor]]) -> None:
+        self.offsets: dict[int, int] = {}
+        offset = 0
         for _, p in chosen:
             self.offsets[id(p)] = offset
             offset += p.numel()
         self.d = offset
-        owners = {}  # id(parameter) -> the layer kinds of every module that holds it
+        owners: dict[int, list[str | None]] = {}  # id(parameter) -> the layer kinds of every module that holds it
         for module in model.modules():
             for p in module.parameters(recurse=False):
                 owners.setdefault(id(p), []).append(layer_kind(module))
         self.recorded = {key for key in self.offsets if None not in owners.get(key, [None])}
-        self.layers = {module: layer_kind(module) for module in model.modules()
-                       if any(id(p) in self.recorded for p in module.parameters(recurse=False))}
+        # (a module holding a recorded parameter has a kind: the walrus only tells the type checker so)
+        self.layers: dict[torch.nn.Module, str] = {
+            module: kind for module in model.modules()
+            if any(id(p) in self.recorded for p in module.parameters(recurse=False))
+            and (kind := layer_kind(module)) is not None}
         self.formed = [(name, p) for name, p in chosen if id(p) not in self.recorded]
 
-    def blocks(self, min_numel: int) -> list:
+    def blocks(self, min_numel: int) -> list[tuple[int, int, int]]:
         """(offset, rows, cols) of every recorded 2-D weight of a Linear, Conv1D or Embedding with at least
         min_numel entries, a tied one once, in increasing offset: the TensorSketch blocks of a structured map."""
-        found = {}
+        found: dict[int, tuple[int, int, int]] = {}
         for module, kind in self.layers.items():
             weight = getattr(module, "weight", None)
             if kind in STRUCTURED_KINDS and weight is not None and id(weight) in self.recorded \

@@ -9,6 +9,8 @@ algorithm run on <P S, P v>, an unbiased estimate of <S, v>. Each worker sketche
 gradients before the all-gather: every process then receives n * k * D floats per step instead of
 n * k * d (docs/sketching.md).
 """
+from collections.abc import Iterable
+
 import torch
 
 from sorters.checks import check_int, check_seed
@@ -25,10 +27,10 @@ class GradientSketch:
 
         (P x)_c = sum_{i : h_i = c} s_i x_i,     x (..., d) -> P x (..., D).
 
-    The h_i (uniform) and s_i (uniform) are all independent (outside the tensor-sketched blocks, below), drawn on the CPU from a torch.Generator
-    seeded with seed + SEED_OFFSET, so two constructions with the same (d, dim, seed) give the same
-    map in every process and on every device. P is a linear map (a D x d matrix with exactly one
-    +-1 per column), never formed.
+    The h_i (uniform) and s_i (uniform) are all independent (outside the tensor-sketched blocks, below),
+    drawn on the CPU from a torch.Generator seeded with seed + SEED_OFFSET, so two constructions with the
+    same (d, dim, seed) give the same map in every process and on every device. P is a linear map (a D x d
+    matrix with exactly one +-1 per column), never formed.
 
     Inner products. For any fixed x, y in R^d, <P x, P y> is unbiased, E <P x, P y> = <x, y>, with
 
@@ -62,9 +64,21 @@ class GradientSketch:
     inputs and output gradients without forming the matrix (`add_outer`, `add_rows`; docs/sketching.md).
     Inner products stay unbiased; the variance gains terms from coordinates that share a row or a column
     (docs/sketching.md gives the formula; tests/test_sketch_records.py checks it).
+
+    Args:
+        d: the length of the vectors the map takes (the gradients' length).
+        dim: D, the length of their sketches; ``dim >= d`` gives the identity map.
+        seed: the seed of the map's draws: the same (d, dim, seed, blocks) give the same map everywhere.
+        blocks: (offset, rows, cols) triples of ints, disjoint: the (rows, cols) matrices stored row-major at
+            coordinates ``offset .. offset + rows * cols - 1`` that are tensor-sketched (above).
+
+    Raises:
+        TypeError: d, dim or seed that is not an integer, or a block that is not an (offset, rows, cols) triple
+            of ints.
+        ValueError: d or dim below 1, or a block that overlaps another or leaves the d coordinates.
     """
 
-    def __init__(self, d: int, dim: int, seed: int = 0, blocks=()):
+    def __init__(self, d: int, dim: int, seed: int = 0, blocks: Iterable[tuple[int, int, int]] = ()) -> None:
         d, dim = check_int("GradientSketch", "d", d), check_int("GradientSketch", "dim", dim)
         seed = check_seed("GradientSketch", seed)
         if d < 1 or dim < 1:
@@ -72,15 +86,17 @@ class GradientSketch:
         self.d, self.seed = d, seed
         self.is_identity = dim >= d
         self.dim = d if self.is_identity else dim
-        self._tables = {}  # (device, dtype) -> (buckets (d,) int64, signs (d,) dtype)
-        self.blocks = []   # TensorBlock per tensor-sketched matrix, in increasing offset
-        self.outside = None  # with blocks: the (d_rest,) coordinates outside them, increasing
+        # (device, dtype) -> (buckets (d,) int64, signs (d,) dtype)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.blocks: list[TensorBlock] = []  # TensorBlock per tensor-sketched matrix, in increasing offset
+        self.outside: torch.Tensor | None = None  # with blocks: the (d_rest,) coordinates outside them, increasing
         if not self.is_identity:
-            blocks, end = sorted(blocks), 0
-            for block in blocks:
+            sorted_blocks, end = sorted(blocks), 0
+            for block in sorted_blocks:
                 if not (isinstance(block, (tuple, list)) and len(block) == 3 and all(
                         isinstance(v, int) and not isinstance(v, bool) for v in block)):
-                    raise TypeError(f"GradientSketch: blocks must be (offset, rows, cols) tuples of ints, got {block!r}")
+                    raise TypeError("GradientSketch: blocks must be (offset, rows, cols) tuples of ints, "
+                                    f"got {block!r}")
                 offset, rows, cols = block
                 if offset < end or offset + rows * cols > d or rows < 1 or cols < 1:
                     raise ValueError(f"GradientSketch: block ({offset}, {rows}, {cols}) overlaps another "
@@ -92,33 +108,60 @@ class GradientSketch:
             # as int32 / int8, keeping only the coordinates outside the blocks (the same numbers as one
             # int64 draw of d: a GPT-2's 124M coordinates would need 2 GB at once)
             generator = torch.Generator().manual_seed(seed + SEED_OFFSET)
-            self.outside = _outside(d, blocks) if blocks else None  # (d_rest,) int64, increasing
+            self.outside = _outside(d, sorted_blocks) if sorted_blocks else None  # (d_rest,) int64, increasing
             buckets = _draw_kept(generator, dim, d, torch.int32, self.outside)
             signs = _draw_kept(generator, 2, d, torch.int8, self.outside).mul_(2).sub_(1)
-            self.blocks = [TensorBlock(offset, rows, cols, dim, generator) for offset, rows, cols in blocks]
+            self.blocks = [TensorBlock(offset, rows, cols, dim, generator) for offset, rows, cols in sorted_blocks]
             self._outside_tables = (buckets, signs)
 
     @property
     def family(self) -> str:
+        """The kind of map, ``"CountSketch"`` or ``"CountSketch with N TensorSketch block(s)"``."""
         if not self.blocks:
             return "CountSketch"
         return f"CountSketch with {len(self.blocks)} TensorSketch block(s)"
 
-    def block_at(self, offset: int):
-        """The TensorBlock starting at coordinate `offset`, or None."""
+    def block_at(self, offset: int) -> "TensorBlock | None":
+        """The tensor-sketched block that starts at a coordinate.
+
+        Args:
+            offset: the block's first coordinate.
+
+        Returns:
+            The block's `TensorBlock`, or None when no block starts there.
+        """
         return next((block for block in self.blocks if block.offset == offset), None)
 
     @classmethod
     def identity(cls, d: int) -> "GradientSketch":
-        """The identity map of R^d (exact balancing)."""
+        """The identity map of R^d (exact balancing).
+
+        Args:
+            d: the length of the vectors.
+
+        Returns:
+            A `GradientSketch` whose ``is_identity`` is True and whose ``dim`` is d.
+        """
         return cls(d, d)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         kind = "identity" if self.is_identity else f"{self.family}, seed {self.seed}"
         return f"GradientSketch(d={self.d}, dim={self.dim}: {kind})"
 
-    def tables(self, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(buckets (d,) int64 h, signs (d,) s in `dtype`) on `device`, moved once and kept."""
+    def tables(self, device: str | torch.device | None = None,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The map's hash and sign of every coordinate, moved to a device once and kept.
+
+        Args:
+            device: where the tables go (None: the CPU).
+            dtype: the signs' dtype (the input's).
+
+        Returns:
+            (buckets, signs): buckets (d,) int64, h_i; signs (d,) of +-1 in ``dtype``, s_i.
+
+        Raises:
+            ValueError: the identity map, which has no tables.
+        """
         if self.is_identity:
             raise ValueError("GradientSketch: the identity map has no tables")
         device = torch.device(device or "cpu")
@@ -127,9 +170,19 @@ class GradientSketch:
             self._tables[key] = self.tables_at(None, device, dtype)
         return self._tables[key]
 
-    def tables_at(self, index, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(buckets int64, signs in `dtype`) of the coordinates `index` (a (m,) LongTensor; None: all d),
-        on `device`, not kept (the records path needs only the coordinates outside the blocks)."""
+    def tables_at(self, index: torch.Tensor | None, device: str | torch.device | None = None,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hash and sign of some coordinates, not kept (the records path needs only the coordinates
+        outside the blocks).
+
+        Args:
+            index: (m,) LongTensor of coordinates, or None: all d.
+            device: where the tables go (None: the CPU).
+            dtype: the signs' dtype.
+
+        Returns:
+            (buckets, signs): buckets (m,) int64; signs (m,) of +-1 in ``dtype``.
+        """
         if index is not None and self.outside is not None and torch.equal(index, self.outside):
             buckets, signs = self._outside_tables  # the records path's coordinates: nothing to rebuild
         else:
@@ -150,7 +203,17 @@ class GradientSketch:
         return buckets, signs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., d) -> (..., dim) in x's dtype and on x's device; x itself for the identity."""
+        """Sketch vectors.
+
+        Args:
+            x: (..., d) vectors (not differentiated through).
+
+        Returns:
+            (..., dim) their sketches, in x's dtype and on x's device; x itself for the identity.
+
+        Raises:
+            ValueError: x's last dimension is not d.
+        """
         if x.shape[-1:] != (self.d,):
             raise ValueError(f"GradientSketch: input must have shape (..., {self.d}), got {tuple(x.shape)}")
         if self.is_identity:
@@ -177,8 +240,15 @@ class GradientSketch:
                 out.index_put_((buckets[cols],), signed.T.contiguous(), accumulate=True)
         return out if in_order else out.T.contiguous()
 
-    def matrix(self, dtype=torch.float64) -> torch.Tensor:
-        """The map as a dense (dim, d) matrix (for tests and small d only)."""
+    def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The map as a dense matrix (for tests and small d only).
+
+        Args:
+            dtype: the matrix's dtype.
+
+        Returns:
+            (dim, d): one +-1 per column (the identity matrix for the identity map).
+        """
         if self.is_identity:
             return torch.eye(self.d, dtype=dtype)
         buckets, signs = self._drawn()
@@ -191,7 +261,7 @@ class GradientSketch:
 DRAW_CHUNK = 2**22  # coordinates per draw while building a map's tables
 
 
-def _outside(d: int, blocks: list) -> torch.Tensor:
+def _outside(d: int, blocks: list[tuple[int, int, int]]) -> torch.Tensor:
     """(d_rest,) int64: the coordinates of 0..d-1 outside the (offset, rows, cols) blocks (sorted, disjoint)."""
     gaps, start = [], 0
     for offset, rows, cols in blocks:
@@ -201,7 +271,8 @@ def _outside(d: int, blocks: list) -> torch.Tensor:
     return torch.cat(gaps)
 
 
-def _draw_kept(generator: torch.Generator, high: int, d: int, dtype, kept: torch.Tensor | None) -> torch.Tensor:
+def _draw_kept(generator: torch.Generator, high: int, d: int, dtype: torch.dtype,
+               kept: torch.Tensor | None) -> torch.Tensor:
     """d draws of randint(0, high) from `generator` (as one draw of d would give them), DRAW_CHUNK at a
     time, of which only the coordinates `kept` (increasing; None: all) are returned, in `dtype`."""
     if kept is None:
@@ -223,24 +294,28 @@ class TensorBlock:
     s1[i] s2[j]. The per-unit sketches of sums of outer products are added with `add_outer` (dense
     factors) and `add_rows` (one-hot rows: an embedding lookup)."""
 
-    def __init__(self, offset: int, rows: int, cols: int, dim: int, generator: torch.Generator):
+    def __init__(self, offset: int, rows: int, cols: int, dim: int, generator: torch.Generator) -> None:
         self.offset, self.rows, self.cols, self.dim = offset, rows, cols, dim
         self.h1 = torch.randint(0, dim, (rows,), generator=generator)
         self.h2 = torch.randint(0, dim, (cols,), generator=generator)
         self.s1 = torch.randint(0, 2, (rows,), generator=generator).mul_(2).sub_(1)
         self.s2 = torch.randint(0, 2, (cols,), generator=generator).mul_(2).sub_(1)
-        self._moved = {}
+        # (device, dtype) -> (signed buckets of the rows, of the columns, h1, h2, s1, s2) there (_on)
+        self._moved: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
 
     def hash_and_sign(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's (rows * cols,) buckets and signs, row-major."""
-        return ((self.h1[:, None] + self.h2[None, :]) % self.dim).reshape(-1), (self.s1[:, None] * self.s2[None, :]).reshape(-1)
+        return (((self.h1[:, None] + self.h2[None, :]) % self.dim).reshape(-1),
+                (self.s1[:, None] * self.s2[None, :]).reshape(-1))
 
-    def _on(self, device, dtype):
+    def _on(self, device: str | torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(signed buckets of the rows, of the columns, h1, h2, s1, s2) on `device`, the signs in `dtype`."""
         key = (torch.device(device), dtype)
         if key not in self._moved:
             # signed buckets: index 2 h + (s < 0) of a (., 2 D) sum, so that the sign costs no pass over the input
-            self._moved[key] = tuple(2 * h.to(device) + (s.to(device) < 0) for h, s in ((self.h1, self.s1), (self.h2, self.s2))) \
-                + (self.h1.to(device), self.h2.to(device), self.s1.to(device=device, dtype=dtype), self.s2.to(device=device, dtype=dtype))
+            signed = tuple(2 * h.to(device) + (s.to(device) < 0) for h, s in ((self.h1, self.s1), (self.h2, self.s2)))
+            self._moved[key] = signed + (self.h1.to(device), self.h2.to(device),
+                                         self.s1.to(device=device, dtype=dtype), self.s2.to(device=device, dtype=dtype))
         return self._moved[key]
 
     def _countsketch(self, x: torch.Tensor, signed_buckets: torch.Tensor, buckets: torch.Tensor,
