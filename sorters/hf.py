@@ -48,20 +48,23 @@ import inspect
 import logging
 import math
 import os
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from sorters import CDGraBSampler, PerExampleLossGrads
 from sorters._state_format import FORMAT_KEY, TRAINER_STATE_FORMAT, saved_format
 from sorters.checks import check_no_dropout, plural
-from sorters.exact import ExactCDGraB
+from sorters.exact import ExactCDGraB, ExactGradients, ExactRecording
 from sorters.gather import ParameterShare
-from sorters.layer_sketch import LayerSketch
+from sorters.layer_sketch import LayerSketch, Recording
 from sorters.settings import CDGraBSettings
 
 try:
     from transformers import Trainer
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+    from transformers.trainer_pt_utils import AcceleratorConfig
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
 except ImportError as error:  # the package depends on torch, numpy and numba only
     raise ImportError("sorters.hf needs transformers and accelerate: pip install 'transformers>=5.17' "
                       "'accelerate>=1.15' (or the package's extra: pip install '.[hf]')") from error
@@ -73,8 +76,21 @@ _LOGGER = logging.getLogger(__name__)  # "sorters.hf": the dry run's reads of th
 
 # the keyword arguments the mixin took before CDGraBSettings, and the settings' field each one sets
 _KEYWORDS = {"sorter": "sorter", "sorter_seed": "seed", "grad_params": "grad_params",
-            "grad_chunk_size": "grad_chunk_size", "sketch_dim": "sketch_dim", "structured": "structured",
-            "sketch_min_numel": "min_numel", "num_replicas": "num_replicas", "exact_low_memory": "exact_low_memory"}
+             "grad_chunk_size": "grad_chunk_size", "sketch_dim": "sketch_dim", "structured": "structured",
+             "sketch_min_numel": "min_numel", "num_replicas": "num_replicas", "exact_low_memory": "exact_low_memory"}
+
+if TYPE_CHECKING:  # the type checker reads the mixin as the Trainer it is mixed into (its attributes, hooks)
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class _MapDataset(Protocol):
+    """A map-style dataset, as check_settings requires the train_dataset to be: a length and indexing."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 def _ignore_a_datasets_folder() -> None:
@@ -95,54 +111,77 @@ def _ignore_a_datasets_folder() -> None:
 _ignore_a_datasets_folder()
 
 
-class CDGraBTrainerMixin:
+class CDGraBTrainerMixin(_TrainerBase):
     """Mix into a `transformers.Trainer` (sub)class, first in the bases, to train on CD-GraB's orders.
 
     Args:
+        *args: the Trainer's positional arguments.
         cdgrab: a sorters.CDGraBSettings (sorters/settings.py: sorter, seed, grad_params, grad_chunk_size,
-            sketch_dim, structured, min_numel, num_replicas); the rest of the keyword arguments go to the
-            Trainer. Its seed None means `args.seed`. num_replicas R > 1 in one process hosts R replicas:
-            each micro-batch holds R x per_device_train_batch_size examples, as R processes would together.
+            sketch_dim, structured, min_numel, num_replicas, exact_low_memory). Its seed None means `args.seed`.
+            num_replicas R > 1 in one process hosts R replicas: each micro-batch holds R x
+            per_device_train_batch_size examples, as R processes would together.
             structured=True (with sketch_dim, for a causal LM: outputs.logits, labels shifted by one, -100
-            ignored; or a token or sequence classifier: _example_losses) builds the sketches layer by layer from the Trainer's own forward and backward
-            (LayerSketch.recording): no second pass; the loss is then computed here from the logits, as
-            the model computes it, so that each example's own loss can be watched.
-            exact_low_memory=True (CD-GraB, the same losses) balances the exact gradients from
-            the same records (sorters/exact.py): the orders of exact CD-GraB without forming the
-            per-example gradients whole (docs/exact-cdgrab.md). None (the default) takes it wherever it
-            gives the same orders and loss (_exact_is_the_default: every selected parameter has a layer
-            rule, the Trainer's own compute_loss, a causal LM, token or sequence classifier whose outputs.loss is
-            the records' loss on the first two examples), and the formed gradients elsewhere; after train() starts,
-            cdgrab_settings.exact_low_memory says which (and every checkpoint's cdgrab_sampler.pt). In one process the backward then skips
-            the weights' own gradient products, and .grad is written from the same records. Under
-            torchrun each process's records are all-gathered (CDGraBSampler.step_units), and the backward
-            is the ordinary one, so that DDP averages .grad over the processes as for any Trainer (see
-            training_step).
+            ignored; or a token or sequence classifier: _example_losses) builds the sketches layer by layer
+            from the Trainer's own forward and backward (LayerSketch.recording): no second pass; the loss is
+            then computed here from the logits, as the model computes it, so that each example's own loss
+            can be watched.
+            exact_low_memory=True (CD-GraB, the same losses) balances the exact gradients from the same
+            records (sorters/exact.py): the orders of exact CD-GraB without forming the per-example gradients
+            whole (docs/exact-cdgrab.md). In one process the backward then skips the weights' own gradient
+            products, and .grad is written from the same records. Under torchrun each process's records are
+            all-gathered (CDGraBSampler.step_units), and the backward is the ordinary one, so that DDP
+            averages .grad over the processes as for any Trainer (see training_step).
+            exact_low_memory None (the default) takes it wherever it gives the same orders and loss
+            (_exact_is_the_default: every selected parameter has a layer rule, the Trainer's own
+            compute_loss, a causal LM, token or sequence classifier whose outputs.loss is the records' loss
+            on the first two examples), and the formed gradients elsewhere; after train() starts,
+            cdgrab_settings.exact_low_memory says which (and every checkpoint's cdgrab_sampler.pt).
+        **kwargs: the Trainer's keyword arguments. The settings' fields may also be given here, as before
+            CDGraBSettings (`sorter=`, `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the
+            others by their names): they build the settings (not together with `cdgrab=`).
 
-    The settings' fields may also be given as keyword arguments, as before CDGraBSettings (`sorter=`,
-    `sorter_seed=` for seed, `sketch_min_numel=` for min_numel, and the others by their names): they
-    build the settings (not together with `cdgrab=`).
+    Attributes:
+        cdgrab_settings: the settings, with the seed and (once train() starts) exact_low_memory decided.
+        cdgrab_sampler: after train() starts, the CDGraBSampler; None before.
+        cdgrab_grads: after train() starts, the PerExampleLossGrads, or with structured the LayerSketch, or
+            with exact_low_memory the ExactGradients; None for sorters that ignore gradients.
 
-    After `train()` starts: `cdgrab_sampler` (the CDGraBSampler) and `cdgrab_grads` (the
-    PerExampleLossGrads, or with structured the LayerSketch; None for sorters that ignore gradients).
+    Raises:
+        TypeError: both cdgrab and the settings' keyword arguments, or a cdgrab that is not a CDGraBSettings
+            (one line).
+        ValueError: the settings' keyword arguments refuse a value (one line, from CDGraBSettings).
     """
 
-    def __init__(self, *args, cdgrab: CDGraBSettings | None = None, **kwargs):
+    def __init__(self, *args: Any, cdgrab: CDGraBSettings | None = None, **kwargs: Any) -> None:
         settings = self.settings_from(cdgrab, {key: kwargs.pop(key) for key in _KEYWORDS if key in kwargs})
         super().__init__(*args, **kwargs)
         if settings.seed is None:
             settings = dataclasses.replace(settings, seed=self.args.seed)
         self.cdgrab_settings: CDGraBSettings = settings
         self.cdgrab_sampler: CDGraBSampler | None = None
-        self.cdgrab_grads: PerExampleLossGrads | LayerSketch | None = None
+        # the formed gradients, the structured sketches or the exact path's records
+        self.cdgrab_grads: PerExampleLossGrads | LayerSketch | ExactGradients | None = None
         self._cdgrab_resume_from: str | None = None
-        self._cdgrab_recording = None  # structured / exact: the recording of the current micro-batch
+        # structured / exact: the recording of the current micro-batch
+        self._cdgrab_recording: Recording | ExactRecording | None = None
 
     # ------------------------------------------------------------------ set-up
 
     @staticmethod
-    def settings_from(cdgrab: CDGraBSettings | None, keywords: dict) -> CDGraBSettings:
-        """The settings: `cdgrab`, or those the keyword arguments (_KEYWORDS) build; one line if both."""
+    def settings_from(cdgrab: CDGraBSettings | None, keywords: dict[str, Any]) -> CDGraBSettings:
+        """The settings: `cdgrab`, or those the keyword arguments build.
+
+        Args:
+            cdgrab: the settings, or None.
+            keywords: the settings' fields by their keyword names of the Trainer (`sorter`, `sorter_seed`,
+                `sketch_min_numel`, and the others by the fields' names).
+
+        Returns:
+            `cdgrab`, or the CDGraBSettings the keywords make (the default settings for none).
+
+        Raises:
+            TypeError: both, or a cdgrab that is not a CDGraBSettings (one line).
+        """
         if cdgrab is not None and keywords:
             raise TypeError(f"CDGraBTrainer: pass cdgrab=CDGraBSettings(...) or the keyword arguments "
                             f"{', '.join(keywords)}, not both")
@@ -152,7 +191,18 @@ class CDGraBTrainerMixin:
 
     @property
     def _uses_grads(self) -> bool:
+        """Whether the sorter balances gradients (which the Trainer then forms or records)."""
         return self.cdgrab_settings.uses_grads
+
+    @property
+    def _module(self) -> torch.nn.Module:
+        """The Trainer's model (set by its __init__, from model_init too)."""
+        return cast(torch.nn.Module, self.model)
+
+    @property
+    def _sampler(self) -> CDGraBSampler:
+        """The sampler, which _get_train_sampler built before the first micro-batch."""
+        return cast(CDGraBSampler, self.cdgrab_sampler)
 
     @property
     def _replicas(self) -> tuple[int, int]:
@@ -161,18 +211,41 @@ class CDGraBTrainerMixin:
         wanted = self.cdgrab_settings.num_replicas or world
         return wanted, (wanted if world == 1 else 1)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """Trainer.train, after check_settings(); resuming also restores the sampler's state."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
+        """Trainer.train, after check_settings(); resuming also restores the sampler's state.
+
+        Args:
+            resume_from_checkpoint: as Trainer.train: a checkpoint-N folder, True for the last one in
+                output_dir, or None (False) for a new run.
+            *args: Trainer.train's other positional arguments.
+            **kwargs: Trainer.train's other keyword arguments.
+
+        Returns:
+            The Trainer's TrainOutput.
+
+        Raises:
+            ValueError: True without any checkpoint in output_dir; what check_settings refuses; a checkpoint
+                without the sampler's state, or written with other settings (each one line).
+        """
         if resume_from_checkpoint is True:  # the Trainer's own rule: the last checkpoint in output_dir
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
+            last = get_last_checkpoint(self.args.output_dir)
+            if last is None:
                 raise ValueError(f"no checkpoint-N folder in output_dir {self.args.output_dir} to resume from")
-        self._cdgrab_resume_from = resume_from_checkpoint or None
+            resume_from_checkpoint = last
+        self._cdgrab_resume_from = cast("str | None", resume_from_checkpoint or None)  # True: replaced above
         self.check_settings()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def check_settings(self) -> None:
-        """Refuse, in one line each, what would give other orders than CD-GraB's or lose examples silently."""
+        """Refuse what would give other orders than CD-GraB's or lose examples silently; train() calls it.
+
+        Raises:
+            ValueError: one line for each: a train_dataset without a length, another train_sampling_strategy,
+                auto_find_batch_size, DataParallel, DeepSpeed or FSDP, split_batches / dispatch_batches,
+                ignore_data_skip on a resume, num_replicas other than the processes, a dataset that does not
+                split into full batches without dataloader_drop_last; for a sorter that balances gradients,
+                gradient checkpointing, dropout, NEFTune, label smoothing or a compute_loss_func.
+        """
         args, name = self.args, type(self).__name__
         dataset = self.train_dataset
         if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
@@ -190,7 +263,7 @@ class CDGraBTrainerMixin:
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(f"{name}: DeepSpeed and FSDP shard the parameters, which the per-example gradients "
                              "need whole; use plain DDP (torchrun)")
-        config = args.accelerator_config
+        config = cast(AcceleratorConfig, args.accelerator_config)  # TrainingArguments' __post_init__ made it one
         if config.split_batches or config.dispatch_batches:
             raise ValueError(f"{name}: accelerator_config split_batches / dispatch_batches change how the loader's "
                              "batches reach the processes; leave both off (the default)")
@@ -216,7 +289,7 @@ class CDGraBTrainerMixin:
             raise ValueError(f"{name}: gradient checkpointing cannot be traced by torch.func, which forms the "
                              f"per-example gradients {self.cdgrab_settings.sorter} balances; turn it off")
         # the Trainer trains in training mode: one line for the formed gradients and the layer records alike
-        check_no_dropout(name, self.model, trains=True)
+        check_no_dropout(name, self._module, trains=True)
         if args.neftune_noise_alpha is not None:
             raise ValueError(f"{name}: NEFTune adds random noise in the forward, which per-example gradients cannot "
                              "replay; leave neftune_noise_alpha unset")
@@ -227,8 +300,15 @@ class CDGraBTrainerMixin:
 
     # ------------------------------------------------------------------ the loader and its sampler
 
-    def get_train_dataloader(self):
-        """The Trainer's loader, with a batch of every replica hosted here (one, under torchrun)."""
+    def get_train_dataloader(self) -> DataLoader:
+        """The Trainer's loader, with a batch of every replica hosted here (one, under torchrun).
+
+        Returns:
+            The DataLoader of the train_dataset, whose sampler is a fresh CDGraBSampler.
+
+        Raises:
+            ValueError: no train_dataset.
+        """
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         _, here = self._replicas
@@ -236,10 +316,11 @@ class CDGraBTrainerMixin:
                                     batch_size=here * self.args.per_device_train_batch_size,
                                     sampler_fn=self._get_train_sampler, is_training=True)
 
-    def _get_train_sampler(self, train_dataset=None) -> CDGraBSampler:
+    def _get_train_sampler(self, train_dataset: Dataset | None = None) -> CDGraBSampler:
         """A fresh CDGraBSampler (and per-example gradients) for this train() call, with the checkpoint's
         state when resuming."""
-        dataset = self.train_dataset if train_dataset is None else train_dataset
+        # check_settings refused a train_dataset without a length and indexing before train() came here
+        dataset = cast(_MapDataset, self.train_dataset if train_dataset is None else train_dataset)
         if self.cdgrab_settings.exact_low_memory is None:  # auto: decided once, kept in the settings
             self.cdgrab_settings = dataclasses.replace(self.cdgrab_settings,
                                                        exact_low_memory=self._exact_is_the_default(dataset))
@@ -247,17 +328,17 @@ class CDGraBTrainerMixin:
         world, here = self._replicas
         if self._uses_grads and self.cdgrab_grads is None:
             if settings.exact_low_memory:  # products from the Trainer's own backward (training_step)
-                self.cdgrab_grads = settings.exact_gradients(self.model)
+                self.cdgrab_grads = settings.exact_gradients(self._module)
                 self._first_sketch_dry_run(dataset)
             elif settings.structured:  # the sketches come from the Trainer's own backward (training_step)
-                self.cdgrab_grads = LayerSketch(self.model, settings.sketch_dim, settings.seed,
+                self.cdgrab_grads = LayerSketch(self._module, settings.sketch_dim, settings.resolved_seed,
                                                 params=settings.grad_params, min_numel=settings.min_numel)
                 self._first_sketch_dry_run(dataset)
             else:
-                self.cdgrab_grads = settings.loss_gradients(self.model)
+                self.cdgrab_grads = settings.loss_gradients(self._module)
                 self._first_gradients_dry_run(dataset)
         # exact_low_memory: built with D-RR (no (d,) state), then given the exact sorter
-        built = {"sorter": "D-RR", "exact_low_memory": False} if settings.exact_low_memory else {}
+        built: dict[str, Any] = {"sorter": "D-RR", "exact_low_memory": False} if settings.exact_low_memory else {}
         self.cdgrab_sampler = dataclasses.replace(settings, num_replicas=world, **built).sampler(
             len(dataset), batch_size=args.per_device_train_batch_size,
             d=self.cdgrab_grads.d if self.cdgrab_grads else None, drop_last=args.dataloader_drop_last,
@@ -265,20 +346,20 @@ class CDGraBTrainerMixin:
         if settings.exact_low_memory:
             self._install_exact_sorter(len(dataset), world)
         if self._cdgrab_resume_from is not None:
-            self.cdgrab_sampler.load_state_dict(self._saved_sampler_state(), replay_from_epoch_start=True)
-        return self.cdgrab_sampler
+            self._sampler.load_state_dict(self._saved_sampler_state(), replay_from_epoch_start=True)
+        return self._sampler
 
     def _install_exact_sorter(self, dataset_size: int, world: int) -> None:
         """exact_low_memory: the sampler's sorter is an ExactCDGraB (the orders of CD-GraB, a float32 running
         sum, no (d,) float64 one). The sampler was built with CD-GraB, which allocates that sum: rebuilt
         with D-RR (no state of size d), then given the exact sorter."""
-        sampler = self.cdgrab_sampler
+        sampler, exact = self._sampler, cast(ExactGradients, self.cdgrab_grads)  # built for exact_low_memory
         # under torchrun every process has every replica's units (all-gathered): each takes its share of the
         # parameters' products and update (ParameterShare), with sum_all over its share only (d / N floats)
         divided = self.args.world_size > 1
-        sampler.sorter = ExactCDGraB(world, sampler.m, self.cdgrab_grads.d, seed=self.cdgrab_settings.seed,
-                                     sum_all=divided, share=ParameterShare(self.cdgrab_grads) if divided else None)
-        sampler.d = self.cdgrab_grads.d
+        sampler.sorter = ExactCDGraB(world, sampler.m, exact.d, seed=self.cdgrab_settings.resolved_seed,
+                                     sum_all=divided, share=ParameterShare(exact) if divided else None)
+        sampler.d = exact.d
 
     def _total_epochs(self, per_replica: int) -> int:
         """The run's epochs (KH-SGD's and SBW's thresholds depend on it): num_train_epochs, or max_steps'."""
@@ -289,7 +370,7 @@ class CDGraBTrainerMixin:
             return math.ceil(args.max_steps / updates_per_epoch)
         return max(math.ceil(args.num_train_epochs), 1)
 
-    def _first_gradients_dry_run(self, dataset) -> None:
+    def _first_gradients_dry_run(self, dataset: _MapDataset) -> None:
         """Form one example's gradient now, so that a model torch.func cannot trace (sdpa with a mask,
         dropout, a forward without labels) is refused before the first step, in PerExampleLossGrads' line.
         Reads train_dataset[0] (logged at INFO)."""
@@ -297,23 +378,24 @@ class CDGraBTrainerMixin:
         _LOGGER.info("%s: reading train_dataset[0] before training, to form its gradient once (a dry run that "
                      "refuses a model the per-example gradients cannot trace)", type(self).__name__)
         batch = self._prepare_inputs(collate([dataset[0]]))
-        was_training = self.model.training
-        self.model.train()
+        model, grads_of = self._module, cast(PerExampleLossGrads, self.cdgrab_grads)  # the formed path's
+        was_training = model.training
+        model.train()
         try:
-            self.cdgrab_grads(batch)
+            grads_of(batch)
         except ValueError as error:
             raise ValueError(f"{type(self).__name__}: {error}") from None
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
 
-    def _exact_is_the_default(self, dataset) -> bool:
+    def _exact_is_the_default(self, dataset: _MapDataset) -> bool:
         """exact_low_memory None (auto): True where the records give the orders of CD-GraB fed the gradients
         of the model's own loss: CD-GraB unsketched with a layer rule for every selected parameter
         (CDGraBSettings.exact_applies), the Trainer's own compute_loss (a subclass's would be bypassed), and
         a causal LM, token or sequence classifier whose loss on the first two examples is the one the records'
         compute_loss computes."""
         settings = self.cdgrab_settings
-        if not (self._uses_grads and settings.exact_applies(self.model)):
+        if not (self._uses_grads and settings.exact_applies(self._module)):
             return False
         mixin = type(self).__mro__.index(CDGraBTrainerMixin)
         if any("compute_loss" in vars(cls) for cls in type(self).__mro__[mixin + 1:] if cls is not Trainer) \
@@ -321,7 +403,7 @@ class CDGraBTrainerMixin:
             return False
         return self._records_refusal(dataset, "exact_low_memory=True") is None
 
-    def _first_sketch_dry_run(self, dataset) -> None:
+    def _first_sketch_dry_run(self, dataset: _MapDataset) -> None:
         """structured / exact_low_memory: refuse now, in one line, a model or batch the layer records cannot
         serve (see _records_refusal)."""
         mode = "exact_low_memory=True" if self.cdgrab_settings.exact_low_memory else "structured=True"
@@ -329,7 +411,7 @@ class CDGraBTrainerMixin:
         if refusal is not None:
             raise ValueError(f"{type(self).__name__}: {refusal}")
 
-    def _records_refusal(self, dataset, mode: str) -> str | None:
+    def _records_refusal(self, dataset: _MapDataset, mode: str) -> str | None:
         """Why the records' loss (compute_loss: _example_losses of the kind _loss_kind reads from the model's
         outputs) cannot stand for the model's own on the first two examples: no labels, logits neither a
         causal LM's (B, T, vocab) nor a classifier's (B, K), logits that change with explicit (B, T) position
@@ -344,21 +426,22 @@ class CDGraBTrainerMixin:
             return (f"{mode} computes the model's loss from the batch's labels; the collator gives none "
                     "(e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False))")
         flag = mode.split("=")[0]
-        was_training = self.model.training
-        self.model.eval()
+        model = self._module
+        was_training = model.training
+        model.eval()
         try:
             with torch.no_grad():
-                outputs = self.model(**batch)
+                outputs = model(**batch)
                 logits = getattr(outputs, "logits", None)
-                kind = _loss_kind(self.model, logits, batch["labels"])
-                if kind is None:
+                kind = _loss_kind(model, logits, batch["labels"])
+                if kind is None or not isinstance(logits, torch.Tensor):  # (_loss_kind gives None for no tensor)
                     return (f"{mode} needs a causal LM or token classifier whose outputs.logits are (B, T, classes) "
                             f"for (B, T) labels, or a sequence classifier whose logits are (B, labels) for B labels; "
                             f"use {flag}=False for this model")
                 self._cdgrab_loss_kind = kind
                 with_positions = self._with_positions(batch)
                 if with_positions is not batch and not torch.allclose(
-                        self.model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
+                        model(**with_positions).logits, logits, rtol=1e-4, atol=1e-5):
                     return (f"{mode} passes position_ids (B, T) = 0..T-1 so that the position embedding sees the "
                             f"examples, but this model's logits change with them (left padding?); use {flag}=False")
                 losses, counts = _example_losses(kind, logits, batch["labels"])
@@ -368,17 +451,18 @@ class CDGraBTrainerMixin:
                     return (f"{mode} computes the {_LOSS_WORDS[kind]} loss, but this model's own loss "
                             f"(outputs.loss) is another; use {flag}=False for this model")
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
         return None
 
-    def _with_positions(self, inputs: dict) -> dict:
+    def _with_positions(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """inputs plus position_ids 0..T-1 per example, (B, T), when the model takes them and none are given:
         a model's own default (1, T) positions broadcast over the batch, and the position embedding's
         per-example gradients cannot be recovered from a broadcast output."""
         takes_positions = self.__dict__.get("_cdgrab_takes_positions")
         if takes_positions is None:  # once: the signature does not change during training
-            model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
-            takes_positions = self._cdgrab_takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+            model = self.accelerator.unwrap_model(self._module) if hasattr(self, "accelerator") else self._module
+            takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+            self._cdgrab_takes_positions = takes_positions
         if "position_ids" in inputs or not takes_positions:
             return inputs
         ids = inputs.get("input_ids", inputs["labels"])
@@ -387,40 +471,62 @@ class CDGraBTrainerMixin:
 
     # ------------------------------------------------------------------ each micro-batch
 
-    def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
-        """The Trainer's step, and the sampler's: per-example gradients of this micro-batch (rows in the
-        sampler's order) with the parameters before the optimizer step, all-gathered by step(). With
-        structured, the sketches come from the step's own forward and backward (compute_loss).
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None, *args: Any,
+                      **kwargs: Any) -> torch.Tensor:
+        """The Trainer's step, and the sampler's.
+
+        The per-example gradients of this micro-batch (rows in the sampler's order), with the parameters
+        before the optimizer step, go to the sampler's step(), which all-gathers them. With structured, the
+        sketches come from the step's own forward and backward (compute_loss).
 
         exact_low_memory: the backward skips the recorded weights' gradients (write_grads) and the records
         give .grad: in one process from the products' blocks; under torchrun (_records_write_grads) each
         parameter's owner takes the step's gradient from its blocks and broadcasts the processes' mean
         (CDGraBSampler.step_units), so DDP's all-reduce is skipped (no_sync) and .grad is what it would give.
         Otherwise (a parameter without a layer rule, or not selected) the backward keeps the weights'
-        gradients and DDP averages them."""
+        gradients and DDP averages them.
+
+        Args:
+            model: the model the Trainer trains (wrapped, e.g. in DistributedDataParallel).
+            inputs: the micro-batch, a dict of (micro-batch, ...) tensors with "labels".
+            num_items_in_batch: as Trainer.training_step.
+            *args: Trainer.training_step's other positional arguments.
+            **kwargs: Trainer.training_step's other keyword arguments.
+
+        Returns:
+            The Trainer's detached loss of the micro-batch.
+
+        Raises:
+            NonFiniteGradientError: a per-example gradient holds NaN or inf, naming the step and epoch.
+        """
         grads, exact = None, self.cdgrab_settings.exact_low_memory
         writes = bool(exact) and self._records_write_grads()
+        # cdgrab_grads: what _get_train_sampler built for these settings (ExactGradients, PerExampleLossGrads or
+        # a LayerSketch)
         if exact:  # the records give the weight gradients too, the backward skips its own
-            self._cdgrab_recording = self.cdgrab_grads.recording(write_grads=writes)
+            self._cdgrab_recording = cast(ExactGradients, self.cdgrab_grads).recording(write_grads=writes)
         elif self._uses_grads and not self.cdgrab_settings.structured:
-            self.model.train()
-            grads = self.cdgrab_grads(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
+            self._module.train()
+            grads_of = cast(PerExampleLossGrads, self.cdgrab_grads)
+            grads = grads_of(self._prepare_inputs(inputs)).float()  # (micro-batch, d or D)
         elif self._uses_grads:
-            self._cdgrab_recording = self.cdgrab_grads.recording()
-        unsynced = writes and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            self._cdgrab_recording = cast(LayerSketch, self.cdgrab_grads).recording()
+        unsynced = model if writes and isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
         try:
-            with model.no_sync() if unsynced else contextlib.nullcontext():  # the owners write .grad instead
+            # the owners write .grad instead
+            with unsynced.no_sync() if unsynced is not None else contextlib.nullcontext():
                 loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
             if exact:
-                units = self._cdgrab_recording.units()  # (micro-batch) units
-                self.cdgrab_sampler.step_units(units)
+                units = cast(ExactRecording, self._cdgrab_recording).units()  # (micro-batch) units
+                self._sampler.step_units(units)
                 units.write_grads()  # one process: .grad of the parameters the step's products did not reach
                 return loss
             if self._cdgrab_recording is not None:
-                grads = self._cdgrab_recording.sketches().float()  # (micro-batch, D)
+                grads = cast(Recording, self._cdgrab_recording).sketches().float()  # (micro-batch, D)
         finally:
             self._cdgrab_recording = None
-        self.cdgrab_sampler.step(grads)
+        self._sampler.step(grads)
         return loss
 
     def _records_write_grads(self) -> bool:
@@ -429,14 +535,32 @@ class CDGraBTrainerMixin:
         layer rule (each then has an owner that writes it; any other would keep autograd's unsynced gradient)."""
         if self.args.world_size == 1:
             return True
-        exact = self.cdgrab_grads
+        exact = cast(ExactGradients, self.cdgrab_grads)
         selected = {id(p) for p in exact.params}
-        return not exact.formed and all(id(p) in selected for p in self.model.parameters() if p.requires_grad)
+        return not exact.formed and all(id(p) in selected for p in self._module.parameters() if p.requires_grad)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, *args, **kwargs):
-        """The Trainer's loss; with a recording (inside training_step), the model's loss (causal LM or
-        classifier: _example_losses) computed from the per-example losses that the recording watches, as the
-        model would compute it."""
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None, *args: Any,
+                     **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The Trainer's loss, or with a recording (inside training_step) the model's loss from per-example ones.
+
+        With a recording (structured, exact_low_memory), the model's loss (causal LM or classifier:
+        _example_losses) is computed from the per-example losses that the recording watches, as the model
+        would compute it.
+
+        Args:
+            model: the model, as Trainer.compute_loss takes it.
+            inputs: the micro-batch, a dict of (micro-batch, ...) tensors with "labels".
+            return_outputs: also return the model's outputs.
+            num_items_in_batch: as Trainer.compute_loss: the batch's labelled tokens; where the model accepts
+                loss keyword arguments, the token sum is divided by it, else by this micro-batch's labelled
+                tokens.
+            *args: Trainer.compute_loss's other positional arguments.
+            **kwargs: Trainer.compute_loss's other keyword arguments.
+
+        Returns:
+            The scalar loss, or with return_outputs the pair (loss, outputs).
+        """
         recording = self._cdgrab_recording
         if recording is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch, *args, **kwargs)
@@ -444,7 +568,8 @@ class CDGraBTrainerMixin:
         labels = inputs.pop("labels")
         with recording:
             outputs = model(**inputs)
-            losses, counts = _example_losses(self.__dict__.get("_cdgrab_loss_kind", "causal_lm"), outputs.logits, labels)
+            kind = self.__dict__.get("_cdgrab_loss_kind", "causal_lm")  # _records_refusal's, on the first examples
+            losses, counts = _example_losses(kind, outputs.logits, labels)
             recording.watch(losses)
         token_sum = (losses * counts).sum()
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
@@ -457,19 +582,21 @@ class CDGraBTrainerMixin:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _save_checkpoint(self, model, trial):
+    # trial: an optuna.Trial or a dict of hyperparameters (optuna is optional, so not named here)
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
         # every process takes the state (exact_low_memory under torchrun sums its running sum over them)
         state = None if self.cdgrab_sampler is None else self.cdgrab_sampler.state_dict()
         if self.args.should_save and state is not None:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             path = os.path.join(folder, SAMPLER_FILE)
             torch.save({"sampler": state, "gradients": self._gradient_settings(), FORMAT_KEY: TRAINER_STATE_FORMAT},
                        path + ".tmp")  # the format: sorters/_state_format.py
             os.replace(path + ".tmp", path)  # never a half-written state beside a complete checkpoint
 
-    def _saved_sampler_state(self) -> dict:
-        path = os.path.join(self._cdgrab_resume_from, SAMPLER_FILE)
+    def _saved_sampler_state(self) -> dict[str, Any]:
+        path = os.path.join(cast(str, self._cdgrab_resume_from), SAMPLER_FILE)  # train() set it to resume
         if not os.path.isfile(path):
             raise ValueError(f"{type(self).__name__}: {self._cdgrab_resume_from} has no {SAMPLER_FILE}, so its "
                              "sorter state is lost (a checkpoint of a plain Trainer?); resume from a "
@@ -491,12 +618,13 @@ class CDGraBTrainerMixin:
             then = {**then, "sketch_min_numel": 1}
         if self._uses_grads and (now["structured"], now["grad_params"]) != (then["structured"], then["grad_params"]) \
                 or now["structured"] and now["sketch_min_numel"] != then["sketch_min_numel"]:
-            changed = ", ".join(f"{key}={then.get(key)!r} (now {now[key]!r})" for key in now if now[key] != then.get(key))
+            changed = ", ".join(f"{key}={then.get(key)!r} (now {now[key]!r})"
+                                for key in now if now[key] != then.get(key))
             raise ValueError(f"{type(self).__name__}: {path} was written with other gradient settings: {changed}; "
                              "resume with the checkpoint's settings")
         return saved["sampler"]
 
-    def _gradient_settings(self) -> dict:
+    def _gradient_settings(self) -> dict[str, Any]:
         """What the balanced vectors are, beside the sampler's own settings (sketch_dim, seed, d)."""
         settings = self.cdgrab_settings
         params = list(settings.grad_params) if isinstance(settings.grad_params, tuple) else settings.grad_params
@@ -512,7 +640,7 @@ _LOSS_WORDS = {"causal_lm": "causal LM (logits at t predict labels at t + 1)",
               "regression": "regression (mean squared error)"}
 
 
-def _loss_kind(model, logits, labels) -> str | None:
+def _loss_kind(model: torch.nn.Module, logits: object, labels: object) -> str | None:
     """Which loss the model's own is, as transformers picks it from the outputs: for (B, T, V) logits and
     (B, T) labels "token_classification" where the model says so (transformers' loss_type
     "ForTokenClassification": token t's logits scored against labels[t]), else "causal_lm"; for (B, K) logits
