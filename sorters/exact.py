@@ -34,17 +34,31 @@ sign, |<S_i, v_i>| <= NEAR_TIE * ||S_i|| * (||g_first|| + ||g_second||), the ste
 """
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
+from torch.utils.hooks import RemovableHandle
 
 from sorters.balance import gram_signs
 from sorters.base import PairBalancer
 from sorters.checks import NonFiniteGradientError, check_module, check_no_dropout
-from sorters.exact_products import ContributionSink, Formed, Pairs, add_weighted, matrix_shape, parameter_products, \
-    summed
+from sorters.exact_products import (
+    ContributionSink,
+    Formed,
+    Pairs,
+    Pieces,
+    add_weighted,
+    matrix_shape,
+    parameter_products,
+    summed,
+)
 from sorters.layer_rules import Layout, apply_rule, examples_of_call, spread_over_examples, tokens
 from sorters.layer_sketch import selected_parameters
+
+if TYPE_CHECKING:  # sorters.gather imports this module (named in full: the reference shows the annotations)
+    import sorters.gather
 
 __all__ = ["ExactGradients", "ExactRecording", "UnitGradients", "ExactCDGraB", "NEAR_TIE"]
 
@@ -64,44 +78,73 @@ class UnitGradients:
     (write_grads=True)): products() takes them from the blocks it forms anyway, stores them in step_grads and
     adds them to p.grad; write_grads() does it for the parameters products() did not reach.
     grad_sink: None, or a callable (p, grad (R, C)) that receives those gradients instead of p.grad (units
-    gathered from several processes: sorters.sampler hands them to their owners' broadcast)."""
+    gathered from several processes: sorters.sampler hands them to their owners' broadcast).
 
-    def __init__(self, owner: "ExactGradients", units: int, pieces: dict, scale: torch.Tensor,
-                 step_grads: dict | None = None, step_units: int = 0, writes_grads: bool = False, grad_sink=None):
+    Args:
+        owner: the `ExactGradients` whose parameters the records are of.
+        units: U, the number of units.
+        pieces: id(parameter) -> its contributions, [(first unit, contribution)] (sorters/exact_products.py).
+        scale: (U,) each unit's loss weight, the factor of its gradient in its records.
+        step_grads: None, or id(parameter) -> this backward's (R, C) gradient of it (above).
+        step_units: the units 0..step_units-1 whose records sum to step_grads.
+        writes_grads: the backward skipped the selected parameters' weight gradients (above).
+        grad_sink: None, or the callable that receives them instead of ``p.grad`` (above).
+    """
+
+    def __init__(self, owner: "ExactGradients", units: int, pieces: dict[int, Pieces], scale: torch.Tensor,
+                 step_grads: dict[int, torch.Tensor | None] | None = None, step_units: int = 0,
+                 writes_grads: bool = False,
+                 grad_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.owner, self.units, self.pieces, self.scale = owner, units, pieces, scale
         self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
         self.sum_all, self.grad_sink = False, grad_sink
 
     def products(self, running_sum: torch.Tensor, how: str | None = None, pairs: Pairs | None = None,
-                 share=None):
-        """(a (U,), G (U, U)) float64 on the CPU: <S, g_u> and <g_u, g_v>, summed over the parameters on the
-        running sum's device, then copied to the host once (not a synchronisation per parameter). With `pairs`
-        (sorters.exact_products.Pairs) (a (r,), G (r, r), norms (U,)): the products of the pairs' differences
-        g_first - g_second instead, and the units' squared norms ||g_u||^2.
+                 share: "sorters.gather.ParameterShare | None" = None) -> tuple[torch.Tensor, ...]:
+        """The units' inner products with the running sum and with each other, summed over the parameters on
+        the running sum's device, then copied to the host once (not a synchronisation per parameter).
+
         sum_all: units that come without the backward's gradient (step_grads None) keep, from the blocks
         streaming forms anyway, the sum of every unit's records per parameter, for add_to's shortcut.
-        share: None (every parameter here), or a sorters.gather.ParameterShare: this process takes the products
-        of the parameters it owns only; each parameter's products, from its one owner, are summed over the
-        processes (share.reduce, exact: the others add zeros). Either way the parameters' products are added
-        in their order, so every process and one process without a share get the same bits."""
+        Either way the parameters' products are added in their order, so every process and one process
+        without a share get the same bits.
+
+        Args:
+            running_sum: S, flat (d,) (with a share: (share.size,), this process's parameters).
+            how: ``"stream"``, ``"ghost"``, or None: per parameter the cheaper (sorters/exact_products.py).
+            pairs: None, or the pairs (``sorters.exact_products.Pairs``) whose differences g_first - g_second
+                the products are taken of.
+            share: None (every parameter here), or a ``sorters.gather.ParameterShare``: this process takes the
+                products of the parameters it owns only; each parameter's products, from its one owner, are
+                summed over the processes (share.reduce, exact: the others add zeros).
+
+        Returns:
+            float64 tensors on the CPU: without pairs (a, G), a (U,) <S, g_u> and G (U, U) <g_u, g_v>; with
+            pairs (a, G, norms), a (r,) and G (r, r) of the r differences and norms (U,) the units' squared
+            norms ||g_u||^2.
+        """
         U, r = self.units, self.units if pairs is None else len(pairs.firsts)
         width = r + r * r + (U if pairs is not None else 0)
         rows = torch.zeros(len(self.owner.params), width, dtype=torch.float64,
                            device=running_sum.device)  # per parameter: its a, G (and norms), flattened
-        summing = self.sum_all and self.step_grads is None
-        if summing:
-            self.step_grads, self.step_units = {}, U
+        sums: dict[int, torch.Tensor | None] | None = None  # sum_all's per-parameter sums, being taken
+        if self.sum_all and self.step_grads is None:
+            sums = self.step_grads = {}
+            self.step_units = U
+        step_grads = self.step_grads
         self.owner.last_how = {}
         for i, p in enumerate(self.owner.params):
             pieces = self.pieces.get(id(p), [])
             if not pieces or (share is not None and not share.owned[i]):
                 continue
-            writes = self.writes_grads and id(p) not in self.step_grads and id(p) not in self.owner.formed_ids
-            wanted = U if summing else self.step_units if writes else 0
-            *products, chosen, grad = parameter_products(pieces, (share or self.owner).view(running_sum, p), U, how, wanted,
-                                                         pairs)
-            if summing:
-                self.step_grads[id(p)] = grad
+            # (writes_grads: units() gave step_grads, empty)
+            writes = self.writes_grads and step_grads is not None and id(p) not in step_grads \
+                and id(p) not in self.owner.formed_ids
+            wanted = U if sums is not None else self.step_units if writes else 0
+            *products, chosen, grad = parameter_products(pieces, (share or self.owner).view(running_sum, p), U, how,
+                                                         wanted, pairs)
+            if sums is not None:
+                sums[id(p)] = grad
             elif grad is not None:
                 self._keep_grad(p, grad)
             rows[i] = torch.cat([x.reshape(-1) for x in products])
@@ -117,17 +160,21 @@ class UnitGradients:
         return both[:, 0].contiguous(), both[:, 1:].contiguous()
 
     def write_grads(self) -> None:
-        """writes_grads: add this backward's gradient to p.grad for every parameter products() did not reach
-        (a step without pairs), one product per contribution."""
+        """With ``writes_grads``, add this backward's gradient to ``p.grad`` for every parameter ``products``
+        did not reach (a step without pairs), one product per contribution; else nothing."""
         if not self.writes_grads:
             return
+        step_grads = self.step_grads
+        assert step_grads is not None, "writes_grads comes with step_grads (ExactRecording.units)"
         for p in self.owner.params:  # a formed parameter's .grad is autograd's (it kept requiring grad)
-            if id(p) not in self.step_grads and id(p) not in self.owner.formed_ids and self.pieces.get(id(p)):
-                self._keep_grad(p, summed(self.pieces[id(p)], *matrix_shape(p), self.step_units, p.dtype, p.device))
+            if id(p) not in step_grads and id(p) not in self.owner.formed_ids and self.pieces.get(id(p)):
+                R, C = matrix_shape(p)
+                self._keep_grad(p, summed(self.pieces[id(p)], R, C, self.step_units, p.dtype, p.device))
 
     def _keep_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """grad (R, C), this backward's gradient of p: into step_grads and p.grad (which it becomes when None)."""
         grad = grad.to(p.dtype)
+        assert self.step_grads is not None, "a gradient is kept only with step_grads (writes_grads)"
         self.step_grads[id(p)] = grad
         if self.grad_sink is not None:
             self.grad_sink(p, grad)
@@ -136,12 +183,20 @@ class UnitGradients:
         else:
             p.grad.add_(grad.view(p.shape))
 
-    def add_to(self, running_sum: torch.Tensor, w: torch.Tensor, share=None) -> None:
-        """running_sum (d,) += sum_u w_u g_u, w (U,); with a share (products()), running_sum is (share.size,), its
-        owned parameters only."""
+    def add_to(self, running_sum: torch.Tensor, w: torch.Tensor,
+               share: "sorters.gather.ParameterShare | None" = None) -> None:
+        """Add a weighted sum of the units' gradients to a running sum, in place.
+
+        Args:
+            running_sum: (d,) S, which becomes S + sum_u w_u g_u; with a share (``products``), (share.size,), its
+                owned parameters only.
+            w: (U,) the units' weights.
+            share: None, or the ``sorters.gather.ParameterShare`` of ``products``.
+        """
         ratio = w.to(self.scale.device, torch.float64) / self.scale.double()  # weights of the records
         lam = 0.0
-        if self.step_grads is not None and self.step_units:
+        step_grads = self.step_grads
+        if step_grads is not None and self.step_units:
             values, counts = ratio[:self.step_units].unique(return_counts=True)
             lam = float(values[counts.argmax()])
             ratio[:self.step_units] -= lam  # exactly 0 for the units of that ratio: their records are skipped
@@ -152,23 +207,31 @@ class UnitGradients:
                 continue
             view = (share or self.owner).view(running_sum, p)
             pieces = self.pieces.get(id(p))
-            if lam and pieces:
-                grad = self.step_grads.get(id(p))
+            if lam and pieces and step_grads is not None:  # (lam is 0 without step_grads)
+                grad = step_grads.get(id(p))
                 if grad is None:  # the backward's gradient not given: lam * the records' sum
-                    grad = summed(pieces, *view.shape, self.step_units, view.dtype, view.device)
+                    R, C = view.shape
+                    grad = summed(pieces, R, C, self.step_units, view.dtype, view.device)
                 view.add_(grad.reshape(view.shape), alpha=lam)
             if pieces:
                 add_weighted(pieces, view, ratio)
 
     def select(self, units: list[int]) -> "UnitGradients":
-        """These units only, in this order, with their scale: per contribution, the kept units it covers in one
-        piece (the records themselves when it covers exactly them, in order; else a copy of their rows)."""
+        """Some of the units, with their scale: per contribution, the kept units it covers in one piece (the
+        records themselves when it covers exactly them, in order; else a copy of their rows).
+
+        Args:
+            units: the indices of the units kept, in the order they take.
+
+        Returns:
+            The ``len(units)`` units' `UnitGradients`.
+        """
         index = torch.tensor(units, dtype=torch.long, device=self.scale.device)
-        pieces = {}
+        pieces: dict[int, Pieces] = {}
         for key, parts in self.pieces.items():
             for first, x in parts:
                 kept = [(i, u - first) for i, u in enumerate(units) if first <= u < first + x.units]
-                runs = []  # (start in the result, rows of x): consecutive in both
+                runs: list[tuple[int, list[int]]] = []  # (start in the result, rows of x): consecutive in both
                 for i, row in kept:
                     if runs and runs[-1][0] + len(runs[-1][1]) == i and runs[-1][1][-1] + 1 == row:
                         runs[-1][1].append(row)
@@ -181,7 +244,14 @@ class UnitGradients:
         return UnitGradients(self.owner, len(units), pieces, self.scale[index])
 
     def join(self, other: "UnitGradients") -> "UnitGradients":
-        """This step's units, then other's (the pending ones)."""
+        """These units, then another's (a step's, then the pending ones).
+
+        Args:
+            other: the units that follow, of the same `ExactGradients`.
+
+        Returns:
+            The U + U' units' `UnitGradients` (the records are not copied).
+        """
         pieces = {key: list(parts) for key, parts in self.pieces.items()}
         for key, parts in other.pieces.items():
             pieces.setdefault(key, []).extend((first + self.units, x) for first, x in parts)
@@ -192,7 +262,8 @@ class UnitGradients:
 class ExactGradients:
     """The selected parameters of `model` and their layer rules (sorters/exact_products.py).
 
-    model:  an nn.Module; the selected parameters of Linear, transformers Conv1D, Embedding (without
+    Args:
+        model: an nn.Module; the selected parameters of Linear, transformers Conv1D, Embedding (without
             scale_grad_by_freq) and LayerNorm layers, each used through its own forward, are recorded (every
             recorded layer's input has the examples on dim 0, or 1 there for an input the model's output
             broadcasts over its B examples: GPT-2's default (1, T) position_ids, layer_rules.spread_over_examples;
@@ -201,12 +272,22 @@ class ExactGradients:
             vector-Jacobian product at watch() (`formed`; the constructor warns which), as LayerSketch does.
             A BatchNorm or a dropout module (p > 0) in training mode is refused when a recording starts: each
             example's gradient must not depend on the other examples or on random masks.
-    params: None (every trainable parameter) or regular expressions searched in the names.
-    how:    "stream", "ghost" or None (per parameter, the cheaper by the cost formula).
-    Attributes: names, d, params ([parameter] in named_parameters() order, a tied one once), offsets.
+        params: None (every trainable parameter) or regular expressions searched in the names.
+        how: "stream", "ghost" or None (per parameter, the cheaper by the cost formula).
+
+    Attributes:
+        names: the selected parameters' names, in ``named_parameters()`` order (a tied one once).
+        params: those parameters.
+        d: their total number of entries, the length of the gradients the products stand for.
+        offsets: each parameter's (by ``id``) first coordinate in that flat (d,) vector.
+
+    Raises:
+        TypeError: model is not an ``nn.Module``.
+        ValueError: an unknown ``how``, or no parameter selected.
     """
 
-    def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None, how: str | None = None):
+    def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None,
+                 how: str | None = None) -> None:
         check_module("ExactGradients", model)
         if how not in (None, "stream", "ghost"):
             raise ValueError(f"ExactGradients: how must be 'stream', 'ghost' or None, got {how!r}")
@@ -219,43 +300,82 @@ class ExactGradients:
         self.batch_norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if self.formed:
             names = ", ".join(name for name, _ in layout.formed[:8])
-            warnings.warn(f"ExactGradients: {len(self.formed)} selected parameter(s) ({sum(p.numel() for p in self.formed)} "
-                          f"entries) belong to layers without a per-layer rule and are formed per example: {names}"
-                          + (" ..." if len(self.formed) > 8 else ""), stacklevel=2)
+            warnings.warn(f"ExactGradients: {len(self.formed)} selected parameter(s) "
+                          f"({sum(p.numel() for p in self.formed)} entries) belong to layers without a per-layer rule "
+                          f"and are formed per example: {names}" + (" ..." if len(self.formed) > 8 else ""),
+                          stacklevel=2)
         self.names = [name for name, _ in chosen]
         self.params = [p for _, p in chosen]
         self.offsets, self.d, self.layers = layout.offsets, layout.d, layout.layers
-        self.how, self.last_how = how, {}
+        self.how = how
+        self.last_how: dict[int, str] = {}  # id(parameter) -> how the last products took it
 
     def view(self, running_sum: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """p's (R, C) slice of a flat (d,) vector."""
+        """A parameter's slice of a flat vector.
+
+        Args:
+            running_sum: a flat (d,) vector.
+            p: one of the selected parameters.
+
+        Returns:
+            The (R, C) view of p's entries (a vector parameter: (n, 1)).
+        """
         start = self.offsets[id(p)]
         return running_sum[start:start + p.numel()].view(matrix_shape(p))
 
     def recording(self, write_grads: bool = False) -> "ExactRecording":
-        """write_grads: the backward of the forward recorded inside skips the selected parameters' weight
-        gradients (they do not require grad during that forward), and UnitGradients writes them into .grad
-        from its streamed blocks: about one weight-gradient pass less (see ExactRecording)."""
+        """A recording of a loop's own forward and backward (`ExactRecording`).
+
+        Args:
+            write_grads: the backward of the forward recorded inside skips the selected parameters' weight
+                gradients (they do not require grad during that forward), and UnitGradients writes them into
+                .grad from its streamed blocks: about one weight-gradient pass less (see ExactRecording).
+
+        Returns:
+            The context manager: the forward inside it, ``watch(losses)``, the loop's backward, ``units()``.
+        """
         return ExactRecording(self, write_grads)
 
     def __call__(self, losses_fn: Callable[[], torch.Tensor]) -> UnitGradients:
-        """Run losses_fn() (the batched forward, returning the (B,) per-example losses) and one backward
-        of their sum (torch.autograd.grad: no .grad is touched); the B units' gradients as records."""
+        """The records of a batch's examples, by one backward of the sum of their losses
+        (torch.autograd.grad: no .grad is touched).
+
+        Args:
+            losses_fn: runs the batched forward and returns the (B,) per-example losses.
+
+        Returns:
+            The B units' gradients as records (`UnitGradients`).
+
+        Raises:
+            ValueError: losses that are not a (B,) tensor attached to the graph, a BatchNorm or a dropout module
+                in training mode, or an input without the B examples on dim 0.
+        """
         with self.recording() as rec:
             losses = losses_fn()
             rec.watch(losses)
         grads = torch.autograd.grad(losses.sum(), self.params, allow_unused=True)
         units = rec.units()
-        units.step_grads, units.step_units = {id(p): g for p, g in zip(self.params, grads)}, units.units
+        units.step_grads = {id(p): g for p, g in zip(self.params, grads)}
+        units.step_units = units.units
         return units
 
     def formed_units(self, rows: torch.Tensor) -> UnitGradients:
-        """The U units whose gradients are the rows of a formed (U, d) tensor (flat()'s inverse): per
-        parameter one Formed contribution, its (U, R, C) slice of the rows in the parameter's dtype and
-        device, scale 1. A parameter whose slice is all zero (no gradient) gets none, as records give none."""
+        """The units whose gradients are the rows of a formed tensor (``flat``'s inverse): per parameter one
+        Formed contribution, its (U, R, C) slice of the rows in the parameter's dtype and device, scale 1. A
+        parameter whose slice is all zero (no gradient) gets none, as records give none.
+
+        Args:
+            rows: (U, d) the units' gradients.
+
+        Returns:
+            The U units' `UnitGradients`.
+
+        Raises:
+            ValueError: rows of another shape.
+        """
         if rows.dim() != 2 or rows.shape[1] != self.d:
             raise ValueError(f"ExactGradients: formed_units() takes (U, d={self.d}) gradients, got {tuple(rows.shape)}")
-        pieces = {}
+        pieces: dict[int, Pieces] = {}
         for p in self.params:
             start = self.offsets[id(p)]
             values = rows[:, start:start + p.numel()].to(p.device, p.dtype)
@@ -265,7 +385,14 @@ class ExactGradients:
         return UnitGradients(self, len(rows), pieces, torch.ones(len(rows), dtype=first.dtype, device=first.device))
 
     def flat(self, units: UnitGradients) -> torch.Tensor:
-        """(U, d) the units' gradients formed (for tests and small models)."""
+        """The units' gradients formed (for tests and small models).
+
+        Args:
+            units: U units of this `ExactGradients`.
+
+        Returns:
+            (U, d) their gradients, in the parameters' dtype, on the CPU.
+        """
         out = torch.zeros(units.units, self.d, dtype=self.params[0].dtype)
         for u in range(units.units):
             w = torch.zeros(units.units, dtype=torch.float64)
@@ -283,13 +410,24 @@ class ExactRecording:
     weight-gradient products for them (the layers' input gradients only); a recorded layer whose output
     then needs no gradient (a first layer: an embedding of ids) gives a fresh leaf that does, so that its
     output gradient still arrives. The sum of the units' records is the parameters' gradient:
-    UnitGradients.products() and write_grads() put it into .grad (added to what is there)."""
+    UnitGradients.products() and write_grads() put it into .grad (added to what is there).
 
-    def __init__(self, owner: ExactGradients, write_grads: bool = False):
-        self.owner, self.handles, self.pieces, self.scale, self.B, self.fresh = owner, [], {}, None, None, False
+    Args:
+        owner: the `ExactGradients` whose layers are recorded.
+        write_grads: as above.
+    """
+
+    def __init__(self, owner: ExactGradients, write_grads: bool = False) -> None:
+        self.owner, self.fresh = owner, False
+        self.handles: list[RemovableHandle] = []
+        self.pieces: dict[int, Pieces] = {}
+        self.scale: torch.Tensor | None = None  # (B,) the loss's gradient in each watched loss
+        self.B: int | None = None
         self.selected = {id(p) for p in owner.params}
-        self.write_grads, self.turned_off, self.formed_grads, self.active = write_grads, [], {}, True
-        self.examples = None  # the examples of the model's current call (examples_of_call), at its forward
+        self.write_grads, self.active = write_grads, True
+        self.turned_off: list[torch.Tensor] = []
+        self.formed_grads: dict[int, torch.Tensor] = {}
+        self.examples: int | None = None  # the examples of the model's current call (examples_of_call), at its forward
 
     def __enter__(self) -> "ExactRecording":
         if any(m.training for m in self.owner.batch_norms):
@@ -299,17 +437,17 @@ class ExactRecording:
         check_no_dropout("ExactGradients", self.owner.model)
 
         # the model's call: how many examples a broadcast input serves
-        def count_examples(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        def count_examples(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.examples = examples_of_call(args, kwargs)
 
-        def record(module, args, output):
+        def record(module: torch.nn.Module, args: tuple[Any, ...], output: object) -> torch.Tensor | None:
             if not isinstance(output, torch.Tensor):
                 return None
             if self.turned_off and not output.requires_grad and torch.is_grad_enabled():
                 output = output.detach().requires_grad_()
             if output.requires_grad:
                 a, output = spread_over_examples(args[0].detach(), output, self.examples)  # (1, T) ids: (B, T)
-                entry = [module, a]
+                entry: list[Any] = [module, a]  # [the layer, its input (None once taken)]
                 output.register_hook(lambda g, entry=entry: self._on_grad(entry, g))
             return output
 
@@ -321,14 +459,14 @@ class ExactRecording:
                 p.requires_grad_(False)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for handle in self.handles:
             handle.remove()
         for p in self.turned_off:
             p.requires_grad_(True)
         self.handles = []
 
-    def _on_grad(self, entry: list, g: torch.Tensor) -> None:
+    def _on_grad(self, entry: list[Any], g: torch.Tensor) -> None:
         module, a = entry
         if a is None or not self.active:  # a call already taken, or the batched pass of watch()
             return
@@ -339,10 +477,18 @@ class ExactRecording:
                              "(or 1 there, for an input the model broadcasts over them)")
         with torch.no_grad():
             kind = self.owner.layers[module]
-            apply_rule(module, kind, *tokens(module, kind, a, g.detach()), ContributionSink(self.pieces, self.selected))
+            a, g = tokens(module, kind, a, g.detach())
+            apply_rule(module, kind, a, g, ContributionSink(self.pieces, self.selected))
 
     def watch(self, losses: torch.Tensor) -> None:
-        """losses (B,): the per-example losses the loop's loss is built from (attached to the graph)."""
+        """Start the recording of a batch (inside the ``with`` block, after the forward).
+
+        Args:
+            losses: (B,) the per-example losses the loop's loss is built from (attached to the graph).
+
+        Raises:
+            ValueError: losses that are not a (B,) tensor attached to the graph.
+        """
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or not losses.requires_grad:
             raise ValueError("ExactGradients: watch() takes the (B,) per-example losses, attached to the graph")
         self.B = losses.shape[0]
@@ -357,18 +503,29 @@ class ExactRecording:
                 self.active = True
             self.formed_grads = {id(p): g.detach() for p, g in zip(self.owner.formed, grads) if g is not None}
 
-        def read_scale(g):
+        def read_scale(g: torch.Tensor) -> None:
             self.scale = g.detach()
 
         losses.register_hook(read_scale)
 
     def units(self, from_grad: bool = False) -> UnitGradients:
-        """The B units' gradients, after the backward; the recording's records are handed over.
-        from_grad: the parameters' .grad hold this backward's gradient alone (they were None at watch(); the
-        units go to the sorter before anything changes .grad: clipping, an optimizer step), which spares
-        half of the running sum's update (UnitGradients.step_grads). With write_grads the units compute that
-        gradient themselves (and write it to .grad): from_grad is not needed."""
-        if self.scale is None:
+        """The watched batch's units, after the loop's backward; the recording's records are handed over.
+
+        Args:
+            from_grad: the parameters' .grad hold this backward's gradient alone (they were None at watch();
+                the units go to the sorter before anything changes .grad: clipping, an optimizer step), which
+                spares half of the running sum's update (UnitGradients.step_grads). With write_grads the units
+                compute that gradient themselves (and write it to .grad): from_grad is not needed.
+
+        Returns:
+            The B units' gradients as records (`UnitGradients`).
+
+        Raises:
+            ValueError: no gradient reached the watched losses, or the loss gives an example a zero or
+                non-finite weight.
+        """
+        B = self.B
+        if self.scale is None or B is None:  # (B is set when the losses are watched, before any scale)
             raise ValueError("ExactGradients: no gradient reached the watched losses; run the backward of a loss "
                              "built from them before units()")
         if not bool((self.scale.ne(0) & self.scale.isfinite()).all()):
@@ -378,12 +535,14 @@ class ExactRecording:
         for p in self.owner.formed:  # each unit's own gradient, times its weight as records are
             g = self.formed_grads.get(id(p))
             if g is not None:
-                self.pieces[id(p)] = [(0, Formed(g.reshape(self.B, *matrix_shape(p)) * scale.to(g.dtype).view(-1, 1, 1)))]
-        units = UnitGradients(self.owner, self.B, self.pieces, scale)
+                formed = g.reshape(B, *matrix_shape(p)) * scale.to(g.dtype).view(-1, 1, 1)
+                self.pieces[id(p)] = [(0, Formed(formed))]
+        units = UnitGradients(self.owner, B, self.pieces, scale)
         if self.turned_off:
-            units.step_grads, units.step_units, units.writes_grads = {}, self.B, True
+            units.step_grads, units.step_units, units.writes_grads = {}, B, True
         elif from_grad and self.fresh:
-            units.step_grads, units.step_units = {id(p): p.grad for p in self.owner.params}, self.B
+            units.step_grads = {id(p): p.grad for p in self.owner.params}
+            units.step_units = B
         self.pieces, self.scale, self.formed_grads = {}, None, {}
         return units
 
@@ -407,26 +566,51 @@ class ExactCDGraB(PairBalancer):
     divided by the processes and the signs are every process's alike. The running sum then holds this
     process's parameters only ((share.size,), share.view); state_dict() puts the processes' parts together
     into the whole (d,) sum, so EVERY process must call state_dict() together (rank 0's checkpoint still
-    restores every process)."""
+    restores every process).
+
+    Args:
+        n_workers: n, the number of workers.
+        m: the units each worker visits per epoch.
+        d: the length of one unit's gradient (`ExactGradients.d`).
+        seed: the seed of every random draw (the first epoch's orders).
+        device: where the orders live (the running sum follows the records: the model's device).
+        dtype: the running sum's dtype.
+        nonfinite: ``"raise"`` only.
+        sum_all: as above.
+        share: None, or a ``sorters.gather.ParameterShare`` (above).
+
+    Raises:
+        ValueError: nonfinite other than ``"raise"`` (and `Sorter`'s checks).
+    """
 
     name = "CD-GraB"
     OPTIONAL_STATE = PairBalancer.OPTIONAL_STATE + ("near_ties",)
     NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("last_products", "sum_all", "share")
+    # between steps the n pending units' records; loaded from a checkpoint, their (n, d) gradients (a tensor, as
+    # PairBalancer keeps them) until the next step
+    pending: "UnitGradients | torch.Tensor | None"  # type: ignore[assignment]
+    running_sum: torch.Tensor  # S, (d,) in `dtype`; with a share (share.size,), this process's parameters
 
-    def __init__(self, n_workers, m, d, seed=0, device="cpu", dtype=torch.float32, nonfinite="raise",
-                 sum_all: bool = False, share=None):
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, nonfinite: str = "raise", sum_all: bool = False,
+                 share: "sorters.gather.ParameterShare | None" = None) -> None:
         if nonfinite != "raise":
             raise ValueError("ExactCDGraB: only nonfinite='raise' is supported")
-        self.near_ties, self.last_products, self.sum_all, self.share = 0, None, sum_all, share
+        self.near_ties, self.sum_all, self.share = 0, sum_all, share
+        self.last_products: tuple[torch.Tensor, torch.Tensor] | None = None
         super().__init__(n_workers, m, d, seed, device, dtype, nonfinite)
 
-    def use_share(self, share) -> None:
-        """Divide the products from now on (a sorters.gather.ParameterShare; see the class docstring): the running
-        sum, whole until now (loaded, or this process's alone), keeps this process's parameters only."""
+    def use_share(self, share: "sorters.gather.ParameterShare") -> None:
+        """Divide the products from now on (see the class docstring): the running sum, whole until now (loaded,
+        or this process's alone), keeps this process's parameters only.
+
+        Args:
+            share: the ``sorters.gather.ParameterShare`` of this process.
+        """
         self.running_sum = share.part(self.running_sum)
         self.share, self.sum_all = share, True
 
-    def _reset_running_sums(self):
+    def _reset_running_sums(self) -> None:
         size = self.d if self.share is None else self.share.size
         if getattr(self, "running_sum", None) is not None and self.running_sum.dtype == self.dtype \
                 and self.running_sum.numel() == size:
@@ -441,8 +625,14 @@ class ExactCDGraB(PairBalancer):
         if self.running_sum.device != units.scale.device:
             self.running_sum = self.running_sum.to(units.scale.device)
 
-    def state_dict(self) -> dict:
-        """As sorters.CDGraB's, every tensor on `device` (a checkpoint loads where the sorter was built)."""
+    def state_dict(self) -> dict[str, Any]:
+        """The sorter's whole state, for a checkpoint: as sorters.CDGraB's, every tensor on `device` (a checkpoint
+        loads where the sorter was built). With a share, every process must call it together.
+
+        Returns:
+            A dict of tensors (copies) and numbers, with its format version; the pending units as their (n, d)
+            gradients.
+        """
         state = super().state_dict()
         if self.share is not None:  # the processes' parts put together: the whole (d,) running sum
             state["running_sum"] = self.share.reduce(self.share.whole(state["running_sum"], self.d))
@@ -452,10 +642,17 @@ class ExactCDGraB(PairBalancer):
                 state["pending"] = self.share.reduce(self.share.whole(self.share.part(state["pending"]), self.d))
         return {key: value.to(self.device) if torch.is_tensor(value) else value for key, value in state.items()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state_dict() of ExactCDGraB, or of sorters.CDGraB of the same n, m, d (the keys are the
         same). A pending unit comes as its formed (n, d) gradients: kept so, and turned into units (one
-        Formed contribution per parameter) by the next step(), which brings the ExactGradients they need."""
+        Formed contribution per parameter) by the next step(), which brings the ExactGradients they need.
+
+        Args:
+            state: what ``state_dict()`` returned.
+
+        Raises:
+            ValueError: a state that is not one (`Sorter.load_state_dict`), refused in one line.
+        """
         share, self.share = self.share, None
         if share is not None:  # the saved sum is whole: checked and loaded as (d,), then this process's part kept
             self.running_sum = torch.zeros(self.d, dtype=self.dtype, device=self.device)
@@ -464,7 +661,20 @@ class ExactCDGraB(PairBalancer):
         if share is not None:
             self.use_share(share)
 
-    def step(self, units: UnitGradients, positions):
+    # the records of a step instead of PairBalancer's (n, k, d) tensor: the same role, another type
+    def step(self, units: UnitGradients,  # type: ignore[override]
+             positions: torch.Tensor | list[int] | range) -> None:
+        """Record a step's units: their signs, their places in the next orders, and the running sum's update.
+
+        Args:
+            units: the n * k units of the step replica-major (unit j * k + i is worker j's i-th, at epoch
+                position ``positions[i]``), as records (`UnitGradients`).
+            positions: (k,) the epoch positions of the step, consecutive and continuing the epoch.
+
+        Raises:
+            ValueError: positions that do not continue the epoch, or units that are not the step's n * k.
+            NonFiniteGradientError: NaN / inf in the step's products.
+        """
         start, k = self._check_positions(positions)
         n = self.n
         if not isinstance(units, UnitGradients) or units.units != n * k:
@@ -474,7 +684,7 @@ class ExactCDGraB(PairBalancer):
         self._keep_sum_beside(units)
         self._next_position += k
         pending = self.pending is not None
-        everything = units.join(self.pending) if pending else units
+        everything = units.join(self.pending) if isinstance(self.pending, UnitGradients) else units
         firsts, seconds = self._visiting_order(n, k, pending)
         r = len(firsts)
         if r:
@@ -482,8 +692,8 @@ class ExactCDGraB(PairBalancer):
             pairs = Pairs(firsts, seconds, 1.0 / everything.scale)
             diff_a, diff_G, norms = everything.products(self.running_sum, pairs=pairs, share=self.share)
             if not bool(diff_a.isfinite().all() and diff_G.isfinite().all() and norms.isfinite().all()):
-                where = f"step at positions {start}..{start + k - 1} of {self.m}; lower the learning rate or fix the " \
-                        "input"
+                where = f"step at positions {start}..{start + k - 1} of {self.m}; lower the learning rate or fix " \
+                        "the input"
                 what = f"{self.name}: non-finite gradient (nan or inf)"
                 raise NonFiniteGradientError(f"{what} in epoch {self.epoch}, {where}", self.epoch, start,
                                              f"{what}, {where}")
@@ -505,10 +715,11 @@ class ExactCDGraB(PairBalancer):
             self.pending, self.left, self.right = None, self.left + 1, self.right - 1
 
     @staticmethod
-    def _visiting_order(n: int, k: int, pending: bool):
+    def _visiting_order(n: int, k: int, pending: bool) -> tuple[list[int], list[int]]:
         """(firsts, seconds): unit indices of the step's differences, in CDGraB's visiting order: the pairs
         completing the pending units (worker by worker), then pair-major, worker-minor."""
-        firsts, seconds = [], []
+        firsts: list[int] = []
+        seconds: list[int] = []
         if pending:
             for j in range(n):
                 firsts.append(n * k + j)
@@ -520,7 +731,8 @@ class ExactCDGraB(PairBalancer):
                 seconds.append(j * k + begin + 2 * p + 1)
         return firsts, seconds
 
-    def _place(self, plus, n: int, k: int, pending: bool) -> None:
+    def _place(self, plus: NDArray[np.bool_], n: int, k: int, pending: bool) -> None:
+        """Place the step's pairs by their signs, plus (r,) in the visiting order (True: the first unit left)."""
         at = 0
         if pending:
             self._place_pairs(np, plus[:n].reshape(n, 1), self.pending_position)
@@ -530,10 +742,11 @@ class ExactCDGraB(PairBalancer):
             first = self._next_position - k + int(pending)
             self._place_pairs(np, np.ascontiguousarray(plus[at:].reshape(pairs, n).T), first)
 
-    def _count_near_ties(self, diff_a, diff_G, signs, norms, firsts, seconds) -> int:
+    def _count_near_ties(self, diff_a: torch.Tensor, diff_G: torch.Tensor, signs: torch.Tensor, norms: torch.Tensor,
+                         firsts: list[int], seconds: list[int]) -> int:
         """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||), for every pair i at once:
-        <S_i, v_i> = a_i + sum_{j<i} s_j G_ij and ||S_i||^2 = ||S||^2 + 2 sum_{j<i} s_j a_j + sum_{j,l<i} s_j s_l G_jl
-        (prefix sums over the pairs; float64)."""
+        <S_i, v_i> = a_i + sum_{j<i} s_j G_ij and
+        ||S_i||^2 = ||S||^2 + 2 sum_{j<i} s_j a_j + sum_{j,l<i} s_j s_l G_jl (prefix sums over the pairs; float64)."""
         signs = signs.to(torch.float64)
         dots = diff_a + torch.tril(diff_G, -1) @ signs
         quadratic = (signs[:, None] * diff_G * signs[None, :]).cumsum(0).cumsum(1).diagonal()  # sum_{j,l<=i}
@@ -545,7 +758,7 @@ class ExactCDGraB(PairBalancer):
         return int(((scale > 0) & (dots.abs() <= NEAR_TIE * scale)).sum())  # S_i = 0 exactly: a true tie, +1
 
 
-def _squared_norm(x: torch.Tensor, share=None, chunk: int = 2**20) -> float:
+def _squared_norm(x: torch.Tensor, share: "sorters.gather.ParameterShare | None" = None, chunk: int = 2**20) -> float:
     """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole); with a
     share (ExactCDGraB), x holds this process's parameters only and the squares are summed over the processes."""
     total = sum(float(part.double().square().sum()) for part in x.split(chunk))

@@ -35,17 +35,29 @@ graph (torch.autograd.grad with is_grads_batched) and CountSketched; the constru
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from sorters.checks import check_int, check_module, check_no_dropout, check_seed
-from sorters.layer_rules import BlockSink, Layout, Sink, apply_rule, check_units, examples_of_call, scatter_rows, \
-    spread_over_examples, tokens
-from sorters.sketch import GradientSketch
+from sorters.layer_rules import (
+    BlockSink,
+    Layout,
+    Sink,
+    apply_rule,
+    check_units,
+    examples_of_call,
+    scatter_rows,
+    spread_over_examples,
+    tokens,
+)
+from sorters.sketch import GradientSketch, TensorBlock
 from sorters.thresholds import STRUCTURED_MIN_NUMEL, check_min_numel  # the library's row (thresholds.py: why)
 
 
-def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | None, owner: str) -> list:
+def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | None,
+                        owner: str) -> list[tuple[str, torch.Tensor]]:
     """[(name, parameter)] of the trainable parameters whose name `re.search`es one of `params` (None:
     all), in `named_parameters()` order (a tied parameter once)."""
     if not (params is None or isinstance(params, str) or isinstance(params, (list, tuple)) and all(
@@ -53,15 +65,16 @@ def selected_parameters(model: torch.nn.Module, params: str | Sequence[str] | No
         raise TypeError(f"{owner}: params must be None, a regular expression or a list of them, got {params!r}")
     patterns = [params] if isinstance(params, str) else params
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    chosen = [(name, p) for name, p in trainable
-              if patterns is None or any(re.search(pattern, name) for pattern in patterns)]
+    chosen: list[tuple[str, torch.Tensor]] = [
+        (name, p) for name, p in trainable if patterns is None or any(re.search(pattern, name) for pattern in patterns)]
     if not chosen:
         raise ValueError(f"{owner}: no trainable parameter name matches {params!r}; names are "
                          + ", ".join(name for name, _ in trainable[:12]))
     return chosen
 
 
-def layer_blocks(model: torch.nn.Module, params=None, min_numel: int = STRUCTURED_MIN_NUMEL) -> list:
+def layer_blocks(model: torch.nn.Module, params: str | Sequence[str] | None = None,
+                 min_numel: int = STRUCTURED_MIN_NUMEL) -> list[tuple[int, int, int]]:
     """The TensorSketch blocks of LayerSketch's map for these selected parameters: GradientSketch(d, dim,
     seed, blocks=layer_blocks(model, params, min_numel)) is that map (PerExampleGrads(structured=True))."""
     return Layout(model, selected_parameters(model, params, "layer_blocks")).blocks(min_numel)
@@ -70,28 +83,40 @@ def layer_blocks(model: torch.nn.Module, params=None, min_numel: int = STRUCTURE
 class LayerSketch:
     """Callable: per_example_losses_fn -> ((B, dim) sketches of the B per-example gradients, (B,) losses).
 
-    model:     an nn.Module (a DistributedDataParallel's module is used); its parameters are read at each
-               call. Examples must be independent in the forward (no BatchNorm or dropout in training mode:
-               refused), and every input of a recorded layer must have the examples on batch_dim, or 1 there
-               for an input whose output the model broadcasts over them (a transformers model called as usual,
-               `model(input_ids=x)`: its position embedding gets (1, T) position_ids).
-    dim, seed: the map's size and seed (GradientSketch); dim >= d gives the per-example gradients exactly.
-    params:    which parameters (as PerExampleGrads: None, or regular expressions searched in the names).
-    min_numel: weights of Linear / Conv1D / Embedding layers with at least this many entries are never
-               formed per example (TensorSketch blocks of the map).
-    batch_dim: the dim of every recorded layer's input (and output) that holds the examples: 0, or 1 for a
-               time-major model (an LSTM language model's (T, B) ids and (T, B, width) activations).
+    Args:
+        model: an nn.Module (a DistributedDataParallel's module is used); its parameters are read at each
+            call. Examples must be independent in the forward (no BatchNorm or dropout in training mode:
+            refused), and every input of a recorded layer must have the examples on batch_dim, or 1 there
+            for an input whose output the model broadcasts over them (a transformers model called as usual,
+            `model(input_ids=x)`: its position embedding gets (1, T) position_ids).
+        dim: D, the sketches' length (the map's size, `GradientSketch`); dim >= d gives the per-example
+            gradients exactly.
+        seed: the map's seed (`GradientSketch`): the same in every process gives the same map.
+        params: which parameters (as PerExampleGrads: None, or regular expressions searched in the names).
+        min_numel: weights of Linear / Conv1D / Embedding layers with at least this many entries are never
+            formed per example (TensorSketch blocks of the map).
+        batch_dim: the dim of every recorded layer's input (and output) that holds the examples: 0, or 1 for a
+            time-major model (an LSTM language model's (T, B) ids and (T, B, width) activations).
 
     A recorded layer's parameters must be used only through that layer's call (e.g. not nn.MultiheadAttention's
     out_proj, whose weight it reads directly): a layer never called whose parameters still get a gradient is
     refused with a ValueError after the backward.
 
-    Attributes: `names` (selected parameters), `d`, `sketch` (the GradientSketch), `dim`, `formed` (the names
-    of the parameters formed per example by the batched VJP).
+    Attributes:
+        names: the selected parameters' names, in ``named_parameters()`` order (a tied one once).
+        d: their total number of entries, the length of the gradients the sketches stand for.
+        sketch: the `GradientSketch` of the map.
+        dim: the sketches' length (d when dim >= d).
+        formed: the names of the parameters formed per example by the batched VJP (no layer rule).
+
+    Raises:
+        TypeError: model is not an ``nn.Module``, or dim, seed or min_numel is not an integer, or params is
+            neither None, a string nor a list of strings.
+        ValueError: dim or min_numel below 1, batch_dim not 0 or 1, or no trainable parameter selected.
     """
 
     def __init__(self, model: torch.nn.Module, dim: int, seed: int = 0, params: str | Sequence[str] | None = None,
-                 min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0):
+                 min_numel: int = STRUCTURED_MIN_NUMEL, batch_dim: int = 0) -> None:
         check_module("LayerSketch", model)
         dim, seed = check_int("LayerSketch", "dim", dim, 1), check_seed("LayerSketch", seed)
         min_numel = check_min_numel("LayerSketch", min_numel)
@@ -109,16 +134,18 @@ class LayerSketch:
         if self.formed:
             numel = sum(p.numel() for _, p in self.layout.formed)
             warnings.warn(f"LayerSketch: {len(self.formed)} parameter(s) ({numel} entries) belong to layers without "
-                          f"a per-layer rule and are formed per example, then CountSketched: "
+                          "a per-layer rule and are formed per example, then CountSketched: "
                           + ", ".join(self.formed[:8]) + (" ..." if len(self.formed) > 8 else ""), stacklevel=2)
         # the parameters outside the blocks: formed per example in a (B, d_rest) buffer, columns increasing
-        self._blocks = {}  # id(weight) -> its TensorBlock
+        self._blocks: dict[int, TensorBlock] = {}  # id(weight) -> its TensorBlock
         for _, p in chosen:
             block = None if self.sketch.is_identity else self.sketch.block_at(self.layout.offsets[id(p)])
             if block is not None:
                 self._blocks[id(p)] = block
         self._like = chosen[0][1]  # the sketches' dtype and device
-        self._rest, pieces, numel = {}, [], 0  # id(parameter) -> its column in the (B, d_rest) buffer
+        self._rest: dict[int, int] = {}  # id(parameter) -> its column in the (B, d_rest) buffer
+        pieces: list[torch.Tensor] = []
+        numel = 0
         for _, p in chosen:
             if id(p) not in self._blocks:
                 self._rest[id(p)] = numel
@@ -127,13 +154,26 @@ class LayerSketch:
                 numel += p.numel()
         self._rest_numel = numel
         self._index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-        self._tables = {}
+        # (device, dtype) -> the buckets and signs of the coordinates outside the blocks there (_finish)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, losses_fn: Callable[[], torch.Tensor], update_scale: float | None = None):
-        """losses_fn() runs the batched forward and returns the (B,) per-example losses. ONE backward of
-        their sum; update_scale c: also adds c * (gradient of the sum) to every trainable parameter's .grad
-        (c = 1 / B: the batch-mean loss's gradient), else no .grad is touched.
-        Returns (sketches (B, dim) in the parameters' dtype, detached; losses (B,) detached)."""
+    def __call__(self, losses_fn: Callable[[], torch.Tensor],
+                 update_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sketch a batch's per-example gradients by ONE backward of the sum of its per-example losses.
+
+        Args:
+            losses_fn: runs the batched forward and returns the (B,) per-example losses.
+            update_scale: c, or None: also add c * (the gradient of the losses' sum) to every trainable
+                parameter's ``.grad`` (c = 1 / B: the batch-mean loss's gradient); None touches no ``.grad``.
+
+        Returns:
+            (sketches, losses): sketches (B, dim) in the parameters' dtype and losses (B,), both detached.
+
+        Raises:
+            ValueError: losses that are not a (B,) tensor, a dropout module in training mode, an input without
+                the B examples on batch_dim, or a recorded layer whose parameters got a gradient outside its
+                call.
+        """
         state = _Pass()
         handles = self._record_calls(state)
         try:
@@ -157,7 +197,10 @@ class LayerSketch:
         return self._finish(state), losses.detach()
 
     def recording(self) -> "Recording":
-        """For a loop that runs its own backward (the HF Trainer, Lightning, DDP, mixed precision)::
+        """A recording of the sketches for a loop that runs its own backward (the HF Trainer, Lightning, DDP,
+        mixed precision).
+
+        Example::
 
             with sketcher.recording() as rec:
                 losses = per_example_losses(model(x))   # (B,): the forward runs inside the block
@@ -171,10 +214,15 @@ class LayerSketch:
         of the loss in losses[i] (read by a hook on `losses`; the sketch is linear, so row i is divided by
         c_i). Parameters without a layer rule are formed per example at watch() (a batched VJP that keeps
         the graph for the loop's backward). Unlike __call__, a layer used outside its forward is not
-        detected here."""
+        detected here.
+
+        Returns:
+            The context manager (`sorters.layer_sketch.Recording`): the forward inside it, ``watch(losses)``
+            with the (B,) per-example losses, the loop's backward, then ``sketches()``, (B, dim).
+        """
         return Recording(self)
 
-    def _record_calls(self, state) -> list:
+    def _record_calls(self, state: "_Pass") -> list[RemovableHandle]:
         """Forward hooks on the recorded layers: each call's input is kept, and its output's gradient,
         when it arrives in the backward, adds the call's contribution (then the input is dropped). A call whose
         input has one row on batch_dim, broadcast by the model over its B examples (GPT-2's default (1, T)
@@ -183,13 +231,13 @@ class LayerSketch:
         check_no_dropout("LayerSketch", self.model)
 
         # the model's call: how many examples a broadcast input serves
-        def count_examples(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        def count_examples(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             state.examples = examples_of_call(args, kwargs, self.batch_dim)
 
-        def record(module, args, output):
+        def record(module: torch.nn.Module, args: tuple[Any, ...], output: object) -> torch.Tensor | None:
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 a, output = spread_over_examples(args[0].detach(), output, state.examples, self.batch_dim)
-                entry = [module, a, None]
+                entry: list[Any] = [module, a, None]  # [the layer, its input (None once counted), unused]
                 output.register_hook(lambda g, entry=entry: self._on_grad(entry, g, state))
                 return output
             return None
@@ -198,21 +246,22 @@ class LayerSketch:
             [module.register_forward_hook(record) for module in self.layout.layers]
 
     @staticmethod
-    def _check_losses(losses) -> None:
+    def _check_losses(losses: object) -> None:
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
             raise ValueError(f"LayerSketch: the forward must give the (B,) per-example losses, got {shape}")
 
-    def _start(self, state, B: int) -> None:
+    def _start(self, state: "_Pass", B: int) -> None:
         dtype, device = self._like.dtype, self._like.device
         state.B, state.active, state.sketcher = B, True, self
         state.rest = torch.zeros(B, self._rest_numel, dtype=dtype, device=device)
         state.out = state.rest if self.sketch.is_identity else torch.zeros(B, self.dim, dtype=dtype, device=device)
         state.sink = BlockSink(state, self._blocks, state.out)  # the rules write through it (layer_rules.py)
 
-    def _on_grad(self, entry: list, g: torch.Tensor, state) -> None:
+    def _on_grad(self, entry: list[Any], g: torch.Tensor, state: "_Pass") -> None:
         """A recorded call's output gradient arrived: add its contribution, then drop its input."""
-        module, a = entry[0], entry[1]
+        module: torch.nn.Module = entry[0]
+        a: torch.Tensor | None = entry[1]
         if not state.active or a is None:  # the batched VJP's second pass, or a call already counted
             return
         entry[1] = None
@@ -227,10 +276,11 @@ class LayerSketch:
             check_units("LayerSketch", module, a, g, state.B, "examples")
             apply_rule(module, kind, *tokens(module, kind, a, g), state.sink)
 
-    def _update_params(self) -> list:
+    def _update_params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _check_calls(self, state, wanted, grads) -> None:
+    def _check_calls(self, state: "_Pass", wanted: Sequence[torch.Tensor],
+                     grads: Sequence[torch.Tensor | None]) -> None:
         """A recorded layer never called whose parameters got a gradient was used some other way."""
         grad_of = {id(p): g for p, g in zip(wanted, grads)}
         for module in self.layout.layers:
@@ -244,7 +294,7 @@ class LayerSketch:
                                      "used outside its forward (as in nn.MultiheadAttention); select other params")
 
     @staticmethod
-    def _add_update(wanted, grads, scale: float) -> None:
+    def _add_update(wanted: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], scale: float) -> None:
         for p, g in zip(wanted, grads):
             if g is None:
                 continue
@@ -253,7 +303,7 @@ class LayerSketch:
             else:
                 p.grad.add_(g, alpha=scale)
 
-    def _add_formed(self, losses: torch.Tensor, state, keep_graph: bool = False) -> None:
+    def _add_formed(self, losses: torch.Tensor, state: "_Pass", keep_graph: bool = False) -> None:
         """The parameters without a rule: per-example gradients by one batched VJP (rows of the identity)."""
         params = [p for _, p in self.layout.formed]
         eye = torch.eye(state.B, dtype=losses.dtype, device=losses.device)
@@ -263,7 +313,7 @@ class LayerSketch:
             if g is not None:
                 state.add(p, g)
 
-    def _finish(self, state) -> torch.Tensor:
+    def _finish(self, state: "_Pass") -> torch.Tensor:
         """out += P(rest): the coordinates outside the blocks, with the map's own buckets and signs."""
         if self.sketch.is_identity or not self._rest_numel:
             return state.out
@@ -277,21 +327,30 @@ class LayerSketch:
 class Recording:
     """LayerSketch.recording()'s context: the forward inside, watch(losses), the loop's backward, sketches()."""
 
-    def __init__(self, sketcher: LayerSketch):
-        self.sketcher, self.state, self._handles = sketcher, _Pass(), []
-        self._scale, self._formed = None, None
+    def __init__(self, sketcher: LayerSketch) -> None:
+        self.sketcher, self.state = sketcher, _Pass()
+        self._handles: list[RemovableHandle] = []
+        self._scale: torch.Tensor | None = None  # (B,) the loss's gradient in each watched loss
+        self._formed: torch.Tensor | None = None  # (B, d_rest) the parameters without a rule, formed at watch()
 
     def __enter__(self) -> "Recording":
         self._handles = self.sketcher._record_calls(self.state)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
     def watch(self, losses: torch.Tensor) -> None:
-        """losses: the (B,) per-example losses the loop's loss is built from (still attached to the graph)."""
+        """Start the recording of a batch.
+
+        Args:
+            losses: the (B,) per-example losses the loop's loss is built from (still attached to the graph).
+
+        Raises:
+            ValueError: losses that are not a (B,) tensor requiring grad.
+        """
         sketcher, state = self.sketcher, self.state
         sketcher._check_losses(losses)
         if not losses.requires_grad:
@@ -306,13 +365,21 @@ class Recording:
             self._formed = formed.rest
             state.active = True
 
-        def read_scale(g):
+        def read_scale(g: torch.Tensor) -> None:
             self._scale = g.detach()
 
         losses.register_hook(read_scale)
 
     def sketches(self) -> torch.Tensor:
-        """(B, dim) sketches of the per-example gradients, after the loop's backward."""
+        """The sketches of the watched batch, after the loop's backward.
+
+        Returns:
+            (B, dim) sketches of the per-example gradients.
+
+        Raises:
+            ValueError: no gradient reached the watched losses, or the loss gives an example a zero or
+                non-finite weight.
+        """
         sketcher, state = self.sketcher, self.state
         if self._scale is None:
             raise ValueError("LayerSketch.recording: no gradient reached the watched losses; call watch(losses) "
@@ -337,10 +404,15 @@ class _Pass(Sink):
     """One call's buffers: rest (B, d_rest) per-example gradients outside the blocks, out (B, dim); the rules'
     sink for the parameters outside the blocks (the blocks go to `sink`, a BlockSink over this one)."""
 
-    def __init__(self):
-        self.B, self.active, self.rest, self.out, self.called = 0, False, None, None, set()
-        self.examples = None  # the examples of the model's current call (examples_of_call)
-        self.sketcher, self.sink = None, None
+    def __init__(self) -> None:
+        self.B, self.active = 0, False
+        self.called: set[torch.nn.Module] = set()
+        self.examples: int | None = None  # the examples of the model's current call (examples_of_call)
+        # set by LayerSketch._start, before anything reads them (nothing does while `active` is False)
+        self.rest: torch.Tensor
+        self.out: torch.Tensor
+        self.sketcher: LayerSketch
+        self.sink: Sink
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
         """p's (B, *p.shape) columns of rest."""

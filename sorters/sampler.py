@@ -268,6 +268,7 @@ class CDGraBSampler(Sampler[int]):
         # CD-GraB's sign loop: sketches of a large model skip numba (sorters.balance.sign_loop_for)
         self.sorter: Sorter
         if exact:  # products of layer records (step_units); a float32 running sum, no (d,) float64 one
+            assert d is not None  # exact is CD-GraB's, which balances gradients: _check_sorter_needs refused None
             self.sorter = ExactCDGraB(num_replicas, m, d, seed=seed, device=device)
         else:
             self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs,

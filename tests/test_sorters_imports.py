@@ -17,11 +17,18 @@ FORBIDDEN = ("common", "engine", "data", "models", "analysis")
 LAYERS = {"common": 0, "sorters": 0, "data": 1, "models": 1, "engine": 2, "analysis": 3}
 
 
-def imported_modules(path: Path, package: str = "sorters") -> set[str]:
+def imported_modules(path: Path, package: str = "sorters", run_time: bool = False) -> set[str]:
     """Every module `path` imports, anywhere in the file (lazy imports in functions too); `from sorters
-    import x` names the submodule sorters.x when there is one, else the package itself."""
+    import x` names the submodule sorters.x when there is one, else the package itself. run_time: without
+    the imports under `if TYPE_CHECKING:`, which only a type checker reads (they never run)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for_annotations = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                       for statement in node.body for inner in ast.walk(statement)} if run_time else set()
+    for node in ast.walk(tree):
+        if id(node) in for_annotations:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -33,12 +40,22 @@ def imported_modules(path: Path, package: str = "sorters") -> set[str]:
 
 
 def sorters_graph() -> dict[str, set[str]]:
-    """module -> the sorters modules it imports ('sorters' is the package's __init__)."""
+    """module -> the sorters modules it imports when it runs ('sorters' is the package's __init__); an import
+    for annotations only (sorters.exact's of sorters.gather, which imports it) makes no arrow."""
     graph = {}
     for path in sorted((ROOT / "sorters").glob("*.py")):
         name = "sorters" if path.stem == "__init__" else f"sorters.{path.stem}"
-        graph[name] = {m for m in imported_modules(path) if m.split(".")[0] == "sorters"} - {name}
+        graph[name] = {m for m in imported_modules(path, run_time=True) if m.split(".")[0] == "sorters"} - {name}
     return graph
+
+
+def test_an_import_for_annotations_only_makes_no_arrow_at_run_time(tmp_path):
+    source = tmp_path / "module.py"
+    source.write_text("from typing import TYPE_CHECKING\nimport sorters.sketch\n\nif TYPE_CHECKING:\n"
+                      "    import sorters.gather\n\n\ndef f():\n    from sorters import balance\n")
+    assert imported_modules(source) >= {"sorters.sketch", "sorters.gather", "sorters.balance"}
+    assert imported_modules(source, run_time=True) >= {"sorters.sketch", "sorters.balance"}
+    assert "sorters.gather" not in imported_modules(source, run_time=True)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -76,12 +93,12 @@ def test_the_package_imports_no_circle():
 
 
 def rooms_graph() -> dict[str, set[str]]:
-    """module -> the suite's modules it imports, for every module of the rooms in LAYERS."""
+    """module -> the suite's modules it imports when it runs, for every module of the rooms in LAYERS."""
     graph = {}
     for room in LAYERS:
         for path in sorted((ROOT / room).glob("*.py")):
             name = room if path.stem == "__init__" else f"{room}.{path.stem}"
-            graph[name] = {m for m in imported_modules(path) if m.split(".")[0] in LAYERS} - {name}
+            graph[name] = {m for m in imported_modules(path, run_time=True) if m.split(".")[0] in LAYERS} - {name}
     return graph
 
 
