@@ -181,7 +181,8 @@ def add_step_flags(p) -> None:
                         "epoch's per-unit gradients in the order used (engine/herding_log.py; keeps n*m*d floats, "
                         "at most 512 MB; D-RR and the other non-balancing sorters compute per-unit gradients for it)")
     p.add_argument("--sketch-dim", type=int_flag(0), default=0, metavar="D",
-                   help="balancing sorters (CD-GraB, I-B, I-PB, KH-SGD, SBW) balance D-dimensional CountSketches "
+                   help="balancing sorters (CD-GraB, I-B, I-PB, KH-SGD, SBW, Greedy, MB-GraB, RPB) balance D-dimensional "
+                        "CountSketches "
                         "of the per-unit gradients (sorters/sketch.py), made by each process before the all-gather: n*k*D floats "
                         "gathered per step instead of n*k*d, plus the update's all-reduce (n*d). 0 (default): exact "
                         "balancing; D >= d: exact too (the identity). docs/sketching.md")

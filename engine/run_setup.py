@@ -82,7 +82,7 @@ def build_run(task, args, comm, device) -> Run:
         sorter = ExactCDGraB(n, m, d, seed=args.seed, device=device, sum_all=True, share=share)
     else:
         sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs,
-                              sign_loop=resolve_sign_loop(args, device, d, sorted_d))
+                              sign_loop=resolve_sign_loop(args, device, d, sorted_d), batch_size=k)
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer, sketch=sketch)
     if exact is None:  # the records of a step are the sorter's input only while it steps: no background thread

@@ -18,7 +18,15 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     flat, (n_local, k) = task.model.flat, unit_ids.shape
     batch = task.units(exchange.comm.local_workers, unit_ids)
     real_unit_grads = None  # this step's (n_local, k, d) per-unit gradients, where they were formed
-    if sorter.uses_grads and task.sketches_from_records(flat, exchange.sketch):  # --sketch-dim, no (units, d)
+    ended = False  # whether the task's end_step has run (worker_gradients calls it itself)
+    if sorter.uses_grads and getattr(sorter, "uses_batch_size", False):
+        # MB-GraB: a unit is a worker's whole step, its gradient the worker's mean gradient (n_local, 1, d), all
+        # gathered in place of the all-reduce; the update is their mean (sorters/microbatch.py)
+        worker_grads, _, worker_losses = task.worker_gradients(flat, exchange.comm.local_workers, unit_ids,
+                                                               per_unit=False)
+        unit_grads, local_mean_grad, local_loss, aux = worker_grads[:, None], None, worker_losses.mean(), None
+        ended = True
+    elif sorter.uses_grads and task.sketches_from_records(flat, exchange.sketch):  # --sketch-dim, no (units, d)
         unit_grads, local_mean_grad, unit_losses = task.unit_sketches(flat, batch, n_local, k, exchange.sketch)
         local_loss, aux = unit_losses.mean(), None
     elif sorter.uses_grads:
@@ -41,7 +49,8 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     if task.clip_grad_norm:
         update = clip_to_norm(update, task.clip_grad_norm)
     optimizer.step(update)
-    task.end_step(aux)
+    if not ended:
+        task.end_step(aux)
     return local_loss
 
 

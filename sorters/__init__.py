@@ -17,6 +17,14 @@
 | I-PB    | pair balance per worker                                      | own only       |
 | Fold    | ablation: fixed fold (evens, then odds reversed) per epoch,  | no             |
 |         | the original's buggy CD-GraB order (docs/differences.md)     |                |
+| FlipFlop| per worker: fresh permutation on even epochs, its reverse on | no             |
+|         | odd ones (Rajput et al. 2022)                                |                |
+| SWR     | sampling with replacement: m i.i.d. draws per worker         | no             |
+| Greedy  | greedy herding of each worker's stale centred gradients      | own only       |
+| MB-GraB | CD-GraB over fixed micro-batches (batch_size units each)     | all workers'   |
+|         | from the micro-batch gradients (no per-example gradient)     | micro-batch    |
+| RPB     | recursive pair balance in blocks of 16 (GraB-sampler),       | all workers'   |
+|         | one running sum per tree node for all workers                |                |
 
 For ordinary PyTorch / DDP loops: `CDGraBSampler` (sampler.py), a torch.utils.data.Sampler driving
 any of these sorters, and `PerExampleGrads` (per_example.py), per-example gradients by torch.func.
@@ -30,12 +38,17 @@ __version__ = "1.0.0"  # the one place the version is written: pyproject.toml re
 from sorters.balance import CDGraB, IndependentMeanBalance, IndependentPairBalance
 from sorters.base import Sorter
 from sorters.checks import NonFiniteGradientError
+from sorters.flipflop import FlipFlop
 from sorters.fold import Fold
+from sorters.greedy import GreedyHerding
 from sorters.herding import parallel_herding_bound
 from sorters.layer_sketch import LayerSketch
+from sorters.microbatch import MicroBatchGraB
 from sorters.per_example import PerExampleGrads, PerExampleLossGrads, per_example_grads
 from sorters.randomized import KernelHalving, SelfBalancingWalk
+from sorters.recursive import RecursivePairBalance
 from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
+from sorters.replacement import SampleWithReplacement
 from sorters.sampler import CDGraBSampler
 from sorters.settings import CDGraBSettings
 from sorters.shuffle import DistributedRandomReshuffle, DistributedShuffleOnce
@@ -45,4 +58,5 @@ __all__ = ["__version__", "SORTER_NAMES", "SORTERS", "Sorter", "NonFiniteGradien
            "parallel_herding_bound", "CDGraBSampler", "CDGraBSettings", "GradientSketch", "LayerSketch",
            "PerExampleGrads", "PerExampleLossGrads", "per_example_grads", "CDGraB", "IndependentMeanBalance",
            "IndependentPairBalance", "Fold", "KernelHalving", "SelfBalancingWalk", "DistributedRandomReshuffle",
-           "DistributedShuffleOnce"]
+           "DistributedShuffleOnce", "FlipFlop", "SampleWithReplacement", "GreedyHerding", "MicroBatchGraB",
+           "RecursivePairBalance"]

@@ -16,9 +16,10 @@ same seeded sorter on the same (all-gathered) gradients, so every process holds 
 
 Where the replicas live:
 - torch.distributed initialised (e.g. torchrun): one replica per process, num_replicas = world size,
-  rank = this process's rank. Balancing sorters (CD-GraB, KH-SGD, SBW, I-B, I-PB) all-gather the per-example
-  gradients inside step(): (world size * batch_size * d) floats per step. D-RR, D-SO and Fold ignore
-  gradients and communicate nothing: step(None) just counts the batch.
+  rank = this process's rank. Balancing sorters (CD-GraB, KH-SGD, SBW, I-B, I-PB, Greedy, RPB) all-gather the
+  per-example gradients inside step(): (world size * batch_size * d) floats per step; MB-GraB, whose unit is
+  the replica's whole batch (a fixed micro-batch), takes each replica's batch gradient: world size * d floats.
+  D-RR, D-SO, Fold, FlipFlop and SWR ignore gradients and communicate nothing: step(None) just counts the batch.
 - no process group (a plain `python` start): this process hosts ALL num_replicas replicas, like the
   engine's one-process mode. Each step's batch is every replica's batch_size examples, replica 0's
   first: a DataLoader with batch_size=loader_batch_size (num_replicas * batch_size) yields exactly
@@ -272,7 +273,8 @@ class CDGraBSampler(Sampler[int]):
             self.sorter = ExactCDGraB(num_replicas, m, d, seed=seed, device=device)
         else:
             self.sorter = build_sorter(sorter, num_replicas, m, sorted_d, seed=seed, device=device, epochs=epochs,
-                                       sign_loop=sign_loop_for(device, d or 1, sorted_d), nonfinite=nonfinite)
+                                       sign_loop=sign_loop_for(device, d or 1, sorted_d), nonfinite=nonfinite,
+                                       batch_size=batch_size)
         self.num_replicas, self.rank, self.seed, self.drop_last = num_replicas, rank, seed, drop_last
         self.epochs = epochs if self.sorter.uses_total_epochs else None
         self.batch_size, self.m, self.d = batch_size, m, d
@@ -423,6 +425,8 @@ class CDGraBSampler(Sampler[int]):
                 batch_size (fewer for the epoch's last batch when m % batch_size != 0), rows in the order the
                 sampler yielded the examples. None is accepted for sorters that ignore gradients. With
                 sketch_dim = D, the last dimension may also be D: sketches made with the same D and seed.
+                MB-GraB also takes (R, d) (or (R, 1, d)): each replica's micro-batch gradient, the mean gradient
+                of its b examples, which a data-parallel step computes anyway (no per-example gradient).
 
         Raises:
             ValueError: a step outside an epoch, a sampler built with exact=True (it takes step_units), or
@@ -449,7 +453,8 @@ class CDGraBSampler(Sampler[int]):
                 # handing sketches never needs it)
                 sketch = self.sketch if self.sketch_dim and rows.shape[-1] == self.d != self._sketched_width else None
                 every = sketch_then_gather(rows, sketch, all_gather_rows if self.gathers else None)
-                balanced = every.reshape(self.num_replicas, b, every.shape[-1])  # (num_replicas, b, D)
+                # (num_replicas, b, D); MB-GraB's micro-batch gradients: (num_replicas, 1, D)
+                balanced = every.reshape(self.num_replicas, -1, every.shape[-1])
         try:
             self.sorter.step(balanced, range(self.position, self.position + b))
         except NonFiniteGradientError as error:
@@ -550,6 +555,8 @@ class CDGraBSampler(Sampler[int]):
         widths = [d] + ([self._sketched_width] if self.sketch_dim and self._sketched_width != d else [])
         expected: list[tuple[int | str | None, ...]] = [
             shape for w in widths for shape in [(R * b, w)] + ([(R, b, w)] if R > 1 else [])]
+        if getattr(self.sorter, "uses_batch_size", False) and b > 1:  # MB-GraB: each replica's micro-batch gradient
+            expected += [shape for w in widths for shape in [(R, w)] + ([(R, 1, w)] if R > 1 else [])]
         if grads is not None and not torch.is_tensor(grads):
             raise TypeError(f"{self.sorter.name} sampler: step() takes the per-example gradients as a tensor of "
                             f"shape {' or '.join(map(str, expected))}, got a {type(grads).__name__}")

@@ -57,6 +57,11 @@ def one_line_error(call, *args, **kwargs) -> str:
 def test_each_replica_gets_a_permutation_of_its_own_block_every_epoch(sorter, n_examples, replicas, k, drop_last):
     """Also: a step is replica 0's k examples, then replica 1's, ... (the last step shorter when m % k)."""
     table = example_grads(n_examples, 5)
+    if sorter == "MB-GraB" and not drop_last and n_examples // replicas % k:  # its unit is a whole batch
+        with pytest.raises(ValueError, match=f"micro-batch of {k} units must divide the {n_examples // replicas} "
+                                             "units of each worker.*pass drop_last=True"):
+            CDGraBSampler(n_examples, batch_size=k, d=5, sorter=sorter, num_replicas=replicas, seed=3)
+        return
     sampler = CDGraBSampler(n_examples, batch_size=k, d=5, sorter=sorter, num_replicas=replicas, seed=3,
                             drop_last=drop_last, epochs=3)
     m = sampler.m
@@ -67,6 +72,9 @@ def test_each_replica_gets_a_permutation_of_its_own_block_every_epoch(sorter, n_
         assert len(yielded) == len(sampler)
         per_replica = torch.cat([chunk.view(replicas, -1) for chunk in yielded.split(replicas * k)], dim=1)
         for r in range(replicas):
+            if sorter == "SWR":  # m draws with replacement from the replica's own block
+                assert per_replica[r].min() >= r * m and per_replica[r].max() < (r + 1) * m
+                continue
             assert torch.equal(per_replica[r].sort().values, torch.arange(r * m, (r + 1) * m))
         assert torch.equal(per_replica, sampler.all_indices())
         for batch in yielded.split(replicas * k):
@@ -187,10 +195,11 @@ def test_every_refusal_says_what_to_do_word_for_word():
     S = CDGraBSampler
     cases = [
         (lambda: S(24, batch_size=2, d=3, sorter="GraB", num_replicas=4),
-         "unknown sorter 'GraB'; choose one of CD-GraB, D-RR, D-SO, I-B, I-PB, Fold, KH-SGD, SBW"),
+         "unknown sorter 'GraB'; choose one of CD-GraB, D-RR, D-SO, I-B, I-PB, Fold, KH-SGD, SBW, FlipFlop, SWR, "
+         "Greedy, MB-GraB, RPB"),
         (lambda: S(24, batch_size=2, sorter="D-RR", sketch_dim=4, num_replicas=4),
-         "sketch_dim must be 0, or > 0 with a sorter that balances gradients (CD-GraB, I-B, I-PB, KH-SGD, SBW); "
-         "got 4 with D-RR"),
+         "sketch_dim must be 0, or > 0 with a sorter that balances gradients (CD-GraB, I-B, I-PB, KH-SGD, SBW, Greedy, "
+         "MB-GraB, RPB); got 4 with D-RR"),
         (lambda: S(24, batch_size=2, d=3, num_replicas=0), "need num_replicas >= 1 and batch_size >= 1, got 0 and 2"),
         (lambda: S(24, batch_size=0, d=3, num_replicas=2), "need num_replicas >= 1 and batch_size >= 1, got 2 and 0"),
         (lambda: S(24, batch_size=2, sorter="D-RR", num_replicas=4, rank=4), "rank 4 is not in 0..3"),

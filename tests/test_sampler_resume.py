@@ -22,10 +22,13 @@ def sampler_configs() -> dict:
     configs = {}
     for sorter in SORTER_NAMES:
         base = dict(sorter=sorter, batch_size=3, drop_last=False, sketch_dim=0)
-        configs[sorter] = {**base, "n_examples": 14}  # m 7: steps of 3, 3, 1 examples
+        # MB-GraB's unit is a whole batch of 3: m a multiple of 3 (12: m 6, 18: m 9)
+        whole = SORTERS[sorter].__dict__.get("uses_batch_size", False)
+        configs[sorter] = {**base, "n_examples": 12 if whole else 14}  # m 7: steps of 3, 3, 1 examples
         configs[f"{sorter}-drop_last"] = {**base, "n_examples": 17, "drop_last": True}  # m 6; 5 examples unused
         if SORTERS[sorter].uses_grads:
-            configs[f"{sorter}-sketch"] = {**base, "n_examples": 16, "sketch_dim": 3}  # m 8: 3, 3, 2; D 3 < d 5
+            configs[f"{sorter}-sketch"] = {**base, "n_examples": 18 if whole else 16,
+                                           "sketch_dim": 3}  # m 8: 3, 3, 2; D 3 < d 5
     return configs
 
 

@@ -45,11 +45,14 @@ def test_orders_are_permutations_every_epoch(name, m, k):
     n, d = 3, 5
     z = unit_vectors(n, m, d)
     sorter = build_sorter(name, n_workers=n, m=m, d=d, seed=1, epochs=4)  # epochs: KH-SGD, SBW
+    # SWR's rows draw with replacement: unit ids in 0..m-1, repeats allowed
+    valid = is_permutation if getattr(SORTERS[name], "permutes", True) else \
+        (lambda row, m: bool(((row >= 0) & (row < m)).all()))
     for _ in range(4):
         orders = run_epoch(sorter, gather_units(z), k)
         assert orders.shape == (n, m) and orders.dtype == torch.long
-        assert all(is_permutation(row, m) for row in orders), orders
-    assert all(is_permutation(row, m) for row in sorter.sort())
+        assert all(valid(row, m) for row in orders), orders
+    assert all(valid(row, m) for row in sorter.sort())
 
 
 @pytest.mark.parametrize("name", SORTER_NAMES)

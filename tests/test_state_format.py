@@ -205,16 +205,19 @@ def run_on(name, state, z):
 # ------------------------------------------------------------------ a sorter's state
 
 SORTER_KINDS = [*SORTER_NAMES, "exact"]
+# the kinds whose states were saved without a format key (format 0) before the formats were recorded: the sorters
+# added since (FlipFlop, SWR, Greedy, MB-GraB, RPB) have only ever written format 1
+FORMAT_0_KINDS = ["CD-GraB", "D-RR", "D-SO", "I-B", "I-PB", "Fold", "KH-SGD", "SBW", "exact"]
 
 
 def test_the_hand_written_states_are_every_key_the_sorters_save():
     """So that the format-0 states below are states as the library wrote them: the same keys as a state
     saved now, less the format key (a sorter that saves a new key must give format 0 a migration)."""
-    for name in SORTER_KINDS:
+    for name in FORMAT_0_KINDS:
         assert fresh_sorter(name).state_dict().keys() - {FORMAT_KEY} == format0_sorter_state(name).keys(), name
 
 
-@pytest.mark.parametrize("name", SORTER_KINDS)
+@pytest.mark.parametrize("name", FORMAT_0_KINDS)
 def test_a_format_0_sorter_state_loads_with_the_orders_of_the_algorithm_and_of_format_1(name):
     z = units(SORTER_SEED)
     old = format0_sorter_state(name)

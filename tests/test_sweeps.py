@@ -168,7 +168,7 @@ def test_variant_is_not_skipped_as_the_finished_paper_run(env):
     (["--max-train-examples", "0"], "error: argument --max-train-examples: must be >= 1, got 0; see main-MLP-M4.py --help"),
     # checked for every sorter before any run: D-RR takes no sketch (not a failure after the CD-GraB runs)
     (["--sketch-dim", "64"], "error: --sketch-dim applies to the sorters that balance gradients (CD-GraB, I-B, "
-                             "I-PB, KH-SGD, SBW); --sorter D-RR uses none: drop --sketch-dim"),
+                             "I-PB, KH-SGD, SBW, Greedy, MB-GraB, RPB); --sorter D-RR uses none: drop --sketch-dim"),
     (["--seed", "3"], "error: the sweep sets --sorter and --seed of each run (and names the run by them): drop "
                       "them from the extra arguments and set SORTERS / SEEDS instead"),
 ])
