@@ -99,7 +99,8 @@ class CDGraBSettings:
 
     @property
     def uses_grads(self) -> bool:
-        """Whether the sorter balances gradients (False for D-RR, D-SO and Fold, for which none are formed)."""
+        """Whether the sorter balances gradients (False for D-RR, D-SO, Fold, FlipFlop and SWR, for which none are
+        formed)."""
         return SORTERS[self.sorter].uses_grads
 
     def exact_applies(self, model: torch.nn.Module) -> bool:
