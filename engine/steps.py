@@ -39,7 +39,7 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
     update, every_unit_grad = exchange.exchange(unit_grads, local_mean_grad)
     timer.lap("comm")
     if herding_log:  # the real gradients: not the sketches a --sketch-dim sorter gathered
-        gathered = every_unit_grad if exchange.sketch is None else None
+        gathered = every_unit_grad if exchange.sketch is None and not ended else None  # MB-GraB's are (n, 1, d)
         herding_log.record(positions.start // k, gathered, lambda: real_unit_grads if real_unit_grads is not None
                            else task.unit_grads(flat, batch, n_local, k)[0])
         timer.lap("compute")
