@@ -19,7 +19,9 @@
    with `python -I`: every module of the installed package imports (from the venv), the own-loop example
    (examples/standalone/own_loop.py) trains, and the docs' quick-start snippets run
    (tests/test_docs_blocks.py: quick_start_programs);
-7. type check, lint and API reference, where their configuration exists.
+7. type check (mypy), lint (ruff), the API reference (Sphinx, warnings as errors, every public name in it)
+   and the documented `pip install .` into a fresh venv: the tests marked `release_check`, which the test
+   command skips.
 
 Each step prints its wall time. A failed check: one line naming it (and the tool's output), exit 1.
 """
@@ -365,23 +367,15 @@ def release_checks(work: Path) -> list:
     with step("6. the wheel in a fresh venv, run from outside the checkout", times):
         check_installed(wheel, work, version)
     with step("7. type check, lint, API reference", times):
-        # ---- issue #59's type check, linter and generated reference: each runs where its configuration
-        # exists (pyproject.toml's [tool.mypy] / [tool.ruff], docs/reference/conf.py), in the clean copy, so
-        # that no cache or build lands in the checkout. Their commands are the ones docs/api.md states.
-        tools = tomllib.loads((source / "pyproject.toml").read_text()).get("tool", {})
-        if "mypy" in tools:
-            run([sys.executable, "-m", "mypy", "--cache-dir", work / "mypy-cache"], cwd=source, env=python_env,
-                what="mypy (pyproject.toml's [tool.mypy])")
-            print("   mypy: no errors")
-        if "ruff" in tools:
-            run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=source, env=python_env,
-                what="ruff check (pyproject.toml's [tool.ruff])")
-            print("   ruff: no findings")
-        if (source / "docs" / "reference" / "conf.py").exists():
-            run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-d", work / "doctrees",
-                 "docs/reference", work / "reference-html"], cwd=source, env=python_env,
-                what="the API reference (sphinx -W, docs/reference)")
-            print("   sphinx: the reference built, no warnings")
+        # the type check, the linter and the generated reference, with the commands docs/api.md states, and the
+        # documented `pip install .` into a fresh venv: the tests marked tests.helpers.release_check (skipped
+        # in the test command, which they would lengthen), run here in the clean copy, so that no cache or
+        # build lands in the checkout
+        release_tests = ["tests/test_types_and_lint.py", "tests/test_reference.py", "tests/test_packaging.py"]
+        checked = run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *release_tests],
+                      cwd=source, env={**python_env, "CDGRAB_RELEASE_CHECKS": "1"},
+                      what="the release-check tests (mypy, ruff, the reference's build, the documented install)")
+        print(f"   {checked.stdout.strip().splitlines()[-1]}")
     return times
 
 

@@ -14,6 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("CDGRAB_DATA") or REPO / ".." / "shared" / "data").resolve()
 
 
+# The heavy release checks (the type checker from a cold cache, the API reference's build, a pip install into
+# a fresh venv) run in scripts/release_checks.py, which .ci/run calls after the test command; there they run
+# with CDGRAB_RELEASE_CHECKS=1, and so may anyone here. Skipped otherwise, to keep the test command short.
+release_check = pytest.mark.skipif(os.environ.get("CDGRAB_RELEASE_CHECKS") != "1",
+                                   reason="a release check: scripts/release_checks.py (.ci/run) runs it; "
+                                          "CDGRAB_RELEASE_CHECKS=1 runs it here")
+
+
 def needs_data(*paths: str):
     """Marker for a test that reads these files or folders under DATA_DIR (e.g. "m4/Weekly-train.csv",
     "wikitext-2"; "a|b" when either will do). tests/conftest.py checks them before the test and its

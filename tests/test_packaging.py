@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, release_check
 
 pytestmark = pytest.mark.slow  # a pip build, and numba compiling CD-GraB's sign loop in a fresh folder
 
@@ -85,6 +85,7 @@ def test_the_documented_install_puts_torch_first():
     assert any(word == "torch==2.13.0" for word in steps[torch_steps[0]]), "the version requirements.txt pins"
 
 
+@release_check
 def test_the_documented_install_in_a_fresh_venv(tmp_path):
     """docs/sampler.md's commands (read from the page) in a fresh virtual environment, offline, in their
     order: `pip install torch==2.13.0`, `pip install .` (build isolation on), then the offline

@@ -11,7 +11,9 @@ Which commands run (one rule, so a new README command cannot be skipped by accid
   developer's own bookkeeping), `sbatch` (a SLURM job: tests/test_slurm.py renders the template) and
   `scripts/gpu_session.py` (the body of a lent GPU machine's call: tests/test_gpu_session.py runs its
   whole path on the CPU) and `scripts/mutation.py` (mutation testing: hours, a development check outside
-  the test command);
+  the test command); `python -m mypy`, `python -m ruff` and `python -m sphinx` (docs/api.md's type check,
+  linter and reference build: the release checks, scripts/release_checks.py, run them, through the tests
+  marked `release_check`);
 - every other `python` / `torchrun` command runs, in that order, in one fresh folder that sees the
   checkout's files (so `results/` and `figures/` land there), with the flags of TINY for its target
   appended (a tiny size: the last value of a repeated flag wins); a target TINY does not know fails the
@@ -35,6 +37,7 @@ README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]  # the order the commands run in
 SKIPPED_PROGRAMS = ("pip", "jupyter", "git", "sbatch")
 SKIPPED_SCRIPTS = ("scripts/gpu_session.py", "scripts/mutation.py")
+RELEASE_TOOLS = (["mypy"], ["ruff"], ["sphinx"])  # docs/api.md's commands: the release checks run them
 # appended to a command by the prefix of its target (the script, or `-m module`); {epochs} is 1, or past
 # the command's own --warmup-epochs (which must end before the last epoch)
 TINY = {  # the first prefix that matches wins; the LSTM and GPT-2 evaluate slowly, so they get less
@@ -87,7 +90,7 @@ def split_env(words: list[str]) -> tuple[dict, list[str]]:
 
 def is_skipped(words: list[str]) -> bool:
     _, argv = split_env(words)
-    module_run = argv[:2] == ["python", "-m"] and argv[2:3] in (["pytest"], ["analysis"], ["venv"])
+    module_run = argv[:2] == ["python", "-m"] and argv[2:3] in (["pytest"], ["analysis"], ["venv"], *RELEASE_TOOLS)
     return (argv[0] in SKIPPED_PROGRAMS or argv[0] in ("export", ".", "source") or module_run
             or any(word.endswith(".sh") for word in argv[:1]) or any(word in SKIPPED_SCRIPTS for word in argv))
 

@@ -1,13 +1,12 @@
 """The linter and the type checker of the library (issue #59), as pyproject.toml configures them: `ruff check`
-(sorters/ and the release checks' tests) with 0 findings, and `mypy` (sorters/) with 0 errors. mypy takes about
-40 s of CPU from a cold cache, so it runs here only with CDGRAB_RELEASE_CHECKS=1 (the release checks run
-`python -m mypy` themselves); its cache goes to a temporary folder, never into the checkout."""
-import os
+(sorters/ and the release checks' tests) with 0 findings, and `mypy` (sorters/) with 0 errors. mypy from a cold
+cache is slow, so it is a release check (tests.helpers.release_check: scripts/release_checks.py runs it); its cache
+goes to a temporary folder, never into the checkout."""
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.helpers import release_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,8 +17,7 @@ def test_ruff_finds_nothing():
     assert found.returncode == 0, f"ruff check:\n{found.stdout}{found.stderr}"
 
 
-@pytest.mark.skipif(os.environ.get("CDGRAB_RELEASE_CHECKS") != "1", reason="mypy: a release check "
-                    "(CDGRAB_RELEASE_CHECKS=1 runs it here; .ci/run runs python -m mypy)")
+@release_check
 def test_mypy_finds_nothing(tmp_path):
     checked = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "mypy-cache")],
                              cwd=ROOT, capture_output=True, text=True, timeout=600)
