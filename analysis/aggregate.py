@@ -450,6 +450,78 @@ def reorderer_curves(runs: pd.DataFrame, benchmark: str) -> pd.DataFrame:
                         rank=table["sorter"].map(reorderer_order))
 
 
+# ------------------------------------------------------------------------------------------- the leaderboard
+# Issue #60's orderers: compared with every other orderer in the leaderboard; the benchmarks' paper-vs-ours
+# tables and figures keep the paper's comparison (and their epoch times stay those of runs made alone).
+LEADERBOARD_ONLY = ("FlipFlop", "SWR", "Greedy", "MB-GraB", "RPB")
+LEADERBOARD_STUDIES = ("", "reorderers")  # where runs with the paper's settings live (own folder first)
+NEEDS = ("nothing", "per-worker gradients", "per-example gradients")
+
+
+def gradients_needed(sorter: str) -> str:
+    """What an orderer needs beyond plain training, read from its class in the library: "nothing" (it
+    ignores gradients), "per-worker gradients" (its unit is a worker's micro-batch, whose gradient every
+    data-parallel step computes anyway) or "per-example gradients"; "?" for a name the library lacks."""
+    from sorters.registry import SORTERS  # here: reading runs needs no torch import
+
+    cls = SORTERS.get(sorter)
+    if cls is None:
+        return "?"
+    if not cls.uses_grads:
+        return NEEDS[0]
+    return NEEDS[1] if getattr(cls, "uses_batch_size", False) else NEEDS[2]
+
+
+def leaderboard_runs(df: pd.DataFrame, configs: pd.DataFrame) -> pd.DataFrame:
+    """The leaderboard's runs: every finished run (it reached its --epochs) with its benchmark's paper
+    settings, from the benchmark's own folder or the reorderers study (LEADERBOARD_STUDIES); a (benchmark,
+    sorter, seed) run in both counts once, the own folder's. df: a load_runs frame; configs: its
+    load_configs."""
+    if not len(df) or "paper_settings" not in df.columns:
+        return df.iloc[:0]
+    runs = df[df["paper_settings"] & df["study"].isin(LEADERBOARD_STUDIES)]
+    wanted = config_args(configs, ["epochs"]).set_index("run_dir")["epochs"]
+    last = runs.groupby("run_dir")["epoch"].max()
+    finished = [run for run, epoch in last.items() if epoch >= int(wanted.get(run) or 0) > 0]
+    runs = runs[runs["run_dir"].isin(finished)]
+    order = runs["study"].map({study: i for i, study in enumerate(LEADERBOARD_STUDIES)})
+    first = runs.assign(order=order).sort_values(["order", "run_dir"]).drop_duplicates(["benchmark", "sorter", "seed"])
+    return runs[runs["run_dir"].isin(first["run_dir"])]
+
+
+def leaderboard(runs: pd.DataFrame) -> tuple:
+    """The leaderboard of leaderboard_runs' `runs`: (table, curves).
+
+    table: one row per (benchmark, orderer), best final train loss first (`rank`): needs
+    (gradients_needed), seeds (count) and seed_list, epoch (the runs' last), train_loss / train_loss_std
+    and final / final_std (the headline `metric`) at that epoch, mean and population std over seeds
+    (std_over_seeds: NaN for one seed); target: D-RR's final train loss (mean over its seeds); reaches: the
+    first epoch at which the orderer's mean train loss over seeds is at most target (NaN: never, or no
+    D-RR runs). curves: per benchmark, orderer and epoch, the train loss's mean and std over seeds and the
+    orderer's rank (the figure's curves)."""
+    tables, curves = [], []
+    for benchmark, bench in runs.groupby("benchmark", sort=True) if len(runs) else []:
+        metric = headline_metrics(bench, benchmark)[0]
+        curve = _curves(bench, "sorter", "train_loss")
+        last = bench[bench["epoch"] == bench.groupby("run_dir")["epoch"].transform("max")]
+        rows = last.groupby("sorter").agg(seeds=("seed", "nunique"), epoch=("epoch", "max"),
+                                          train_loss=("train_loss", "mean"), train_loss_std=("train_loss", std_over_seeds),
+                                          final=(metric, "mean"), final_std=(metric, std_over_seeds)).reset_index()
+        rows["seed_list"] = rows["sorter"].map(last.groupby("sorter")["seed"].agg(lambda s: sorted(int(v) for v in s)))
+        target = rows.set_index("sorter")["train_loss"].get("D-RR", float("nan"))
+        reached = curve[curve["mean"] <= target].groupby("sorter")["epoch"].min()
+        rows = rows.assign(benchmark=benchmark, metric=metric, target=target, reaches=rows["sorter"].map(reached),
+                           needs=rows["sorter"].map(gradients_needed))
+        rows = rows.sort_values(["train_loss", "sorter"], ignore_index=True)
+        rows["rank"] = range(len(rows))
+        tables.append(rows)
+        curves.append(curve.assign(benchmark=benchmark, rank=curve["sorter"].map(rows.set_index("sorter")["rank"])))
+    columns = ["benchmark", "rank", "sorter", "needs", "seeds", "seed_list", "epoch", "train_loss", "train_loss_std",
+               "metric", "final", "final_std", "target", "reaches"]
+    table = pd.concat(tables, ignore_index=True)[columns] if tables else pd.DataFrame(columns=columns)
+    return table, pd.concat(curves, ignore_index=True) if curves else pd.DataFrame()
+
+
 # ------------------------------------------------------------------------------------------- all at once
 @dataclass
 class Tables:
@@ -468,6 +540,8 @@ class Tables:
     sketching_ratios: pd.DataFrame  # herding_ratios of the sketched variants and D-RR; benchmark, rank, dim
     reorderers: pd.DataFrame       # reorderer_curves, every benchmark
     final: pd.DataFrame            # final_table of every run
+    leaderboard: pd.DataFrame      # leaderboard's table, every benchmark
+    leaderboard_curves: pd.DataFrame  # leaderboard's curves, every benchmark
 
 
 def _sketching_tables(df: pd.DataFrame, configs: pd.DataFrame) -> tuple:
@@ -492,13 +566,15 @@ def aggregate_all(df: pd.DataFrame, hdf: pd.DataFrame | None = None, configs: pd
     it with the runs). band: "std" or "minmax", the curves' shaded band."""
     configs = load_configs(df) if configs is None else configs
     own = df[df["study"] == ""] if len(df) else df  # the benchmarks' own runs; studies get their own figures
+    paper_comparison = own[~own["sorter"].isin(LEADERBOARD_ONLY)] if len(own) else own
     sketching, panels, ratios = _sketching_tables(df, configs)
     reorderers = [reorderer_curves(reorderer_runs(df, benchmark, configs), benchmark)
                   for benchmark in sorted(df.loc[df["study"] == "reorderers", "benchmark"].unique())] if len(df) else []
-    return Tables(band=band, curves=benchmark_curves(own, band), times=time_breakdown(own),
+    board, board_curves = leaderboard(leaderboard_runs(df, configs))
+    return Tables(band=band, curves=benchmark_curves(paper_comparison, band), times=time_breakdown(paper_comparison),
                   herding=aggregate_herding(hdf if hdf is not None else pd.DataFrame(), band),
                   heterogeneity=final_points(df, "partition"), scaling=final_points(df, "node_cnt"),
                   scaling_herding=herding_per_epoch(df), communication=communication_table(df, configs),
                   sketching=sketching, sketching_panels=panels, sketching_ratios=ratios,
                   reorderers=pd.concat(reorderers, ignore_index=True) if reorderers else pd.DataFrame(),
-                  final=final_table(df))
+                  final=final_table(df), leaderboard=board, leaderboard_curves=board_curves)

@@ -10,6 +10,7 @@ is nothing to draw); `draw_all` saves them as PNG and PDF:
     <out>/communication-<benchmark>.{png,pdf}   the communication study (analysis/studies.py)
     <out>/sketching-<benchmark>.{png,pdf}       the sketching study (analysis/studies.py)
     <out>/reorderers-<benchmark>.{png,pdf}      the reorderers study (analysis/studies.py)
+    <out>/leaderboard.{png,pdf}                 every orderer on the paper's settings (analysis/studies.py)
     <out>/heterogeneity.{png,pdf}               final train loss and metric vs --partition (runs that differ in it)
     <out>/scaling.{png,pdf}                     final train loss and metric vs workers n, herding_bound per epoch
 

@@ -7,6 +7,8 @@ table analysis.aggregate.aggregate_all has already made:
                     #31); its training curves are drawn against the benchmark's own exact CD-GraB and D-RR runs
     reorderers      other coordinated reorderers (KH-SGD, SBW: issue #21), drawn against the
                     benchmark's CD-GraB and D-RR runs of the same settings
+    leaderboard     every orderer with runs of the paper's settings (the benchmarks' own and the
+                    reorderers study's, issue #60's orderers among them), one row per benchmark
 
 `study_figures(tables)` returns {file stem: Figure} for every study present. The studies' tables
 (communication_table, sketching_runs, herding_ratios, reorderer_runs, ...) are in analysis/aggregate.py.
@@ -14,6 +16,7 @@ table analysis.aggregate.aggregate_all has already made:
 import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import STRUCTURED
 from analysis.style import (REDUCER_FILL, STRATEGY_MARKERS, metric_label, scale_value_axis, sketch_colours,
@@ -188,6 +191,68 @@ def plot_herding_ratios(ax, ratios: pd.DataFrame, colours: dict) -> None:
     ax.legend(handles=proxies, fontsize=7, loc="best")
 
 
+NEEDS_MARKERS = {"nothing": "o", "per-worker gradients": "s", "per-example gradients": "^"}
+
+
+def plot_leaderboard(table: pd.DataFrame, curves: pd.DataFrame):
+    """The leaderboard, one row of panels per benchmark: the train loss per epoch of every orderer (mean
+    over seeds, std band; y range: the later epochs, where the orderers differ), then each orderer's final
+    train loss and final headline metric (mean ± std over seeds as error bars, best train loss on top;
+    marker: what the orderer needs, NEEDS_MARKERS; dotted line: D-RR's value). table, curves:
+    aggregate.leaderboard (Tables.leaderboard, Tables.leaderboard_curves). None without runs."""
+    if not len(table):
+        return None
+    benchmarks = sorted(table["benchmark"].unique())
+    fig, axes = plt.subplots(len(benchmarks), 3, figsize=(18, 4.4 * len(benchmarks)), squeeze=False)
+    for row, benchmark in zip(axes, benchmarks):
+        rows = table[table["benchmark"] == benchmark].sort_values("rank")
+        styles = sorter_styles(rows["sorter"])
+        _leaderboard_curves(row[0], curves[curves["benchmark"] == benchmark], styles)
+        row[0].set_title(f"{benchmark}: train loss (y range: epochs {max(2, int(rows['epoch'].max() * 0.3))} on)",
+                         fontsize=10)
+        for ax, column, label in ((row[1], "train_loss", "final train loss"),
+                                  (row[2], "final", f"final {metric_label(rows['metric'].iloc[0], benchmark)}")):
+            for y, entry in enumerate(rows.itertuples()):
+                spread = getattr(entry, f"{column}_std")
+                ax.errorbar(getattr(entry, column), -y, xerr=0 if spread != spread else spread, capsize=3,
+                            marker=NEEDS_MARKERS.get(entry.needs, "x"), color=styles[entry.sorter]["color"],
+                            linestyle="none", markersize=7)
+            drr = rows.loc[rows["sorter"] == "D-RR", column]
+            if len(drr):
+                ax.axvline(drr.iloc[0], color="gray", linestyle=":", linewidth=1)
+            ax.set_yticks([-y for y in range(len(rows))],
+                          [f"{entry.sorter} ({entry.seeds} seed{'s' * (entry.seeds > 1)})" for entry in rows.itertuples()])
+            ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+            ax.xaxis.set_major_locator(MaxNLocator(5))  # long plain labels: fewer of them
+            ax.set_xlabel(f"{label} at epoch {int(rows['epoch'].max())} (mean ± std over seeds; dotted: D-RR)")
+            ax.grid(alpha=0.3)
+    proxies = [Line2D([], [], linestyle="none", marker=marker, color="gray", label=f"needs {needs}")
+               for needs, marker in NEEDS_MARKERS.items()]
+    axes[0][2].legend(handles=proxies, fontsize=8, loc="best")
+    fig.suptitle("Every orderer on the paper's settings (best final train loss on top)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _leaderboard_curves(ax, curves, styles):
+    """The leaderboard's curve panel: a mean curve and std band per orderer, the y range that of the
+    later epochs (from 30% of the last on, at least epoch 2)."""
+    first = max(2, int(curves["epoch"].max() * 0.3))
+    for sorter in _in_order(curves, "sorter"):
+        curve = curves[curves["sorter"] == sorter].sort_values("epoch")
+        colour = styles[sorter]["color"]
+        ax.plot(curve["epoch"], curve["mean"], color=colour, linewidth=1.3, label=sorter)
+        ax.fill_between(curve["epoch"], curve["mean"] - curve["std"].fillna(0), curve["mean"] + curve["std"].fillna(0),
+                        color=colour, alpha=0.1, linewidth=0)
+    late = curves[curves["epoch"] >= first]
+    low, high = (late["mean"] - late["std"].fillna(0)).min(), (late["mean"] + late["std"].fillna(0)).max()
+    ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+    ax.set_xlabel("epoch")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+
+
 def _in_order(table: pd.DataFrame, column: str) -> list:
     """The values of `column` in the order of the table's `rank` column (aggregate made it: variant_order,
     reorderer_order), so that drawing need not know the order."""
@@ -204,4 +269,5 @@ def study_figures(tables) -> dict:
                                                         tables.sketching_ratios, benchmark)
     for benchmark in sorted(tables.reorderers["benchmark"].unique()) if len(tables.reorderers) else []:
         figs[f"reorderers-{benchmark}"] = plot_reorderers(tables.reorderers, benchmark)
+    figs["leaderboard"] = plot_leaderboard(tables.leaderboard, tables.leaderboard_curves)
     return {name: fig for name, fig in figs.items() if fig is not None}

@@ -7,7 +7,8 @@ mean ± std over seeds (n = seed count) at the paper's epoch, the CD-GraB - D-RR
 seconds per epoch, and the herding bound after the last round; then the heterogeneity and
 worker-scaling studies (issue #10): final values per partition / worker count, mean ± std over seeds, and
 the communication study (issue #9), the sketching study (issue #20; with its herding bounds per seed over
-exact CD-GraB's, issue #31) and the reorderers study (issue #21).
+exact CD-GraB's, issue #31) and the reorderers study (issue #21); last the leaderboard of every orderer
+(issue #60; its orderers are left out of the paper-vs-ours tables).
 Where a sorter has no run at the paper's epoch yet (partial runs), every sorter is reported at the last
 epoch each of them reached, over the runs that reached it, and the row is marked partial.
 """
@@ -21,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from common.errors import OneLineErrorParser  # noqa: E402
 from analysis import default_results_dir, load_herding, load_runs, lstm_setting  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
-from analysis.aggregate import (communication_table, headline_metrics, herding_ratios, partition_order,  # noqa: E402
-                                reorderer_order, reorderer_runs, sketching_runs, variant_order)
+from analysis.aggregate import (LEADERBOARD_ONLY, communication_table, headline_metrics, herding_ratios,  # noqa: E402
+                                leaderboard, leaderboard_runs, partition_order, reorderer_order, reorderer_runs,
+                                sketching_runs, variant_order)
+from analysis.load import load_configs  # noqa: E402
 
 
 def mean_std(values) -> str:
@@ -52,7 +55,7 @@ def benchmark_table(df, benchmark: str, alone: dict | None = None) -> list[str]:
     comparison_point's epochs and seeds for every column; a column whose runs there are another set of
     seeds (fewer: an ablation run for one seed) names them in its cells. Then the training seconds per
     epoch: of a GPU run only its epochs alone on the GPU (`alone`: alone_epochs), else every epoch."""
-    runs = df[df["benchmark"] == benchmark]
+    runs = df[(df["benchmark"] == benchmark) & ~df["sorter"].isin(LEADERBOARD_ONLY)]  # those: leaderboard_markdown
     if runs.empty:
         return [f"No {benchmark} runs.", ""]
     lines = []
@@ -350,6 +353,35 @@ def reorderers_markdown(df) -> list[str]:
     return lines
 
 
+def leaderboard_markdown(df) -> list[str]:
+    """The leaderboard (issue #60), per benchmark: every orderer with finished runs of the paper's settings
+    (analysis.aggregate.leaderboard_runs: the benchmark's own and the reorderers study's), best final
+    train loss first: what it needs beyond plain training, its seeds, the final train loss and headline
+    metric (mean ± population std over seeds at the runs' last epoch) and the first epoch at which its mean
+    train loss over seeds is at most D-RR's final one ("never" if it does not get there)."""
+    table, _ = leaderboard(leaderboard_runs(df, load_configs(df))) if len(df) else (None, None)
+    lines = []
+    for benchmark, rows in table.groupby("benchmark", sort=True) if table is not None else []:
+        metric, epoch = rows["metric"].iloc[0], int(rows["epoch"].max())
+        lines += [f"| {benchmark}, epoch {epoch} | needs | seeds | final train loss | final {metric} | "
+                  f"epoch reaching D-RR's final train loss ({rows['target'].iloc[0]:.5f}) |",
+                  "|---|---|---|---|---|---|"]
+        for row in rows.itertuples():
+            reaches = "never" if row.reaches != row.reaches else str(int(row.reaches))
+            seeds = seed_list(row.seed_list).split(" ", 1)[1]  # "seeds 0-4": 0-4
+            lines.append(f"| {row.sorter} | {row.needs} | {seeds} | "
+                         f"{_plus_minus(row.train_loss, row.train_loss_std)} | "
+                         f"{_plus_minus(row.final, row.final_std)} | {reaches} |")
+        lines.append("")
+    return lines
+
+
+def _plus_minus(mean: float, std: float) -> str:
+    """'mean ± std' with mean_std's digits; one seed (std NaN): the mean alone."""
+    digits = 5 if abs(mean) < 10 else 2
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if std == std else f"{mean:.{digits}f}"
+
+
 def main():
     parser = OneLineErrorParser(prog="python scripts/reproduction_tables.py", description=__doc__.split("\n\n")[0],
                                 epilog="Prints Markdown to stdout.")
@@ -376,6 +408,7 @@ def main():
     print("\n".join(sketching_markdown(everything)))
     print("\n".join(sketching_ratio_markdown(everything)))
     print("\n".join(reorderers_markdown(everything)))
+    print("\n".join(leaderboard_markdown(everything)))
 
 
 if __name__ == "__main__":

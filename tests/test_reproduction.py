@@ -155,7 +155,7 @@ def test_analysis_draws_the_reproduction_figures(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("LR-HMDA-vs-epoch", "MLP-M4-vs-epoch", "LSTM-Wiki2-vs-epoch", "GPT2-Wiki103-vs-epoch",
                  "herding-bound", "heterogeneity", "scaling", "communication-MLP-M4", "sketching-MLP-M4", "sketching-LR-HMDA",
-                 "reorderers-LR-HMDA", "reorderers-MLP-M4"):
+                 "reorderers-LR-HMDA", "reorderers-MLP-M4", "leaderboard"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
     assert "MLP-M4" in (tmp_path / "final-metrics.csv").read_text()
 

@@ -1,0 +1,144 @@
+"""The leaderboard of every orderer (issue #60): which runs it takes, its numbers recomputed here from the
+metrics.csv files with the csv module and statistics (an implementation of its own, not the analysis'),
+what each orderer needs (from docs/sorters.md's table, written out here), and its figure. Small run folders
+written here; the paper's settings are a shipped LR-HMDA run's config.json."""
+import csv
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, before pyplot is imported
+import pytest  # noqa: E402
+
+from tests.helpers import REPO  # noqa: E402
+
+SHIPPED_CONFIG = json.loads((REPO / "reproduction" / "LR-HMDA" / "CD-GraB-node4-B16-lr0.005-seed0" / "config.json")
+                            .read_text())
+EPOCHS = SHIPPED_CONFIG["args"]["epochs"]
+# docs/sorters.md's "needs gradients" column, in the leaderboard's words
+NEEDS = {"CD-GraB": "per-example gradients", "D-RR": "nothing", "D-SO": "nothing", "I-B": "per-example gradients",
+         "I-PB": "per-example gradients", "Fold": "nothing", "KH-SGD": "per-example gradients",
+         "SBW": "per-example gradients", "FlipFlop": "nothing", "SWR": "nothing", "Greedy": "per-example gradients",
+         "MB-GraB": "per-worker gradients", "RPB": "per-example gradients"}
+
+
+def tables_module():
+    spec = importlib.util.spec_from_file_location("reproduction_tables", REPO / "scripts" / "reproduction_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_run(root: Path, sorter: str, seed: int, losses, study: str = "", epochs: int = EPOCHS, **changed) -> Path:
+    """An LR-HMDA run folder under root[/study]: the shipped config with this sorter, seed and changed args,
+    and a metrics.csv of these per-epoch train losses (test accuracy 0.9 + loss / 10)."""
+    config = json.loads(json.dumps(SHIPPED_CONFIG))
+    config["args"].update(sorter=sorter, seed=seed, epochs=epochs, **changed)
+    folder = root / study / "LR-HMDA" / f"{sorter}-{len(changed)}-seed{seed}"
+    folder.mkdir(parents=True)
+    config["args"]["out"] = str(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    rows = "".join(f"{e},{loss!r},{loss!r},0.9,{0.9 + loss / 10!r},2.0\n" for e, loss in enumerate(losses, 1))
+    (folder / "metrics.csv").write_text("epoch,train_loss,test_loss,train_acc,test_acc,epoch_seconds\n" + rows)
+    return folder
+
+
+def curve(start: float, end: float, wiggle: float = 0.0):
+    """EPOCHS train losses falling from start to end, epoch e off by wiggle * (-1)^e."""
+    return [start + (end - start) * (e / EPOCHS) ** 0.5 + wiggle * (-1) ** e for e in range(1, EPOCHS + 1)]
+
+
+@pytest.fixture(scope="module")
+def fabricated(tmp_path_factory):
+    """Runs the leaderboard must take (counted) and ones it must leave out (each says why)."""
+    root = tmp_path_factory.mktemp("leaderboard")
+    taken = [write_run(root, "D-RR", 0, curve(0.30, 0.280, 0.001)), write_run(root, "D-RR", 1, curve(0.30, 0.282)),
+             write_run(root, "FlipFlop", 0, curve(0.30, 0.279)), write_run(root, "FlipFlop", 1, curve(0.31, 0.2805)),
+             write_run(root, "CD-GraB", 0, curve(0.29, 0.276)),
+             write_run(root, "KH-SGD", 3, curve(0.30, 0.277), study="reorderers")]
+    write_run(root, "FlipFlop", 2, curve(0.30, 0.20)[:30])                 # unfinished
+    write_run(root, "FlipFlop", 3, curve(0.30, 0.20), lr=0.05)             # not the paper's settings
+    write_run(root, "D-RR", 4, curve(0.30, 0.20), study="heterogeneity")  # another study
+    return root, taken
+
+
+def oracle(runs):
+    """{sorter: (seeds, final losses, final accuracies, first epoch whose mean loss <= D-RR's final mean)}
+    from the metrics.csv files."""
+    losses = {}
+    for run in runs:
+        sorter = json.loads((run / "config.json").read_text())["args"]["sorter"]
+        with open(run / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        losses.setdefault(sorter, []).append(([float(r["train_loss"]) for r in rows], float(rows[-1]["test_acc"])))
+    target = statistics.mean(loss[-1] for loss, _ in losses["D-RR"])
+    found = {}
+    for sorter, runs_of in losses.items():
+        means = [statistics.mean(values) for values in zip(*(loss for loss, _ in runs_of))]
+        reaches = next((e for e, mean in enumerate(means, 1) if mean <= target), None)
+        found[sorter] = (len(runs_of), [loss[-1] for loss, _ in runs_of], [acc for _, acc in runs_of], reaches)
+    return target, found
+
+
+def plus_minus(values):
+    return f"{statistics.mean(values):.5f} ± {statistics.pstdev(values):.5f}" if len(values) > 1 \
+        else f"{values[0]:.5f}"
+
+
+def test_the_leaderboard_table_is_the_runs_final_values_and_epochs_to_d_rr(fabricated):
+    from analysis import load_runs
+
+    root, taken = fabricated
+    text = "\n".join(tables_module().leaderboard_markdown(load_runs(root, include_incomplete=True, warn=False)))
+    target, found = oracle(taken)
+    assert f"| LR-HMDA, epoch {EPOCHS} | needs | seeds | final train loss | final test_acc | epoch reaching D-RR's " \
+           f"final train loss ({target:.5f}) |" in text, text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "epoch reaching" not in line]
+    order = sorted(found, key=lambda sorter: statistics.mean(found[sorter][1]))
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == order, text  # best final loss first
+    seeds = {"D-RR": "0-1", "FlipFlop": "0-1", "CD-GraB": "0", "KH-SGD": "3"}
+    for row, sorter in zip(rows, order):
+        count, losses, accuracies, reaches = found[sorter]
+        assert row == (f"| {sorter} | {NEEDS[sorter]} | {seeds[sorter]} | {plus_minus(losses)} | "
+                       f"{plus_minus(accuracies)} | {reaches or 'never'} |"), row
+    assert found["D-RR"][3] is not None and found["CD-GraB"][3] < found["D-RR"][3]  # the runs test what they should
+
+
+def test_every_orderer_needs_what_docs_sorters_says():
+    from analysis.aggregate import gradients_needed
+    from sorters.registry import SORTER_NAMES
+
+    assert {name: gradients_needed(name) for name in SORTER_NAMES} == NEEDS
+    assert gradients_needed("no-such-sorter") == "?"
+
+
+def test_issue_60s_orderers_are_in_the_leaderboard_only_and_drawn_there(fabricated, monkeypatch):
+    """The paper-vs-ours table and the benchmark figures keep the paper's comparison; the leaderboard figure
+    has a point per orderer and panel, at the orderer's mean final value, and a curve per orderer."""
+    import matplotlib.pyplot as plt
+
+    from analysis import aggregate_all, load_runs
+    from analysis.studies import plot_leaderboard
+    from tests.test_figures import forbid_loading_and_aggregating
+
+    root, taken = fabricated
+    df = load_runs(root, include_incomplete=True, warn=False)
+    table = "\n".join(tables_module().benchmark_table(df[df["study"] == ""], "LR-HMDA"))
+    assert "ours D-RR" in table and "FlipFlop" not in table, table
+    tables = aggregate_all(df)
+    assert set(tables.curves["sorter"]) == {"CD-GraB", "D-RR"} and set(tables.times["sorter"]) == {"CD-GraB", "D-RR"}
+    forbid_loading_and_aggregating(monkeypatch)
+    fig = plot_leaderboard(tables.leaderboard, tables.leaderboard_curves)
+    _, found = oracle(taken)
+    curves_panel, loss_panel, acc_panel = fig.axes[:3]
+    assert sorted(line.get_label() for line in curves_panel.get_lines()) == sorted(found)
+    labels = [tick.get_text().split(" (")[0] for tick in loss_panel.get_yticklabels()]
+    for panel, column in ((loss_panel, 1), (acc_panel, 2)):
+        points = [line for line in panel.get_lines() if line.get_marker() in ("o", "s", "^")
+                  and len(line.get_xdata()) == 1]
+        drawn = {labels[-int(line.get_ydata()[0])]: float(line.get_xdata()[0]) for line in points}
+        assert drawn == pytest.approx({sorter: statistics.mean(values[column]) for sorter, values in found.items()})
+    plt.close(fig)
