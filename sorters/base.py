@@ -142,6 +142,30 @@ class Sorter:
                              f"{min(self._next_position + max(k, 1), self.m) - 1} of {self.m}, got {shown}")
         return start, k
 
+    def _epoch_without_steps(self) -> bool:
+        """True when this epoch got no step(), so the next epoch keeps its order (the very first sort()); warns
+        when an epoch was started and got no gradient at all (a loop that forgot step(): a fixed order)."""
+        if self._next_position != 0:
+            return False
+        if self.epoch > 0:
+            warnings.warn(f"{self.name}: sort() after an epoch without any step(), so the next epoch repeats "
+                          f"this one's order (a fixed order, not {self.name}): call step(grads, positions) for "
+                          "every batch of an epoch", UserWarning, stacklevel=4)
+        return True
+
+    def _screened_step(self, grads: object, positions: torch.Tensor | list[int] | range,
+                       dtype: torch.dtype) -> tuple[int, int, torch.Tensor]:
+        """A step's checks for sorters that keep its gradients as one tensor: (first position, k, the (n, k, d)
+        gradients detached on the sorter's device in `dtype`), a non-finite step screened (`_screen_nonfinite`:
+        zeros in its place for nonfinite="skip"). The caller advances `_next_position`."""
+        start, k = self._check_positions(positions)
+        grads_tensor = self._check_grads(grads, k).detach().to(device=self.device, dtype=dtype)
+        xp, (grads_xp,) = array_views(grads_tensor)
+        screened = self._screen_nonfinite(xp, grads_xp, start)
+        if screened is not grads_xp:
+            grads_tensor = torch.from_numpy(screened) if xp is np else screened
+        return start, k, grads_tensor
+
     def _check_grads(self, grads: object, k: int) -> torch.Tensor:
         """`grads` as the (n, k, d) tensor of a step of k units, else one line (TypeError, ValueError)."""
         if grads is not None and not torch.is_tensor(grads):
@@ -305,11 +329,7 @@ class OnlineBalancer(Sorter):
         self.next_orders = torch.full((self.n, self.m), -1, dtype=torch.long, device=self.device)
 
     def _next_epoch_orders(self) -> torch.Tensor:
-        if self._next_position == 0:  # no step this epoch (e.g. the very first sort): keep the order
-            if self.epoch > 0:  # an epoch was started and got no gradient: a loop that forgot step()
-                warnings.warn(f"{self.name}: sort() after an epoch without any step(), so the next epoch repeats "
-                              f"this one's order (a fixed order, not {self.name}): call step(grads, positions) for "
-                              "every batch of an epoch", UserWarning, stacklevel=3)
+        if self._epoch_without_steps():
             return self.orders
         assert bool((self.next_orders >= 0).all()), "balancer left a slot of next_orders empty"
         return self.next_orders

@@ -27,12 +27,10 @@ unit grows as m d. docs/sorters.md has the formula at the benchmarks' sizes.
 The code this follows (EugeneLYC/GraB, StaleGradGreedySort) scales the prefix sum by the position in the
 candidates' norm; this rule takes the plain prefix sum, the herding objective the papers state.
 """
-import warnings
 
-import numpy as np
 import torch
 
-from sorters.base import Sorter, array_views
+from sorters.base import Sorter
 
 # compact the kept rows to the remaining units once at most this share of them remains, and only above this
 # many rows (below it, a smaller product saves less than the copy costs)
@@ -116,21 +114,12 @@ class GreedyHerding(Sorter):
             grads: (n, k, d), ``grads[j, i]`` worker j's gradient of the unit at epoch position ``positions[i]``.
             positions: (k,) the step's epoch positions, continuing the epoch.
         """
-        start, k = self._check_positions(positions)
-        grads_tensor = self._check_grads(grads, k).detach().to(device=self.device, dtype=self.dtype)
-        xp, (grads_xp,) = array_views(grads_tensor)
-        screened = self._screen_nonfinite(xp, grads_xp, start)
-        if screened is not grads_xp:  # nonfinite="skip" and a non-finite step: zeros in its place
-            grads_tensor = torch.from_numpy(screened) if xp is np else screened
+        start, k, grads_tensor = self._screened_step(grads, positions, self.dtype)
         units = self.orders[:, start:start + k]  # (n, k) the unit ids at these positions
         self.kept[torch.arange(self.n, device=self.device)[:, None], units] = grads_tensor
         self._next_position += k
 
     def _next_epoch_orders(self) -> torch.Tensor:
-        if self._next_position == 0:  # no step this epoch (e.g. the very first sort): keep the order
-            if self.epoch > 0:  # an epoch was started and got no gradient: a loop that forgot step()
-                warnings.warn(f"{self.name}: sort() after an epoch without any step(), so the next epoch repeats "
-                              f"this one's order (a fixed order, not {self.name}): call step(grads, positions) for "
-                              "every batch of an epoch", UserWarning, stacklevel=3)
+        if self._epoch_without_steps():
             return self.orders
         return greedy_orders(self.kept)

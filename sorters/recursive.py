@@ -29,7 +29,6 @@ takes the middle slot, as in CD-GraB), and the leaves without a unit are skipped
 The sums are reset at every epoch's start. Memory: (B - 1) d float64 sums and one block of gradients.
 """
 import math
-import warnings
 from types import ModuleType
 from typing import Any
 
@@ -87,12 +86,7 @@ class RecursivePairBalance(Sorter):
             grads: (n, k, d), ``grads[j, i]`` worker j's gradient of the unit at epoch position ``positions[i]``.
             positions: (k,) the step's epoch positions, continuing the epoch.
         """
-        start, k = self._check_positions(positions)
-        grads_tensor = self._check_grads(grads, k).detach().to(device=self.device, dtype=self.dtype)
-        xp, (grads_xp,) = array_views(grads_tensor)
-        screened = self._screen_nonfinite(xp, grads_xp, start)
-        if screened is not grads_xp:  # nonfinite="skip" and a non-finite step: zeros in its place
-            grads_tensor = torch.from_numpy(screened) if xp is np else screened
+        start, k, grads_tensor = self._screened_step(grads, positions, self.dtype)
         done = 0
         while done < k:
             position = start + done
@@ -154,11 +148,7 @@ class RecursivePairBalance(Sorter):
         return signs_by_gram(self.node_sums[node], diffs).reshape(pairs, self.n).T
 
     def _next_epoch_orders(self) -> torch.Tensor:
-        if self._next_position == 0:  # no step this epoch (e.g. the very first sort): keep the order
-            if self.epoch > 0:  # an epoch was started and got no gradient: a loop that forgot step()
-                warnings.warn(f"{self.name}: sort() after an epoch without any step(), so the next epoch repeats "
-                              f"this one's order (a fixed order, not {self.name}): call step(grads, positions) for "
-                              "every batch of an epoch", UserWarning, stacklevel=3)
+        if self._epoch_without_steps():
             return self.orders
         return _read_slots(self.slots)
 

@@ -85,7 +85,7 @@ def test_with_set_epoch_a_forgotten_step_is_refused_in_one_line():
         sampler.set_epoch(1)
 
 
-@pytest.mark.parametrize("name", ["CD-GraB", "I-PB", "SBW"])
+@pytest.mark.parametrize("name", ["CD-GraB", "I-PB", "SBW", "Greedy", "RPB"])
 def test_a_sorter_sorted_again_without_steps_warns_and_a_stepped_one_does_not(name):
     sorter = build_sorter(name, REPLICAS, 4, D, **extra(name))
     with warnings.catch_warnings(record=True) as caught:
