@@ -497,7 +497,9 @@ def leaderboard(runs: pd.DataFrame) -> tuple:
     and final / final_std (the headline `metric`) at that epoch, mean and population std over seeds
     (std_over_seeds: NaN for one seed); target: D-RR's final train loss (mean over its seeds); reaches: the
     first epoch at which the orderer's mean train loss over seeds is at most target (NaN: never, or no
-    D-RR runs). curves: per benchmark, orderer and epoch, the train loss's mean and std over seeds and the
+    D-RR runs); seconds_ratio: the median seconds per epoch over every logged epoch of the orderer's runs,
+    divided by D-RR's (the runs' own logs, made at different times on a shared machine: no side-by-side
+    bench). curves: per benchmark, orderer and epoch, the train loss's mean and std over seeds and the
     orderer's rank (the figure's curves)."""
     tables, curves = [], []
     for benchmark, bench in runs.groupby("benchmark", sort=True) if len(runs) else []:
@@ -508,6 +510,8 @@ def leaderboard(runs: pd.DataFrame) -> tuple:
                                           train_loss=("train_loss", "mean"), train_loss_std=("train_loss", std_over_seeds),
                                           final=(metric, "mean"), final_std=(metric, std_over_seeds)).reset_index()
         rows["seed_list"] = rows["sorter"].map(last.groupby("sorter")["seed"].agg(lambda s: sorted(int(v) for v in s)))
+        seconds = bench.groupby("sorter")["epoch_seconds"].median() if "epoch_seconds" in bench else pd.Series()
+        rows["seconds_ratio"] = rows["sorter"].map(seconds / seconds.get("D-RR", float("nan")))
         target = rows.set_index("sorter")["train_loss"].get("D-RR", float("nan"))
         reached = curve[curve["mean"] <= target].groupby("sorter")["epoch"].min()
         rows = rows.assign(benchmark=benchmark, metric=metric, target=target, reaches=rows["sorter"].map(reached),
@@ -517,7 +521,7 @@ def leaderboard(runs: pd.DataFrame) -> tuple:
         tables.append(rows)
         curves.append(curve.assign(benchmark=benchmark, rank=curve["sorter"].map(rows.set_index("sorter")["rank"])))
     columns = ["benchmark", "rank", "sorter", "needs", "seeds", "seed_list", "epoch", "train_loss", "train_loss_std",
-               "metric", "final", "final_std", "target", "reaches"]
+               "metric", "final", "final_std", "target", "reaches", "seconds_ratio"]
     table = pd.concat(tables, ignore_index=True)[columns] if tables else pd.DataFrame(columns=columns)
     return table, pd.concat(curves, ignore_index=True) if curves else pd.DataFrame()
 

@@ -358,20 +358,22 @@ def leaderboard_markdown(df) -> list[str]:
     (analysis.aggregate.leaderboard_runs: the benchmark's own and the reorderers study's), best final
     train loss first: what it needs beyond plain training, its seeds, the final train loss and headline
     metric (mean ± population std over seeds at the runs' last epoch) and the first epoch at which its mean
-    train loss over seeds is at most D-RR's final one ("never" if it does not get there)."""
+    train loss over seeds is at most D-RR's final one ("never" if it does not get there), and the median
+    seconds per epoch of its runs' logs over D-RR's (not a side-by-side bench)."""
     table, _ = leaderboard(leaderboard_runs(df, load_configs(df))) if len(df) else (None, None)
     lines = []
     for benchmark, rows in table.groupby("benchmark", sort=True) if table is not None else []:
         metric, epoch = rows["metric"].iloc[0], int(rows["epoch"].max())
         lines += [f"| {benchmark}, epoch {epoch} | needs | seeds | final train loss | final {metric} | "
-                  f"epoch reaching D-RR's final train loss ({rows['target'].iloc[0]:.5f}) |",
-                  "|---|---|---|---|---|---|"]
+                  f"epoch reaching D-RR's final train loss ({rows['target'].iloc[0]:.5f}) | "
+                  "s / epoch vs D-RR (runs' logs) |",
+                  "|---|---|---|---|---|---|---|"]
         for row in rows.itertuples():
             reaches = "never" if row.reaches != row.reaches else str(int(row.reaches))
             seeds = seed_list(row.seed_list).split(" ", 1)[1]  # "seeds 0-4": 0-4
             lines.append(f"| {row.sorter} | {row.needs} | {seeds} | "
                          f"{_plus_minus(row.train_loss, row.train_loss_std)} | "
-                         f"{_plus_minus(row.final, row.final_std)} | {reaches} |")
+                         f"{_plus_minus(row.final, row.final_std)} | {reaches} | {row.seconds_ratio:.2f} |")
         lines.append("")
     return lines
 
