@@ -16,7 +16,7 @@ BENCHMARK_LABELS = {"MLP-M4": {"train_loss": "train MSE (standardised)"}}
 SORTER_COLORS = {"CD-GraB": "tab:red", "D-RR": "tab:blue", "I-B": "tab:green", "I-PB": "tab:orange",
                  "D-SO": "tab:purple", "Fold": "tab:brown", "ALL": "tab:gray", "KH-SGD": "tab:pink",
                  "SBW": "tab:olive", "FlipFlop": "tab:cyan", "SWR": "black", "Greedy": "goldenrod",
-                 "MB-GraB": "darkred", "RPB": "teal"}
+                 "MB-GraB": "darkred", "RPB": "limegreen"}
 # for sorters without a colour of their own: tab20's light tones
 SPARE_COLORS = ["#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2",
                 "#dbdb8d", "#9edae5"]
