@@ -1,0 +1,236 @@
+"""Operators dispatched per training step, counted on the CPU: a proxy for a GPU's kernel launches
+(issue #62, goal 1).
+
+    python bench/dispatch_count.py [--data-dir DIR] [--benchmarks NAME ...] [--json PATH]
+
+Counts are deterministic (unlike times), so the machine's load does not change them.
+
+How it counts: a `torch.utils._python_dispatch.TorchDispatchMode` (`OpCounter`) sees every ATen
+operator after autograd and after composite operators have been decomposed, in forward and backward
+alike: the calls a device backend would get, which is what launches kernels on a GPU. torch.profiler
+was not chosen: on the CPU it records composite operators and their children nested (aten::linear over
+aten::t over aten::transpose ...), so its counts need a tree walk to mean anything, and it lists no
+launches without CUDA. The counter splits what it sees into
+- dispatched: every operator call;
+- kernel ops: calls that do work on tensor data, i.e. all but views (the operator's schema says it
+  returns an alias), the calls that only allocate or read metadata (NO_KERNEL) and the profiler's
+  range markers. This is the GPU proxy.
+
+Runs, per benchmark (its paper settings, as bench/gpu_epochs.py builds them, cut to a few steps per
+epoch with --max-train-examples; one evaluation example, since evaluation is not counted):
+- textbook: bench/gpu_epochs.py's textbook loop of the same model, batches and optimizer, no sorter;
+  torch.optim with its CPU default (a loop over the parameters) and, as "textbook foreach", with the
+  multi-tensor (_foreach) kernels torch takes by default on CUDA;
+- D-RR and CD-GraB: `engine.train.train` in this process, epoch 2 of 2 counted (epoch 1 warms up: the
+  optimizer's state, the sorter's first order); CD-GraB with the CPU's sign loop (numba: its work is
+  invisible to the counter) and as "CD-GraB gram" with `--sign-loop gram`, the path a GPU takes.
+The textbook loop is counted on its second pass over the same steps. Per-step counts are the counted
+epoch's totals over its steps, so once-per-epoch work (a sorter's sort, the epoch's last loss read) is
+spread over the steps, as in bench/gpu_profile.py's launches per step: LR-HMDA and MLP-M4 count 100
+steps, as the H200 profile did; the LSTM and GPT-2 fewer (their per-step work does not depend on the
+number of steps; only the once-per-epoch share does).
+
+Writes one JSON object (default bench/results/dispatch-count-cpu.json) and prints it: git_commit (of the
+code it ran), torch, command, goals (issue #62's upper bounds: CD-GraB <= 1.3x D-RR, D-RR <= 1.2x the
+textbook loop, in kernel ops), and per benchmark the counts per step, ratios, meets_goals, the H200
+profile's launches per step where it has the benchmark (read from its text file) and the proxy's ratio
+to them, and each run's most frequent kernel ops per step.
+"""
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from anywhere
+
+from bench.gpu_epochs import TEXTBOOK_LOSS, build_task, textbook_model, textbook_pass  # noqa: E402
+from common.errors import OneLineErrorParser, UserFacingError  # noqa: E402
+from common.paths import default_data_dir  # noqa: E402
+from engine import runlog  # noqa: E402
+from engine.comm import LocalCommunicator  # noqa: E402
+from engine.train import train  # noqa: E402
+
+# operators that launch no kernel on a GPU: allocation, metadata, a read of one value to the host
+# (a device-to-host copy and a synchronisation, not a launch)
+NO_KERNEL = frozenset({"aten.empty", "aten.empty_strided", "aten.empty_like", "aten._unsafe_view", "aten.alias",
+                       "aten.lift_fresh", "aten.resize_", "aten.set_", "aten._reshape_alias", "aten.as_strided",
+                       "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
+                       "aten.sym_storage_offset", "aten.unsqueeze_", "aten.squeeze_", "aten.t_", "aten.transpose_",
+                       "aten.detach_", "aten.is_same_size"})
+STEPS = {"LR-HMDA": 100, "MLP-M4": 100, "LSTM-Wiki2": 4, "GPT2-Wiki103": 2}  # even: D-RR and CD-GraB pair steps
+RUNS = ("textbook", "textbook foreach", "D-RR", "CD-GraB", "CD-GraB gram")
+GOALS = {"CD-GraB/D-RR": 1.3, "D-RR/textbook": 1.2}  # issue #62's upper bounds, in kernel ops per step
+COUNTED_EPOCH = 2
+H200_PROFILE = REPO / "bench" / "results" / "gpu-profile-NVIDIA-H200-2026-11-27.txt"
+DEFAULT_JSON = REPO / "bench" / "results" / "dispatch-count-cpu.json"
+TOP = 12  # kernel ops listed per run
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched while it is active (`with OpCounter() as counter:`), on this
+    thread. `calls` maps "aten.<op>" to its calls; `views` holds the names that were views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+        self.views: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.calls[name] += 1
+        if func.is_view:
+            self.views.add(name)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def dispatched(self) -> int:
+        return sum(self.calls.values())
+
+    def kernel_calls(self) -> collections.Counter:
+        """The calls of operators that work on tensor data: not views, not in NO_KERNEL, not the profiler's
+        markers (torch.optim's record_function ranges)."""
+        return collections.Counter({name: count for name, count in self.calls.items() if name not in self.views
+                                    and name not in NO_KERNEL and not name.startswith("profiler.")})
+
+    @property
+    def kernel_ops(self) -> int:
+        return sum(self.kernel_calls().values())
+
+
+def per_step(counter: OpCounter, steps: int) -> dict:
+    kernels = counter.kernel_calls()
+    return {"dispatched": round(counter.dispatched / steps, 2), "kernel_ops": round(sum(kernels.values()) / steps, 2),
+            "top_kernel_ops": {name: round(count / steps, 2) for name, count in kernels.most_common(TOP)}}
+
+
+def count_textbook(benchmark: str, steps: int, data_dir: str, foreach: bool) -> dict:
+    """The textbook loop's second pass over `steps` steps, counted."""
+    device = torch.device("cpu")
+    args, task = build_task(benchmark, steps, data_dir, device, [])
+    model = textbook_model(task)
+    if task.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                    weight_decay=args.weight_decay, foreach=foreach)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=foreach)
+    step_loss = TEXTBOOK_LOSS[benchmark](task, model)
+    textbook_pass(model, optimizer, step_loss, steps, task.clip_grad_norm)  # warm-up: the optimizer's state
+    with OpCounter() as counter:
+        textbook_pass(model, optimizer, step_loss, steps, task.clip_grad_norm)
+    return per_step(counter, steps)
+
+
+def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_loop: str | None) -> dict:
+    """Epoch COUNTED_EPOCH of the engine's training, counted from the epoch's start to its last step (the
+    two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe)."""
+    device, counter = torch.device("cpu"), OpCounter()
+    extra = ["--sorter", sorter, "--epochs", str(COUNTED_EPOCH), "--progress", "off", "--max-eval-examples", "1"]
+    with tempfile.TemporaryDirectory() as out:
+        args, task = build_task(benchmark, steps, data_dir, device,
+                                [*extra, "--out", out, *(["--sign-loop", sign_loop] if sign_loop else [])])
+        start_epoch, evaluate, state = task.start_epoch, task.evaluate, {}
+
+        def start(epoch):
+            state["epoch"] = epoch
+            if epoch == COUNTED_EPOCH:
+                counter.__enter__()
+            start_epoch(epoch)
+
+        def evaluate_after_training(flat, comm):
+            if state["epoch"] == COUNTED_EPOCH:
+                counter.__exit__(None, None, None)
+            return evaluate(flat, comm)
+
+        task.start_epoch, task.evaluate = start, evaluate_after_training
+        train(task, args, LocalCommunicator(args.node_cnt, device), device)
+    return per_step(counter, steps)
+
+
+def h200_launches(profile: Path = H200_PROFILE) -> dict:
+    """benchmark -> sorter -> kernel launches per step, from bench/gpu_profile.py's text file."""
+    import re
+
+    found: dict = {}
+    for benchmark, sorter, launches in re.findall(r"^== (\S+) (\S+): .*per step: ([\d.]+) kernel launches",
+                                                  profile.read_text(), flags=re.M):
+        found.setdefault(benchmark, {})[sorter] = float(launches)
+    return found
+
+
+def benchmark_report(counts: dict, steps: int, h200: dict | None) -> dict:
+    """One benchmark's entry from its runs' per_step() counts."""
+    kernel = {run: counts[run]["kernel_ops"] for run in counts}
+    ratios = {"CD-GraB/D-RR": round(kernel["CD-GraB gram"] / kernel["D-RR"], 3),
+              "CD-GraB/D-RR (CPU sign loop)": round(kernel["CD-GraB"] / kernel["D-RR"], 3),
+              "D-RR/textbook": round(kernel["D-RR"] / kernel["textbook foreach"], 3),
+              "D-RR/textbook (per-parameter optimizer)": round(kernel["D-RR"] / kernel["textbook"], 3)}
+    entry = {
+        "steps_counted": steps,
+        "kernel_ops_per_step": kernel,
+        "dispatched_per_step": {run: counts[run]["dispatched"] for run in counts},
+        "ratios": ratios,
+        "meets_goals": {goal: ratios[goal] <= bound for goal, bound in GOALS.items()},
+        "h200_launches_per_step": h200,
+        "proxy_over_h200": None,
+        "top_kernel_ops_per_step": {run: counts[run]["top_kernel_ops"] for run in counts},
+    }
+    if h200:  # the GPU proxy of each sorter against the launches the H200 profile saw
+        proxy = {"D-RR": kernel["D-RR"], "CD-GraB": kernel["CD-GraB gram"]}
+        entry["proxy_over_h200"] = {sorter: round(proxy[sorter] / launches, 3) for sorter, launches in h200.items()}
+    return entry
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default=default_data_dir(),
+                        help="data folder (default $CDGRAB_DATA, else ./datasets)")
+    parser.add_argument("--benchmarks", nargs="+", default=list(STEPS), choices=list(STEPS), metavar="NAME",
+                        help=f"which benchmarks (default all: {' '.join(STEPS)})")
+    parser.add_argument("--json", default=str(DEFAULT_JSON),
+                        help=f"the report (default {DEFAULT_JSON.relative_to(REPO)})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    if not Path(args.data_dir).is_dir():
+        print(f"error: --data-dir {args.data_dir} is not a folder; point it (or $CDGRAB_DATA) at the data sets",
+              file=sys.stderr)
+        sys.exit(2)
+    torch.set_num_threads(1)  # counts do not depend on it; keeps the bench off the other cores
+    started, h200 = time.perf_counter(), h200_launches()
+    report = {"bench": "bench/dispatch_count.py", "git_commit": runlog.git_commit(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"),
+              "command": "python bench/dispatch_count.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "counted": "kernel_ops: ATen operators dispatched (TorchDispatchMode), less views and allocation/"
+                         "metadata calls, per training step (the counted epoch's or pass's total / steps_counted)",
+              "goals": GOALS, "h200_profile": H200_PROFILE.name, "benchmarks": {}}
+    try:
+        for benchmark in args.benchmarks:
+            steps, counts = STEPS[benchmark], {}
+            counts["textbook"] = count_textbook(benchmark, steps, args.data_dir, foreach=False)
+            counts["textbook foreach"] = count_textbook(benchmark, steps, args.data_dir, foreach=True)
+            counts["D-RR"] = count_engine(benchmark, "D-RR", steps, args.data_dir, None)
+            counts["CD-GraB"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, None)
+            counts["CD-GraB gram"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, "gram")
+            report["benchmarks"][benchmark] = benchmark_report(counts, steps, h200.get(benchmark))
+            print(f"{benchmark}: {report['benchmarks'][benchmark]['kernel_ops_per_step']}", file=sys.stderr)
+    except UserFacingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    text = json.dumps(report, indent=1)
+    Path(args.json).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
