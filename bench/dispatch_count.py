@@ -23,7 +23,9 @@ epoch with --max-train-examples; one evaluation example, since evaluation is not
   multi-tensor (_foreach) kernels torch takes by default on CUDA;
 - D-RR and CD-GraB: `engine.train.train` in this process, epoch 2 of 2 counted (epoch 1 warms up: the
   optimizer's state, the sorter's first order); CD-GraB with the CPU's sign loop (numba: its work is
-  invisible to the counter) and as "CD-GraB gram" with `--sign-loop gram`, the path a GPU takes.
+  invisible to the counter) and as "CD-GraB gram" with `--sign-loop gram`, the path a GPU takes; all
+  with `--overlap off` (the counter sees its own thread only; overlap moves the same sorter operators
+  to a background thread).
 The textbook loop is counted on its second pass over the same steps. Per-step counts are the counted
 epoch's totals over its steps, so once-per-epoch work (a sorter's sort, the epoch's last loss read) is
 spread over the steps, as in bench/gpu_profile.py's launches per step: LR-HMDA and MLP-M4 count 100
@@ -131,7 +133,10 @@ def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_lo
     """Epoch COUNTED_EPOCH of the engine's training, counted from the epoch's start to its last step (the
     two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe)."""
     device, counter = torch.device("cpu"), OpCounter()
-    extra = ["--sorter", sorter, "--epochs", str(COUNTED_EPOCH), "--progress", "off", "--max-eval-examples", "1"]
+    # --overlap off: the counter sees one thread, and with auto a long model's sorter steps in a background
+    # thread (the same operators, elsewhere)
+    extra = ["--sorter", sorter, "--epochs", str(COUNTED_EPOCH), "--progress", "off", "--max-eval-examples", "1",
+             "--overlap", "off"]
     with tempfile.TemporaryDirectory() as out:
         args, task = build_task(benchmark, steps, data_dir, device,
                                 [*extra, "--out", out, *(["--sign-loop", sign_loop] if sign_loop else [])])
