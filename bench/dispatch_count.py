@@ -17,7 +17,9 @@ launches without CUDA. The counter splits what it sees into
   range markers. This is the GPU proxy.
 
 Runs, per benchmark (its paper settings, as bench/gpu_epochs.py builds them, cut to a few steps per
-epoch with --max-train-examples; one evaluation example, since evaluation is not counted):
+epoch with --max-train-examples; one evaluation example, since evaluation is not counted; GPT-2 in
+blocks of --gpt2-max-seq-length tokens, 32 by default: the operators of a step do not depend on the
+block length, only their tensors' sizes, and the bench says so in its JSON's flags_beside_paper_settings):
 - textbook: bench/gpu_epochs.py's textbook loop of the same model, batches and optimizer, no sorter;
   torch.optim with its CPU default (a loop over the parameters) and, as "textbook foreach", with the
   multi-tensor (_foreach) kernels torch takes by default on CUDA;
@@ -67,6 +69,9 @@ NO_KERNEL = frozenset({"aten.empty", "aten.empty_strided", "aten.empty_like", "a
                        "aten.sym_storage_offset", "aten.unsqueeze_", "aten.squeeze_", "aten.t_", "aten.transpose_",
                        "aten.detach_", "aten.is_same_size"})
 STEPS = {"LR-HMDA": 100, "MLP-M4": 100, "LSTM-Wiki2": 4, "GPT2-Wiki103": 2}  # even: D-RR and CD-GraB pair steps
+# flags beside the paper's settings: GPT-2's blocks of 32 tokens instead of 128 run the same operators on
+# shorter tensors (--gpt2-max-seq-length 128 counts the paper's blocks, about 4x slower)
+SLICE_FLAGS = {"GPT2-Wiki103": ["--max-seq-length", "{gpt2_max_seq_length}"]}
 RUNS = ("textbook", "textbook foreach", "D-RR", "CD-GraB", "CD-GraB gram")
 GOALS = {"CD-GraB/D-RR": 1.3, "D-RR/textbook": 1.2}  # issue #62's upper bounds, in kernel ops per step
 COUNTED_EPOCH = 2
@@ -112,10 +117,10 @@ def per_step(counter: OpCounter, steps: int) -> dict:
             "top_kernel_ops": {name: round(count / steps, 2) for name, count in kernels.most_common(TOP)}}
 
 
-def count_textbook(benchmark: str, steps: int, data_dir: str, foreach: bool) -> dict:
+def count_textbook(benchmark: str, steps: int, data_dir: str, foreach: bool, flags: list[str]) -> dict:
     """The textbook loop's second pass over `steps` steps, counted."""
     device = torch.device("cpu")
-    args, task = build_task(benchmark, steps, data_dir, device, [])
+    args, task = build_task(benchmark, steps, data_dir, device, flags)
     model = textbook_model(task)
     if task.optimizer == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -129,14 +134,15 @@ def count_textbook(benchmark: str, steps: int, data_dir: str, foreach: bool) -> 
     return per_step(counter, steps)
 
 
-def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_loop: str | None) -> dict:
+def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_loop: str | None,
+                 flags: list[str]) -> dict:
     """Epoch COUNTED_EPOCH of the engine's training, counted from the epoch's start to its last step (the
     two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe)."""
     device, counter = torch.device("cpu"), OpCounter()
     # --overlap off: the counter sees one thread, and with auto a long model's sorter steps in a background
     # thread (the same operators, elsewhere)
     extra = ["--sorter", sorter, "--epochs", str(COUNTED_EPOCH), "--progress", "off", "--max-eval-examples", "1",
-             "--overlap", "off"]
+             "--overlap", "off", *flags]
     with tempfile.TemporaryDirectory() as out:
         args, task = build_task(benchmark, steps, data_dir, device,
                                 [*extra, "--out", out, *(["--sign-loop", sign_loop] if sign_loop else [])])
@@ -169,7 +175,7 @@ def h200_launches(profile: Path = H200_PROFILE) -> dict:
     return found
 
 
-def benchmark_report(counts: dict, steps: int, h200: dict | None) -> dict:
+def benchmark_report(counts: dict, steps: int, h200: dict | None, flags: list[str] | None = None) -> dict:
     """One benchmark's entry from its runs' per_step() counts."""
     kernel = {run: counts[run]["kernel_ops"] for run in counts}
     ratios = {"CD-GraB/D-RR": round(kernel["CD-GraB gram"] / kernel["D-RR"], 3),
@@ -178,6 +184,7 @@ def benchmark_report(counts: dict, steps: int, h200: dict | None) -> dict:
               "D-RR/textbook (per-parameter optimizer)": round(kernel["D-RR"] / kernel["textbook"], 3)}
     entry = {
         "steps_counted": steps,
+        "flags_beside_paper_settings": flags or [],
         "kernel_ops_per_step": kernel,
         "dispatched_per_step": {run: counts[run]["dispatched"] for run in counts},
         "ratios": ratios,
@@ -201,6 +208,8 @@ def make_parser() -> argparse.ArgumentParser:
                         help=f"which benchmarks (default all: {' '.join(STEPS)})")
     parser.add_argument("--json", default=str(DEFAULT_JSON),
                         help=f"the report (default {DEFAULT_JSON.relative_to(REPO)})")
+    parser.add_argument("--gpt2-max-seq-length", type=int, default=32, metavar="T",
+                        help="GPT-2's tokens per block (default 32: the paper's 128 runs the same operators, slower)")
     return parser
 
 
@@ -221,12 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for benchmark in args.benchmarks:
             steps, counts = STEPS[benchmark], {}
-            counts["textbook"] = count_textbook(benchmark, steps, args.data_dir, foreach=False)
-            counts["textbook foreach"] = count_textbook(benchmark, steps, args.data_dir, foreach=True)
-            counts["D-RR"] = count_engine(benchmark, "D-RR", steps, args.data_dir, None)
-            counts["CD-GraB"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, None)
-            counts["CD-GraB gram"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, "gram")
-            report["benchmarks"][benchmark] = benchmark_report(counts, steps, h200.get(benchmark))
+            flags = [flag.format(gpt2_max_seq_length=args.gpt2_max_seq_length)
+                     for flag in SLICE_FLAGS.get(benchmark, [])]
+            counts["textbook"] = count_textbook(benchmark, steps, args.data_dir, False, flags)
+            counts["textbook foreach"] = count_textbook(benchmark, steps, args.data_dir, True, flags)
+            counts["D-RR"] = count_engine(benchmark, "D-RR", steps, args.data_dir, None, flags)
+            counts["CD-GraB"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, None, flags)
+            counts["CD-GraB gram"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, "gram", flags)
+            report["benchmarks"][benchmark] = benchmark_report(counts, steps, h200.get(benchmark), flags)
             print(f"{benchmark}: {report['benchmarks'][benchmark]['kernel_ops_per_step']}", file=sys.stderr)
     except UserFacingError as error:
         print(f"error: {error}", file=sys.stderr)
