@@ -23,16 +23,16 @@ block length, only their tensors' sizes, and the bench says so in its JSON's fla
 - textbook: bench/gpu_epochs.py's textbook loop of the same model, batches and optimizer, no sorter;
   torch.optim with its CPU default (a loop over the parameters) and, as "textbook foreach", with the
   multi-tensor (_foreach) kernels torch takes by default on CUDA;
-- D-RR and CD-GraB: `engine.train.train` in this process, epoch 2 of 2 counted (epoch 1 warms up: the
-  optimizer's state, the sorter's first order); CD-GraB with the CPU's sign loop (numba: its work is
-  invisible to the counter) and as "CD-GraB gram" with `--sign-loop gram`, the path a GPU takes; all
-  with `--overlap off` (the counter sees its own thread only; overlap moves the same sorter operators
-  to a background thread).
-The textbook loop is counted on its second pass over the same steps. Per-step counts are the counted
-epoch's totals over its steps, so once-per-epoch work (a sorter's sort, the epoch's last loss read) is
-spread over the steps, as in bench/gpu_profile.py's launches per step: LR-HMDA and MLP-M4 count 100
-steps, as the H200 profile did; the LSTM and GPT-2 fewer (their per-step work does not depend on the
-number of steps; only the once-per-epoch share does).
+- D-RR and CD-GraB: `engine.train.train` in this process, its first epoch counted from its start to
+  its last step; CD-GraB with the CPU's sign loop (numba: its work is invisible to the counter) and as
+  "CD-GraB gram" with `--sign-loop gram`, the path a GPU takes; all with `--overlap off` (the counter
+  sees its own thread only; overlap moves the same sorter operators to a background thread).
+Each run is counted twice, over an epoch (a pass) of s and of 2s steps (s: 100 for LR-HMDA and MLP-M4,
+as many as the H200 profile's epoch; 4 for the LSTM, 2 for GPT-2): the difference over s is what each
+step dispatches, the rest (a sort, the first step's set-up of the optimizer's state, the epoch's last
+loss read) is once-per-epoch work, spread over the benchmark's real steps per epoch (paper settings,
+all data) in kernel_ops_per_step. kernel_ops_per_step_in_slice is the s-step epoch's total / s, which
+is how bench/gpu_profile.py's launches per step count it (LR-HMDA and MLP-M4: 100 steps, as the H200's).
 
 Writes one JSON object (default bench/results/dispatch-count-cpu.json) and prints it: git_commit (of the
 code it ran), torch, command, goals (issue #62's upper bounds: CD-GraB <= 1.3x D-RR, D-RR <= 1.2x the
@@ -54,7 +54,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
-from bench.gpu_epochs import TEXTBOOK_LOSS, build_task, textbook_model, textbook_pass  # noqa: E402
+from bench.gpu_epochs import (  # noqa: E402
+    TEXTBOOK_LOSS,
+    build_task,
+    real_steps_per_epoch,
+    textbook_model,
+    textbook_pass,
+)
 from common.errors import OneLineErrorParser, UserFacingError  # noqa: E402
 from common.paths import default_data_dir  # noqa: E402
 from engine import runlog  # noqa: E402
@@ -74,7 +80,7 @@ STEPS = {"LR-HMDA": 100, "MLP-M4": 100, "LSTM-Wiki2": 4, "GPT2-Wiki103": 2}  # e
 SLICE_FLAGS = {"GPT2-Wiki103": ["--max-seq-length", "{gpt2_max_seq_length}"]}
 RUNS = ("textbook", "textbook foreach", "D-RR", "CD-GraB", "CD-GraB gram")
 GOALS = {"CD-GraB/D-RR": 1.3, "D-RR/textbook": 1.2}  # issue #62's upper bounds, in kernel ops per step
-COUNTED_EPOCH = 2
+COUNTED_EPOCH = 1  # no warm-up needed: per_step() separates the first step's set-up as once-only work
 H200_PROFILE = REPO / "bench" / "results" / "gpu-profile-NVIDIA-H200-2026-11-27.txt"
 DEFAULT_JSON = REPO / "bench" / "results" / "dispatch-count-cpu.json"
 TOP = 12  # kernel ops listed per run
@@ -111,14 +117,32 @@ class OpCounter(TorchDispatchMode):
         return sum(self.kernel_calls().values())
 
 
-def per_step(counter: OpCounter, steps: int) -> dict:
-    kernels = counter.kernel_calls()
-    return {"dispatched": round(counter.dispatched / steps, 2), "kernel_ops": round(sum(kernels.values()) / steps, 2),
-            "top_kernel_ops": {name: round(count / steps, 2) for name, count in kernels.most_common(TOP)}}
+def totals(counter: OpCounter) -> dict:
+    """What a counted epoch (or pass) leaves: {"dispatched": calls, "kernel_ops": kernel calls per op}."""
+    return {"dispatched": counter.dispatched, "kernel_ops": counter.kernel_calls()}
+
+
+def per_step(short: dict, long: dict, steps: int, steps_per_epoch: int) -> dict:
+    """Per-step counts at the benchmark's real epoch length from totals() of two counted epochs, of `steps`
+    (short) and 2 * `steps` (long) steps: each step's own operators are (long - short) / steps, the
+    epoch's once-only ones (a sort, the last loss read) 2 * short - long, spread over steps_per_epoch.
+    Also the short epoch's plain total / steps (`in_slice`, as bench/gpu_profile.py counts launches)."""
+    def at_epoch(short_count: float, long_count: float) -> float:
+        each_step, once = (long_count - short_count) / steps, 2 * short_count - long_count
+        return round(each_step + once / steps_per_epoch, 2)
+
+    kernels = collections.Counter({name: at_epoch(short["kernel_ops"][name], long["kernel_ops"][name])
+                                   for name in short["kernel_ops"] | long["kernel_ops"]})
+    short_kernels, long_kernels = sum(short["kernel_ops"].values()), sum(long["kernel_ops"].values())
+    return {"dispatched": at_epoch(short["dispatched"], long["dispatched"]),
+            "kernel_ops": at_epoch(short_kernels, long_kernels),
+            "kernel_ops_in_slice": round(short_kernels / steps, 2),
+            "kernel_ops_once_per_epoch": 2 * short_kernels - long_kernels,
+            "top_kernel_ops": {name: count for name, count in kernels.most_common(TOP)}}
 
 
 def count_textbook(benchmark: str, steps: int, data_dir: str, foreach: bool, flags: list[str]) -> dict:
-    """The textbook loop's second pass over `steps` steps, counted."""
+    """totals() of the textbook loop's first pass over `steps` steps."""
     device = torch.device("cpu")
     args, task = build_task(benchmark, steps, data_dir, device, flags)
     model = textbook_model(task)
@@ -128,16 +152,15 @@ def count_textbook(benchmark: str, steps: int, data_dir: str, foreach: bool, fla
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=foreach)
     step_loss = TEXTBOOK_LOSS[benchmark](task, model)
-    textbook_pass(model, optimizer, step_loss, steps, task.clip_grad_norm)  # warm-up: the optimizer's state
     with OpCounter() as counter:
         textbook_pass(model, optimizer, step_loss, steps, task.clip_grad_norm)
-    return per_step(counter, steps)
+    return totals(counter)
 
 
 def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_loop: str | None,
                  flags: list[str]) -> dict:
-    """Epoch COUNTED_EPOCH of the engine's training, counted from the epoch's start to its last step (the
-    two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe)."""
+    """totals() of epoch COUNTED_EPOCH of the engine's training, counted from the epoch's start to its last
+    step (the two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe)."""
     device, counter = torch.device("cpu"), OpCounter()
     # --overlap off: the counter sees one thread, and with auto a long model's sorter steps in a background
     # thread (the same operators, elsewhere)
@@ -161,7 +184,15 @@ def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_lo
 
         task.start_epoch, task.evaluate = start, evaluate_after_training
         train(task, args, LocalCommunicator(args.node_cnt, device), device)
-    return per_step(counter, steps)
+    return totals(counter)
+
+
+def count_run(run: str, benchmark: str, steps: int, data_dir: str, flags: list[str]) -> dict:
+    """totals() of one of RUNS over an epoch (pass) of `steps` steps."""
+    if run.startswith("textbook"):
+        return count_textbook(benchmark, steps, data_dir, run == "textbook foreach", flags)
+    sorter, _, sign_loop = run.partition(" ")
+    return count_engine(benchmark, sorter, steps, data_dir, sign_loop or None, flags)
 
 
 def h200_launches(profile: Path = H200_PROFILE) -> dict:
@@ -175,7 +206,8 @@ def h200_launches(profile: Path = H200_PROFILE) -> dict:
     return found
 
 
-def benchmark_report(counts: dict, steps: int, h200: dict | None, flags: list[str] | None = None) -> dict:
+def benchmark_report(counts: dict, steps: int, steps_per_epoch: int, h200: dict | None,
+                     flags: list[str] | None = None) -> dict:
     """One benchmark's entry from its runs' per_step() counts."""
     kernel = {run: counts[run]["kernel_ops"] for run in counts}
     ratios = {"CD-GraB/D-RR": round(kernel["CD-GraB gram"] / kernel["D-RR"], 3),
@@ -183,18 +215,22 @@ def benchmark_report(counts: dict, steps: int, h200: dict | None, flags: list[st
               "D-RR/textbook": round(kernel["D-RR"] / kernel["textbook foreach"], 3),
               "D-RR/textbook (per-parameter optimizer)": round(kernel["D-RR"] / kernel["textbook"], 3)}
     entry = {
-        "steps_counted": steps,
+        "steps_counted": [steps, 2 * steps],
+        "steps_per_epoch": steps_per_epoch,
         "flags_beside_paper_settings": flags or [],
         "kernel_ops_per_step": kernel,
         "dispatched_per_step": {run: counts[run]["dispatched"] for run in counts},
+        "kernel_ops_per_step_in_slice": {run: counts[run]["kernel_ops_in_slice"] for run in counts},
+        "kernel_ops_once_per_epoch": {run: counts[run]["kernel_ops_once_per_epoch"] for run in counts},
         "ratios": ratios,
         "meets_goals": {goal: ratios[goal] <= bound for goal, bound in GOALS.items()},
         "h200_launches_per_step": h200,
         "proxy_over_h200": None,
         "top_kernel_ops_per_step": {run: counts[run]["top_kernel_ops"] for run in counts},
     }
-    if h200:  # the GPU proxy of each sorter against the launches the H200 profile saw
-        proxy = {"D-RR": kernel["D-RR"], "CD-GraB": kernel["CD-GraB gram"]}
+    if h200:  # the GPU proxy against the H200 profile's launches, both over an epoch of `steps` steps
+        proxy = {sorter: counts[run]["kernel_ops_in_slice"] for sorter, run in (("D-RR", "D-RR"),
+                                                                                ("CD-GraB", "CD-GraB gram"))}
         entry["proxy_over_h200"] = {sorter: round(proxy[sorter] / launches, 3) for sorter, launches in h200.items()}
     return entry
 
@@ -225,19 +261,21 @@ def main(argv: list[str] | None = None) -> None:
               "date": time.strftime("%Y-%m-%d"),
               "command": "python bench/dispatch_count.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "counted": "kernel_ops: ATen operators dispatched (TorchDispatchMode), less views and allocation/"
-                         "metadata calls, per training step (the counted epoch's or pass's total / steps_counted)",
+                         "metadata calls; per training step at the real epoch length (steps_per_epoch) from two "
+                         "counted epochs (passes) of steps_counted steps: (long - short) / steps each step, "
+                         "2 short - long once per epoch; kernel_ops_per_step_in_slice: the short epoch's total / steps",
               "goals": GOALS, "h200_profile": H200_PROFILE.name, "benchmarks": {}}
     try:
         for benchmark in args.benchmarks:
             steps, counts = STEPS[benchmark], {}
             flags = [flag.format(gpt2_max_seq_length=args.gpt2_max_seq_length)
                      for flag in SLICE_FLAGS.get(benchmark, [])]
-            counts["textbook"] = count_textbook(benchmark, steps, args.data_dir, False, flags)
-            counts["textbook foreach"] = count_textbook(benchmark, steps, args.data_dir, True, flags)
-            counts["D-RR"] = count_engine(benchmark, "D-RR", steps, args.data_dir, None, flags)
-            counts["CD-GraB"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, None, flags)
-            counts["CD-GraB gram"] = count_engine(benchmark, "CD-GraB", steps, args.data_dir, "gram", flags)
-            report["benchmarks"][benchmark] = benchmark_report(counts, steps, h200.get(benchmark), flags)
+            steps_per_epoch = real_steps_per_epoch(benchmark, args.data_dir)  # the paper's settings, all data
+            for run in RUNS:
+                short, long = (count_run(run, benchmark, n, args.data_dir, flags) for n in (steps, 2 * steps))
+                counts[run] = per_step(short, long, steps, steps_per_epoch)
+            report["benchmarks"][benchmark] = benchmark_report(counts, steps, steps_per_epoch, h200.get(benchmark),
+                                                               flags)
             print(f"{benchmark}: {report['benchmarks'][benchmark]['kernel_ops_per_step']}", file=sys.stderr)
     except UserFacingError as error:
         print(f"error: {error}", file=sys.stderr)
