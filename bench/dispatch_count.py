@@ -14,7 +14,10 @@ launches without CUDA. The counter splits what it sees into
 - dispatched: every operator call;
 - kernel ops: calls that do work on tensor data, i.e. all but views (the operator's schema says it
   returns an alias), the calls that only allocate or read metadata (NO_KERNEL) and the profiler's
-  range markers. This is the GPU proxy.
+  range markers. This is the GPU proxy. It undercounts: an operator registered as one composite with
+  its own derivative (CompositeExplicitAutograd, e.g. binary_cross_entropy_with_logits) counts once,
+  though it calls several kernels (the mode is off while it handles a call), and one operator can be
+  several CUDA kernels (cuBLAS's float64 addmv adds a splitKreduce).
 
 Runs, per benchmark (its paper settings, as bench/gpu_epochs.py builds them, cut to a few steps per
 epoch with --max-train-examples; one evaluation example, since evaluation is not counted; GPT-2 in

@@ -1,0 +1,125 @@
+"""bench/dispatch_count.py (issue #62, goal 1): its operator counter against hand counts of small op
+sequences, its report's arithmetic, the shipped JSON's layout, and docs/performance.md's quote of it."""
+import collections
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.dispatch_count import GOALS, RUNS, OpCounter, benchmark_report, per_step
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "bench" / "results" / "dispatch-count-cpu.json"
+BENCHMARKS = ("LR-HMDA", "MLP-M4", "LSTM-Wiki2", "GPT2-Wiki103")
+
+
+def test_counter_counts_each_call_and_leaves_views_and_allocations_out_of_kernel_ops():
+    a, b = torch.ones(2, 3), torch.full((2, 3), 2.0)  # made before counting
+    with OpCounter() as counter:
+        product = a * b  # mul: a kernel
+        flat = product.view(-1)  # view: no kernel
+        flat.sum()  # sum: a kernel
+        a.add_(1)  # add_: a kernel
+        torch.empty_like(a)  # empty_like: an allocation
+        a.t()  # t: a view
+    assert dict(counter.calls) == {"aten.mul": 1, "aten.view": 1, "aten.sum": 1, "aten.add_": 1,
+                                   "aten.empty_like": 1, "aten.t": 1}
+    assert counter.dispatched == 6
+    assert counter.kernel_ops == 3
+    assert dict(counter.kernel_calls()) == {"aten.mul": 1, "aten.sum": 1, "aten.add_": 1}
+
+
+def test_counter_sees_the_backward_pass():
+    weight = torch.ones(3, requires_grad=True)
+    counts = []
+    for _ in range(2):
+        with OpCounter() as counter:
+            (weight * 3).sum().backward()
+        counts.append((counter.dispatched, counter.kernel_ops))
+    # forward: mul, sum; backward: ones_like (the loss's gradient), expand (sum's backward, a view),
+    # mul (times 3), then the gradient is stored: the first time a detach (a view) of it, the next time
+    # an add_ into weight.grad
+    assert counts == [(6, 4), (6, 5)]
+
+
+def test_per_step_counts_split_each_steps_work_from_the_epochs_once_only_work():
+    # 5 steps: mm twice a step, one sort for the epoch (5 kernel ops), 30 calls dispatched; 10 steps: 50
+    short = {"dispatched": 30, "kernel_ops": collections.Counter({"aten.mm": 10, "aten.sort": 5})}
+    long = {"dispatched": 50, "kernel_ops": collections.Counter({"aten.mm": 20, "aten.sort": 5})}
+    counts = per_step(short, long, 5, 50)  # a real epoch of 50 steps: the sort's 5 ops spread over 50
+    assert counts == {"dispatched": 4 + 10 / 50, "kernel_ops": 2 + 5 / 50, "kernel_ops_in_slice": 3.0,
+                      "kernel_ops_once_per_epoch": 5, "top_kernel_ops": {"aten.mm": 2.0, "aten.sort": 0.1}}
+
+
+def fabricated_counts() -> dict:
+    kernel = {"textbook": 20.0, "textbook foreach": 16.0, "D-RR": 18.0, "CD-GraB": 15.0, "CD-GraB gram": 27.0}
+    return {run: {"dispatched": 2 * ops, "kernel_ops": ops, "kernel_ops_in_slice": ops + 2,
+                  "kernel_ops_once_per_epoch": 3, "top_kernel_ops": {"aten.mm": 1.0}} for run, ops in kernel.items()}
+
+
+def test_report_ratios_goals_and_h200_comparison_by_hand():
+    entry = benchmark_report(fabricated_counts(), 10, 1000, {"D-RR": 40.0, "CD-GraB": 58.0})
+    assert entry["ratios"] == {"CD-GraB/D-RR": 1.5, "CD-GraB/D-RR (CPU sign loop)": round(15 / 18, 3),
+                               "D-RR/textbook": 1.125, "D-RR/textbook (per-parameter optimizer)": 0.9}
+    assert entry["meets_goals"] == {"CD-GraB/D-RR": False, "D-RR/textbook": True}  # 1.5 > 1.3; 1.125 <= 1.2
+    # against the H200's launches: the counts of an epoch as long as the profiled one (the slice's)
+    assert entry["proxy_over_h200"] == {"D-RR": 0.5, "CD-GraB": 0.5}
+    assert entry["steps_counted"] == [10, 20] and entry["steps_per_epoch"] == 1000
+    assert benchmark_report(fabricated_counts(), 10, 1000, None)["proxy_over_h200"] is None
+
+
+def shipped() -> dict:
+    if not SHIPPED.is_file():
+        pytest.fail(f"{SHIPPED.relative_to(REPO)} is missing: run python bench/dispatch_count.py")
+    return json.loads(SHIPPED.read_text())
+
+
+def test_shipped_json_layout():
+    report = shipped()
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown commit", report["git_commit"]), report["git_commit"]
+    assert report["goals"] == {"CD-GraB/D-RR": 1.3, "D-RR/textbook": 1.2} == GOALS  # the issue's bounds
+    assert tuple(report["benchmarks"]) == BENCHMARKS
+    for name, entry in report["benchmarks"].items():
+        kernel = entry["kernel_ops_per_step"]
+        assert tuple(kernel) == RUNS == tuple(entry["dispatched_per_step"]) == tuple(entry["top_kernel_ops_per_step"])
+        assert all(0 < kernel[run] <= entry["dispatched_per_step"][run] for run in RUNS), name
+        steps = entry["steps_counted"][0]
+        assert entry["steps_counted"] == [steps, 2 * steps] and 0 < steps < entry["steps_per_epoch"], name
+        for run in RUNS:  # the real epoch's per-step count: each step's ops plus the once-only ones spread
+            in_slice, once = entry["kernel_ops_per_step_in_slice"][run], entry["kernel_ops_once_per_epoch"][run]
+            each_step = in_slice - once / steps
+            assert kernel[run] == pytest.approx(each_step + once / entry["steps_per_epoch"], abs=0.02), (name, run)
+        cd, drr = kernel["CD-GraB gram"] / kernel["D-RR"], kernel["D-RR"] / kernel["textbook foreach"]
+        assert entry["ratios"]["CD-GraB/D-RR"] == pytest.approx(cd, abs=1e-3), name
+        assert entry["ratios"]["D-RR/textbook"] == pytest.approx(drr, abs=1e-3), name
+        assert entry["meets_goals"] == {"CD-GraB/D-RR": cd <= 1.3, "D-RR/textbook": drr <= 1.2}, name
+    # the H200 profile's launches per step (issue #62 quotes them); it profiled only these two
+    h200 = {name: entry["h200_launches_per_step"] for name, entry in report["benchmarks"].items()}
+    assert h200 == {"LR-HMDA": {"D-RR": 28.1, "CD-GraB": 83.1}, "MLP-M4": {"D-RR": 177.1, "CD-GraB": 184.1},
+                    "LSTM-Wiki2": None, "GPT2-Wiki103": None}
+
+
+def test_performance_page_quotes_the_shipped_counts():
+    """docs/performance.md's launch-count table is dispatch-count-cpu.json's (a rerun must update it)."""
+    page = (REPO / "docs" / "performance.md").read_text()
+    table = page[page.index("| kernel ops per step |"):]
+    table = table[:table.index("\n\n")]
+    report = shipped()
+    for name, entry in report["benchmarks"].items():
+        kernel, ratios = entry["kernel_ops_per_step"], entry["ratios"]
+        h200 = entry["h200_launches_per_step"] or {}
+        row = (f"| {name} | {kernel['textbook foreach']:.1f} | {kernel['D-RR']:.1f} | {kernel['CD-GraB']:.1f} "
+               f"| {kernel['CD-GraB gram']:.1f} | {ratios['D-RR/textbook']:.2f} | {ratios['CD-GraB/D-RR']:.2f} "
+               f"| {' / '.join(f'{h200[s]:.1f}' for s in ('D-RR', 'CD-GraB')) if h200 else '-'} |")
+        assert row in table.splitlines(), row
+    table = page[page.index("| 100-step epoch |"):]
+    table = table[:table.index("\n\n")]
+    for name in ("LR-HMDA", "MLP-M4"):
+        entry = report["benchmarks"][name]
+        in_slice, h200 = entry["kernel_ops_per_step_in_slice"], entry["h200_launches_per_step"]
+        row = (f"| {name} | {in_slice['D-RR']:.1f} | {h200['D-RR']:.1f} | {in_slice['CD-GraB gram']:.1f} "
+               f"| {h200['CD-GraB']:.1f} | {in_slice['CD-GraB gram'] / in_slice['D-RR']:.2f} "
+               f"| {h200['CD-GraB'] / h200['D-RR']:.2f} |")
+        assert entry["steps_counted"][0] == 100 and row in table.splitlines(), row
