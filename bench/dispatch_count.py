@@ -67,6 +67,7 @@ from bench.gpu_epochs import (  # noqa: E402
 from common.errors import OneLineErrorParser, UserFacingError  # noqa: E402
 from common.paths import default_data_dir  # noqa: E402
 from engine import runlog  # noqa: E402
+from engine.cli import int_flag  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.train import train  # noqa: E402
 
@@ -247,7 +248,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help=f"which benchmarks (default all: {' '.join(STEPS)})")
     parser.add_argument("--json", default=str(DEFAULT_JSON),
                         help=f"the report (default {DEFAULT_JSON.relative_to(REPO)})")
-    parser.add_argument("--gpt2-max-seq-length", type=int, default=32, metavar="T",
+    parser.add_argument("--gpt2-max-seq-length", type=int_flag(1), default=32, metavar="T",
                         help="GPT-2's tokens per block (default 32: the paper's 128 runs the same operators, slower)")
     return parser
 
