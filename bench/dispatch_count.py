@@ -1,13 +1,14 @@
 """Operators dispatched per training step, counted on the CPU: a proxy for a GPU's kernel launches
 (issue #62, goal 1).
 
-    python bench/dispatch_count.py [--data-dir DIR] [--benchmarks NAME ...] [--json PATH]
+    python bench/dispatch_count.py [--data-dir DIR] [--benchmarks NAME ...] [--gpt2-max-seq-length T] [--json PATH]
 
 Counts are deterministic (unlike times), so the machine's load does not change them.
 
 How it counts: a `torch.utils._python_dispatch.TorchDispatchMode` (`OpCounter`) sees every ATen
-operator after autograd and after composite operators have been decomposed, in forward and backward
-alike: the calls a device backend would get, which is what launches kernels on a GPU. torch.profiler
+operator after autograd and after implicit composites (CompositeImplicitAutograd) have been
+decomposed, in forward and backward alike: the calls a device backend would get, which is what
+launches kernels on a GPU. torch.profiler
 was not chosen: on the CPU it records composite operators and their children nested (aten::linear over
 aten::t over aten::transpose ...), so its counts need a tree walk to mean anything, and it lists no
 launches without CUDA. The counter splits what it sees into
