@@ -39,7 +39,26 @@ def worker_generator(seed: int, epoch: int, rank: int, stream: int) -> torch.Gen
     return torch.Generator().manual_seed(int(words[0]))
 
 
-class FlipFlop(Sorter):
+class SeededPerWorkerOrders(Sorter):
+    """A gradient-free sorter whose orders are a function of (seed, epoch, worker) alone (FlipFlop, SWR):
+    every process, whatever the number of workers it hosts, holds the same ones. Subclasses give
+    `_epoch_orders`; an epoch whose sort() saw no step() still counts (as D-RR's)."""
+
+    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
+                 nonfinite: str = "raise") -> None:
+        self.seed = check_seed(self.name, seed)
+        super().__init__(n_workers, m, d, seed, device, nonfinite)
+        self.orders = self._epoch_orders(0)  # what the first sort() returns
+
+    def _epoch_orders(self, epoch: int) -> torch.Tensor:
+        """(n, m) LongTensor on the sorter's device: every worker's order of epoch `epoch` (from 0)."""
+        raise NotImplementedError
+
+    def _next_epoch_orders(self) -> torch.Tensor:
+        return self._epoch_orders(self.epoch)  # self.epoch: the epochs started so far, i.e. this one's index
+
+
+class FlipFlop(SeededPerWorkerOrders):
     """FlipFlop, per worker: on epoch e (from 0), worker j's order is a fresh uniform permutation drawn from
     (seed, e, j) when e is even, and the reverse of epoch e - 1's when e is odd.
 
@@ -58,12 +77,6 @@ class FlipFlop(Sorter):
 
     name = "FlipFlop"
 
-    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
-                 nonfinite: str = "raise") -> None:
-        self.seed = check_seed(self.name, seed)
-        super().__init__(n_workers, m, d, seed, device, nonfinite)
-        self.orders = self._epoch_orders(0)  # what the first sort() returns
-
     def _epoch_orders(self, epoch: int) -> torch.Tensor:
         """(n, m) LongTensor on the sorter's device: every worker's order of epoch `epoch` (from 0)."""
         drawn_in = epoch - epoch % 2  # the even epoch whose permutation this epoch uses
@@ -71,6 +84,3 @@ class FlipFlop(Sorter):
                 for rank in range(self.n)]
         orders = torch.stack(rows)
         return (orders.flip(1) if epoch % 2 else orders).to(self.device)
-
-    def _next_epoch_orders(self) -> torch.Tensor:
-        return self._epoch_orders(self.epoch)  # self.epoch: the epochs started so far, i.e. this one's index

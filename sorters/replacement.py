@@ -9,12 +9,10 @@ from typing import Any
 
 import torch
 
-from sorters.base import Sorter
-from sorters.checks import check_seed
-from sorters.flipflop import REPLACEMENT_STREAM, worker_generator
+from sorters.flipflop import REPLACEMENT_STREAM, SeededPerWorkerOrders, worker_generator
 
 
-class SampleWithReplacement(Sorter):
+class SampleWithReplacement(SeededPerWorkerOrders):
     """SWR: each epoch, worker j's m positions hold m i.i.d. uniform draws from its units 0..m-1.
 
     The one sorter whose rows are not permutations: ``sort()`` returns an (n, m) LongTensor of unit ids in
@@ -33,21 +31,12 @@ class SampleWithReplacement(Sorter):
     name = "SWR"
     permutes = False  # the rows of its orders repeat units (every other sorter's rows are permutations)
 
-    def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
-                 nonfinite: str = "raise") -> None:
-        self.seed = check_seed(self.name, seed)
-        super().__init__(n_workers, m, d, seed, device, nonfinite)
-        self.orders = self._epoch_orders(0)  # what the first sort() returns
-
     def _epoch_orders(self, epoch: int) -> torch.Tensor:
         """(n, m) LongTensor on the sorter's device: every worker's draws of epoch `epoch` (from 0)."""
         rows = [torch.randint(self.m, (self.m,),
                               generator=worker_generator(self.seed, epoch, rank, REPLACEMENT_STREAM))
                 for rank in range(self.n)]
         return torch.stack(rows).to(self.device)
-
-    def _next_epoch_orders(self) -> torch.Tensor:
-        return self._epoch_orders(self.epoch)  # self.epoch: the epochs started so far, i.e. this one's index
 
     def _check_state(self, state: dict[str, Any]) -> None:
         """`Sorter._check_state`, with orders that hold unit ids in 0..m-1 (repeats allowed) instead of
