@@ -98,12 +98,30 @@ def test_the_lstm_grid_runs_in_the_setting_the_rule_picks_and_seed_0_leads():
     assert grid.QUEUE[:2] == [("LSTM-Wiki2", "D-RR", 0), ("LSTM-Wiki2", "CD-GraB", 0)]
     full = {(b, s, seed) for b in ("LSTM-Wiki2",) for s in ("CD-GraB", "D-RR", "Fold") for seed in (0, 1, 2)} | \
            {(b, s, seed) for b in ("GPT2-Wiki103",) for s in ("CD-GraB", "D-RR") for seed in (0, 1, 2)}
-    assert set(grid.QUEUE[:-1]) == full and len(grid.QUEUE) == len(full) + 1
-    assert grid.QUEUE[-1] == ("GPT2-Wiki103", "CD-GraB-sketch1024", 0)  # the sketch after the grid
-    sketch = run.Run(*grid.QUEUE[-1], REPO / "nowhere", SimpleNamespace(epochs=None, tiny=False))
+    assert set(grid.QUEUE[:len(full)]) == full
+    assert grid.QUEUE[len(full)] == ("GPT2-Wiki103", "CD-GraB-sketch1024", 0)  # the sketch after the grid
+    sketch = run.Run(*grid.QUEUE[len(full)], REPO / "nowhere", SimpleNamespace(epochs=None, tiny=False))
     argv = sketch.command(SimpleNamespace(data_dir="datasets", device="cuda", tiny=False), cudnn="on")
     assert argv[argv.index("--sorter") + 1] == "CD-GraB" and argv[argv.index("--sketch-dim") + 1] == "1024"
     assert sketch.name == "CD-GraB-node64-B64-lr0.0005-sketch-dim1024-seed0" and "--clip" not in argv
+
+
+def test_issue_60s_orderers_queue_after_the_grid_seed_0_first_with_greedy_sketched():
+    """After the grid and its sketch run come the leaderboard's orderers, every one on both GPU benchmarks
+    for seeds 0-2 (seed 0 of all first), but MB-GraB on GPT-2, where a worker's step is one example (it would
+    be CD-GraB); Greedy keeps sketches (4096 on the LSTM, 1024 on GPT-2), as RPB balances them on GPT-2."""
+    orderers = grid.QUEUE[grid.QUEUE.index(("GPT2-Wiki103", "CD-GraB-sketch1024", 0)) + 1:]
+    expected = {(b, s) for b in grid.BENCHMARKS for s in ("FlipFlop", "SWR", "RPB", "Greedy")} | {("LSTM-Wiki2", "MB-GraB")}
+    assert {(b, grid.variant(s)[0]) for b, s, _ in orderers} == expected
+    assert [seed for *_, seed in orderers] == sorted(seed for *_, seed in orderers)  # seed 0 of every one first
+    assert {seed for *_, seed in orderers} == {0, 1, 2} and len(orderers) == 3 * len(expected)
+    spec = grid.BENCHMARKS["GPT2-Wiki103"]
+    assert spec["args"][spec["args"].index("--node_cnt") + 1] == spec["args"][spec["args"].index("--B") + 1]
+    names = {grid.run_name(b, s, seed): grid.variant(s) for b, s, seed in orderers}
+    assert names["Greedy-node4-B16-lr5-carry-hidden-clip0.25-sketch-dim4096-seed0"][:2] == ("Greedy", ["--sketch-dim", "4096"])
+    assert names["Greedy-node64-B64-lr0.0005-sketch-dim1024-seed2"][:2] == ("Greedy", ["--sketch-dim", "1024"])
+    assert names["RPB-node64-B64-lr0.0005-sketch-dim1024-seed1"][0] == "RPB"
+    assert "FlipFlop-node4-B16-lr5-carry-hidden-clip0.25-seed0" in names
 
 
 def test_a_failed_lstm_check_turns_cudnn_off_for_the_lstm_runs_only(tmp_path, monkeypatch):
@@ -153,7 +171,9 @@ def test_only_selects_by_benchmark_sorter_and_seed_in_the_queues_order():
                                                                       ("LSTM-Wiki2", "Fold", 1)]
     assert select(["GPT2-Wiki103"]) == [(b, s, seed) for seed in (0, 1, 2) for b, s in
                                         (("GPT2-Wiki103", "CD-GraB"), ("GPT2-Wiki103", "D-RR"))] + \
-                                       [("GPT2-Wiki103", "CD-GraB-sketch1024", 0)]
+                                       [("GPT2-Wiki103", "CD-GraB-sketch1024", 0)] + \
+                                       [("GPT2-Wiki103", s, seed) for seed in (0, 1, 2) for s in
+                                        ("FlipFlop", "SWR", "RPB-sketch1024", "Greedy-sketch1024")]
     assert select(["GPT2-Wiki103/CD-GraB-sketch1024"]) == [("GPT2-Wiki103", "CD-GraB-sketch1024", 0)]
 
 

@@ -32,7 +32,11 @@ BENCHMARKS = {
 }
 # a queued sorter name -> (the --sorter it runs, its extra arguments, the tag they add to the run name, as
 # the sweeps name it: scripts/run_tag.py); a plain sorter name runs that sorter as it is
-VARIANTS = {"CD-GraB-sketch1024": ("CD-GraB", ["--sketch-dim", "1024"], "-sketch-dim1024")}
+VARIANTS = {"CD-GraB-sketch1024": ("CD-GraB", ["--sketch-dim", "1024"], "-sketch-dim1024"),
+            # Greedy keeps every unit's gradient of the last epoch: a sketch's, at these sizes (docs/sorters.md)
+            "Greedy-sketch4096": ("Greedy", ["--sketch-dim", "4096"], "-sketch-dim4096"),
+            "Greedy-sketch1024": ("Greedy", ["--sketch-dim", "1024"], "-sketch-dim1024"),
+            "RPB-sketch1024": ("RPB", ["--sketch-dim", "1024"], "-sketch-dim1024")}
 # most valuable first (issue #44, goals 7-8): seed 0's LSTM D-RR and CD-GraB, whose epoch 1 shows whether
 # the grid's setting measures order, and its Fold (the Fold question); then GPT-2 seed 0; then seeds 1 and
 # 2 alike; then GPT-2 with sketched CD-GraB (D 1024). A GPT-2 run must finish in the call it starts in (its
@@ -40,8 +44,16 @@ VARIANTS = {"CD-GraB-sketch1024": ("CD-GraB", ["--sketch-dim", "1024"], "-sketch
 # on from session to session.
 SEED_RUNS = (("LSTM-Wiki2", "D-RR"), ("LSTM-Wiki2", "CD-GraB"), ("LSTM-Wiki2", "Fold"),
              ("GPT2-Wiki103", "CD-GraB"), ("GPT2-Wiki103", "D-RR"))
+# After them, issue #60's orderers (the leaderboard's), seed 0 of every one first: the gradient-free FlipFlop
+# and SWR, MB-GraB (each worker's step gradient), RPB and Greedy (per-example gradients; on GPT-2 RPB
+# balances sketches as the sketched CD-GraB run does, and Greedy keeps sketches on both). Not MB-GraB on
+# GPT-2: with 64 workers and B 64 a worker's step is one example, and a one-example micro-batch is CD-GraB.
+ORDERER_RUNS = (("LSTM-Wiki2", "FlipFlop"), ("LSTM-Wiki2", "SWR"), ("LSTM-Wiki2", "MB-GraB"), ("LSTM-Wiki2", "RPB"),
+                ("LSTM-Wiki2", "Greedy-sketch4096"), ("GPT2-Wiki103", "FlipFlop"), ("GPT2-Wiki103", "SWR"),
+                ("GPT2-Wiki103", "RPB-sketch1024"), ("GPT2-Wiki103", "Greedy-sketch1024"))
 QUEUE = [(benchmark, sorter, seed) for seed in (0, 1, 2) for benchmark, sorter in SEED_RUNS] + \
-        [("GPT2-Wiki103", "CD-GraB-sketch1024", 0)]
+        [("GPT2-Wiki103", "CD-GraB-sketch1024", 0)] + \
+        [(benchmark, sorter, seed) for seed in (0, 1, 2) for benchmark, sorter in ORDERER_RUNS]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_host_sync.py", "tests/test_overlap_cuda.py"]
 LSTM_CHECK = ["tests/test_cuda.py::test_gradients_and_evaluation_agree_with_the_cpu[LSTM-Wiki2]"]  # cuDNN, the runs' units
 TINY_EPOCHS = 6
