@@ -18,7 +18,10 @@ What the mixin changes in the Trainer, and why:
   pass over the dict batch, of the loss the model computes from its `labels`) with the parameters the
   optimizer step starts from, and hands them to `sampler.step()`. One micro-batch is one sampler step,
   so gradient accumulation changes nothing in the orders. Sorters that ignore gradients (D-RR, D-SO,
-  Fold) get `step(None)` and cost nothing;
+  Fold, FlipFlop, SWR) get `step(None)` and cost nothing. MB-GraB, in one process hosting one replica, gets
+  the micro-batch's gradient from the Trainer's own backward (`BackwardGradient`: what it added to .grad, a
+  constant multiple of the micro-batch's mean gradient wherever micro-batches hold as many labelled items);
+  under torchrun or with R > 1 replicas in one process, the mean of its examples' formed gradients;
 - the sampler's state is saved in every `checkpoint-N/` (as `cdgrab_sampler.pt`, by the main process:
   every process holds the same state) and restored by `train(resume_from_checkpoint=...)` before the
   first batch. The Trainer replays a resumed epoch and drops the batches already done
@@ -59,6 +62,8 @@ from sorters.checks import check_no_dropout, plural
 from sorters.exact import ExactCDGraB, ExactGradients, ExactRecording
 from sorters.gather import ParameterShare
 from sorters.layer_sketch import LayerSketch, Recording
+from sorters.per_example import BackwardGradient
+from sorters.registry import SORTERS
 from sorters.settings import CDGraBSettings
 
 try:
@@ -160,7 +165,7 @@ class CDGraBTrainerMixin(_TrainerBase):
         self.cdgrab_settings: CDGraBSettings = settings
         self.cdgrab_sampler: CDGraBSampler | None = None
         # the formed gradients, the structured sketches or the exact path's records
-        self.cdgrab_grads: PerExampleLossGrads | LayerSketch | ExactGradients | None = None
+        self.cdgrab_grads: PerExampleLossGrads | LayerSketch | ExactGradients | BackwardGradient | None = None
         self._cdgrab_resume_from: str | None = None
         # structured / exact: the recording of the current micro-batch
         self._cdgrab_recording: Recording | ExactRecording | None = None
@@ -193,6 +198,17 @@ class CDGraBTrainerMixin(_TrainerBase):
     def _uses_grads(self) -> bool:
         """Whether the sorter balances gradients (which the Trainer then forms or records)."""
         return self.cdgrab_settings.uses_grads
+
+    @property
+    def _grads_from_backward(self) -> bool:
+        """MB-GraB in one process hosting one replica: its micro-batch's gradient is read from the Trainer's own
+        backward (BackwardGradient), and no per-example gradient is formed. Under torchrun DDP averages .grad
+        over the processes in the backward, and one process hosting R > 1 replicas has one backward for all R,
+        so there each replica's micro-batch gradient is the mean of its examples' formed ones (the sampler
+        averages the (R * b, d) rows), as costly as the other balancing sorters."""
+        settings = self.cdgrab_settings
+        return (getattr(SORTERS[settings.sorter], "uses_batch_size", False) and not settings.structured
+                and self.args.world_size == 1 and self._replicas == (1, 1))
 
     @property
     def _module(self) -> torch.nn.Module:
@@ -280,7 +296,7 @@ class CDGraBTrainerMixin(_TrainerBase):
                              f"batches of {plural(world, 'replica')} x {batch}; pass dataloader_drop_last=True (the "
                              f"last {plural(len(dataset) % (world * batch), 'example')} would never be used) or trim "
                              "the dataset")
-        if self._uses_grads:
+        if self._uses_grads and not self._grads_from_backward:  # the backward's own gradient needs no tracing
             self._check_gradients_can_be_formed()
 
     def _check_gradients_can_be_formed(self) -> None:
@@ -330,6 +346,8 @@ class CDGraBTrainerMixin(_TrainerBase):
             if settings.exact_low_memory:  # products from the Trainer's own backward (training_step)
                 self.cdgrab_grads = settings.exact_gradients(self._module)
                 self._first_sketch_dry_run(dataset)
+            elif self._grads_from_backward:  # MB-GraB: the micro-batch's gradient is the backward's (training_step)
+                self.cdgrab_grads = BackwardGradient(self._module, settings.grad_params)
             elif settings.structured:  # the sketches come from the Trainer's own backward (training_step)
                 self.cdgrab_grads = LayerSketch(self._module, settings.sketch_dim, settings.resolved_seed,
                                                 params=settings.grad_params, min_numel=settings.min_numel)
@@ -504,8 +522,11 @@ class CDGraBTrainerMixin(_TrainerBase):
         writes = bool(exact) and self._records_write_grads()
         # cdgrab_grads: what _get_train_sampler built for these settings (ExactGradients, PerExampleLossGrads or
         # a LayerSketch)
+        backward = self.cdgrab_grads if isinstance(self.cdgrab_grads, BackwardGradient) else None
         if exact:  # the records give the weight gradients too, the backward skips its own
             self._cdgrab_recording = cast(ExactGradients, self.cdgrab_grads).recording(write_grads=writes)
+        elif backward is not None:  # MB-GraB: what the step's own backward adds to .grad
+            backward.start()
         elif self._uses_grads and not self.cdgrab_settings.structured:
             self._module.train()
             grads_of = cast(PerExampleLossGrads, self.cdgrab_grads)
@@ -524,6 +545,8 @@ class CDGraBTrainerMixin(_TrainerBase):
                 return loss
             if self._cdgrab_recording is not None:
                 grads = cast(Recording, self._cdgrab_recording).sketches().float()  # (micro-batch, D)
+            if backward is not None:
+                grads = backward.delta()[None]  # (1, d): the replica's micro-batch gradient
         finally:
             self._cdgrab_recording = None
         self._sampler.step(grads)

@@ -25,10 +25,13 @@ What the callback does:
 - setup: refuses `Trainer(use_distributed_sampler=True)` (Lightning would wrap the sampler in a
   DistributedSampler and every rank would see other examples than the sampler chose);
 - on_train_batch_start: `sampler.step(pl_module.per_example_grads(batch))` (`step(None)` for sorters that
-  need no gradients: D-RR, D-SO, Fold). At batch start the parameters are those the batch's optimizer
-  step starts from, as in the own-loop example where step() comes before optimizer.step(); the hook also
-  sees the batch, which on_before_optimizer_step does not, and runs once per batch under gradient
-  accumulation;
+  need no gradients: D-RR, D-SO, Fold, FlipFlop, SWR). MB-GraB in one process hosting one replica steps
+  after the backward instead (on_before_backward / on_after_backward) with the batch's gradient, what the
+  backward added to .grad (`BackwardGradient`; the sampler's d = the module's trainable parameters'
+  count), and needs no per_example_grads; under DDP, or R > 1 replicas in one process, per_example_grads.
+  At batch start the parameters are those the batch's optimizer step starts from, as in the own-loop
+  example where step() comes before optimizer.step(); the hook also sees the batch, which
+  on_before_optimizer_step does not, and runs once per batch under gradient accumulation;
 - state_dict / load_state_dict: the sampler's state goes into the checkpoint under the callback. Every
   rank holds the same state (each runs the same sorter on the same all-gathered gradients), so rank 0's
   copy, the one Lightning writes, restores every rank.
@@ -82,6 +85,7 @@ import torch
 from sorters._state_format import FORMAT_KEY, LIGHTNING_STATE_FORMAT, saved_format
 from sorters.exact import ExactCDGraB, ExactGradients, ExactRecording
 from sorters.layer_sketch import LayerSketch, Recording
+from sorters.per_example import BackwardGradient
 from sorters.sampler import CDGraBSampler
 from sorters.settings import CDGraBSettings
 
@@ -164,6 +168,8 @@ class CDGraBCallback(Callback):
         self._pending_state: dict[str, Any] | None = None  # a checkpoint's state loaded before the sampler was found
         # the current batch's recording: the sketcher's (LayerSketch) or the exact path's (ExactGradients)
         self._recording: Recording | ExactRecording | None = None
+        # MB-GraB in one process hosting one replica: the micro-batch's gradient from the step's own backward
+        self._backward: BackwardGradient | None = None
 
     @property
     def _sampler(self) -> CDGraBSampler:
@@ -213,7 +219,9 @@ class CDGraBCallback(Callback):
             self._sampler.divide_products = True
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
-        if self._sampler.uses_grads and self.sketcher is None and self.exact is None and self.grads_fn is None \
+        self._backward = self._backward_gradient(trainer, pl_module)
+        if self._sampler.uses_grads and self._backward is None and self.sketcher is None and self.exact is None \
+                and self.grads_fn is None \
                 and not hasattr(pl_module, "per_example_grads"):
             raise ValueError(f"CDGraBCallback: {self._sampler.sorter.name} balances per-example gradients: define "
                              "per_example_grads(self, batch) -> (B, d) in the LightningModule, or pass grads_fn")
@@ -262,6 +270,25 @@ class CDGraBCallback(Callback):
                              f"the sketcher gives d={sketcher.d}, dim={sketcher.dim}: build the sampler with "
                              "d=sketcher.d, sketch_dim=sketcher.dim")
 
+    def _backward_gradient(self, trainer: Trainer, pl_module: LightningModule) -> BackwardGradient | None:
+        """MB-GraB (its unit a replica's whole batch) in one process hosting one replica, without grads_fn: the
+        batch's gradient is what the step's own backward adds to .grad (BackwardGradient of the module's
+        parameters, or the settings' grad_params), so no per-example gradient is formed. Under DDP the
+        backward averages .grad over the ranks, and one process hosting R > 1 replicas has one backward for
+        all R: there per_example_grads (or grads_fn) gives the rows the sampler averages per replica."""
+        sampler = self._sampler
+        if not getattr(sampler.sorter, "uses_batch_size", False) or self.grads_fn is not None \
+                or self.sketcher is not None or self.exact is not None or len(sampler.replicas_here) != 1 \
+                or getattr(trainer, "world_size", 1) != 1:
+            return None
+        backward = BackwardGradient(pl_module, None if self.settings is None else self.settings.grad_params)
+        if sampler.d != backward.d:
+            raise ValueError(f"CDGraBCallback: {sampler.sorter.name} balances each batch's gradient from the step's "
+                             f"own backward, {backward.d} numbers for the module's trainable parameters, but the "
+                             f"sampler was built with d={sampler.d}: build it with d=sum(p.numel() for p in "
+                             "self.parameters() if p.requires_grad)")
+        return backward
+
     def _check_exact(self) -> None:
         """An exact sampler (ExactCDGraB) and an ExactGradients of the same d come together, or neither."""
         sampler, exact = self._sampler, self.exact
@@ -296,6 +323,8 @@ class CDGraBCallback(Callback):
         if not sampler.uses_grads:
             sampler.step(None)
             return
+        if self._backward is not None:  # MB-GraB: the sampler steps after the backward (on_after_backward)
+            return
         recorder = self.sketcher if self.sketcher is not None else self.exact
         if recorder is not None:  # the step's forward is recorded; the sampler steps after its backward
             self._recording = recorder.recording().__enter__()
@@ -306,6 +335,11 @@ class CDGraBCallback(Callback):
         grads = self.grads_fn(pl_module, batch) if self.grads_fn else pl_module.per_example_grads(batch)  # type: ignore[operator]
         sampler.step(grads)  # balancing sorters all-gather here: every rank calls it at the same batch
 
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        """Lightning's hook (after zero_grad, right before the backward): MB-GraB notes what .grad holds."""
+        if self._backward is not None:
+            self._backward.start()
+
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Lightning's hook: with a recording (sketcher, exact), ends it and steps the sampler with its sketches
         or layer records.
@@ -313,6 +347,9 @@ class CDGraBCallback(Callback):
         Raises:
             ValueError: the step's loss was not built from the losses handed to watch() (one line).
         """
+        if self._backward is not None:  # (1, d): the batch's gradient, as the backward added it to .grad
+            self._sampler.step(self._backward.delta()[None])
+            return
         recording, self._recording = self._recording, None
         if recording is None:
             return

@@ -371,3 +371,49 @@ def _loss_of(outputs: object) -> torch.Tensor:
         raise ValueError("PerExampleLossGrads: the model must return its scalar loss (`outputs.loss`): "
                          "pass the labels in the batch")
     return loss
+
+
+class BackwardGradient:
+    """The gradient that one ordinary backward pass adds to the selected parameters' ``.grad``, flattened.
+
+    For MB-GraB (sorters/microbatch.py), whose unit is a replica's whole micro-batch: its gradient is the
+    training step's own, so the glue reads it from the step's backward instead of forming per-example
+    gradients (no extra forward or backward; one copy of d floats, two where ``.grad`` already holds an earlier
+    micro-batch's under gradient accumulation). Call ``start()`` right before the backward and ``delta()``
+    after it. Under DistributedDataParallel the backward averages ``.grad`` over the processes, so the
+    difference is no longer this process's own: the glue uses it in one process hosting one replica only.
+
+    Args:
+        model: an nn.Module (a DistributedDataParallel wrapper is unwrapped).
+        params: which parameters: None (every one with requires_grad), a regular expression or a list of them
+            (as PerExampleGrads' `params`).
+
+    Attributes:
+        names: the selected parameter names, in `named_parameters()` order.
+        d: their total number of elements, the length of ``delta()``.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None) -> None:
+        check_module("BackwardGradient", model)
+        model = getattr(model, "module", model) if isinstance(
+            model, torch.nn.parallel.DistributedDataParallel) else model
+        chosen = selected_parameters(model, params, "BackwardGradient")
+        self.names = [name for name, _ in chosen]
+        self.params = [p for _, p in chosen]
+        self.d = sum(p.numel() for p in self.params)
+        self._before: torch.Tensor | None = None  # (d,) the .grad before the backward; None: none held yet
+
+    def _flat(self) -> torch.Tensor:
+        """(d,) float32: the parameters' .grad end to end, zeros where a parameter has none."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+                          for p in self.params])
+
+    def start(self) -> None:
+        """Note what ``.grad`` holds before the backward (nothing is copied when every ``.grad`` is None)."""
+        self._before = None if all(p.grad is None for p in self.params) else self._flat()
+
+    def delta(self) -> torch.Tensor:
+        """(d,) float32: what the backward since ``start()`` added to ``.grad``: the micro-batch's gradient of the
+        loss as the training loop scaled it for its backward (e.g. divided by the accumulation steps)."""
+        after = self._flat()
+        return after if self._before is None else after - self._before
