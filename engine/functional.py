@@ -50,6 +50,10 @@ class FlatModel:
             p.grad = self.grad[offset:offset + numel].view(p.shape)  # backward accumulates in place
             self.offsets[id(p)] = offset
             offset += numel
+        # batch_gradient's targets: the parameters autograd differentiates, and their views of `grad`
+        self._trained = [p for _, p in named if p.requires_grad]
+        self._trained_grads = [p.grad for p in self._trained]
+        self._frozen = len(self._trained) < len(named)  # parameters whose gradient batch_gradient leaves at 0
         self.buffers = dict(self.module.named_buffers())
         # the library's view of the flat vector (sorters/layer_rules.py): which layers have a per-unit rule
         self.layout = Layout(self.module, named)
@@ -78,12 +82,22 @@ class FlatModel:
         """Gradient of scale * loss_fn(self.flat, batch)[0] by one backward into `self.grad`.
 
         Returns (self.grad (d,), loss scalar (detached, unscaled), aux). The returned tensor is the
-        model's buffer: valid until the next call. `accumulate` adds to it instead of zeroing first.
+        model's buffer: valid until the next call. `accumulate` adds to it instead of overwriting it.
+
+        The parameters' gradients come from torch.autograd.grad and reach the buffer in ONE multi-tensor
+        copy (or add): `backward()` into the `.grad` views would zero the buffer and then add each
+        parameter's gradient on its own, one kernel per parameter (bench/dispatch_count.py). The values
+        are the same: autograd sums a parameter's uses (tied weights) before either path writes it.
         """
-        if not accumulate:
-            self.grad.zero_()
         loss, aux = loss_fn(self.flat, batch)
-        (loss * scale if scale != 1.0 else loss).backward()
+        grads = torch.autograd.grad(loss * scale if scale != 1.0 else loss, self._trained, materialize_grads=True)
+        with torch.no_grad():
+            if self._frozen and not accumulate:
+                self.grad.zero_()
+            if accumulate:
+                torch._foreach_add_(self._trained_grads, grads)
+            else:
+                torch._foreach_copy_(self._trained_grads, grads)
         return self.grad, loss.detach(), aux
 
     def outer_unit_gradients(self, unit_loss_fn, batch, out: torch.Tensor | None = None):

@@ -62,6 +62,56 @@ def test_flat_model_parameters_are_views_and_backward_fills_the_flat_gradient():
     assert not torch.equal(again, reference)  # zeroed and recomputed at the new point, not accumulated
 
 
+class TiedWithUnused(torch.nn.Module):
+    """Embedding tied to the output layer (one parameter used twice), two hidden layers, and a layer never
+    called."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out, self.unused = torch.nn.Embedding(7, 3), torch.nn.Linear(3, 7), torch.nn.Linear(3, 2)
+        self.hidden = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.hidden(self.embed(ids))))
+
+
+def test_batch_gradient_equals_the_textbook_backward_and_dispatches_one_write():
+    """FlatModel.batch_gradient (autograd.grad, then one multi-tensor copy/add into the flat buffer) equals,
+    bit for bit, loss.backward() on a plain copy of the module whose .grad start as None (the textbook
+    loop), for a tied weight and an unused layer, scaled, and accumulated over two batches; and it
+    dispatches at most one kernel op more than that backward (the write into the buffer), not one per
+    parameter, besides the zeros of the unused layer's weight and bias."""
+    import copy
+
+    from bench.dispatch_count import OpCounter
+
+    torch.manual_seed(0)
+    model = FlatModel(TiedWithUnused())
+    plain = copy.deepcopy(model.module)
+    for p in plain.parameters():
+        p.grad = None
+    ids = [torch.randint(0, 7, (5,)), torch.randint(0, 7, (4,))]
+    model.grad.fill_(3.0)  # stale values: a non-accumulating call must overwrite every coordinate
+
+    def loss(flat, batch):
+        return F.cross_entropy(model(flat, batch), batch), None
+
+    for i, (scale, accumulate) in enumerate([(0.5, False), (0.25, True)]):
+        with OpCounter() as engine_count:
+            grad, value, _ = model.batch_gradient(loss, ids[i], scale=scale, accumulate=accumulate)
+        with OpCounter() as textbook_count:
+            textbook_loss = F.cross_entropy(plain(ids[i]), ids[i])
+            (textbook_loss * scale).backward()
+        assert engine_count.kernel_ops <= textbook_count.kernel_ops + 1 + 2
+        assert torch.equal(value, textbook_loss.detach())
+    expected = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                          for p in plain.parameters()])
+    assert torch.equal(grad, expected)
+    unused = model.offsets[id(model.module.unused.weight)]
+    assert model.grad[unused:unused + 8].abs().sum() == 0  # the unused layer: zero, not the stale 3.0
+
+
 def outer_cases():
     """(FlatModel, batch, mean loss, per-unit losses) for the model kinds of the benchmarks."""
     from models.gpt2 import build_gpt2, causal_mask
