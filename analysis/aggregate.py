@@ -7,10 +7,11 @@ values; the communication, sketching and reorderers studies; aggregate_all, whic
 """
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
-from analysis.load import RUN_COLUMNS, SETTING, load_configs
+from analysis.load import REPO_ROOT, RUN_COLUMNS, SETTING, load_configs
 
 # The metric each benchmark's paper figure reports next to the train loss; the first available one
 # is the table's "final metric". GPT-2 reports validation perplexity (test perplexity when present too).
@@ -122,15 +123,24 @@ def time_breakdown(df: pd.DataFrame) -> pd.DataFrame:
     return means[GROUP + TIME_PARTS + ["other_seconds", "epoch_seconds"]]
 
 
+def herding_vectors(n_workers: int, m: int) -> float:
+    """The vectors of a herding simulation's trial, n_workers * m to 3 significant digits (the simulation's
+    10^6 * --scale, less the remainder of its division by n): what tells its scales apart."""
+    return float(f"{int(n_workers) * int(m):.3g}")
+
+
 def aggregate_herding(hdf: pd.DataFrame, band: str = "std") -> pd.DataFrame:
     """Herding bound statistics over trials per (n_workers, m, method, round).
 
-    Columns: n_workers, m, method, round, mean, std, min, max, count, lo, hi.
+    Columns: n_workers, m, method, round, mean, std, min, max, count, lo, hi, vectors (herding_vectors: the
+    scale of the simulation, so that runs of one n at two scales are never drawn or tabled as one).
     """
     keys = ["n_workers", "m", "method", "round"]
     if hdf.empty:
-        return pd.DataFrame(columns=keys + STAT_COLUMNS)
-    return _stats(hdf.groupby(keys, sort=True)["bound"], band).reset_index()
+        return pd.DataFrame(columns=keys + STAT_COLUMNS + ["vectors"])
+    agg = _stats(hdf.groupby(keys, sort=True)["bound"], band).reset_index()
+    agg["vectors"] = [herding_vectors(n, m) for n, m in zip(agg["n_workers"], agg["m"])]
+    return agg
 
 
 def missing_sorters(df: pd.DataFrame, benchmarks=BENCHMARKS, sorters=EXPECTED_SORTERS) -> list:
@@ -456,6 +466,10 @@ def reorderer_curves(runs: pd.DataFrame, benchmark: str) -> pd.DataFrame:
 LEADERBOARD_ONLY = ("FlipFlop", "SWR", "Greedy", "MB-GraB", "RPB")
 LEADERBOARD_STUDIES = ("", "reorderers")  # where runs with the paper's settings live (own folder first)
 NEEDS = ("nothing", "per-worker gradients", "per-example gradients")
+# the side-by-side bench of every orderer (bench/epoch_time.py --record ... --label BENCHMARK): its seconds
+# and peak memory ratios; a benchmark without a run there falls back to its runs' own logged seconds
+LEADERBOARD_BENCH = REPO_ROOT / "bench" / "results" / "leaderboard-cpu.json"
+TIME_SOURCES = ("bench", "runs' logs")
 
 
 def gradients_needed(sorter: str) -> str:
@@ -470,6 +484,33 @@ def gradients_needed(sorter: str) -> str:
     if not cls.uses_grads:
         return NEEDS[0]
     return NEEDS[1] if getattr(cls, "uses_batch_size", False) else NEEDS[2]
+
+
+def leaderboard_bench(path=LEADERBOARD_BENCH) -> dict:
+    """The recorded runs of a bench/epoch_time.py --record file, {label: run} (a run: its JSON object, with
+    "seconds" {sorter spec: {"epoch_seconds": ...}} and, since the bench measures it, "peak_rss_mib" {sorter
+    spec: MiB}); the leaderboard takes a benchmark's from the run labelled by its name. {} without the file."""
+    path = Path(path)
+    return json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
+
+
+def bench_ratios(run: dict) -> pd.DataFrame:
+    """Per sorter (the index: the name of a bench sorter spec NAME or NAME:ARGS), its median epoch seconds
+    and peak memory in a recorded bench run over D-RR's in the same run: columns seconds_ratio,
+    memory_ratio (NaN where the run lacks the sorter's or D-RR's value; memory: runs recorded before the
+    bench measured it). A name given twice (two specs) keeps its first."""
+    def ratios(values: dict) -> dict:
+        by_name = {}
+        for spec, value in values.items():
+            by_name.setdefault(spec.partition(":")[0], value)
+        base = by_name.get("D-RR", float("nan"))
+        return {name: value / base for name, value in by_name.items()}
+
+    seconds = ratios({spec: row["epoch_seconds"] for spec, row in run.get("seconds", {}).items()})
+    memory = ratios(run.get("peak_rss_mib", {}))
+    table = pd.DataFrame({"seconds_ratio": pd.Series(seconds, dtype=float),
+                          "memory_ratio": pd.Series(memory, dtype=float)})
+    return table.rename_axis("sorter")
 
 
 def leaderboard_runs(df: pd.DataFrame, configs: pd.DataFrame) -> pd.DataFrame:
@@ -489,18 +530,22 @@ def leaderboard_runs(df: pd.DataFrame, configs: pd.DataFrame) -> pd.DataFrame:
     return runs[runs["run_dir"].isin(first["run_dir"])]
 
 
-def leaderboard(runs: pd.DataFrame) -> tuple:
-    """The leaderboard of leaderboard_runs' `runs`: (table, curves).
+def leaderboard(runs: pd.DataFrame, bench_runs: dict | None = None) -> tuple:
+    """The leaderboard of leaderboard_runs' `runs`: (table, curves). bench_runs: leaderboard_bench's runs,
+    {label: run}; a benchmark's bench run is the one labelled by its name (None or {}: none).
 
     table: one row per (benchmark, orderer), best final train loss first (`rank`): needs
     (gradients_needed), seeds (count) and seed_list, epoch (the runs' last), train_loss / train_loss_std
     and final / final_std (the headline `metric`) at that epoch, mean and population std over seeds
     (std_over_seeds: NaN for one seed); target: D-RR's final train loss (mean over its seeds); reaches: the
     first epoch at which the orderer's mean train loss over seeds is at most target (NaN: never, or no
-    D-RR runs); seconds_ratio: the median seconds per epoch over every logged epoch of the orderer's runs,
-    divided by D-RR's (the runs' own logs, made at different times on a shared machine: no side-by-side
-    bench). curves: per benchmark, orderer and epoch, the train loss's mean and std over seeds and the
-    orderer's rank (the figure's curves)."""
+    D-RR runs); seconds_ratio and memory_ratio: the orderer's seconds per epoch and peak memory over
+    D-RR's, from the benchmark's bench run when `bench_runs` has one with D-RR in it (bench_ratios; NaN for an
+    orderer it lacks), else seconds_ratio is the median seconds per epoch over every logged epoch of the
+    orderer's runs over D-RR's (the runs' own logs, made at different times on a shared machine) and
+    memory_ratio NaN (runs log no memory); time_source: which (TIME_SOURCES). curves: per benchmark,
+    orderer and epoch, the train loss's mean and std over seeds and the orderer's rank (the figure's
+    curves)."""
     tables, curves = [], []
     for benchmark, bench in runs.groupby("benchmark", sort=True) if len(runs) else []:
         metric = headline_metrics(bench, benchmark)[0]
@@ -510,8 +555,16 @@ def leaderboard(runs: pd.DataFrame) -> tuple:
                                           train_loss=("train_loss", "mean"), train_loss_std=("train_loss", std_over_seeds),
                                           final=(metric, "mean"), final_std=(metric, std_over_seeds)).reset_index()
         rows["seed_list"] = rows["sorter"].map(last.groupby("sorter")["seed"].agg(lambda s: sorted(int(v) for v in s)))
-        seconds = bench.groupby("sorter")["epoch_seconds"].median() if "epoch_seconds" in bench else pd.Series()
-        rows["seconds_ratio"] = rows["sorter"].map(seconds / seconds.get("D-RR", float("nan")))
+        measured = bench_ratios((bench_runs or {}).get(benchmark, {}))
+        if measured["seconds_ratio"].get("D-RR", float("nan")) == 1.0:  # a bench run with D-RR's seconds
+            rows["seconds_ratio"] = rows["sorter"].map(measured["seconds_ratio"])
+            rows["memory_ratio"] = rows["sorter"].map(measured["memory_ratio"])
+            rows["time_source"] = TIME_SOURCES[0]
+        else:
+            seconds = bench.groupby("sorter")["epoch_seconds"].median() if "epoch_seconds" in bench else pd.Series()
+            rows["seconds_ratio"] = rows["sorter"].map(seconds / seconds.get("D-RR", float("nan")))
+            rows["memory_ratio"] = float("nan")
+            rows["time_source"] = TIME_SOURCES[1]
         target = rows.set_index("sorter")["train_loss"].get("D-RR", float("nan"))
         reached = curve[curve["mean"] <= target].groupby("sorter")["epoch"].min()
         rows = rows.assign(benchmark=benchmark, metric=metric, target=target, reaches=rows["sorter"].map(reached),
@@ -521,7 +574,7 @@ def leaderboard(runs: pd.DataFrame) -> tuple:
         tables.append(rows)
         curves.append(curve.assign(benchmark=benchmark, rank=curve["sorter"].map(rows.set_index("sorter")["rank"])))
     columns = ["benchmark", "rank", "sorter", "needs", "seeds", "seed_list", "epoch", "train_loss", "train_loss_std",
-               "metric", "final", "final_std", "target", "reaches", "seconds_ratio"]
+               "metric", "final", "final_std", "target", "reaches", "seconds_ratio", "memory_ratio", "time_source"]
     table = pd.concat(tables, ignore_index=True)[columns] if tables else pd.DataFrame(columns=columns)
     return table, pd.concat(curves, ignore_index=True) if curves else pd.DataFrame()
 
@@ -574,7 +627,7 @@ def aggregate_all(df: pd.DataFrame, hdf: pd.DataFrame | None = None, configs: pd
     sketching, panels, ratios = _sketching_tables(df, configs)
     reorderers = [reorderer_curves(reorderer_runs(df, benchmark, configs), benchmark)
                   for benchmark in sorted(df.loc[df["study"] == "reorderers", "benchmark"].unique())] if len(df) else []
-    board, board_curves = leaderboard(leaderboard_runs(df, configs))
+    board, board_curves = leaderboard(leaderboard_runs(df, configs), leaderboard_bench())
     return Tables(band=band, curves=benchmark_curves(paper_comparison, band), times=time_breakdown(paper_comparison),
                   herding=aggregate_herding(hdf if hdf is not None else pd.DataFrame(), band),
                   heterogeneity=final_points(df, "partition"), scaling=final_points(df, "node_cnt"),

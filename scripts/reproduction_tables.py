@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from common.errors import OneLineErrorParser  # noqa: E402
 from analysis import default_results_dir, load_herding, load_runs, lstm_setting  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
-from analysis.aggregate import (LEADERBOARD_ONLY, communication_table, headline_metrics, herding_ratios,  # noqa: E402
-                                leaderboard, leaderboard_runs, partition_order, reorderer_order, reorderer_runs,
-                                sketching_runs, variant_order)
-from analysis.load import load_configs  # noqa: E402
+from analysis.aggregate import herding_vectors  # noqa: E402
+from analysis.aggregate import (LEADERBOARD_BENCH, LEADERBOARD_ONLY, communication_table,  # noqa: E402
+                                headline_metrics, herding_ratios, leaderboard, leaderboard_bench, leaderboard_runs,
+                                partition_order, reorderer_order, reorderer_runs, sketching_runs, variant_order)
+from analysis.load import REPO_ROOT, load_configs  # noqa: E402
 
 
 def mean_std(values) -> str:
@@ -163,21 +164,39 @@ def epoch_rows(path: Path, first: int, last: int) -> list[str]:
         return []
 
 
+PAPER_VECTORS = 1e6  # the paper's herding simulation: 10^6 vectors a trial
+
+
 def herding_table(hdf) -> list[str]:
+    """The herding simulation's bound after its last round, mean ± population std over trials: one table per
+    scale (analysis.aggregate.herding_vectors: the vectors of a trial, the paper's 10^6 first; runs of one n at
+    two scales are never averaged together), a column per worker count n, the paper's values beside the
+    paper's scale only."""
     if hdf.empty:
         return ["No herding simulation CSVs.", ""]
     last = hdf[hdf["round"] == hdf["round"].max()]
-    counts = sorted(last["n_workers"].unique())
-    lines = [f"| method (round {int(last['round'].max())}) | paper | " + " | ".join(f"n={n}" for n in counts) + " |",
-             "|---|---|" + "---|" * len(counts)]
-    for method in sorted(last["method"].unique()):
-        cells = []
-        for n in counts:
-            bounds = last[(last["method"] == method) & (last["n_workers"] == n)]["bound"]
-            cells.append(f"{bounds.mean():.2f} ± {bounds.std(ddof=0):.2f}" if len(bounds) > 1 else f"{bounds.mean():.2f}")
-        trials = last[last["method"] == method]["trial"].nunique()
-        lines.append(f"| {method} ({trials} trials) | {PAPER_HERDING.get(method, '-')} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    rounds = int(last["round"].max())
+    scale_of = [herding_vectors(n, m) for n, m in zip(last["n_workers"], last["m"])]
+    lines = []
+    for scale in sorted(set(scale_of), key=lambda v: (v != PAPER_VECTORS, -v)):
+        rows = last[[v == scale for v in scale_of]]
+        counts = sorted(rows["n_workers"].unique())
+        paper = scale == PAPER_VECTORS
+        head = f"method (round {rounds})" if paper else \
+            f"method (round {rounds}; {scale:,.0f} vectors a trial, m = {scale:,.0f} / n)"
+        lines += [f"| {head} | " + ("paper | " if paper else "") + " | ".join(f"n={n}" for n in counts) + " |",
+                  "|---|" + "---|" * (len(counts) + paper)]
+        for method in sorted(rows["method"].unique()):
+            cells = []
+            for n in counts:
+                bounds = rows[(rows["method"] == method) & (rows["n_workers"] == n)]["bound"]
+                cells.append("-" if bounds.empty else f"{bounds.mean():.2f} ± {bounds.std(ddof=0):.2f}"
+                             if len(bounds) > 1 else f"{bounds.mean():.2f}")
+            trials = rows[rows["method"] == method]["trial"].nunique()
+            lines.append(f"| {method} ({trials} trials) | " + (f"{PAPER_HERDING.get(method, '-')} | " if paper else "")
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def last_values(runs, metric) -> dict:
@@ -353,29 +372,59 @@ def reorderers_markdown(df) -> list[str]:
     return lines
 
 
-def leaderboard_markdown(df) -> list[str]:
+def leaderboard_markdown(df, bench_file=LEADERBOARD_BENCH) -> list[str]:
     """The leaderboard (issue #60), per benchmark: every orderer with finished runs of the paper's settings
     (analysis.aggregate.leaderboard_runs: the benchmark's own and the reorderers study's), best final
     train loss first: what it needs beyond plain training, its seeds, the final train loss and headline
-    metric (mean ± population std over seeds at the runs' last epoch) and the first epoch at which its mean
-    train loss over seeds is at most D-RR's final one ("never" if it does not get there), and the median
-    seconds per epoch of its runs' logs over D-RR's (not a side-by-side bench)."""
-    table, _ = leaderboard(leaderboard_runs(df, load_configs(df))) if len(df) else (None, None)
+    metric (mean ± population std over seeds at the runs' last epoch), the first epoch at which its mean
+    train loss over seeds is at most D-RR's final one ("never" if it does not get there), and its seconds
+    per epoch and peak memory over D-RR's: from bench_file's run labelled by the benchmark's name
+    (bench/epoch_time.py --record; "-" for an orderer it lacks), else the median seconds per epoch of the
+    runs' own logs over D-RR's and no memory. A line under each table says where its ratios come from."""
+    bench_runs = leaderboard_bench(bench_file)
+    table, _ = leaderboard(leaderboard_runs(df, load_configs(df)), bench_runs) if len(df) else (None, None)
     lines = []
     for benchmark, rows in table.groupby("benchmark", sort=True) if table is not None else []:
         metric, epoch = rows["metric"].iloc[0], int(rows["epoch"].max())
+        source = rows["time_source"].iloc[0]
         lines += [f"| {benchmark}, epoch {epoch} | needs | seeds | final train loss | final {metric} | "
                   f"epoch reaching D-RR's final train loss ({rows['target'].iloc[0]:.5f}) | "
-                  "s / epoch vs D-RR (runs' logs) |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"s / epoch vs D-RR ({source}) | peak memory vs D-RR (bench) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in rows.itertuples():
             reaches = "never" if row.reaches != row.reaches else str(int(row.reaches))
             seeds = seed_list(row.seed_list).split(" ", 1)[1]  # "seeds 0-4": 0-4
             lines.append(f"| {row.sorter} | {row.needs} | {seeds} | "
                          f"{_plus_minus(row.train_loss, row.train_loss_std)} | "
-                         f"{_plus_minus(row.final, row.final_std)} | {reaches} | {row.seconds_ratio:.2f} |")
-        lines.append("")
+                         f"{_plus_minus(row.final, row.final_std)} | {reaches} | {_ratio(row.seconds_ratio)} | "
+                         f"{_ratio(row.memory_ratio)} |")
+        # a blank line first: a line right under a table would render as one of its rows
+        lines += ["", bench_caption(benchmark, bench_runs.get(benchmark), Path(bench_file), source), ""]
     return lines
+
+
+def bench_caption(benchmark: str, run: dict | None, bench_file: Path, source: str) -> str:
+    """The line under a leaderboard table that says where its seconds and memory ratios come from."""
+    inside = bench_file.resolve().is_relative_to(REPO_ROOT)
+    name = bench_file.resolve().relative_to(REPO_ROOT).as_posix() if inside else str(bench_file)
+    if source != "bench":
+        return (f"{benchmark}'s seconds: its runs' own logs (metrics.csv), not a side-by-side bench ({name} has "
+                f"no run \"{benchmark}\" with D-RR); peak memory: not measured.")
+    drr = next(spec for spec in run["seconds"] if spec.partition(":")[0] == "D-RR")
+    mib = run.get("peak_rss_mib", {}).get(drr)
+    with_args = "; ".join(f"{spec.partition(':')[0]} with {' '.join(args)}"
+                          for spec, args in run.get("sorter_args", {}).items() if args)
+    return (f"{benchmark}'s seconds and peak memory: {name}, run \"{benchmark}\" (bench/epoch_time.py: epoch "
+            f"{run['epoch_reported']} of {run['epochs']}-epoch runs, median of {run['rounds']} round"
+            f"{'s' * (run['rounds'] != 1)}, one process "
+            f"each, side by side; commit {str(run.get('git_commit', '?'))[:7]}, {run.get('date', '?')}; D-RR "
+            f"{run['seconds'][drr]['epoch_seconds']:.2f} s per epoch"
+            + (f", peak {mib:.0f} MiB" if mib is not None else "") + ")" + (f"; {with_args}." if with_args else "."))
+
+
+def _ratio(value: float) -> str:
+    """A ratio to D-RR with two decimals; NaN (not measured): '-'."""
+    return f"{value:.2f}" if value == value else "-"
 
 
 def _plus_minus(mean: float, std: float) -> str:

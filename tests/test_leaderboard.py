@@ -96,10 +96,15 @@ def test_the_leaderboard_table_is_the_runs_final_values_and_epochs_to_d_rr(fabri
     from analysis import load_runs
 
     root, taken = fabricated
-    text = "\n".join(tables_module().leaderboard_markdown(load_runs(root, include_incomplete=True, warn=False)))
+    no_bench = root / "no-bench.json"  # no side-by-side bench: the runs' own seconds, no memory
+    text = "\n".join(tables_module().leaderboard_markdown(load_runs(root, include_incomplete=True, warn=False),
+                                                          no_bench))
     target, found = oracle(taken)
     assert f"| LR-HMDA, epoch {EPOCHS} | needs | seeds | final train loss | final test_acc | epoch reaching D-RR's " \
-           f"final train loss ({target:.5f}) | s / epoch vs D-RR (runs' logs) |" in text, text
+           f"final train loss ({target:.5f}) | s / epoch vs D-RR (runs' logs) | peak memory vs D-RR (bench) |" \
+           in text, text
+    assert f"LR-HMDA's seconds: its runs' own logs (metrics.csv), not a side-by-side bench ({no_bench} has no run " \
+           '"LR-HMDA" with D-RR); peak memory: not measured.' in text, text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "epoch reaching" not in line]
     order = sorted(found, key=lambda sorter: statistics.mean(found[sorter][1]))
     assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == order, text  # best final loss first
@@ -107,8 +112,55 @@ def test_the_leaderboard_table_is_the_runs_final_values_and_epochs_to_d_rr(fabri
     for row, sorter in zip(rows, order):
         count, losses, accuracies, reaches, seconds = found[sorter]
         assert row == (f"| {sorter} | {NEEDS[sorter]} | {seeds[sorter]} | {plus_minus(losses)} | "
-                       f"{plus_minus(accuracies)} | {reaches or 'never'} | {seconds:.2f} |"), row
+                       f"{plus_minus(accuracies)} | {reaches or 'never'} | {seconds:.2f} | - |"), row
     assert found["D-RR"][3] is not None and found["CD-GraB"][3] < found["D-RR"][3]  # the runs test what they should
+
+
+# A bench/epoch_time.py --record file, written by hand: the LR-HMDA run lists CD-GraB first (its
+# ratio_to_first is to CD-GraB, not D-RR), keys KH-SGD by a spec with arguments, has SWR (no runs here) and
+# lacks FlipFlop; another label with absurd seconds must not be taken.
+BENCH = {"runs": {
+    "LR-HMDA": {"script": "main-LR-HMDA.py", "entry_args": [], "epochs": 2, "epoch_reported": 2, "rounds": 3,
+                "seconds": {"CD-GraB": {"epoch_seconds": 3.0}, "D-RR": {"epoch_seconds": 2.5},
+                            "KH-SGD:--sketch-dim=64": {"epoch_seconds": 5.5}, "SWR": {"epoch_seconds": 2.6}},
+                "ratio_to_first": {"CD-GraB": 1.0, "D-RR": 0.833, "KH-SGD:--sketch-dim=64": 1.833, "SWR": 0.867},
+                "sorter_args": {"CD-GraB": [], "D-RR": [], "KH-SGD:--sketch-dim=64": ["--sketch-dim=64"], "SWR": []},
+                "peak_rss_mib": {"CD-GraB": 520.0, "D-RR": 400.0, "KH-SGD:--sketch-dim=64": 600.0, "SWR": 404.0},
+                "peak_rss_ratio_to_first": {"CD-GraB": 1.0, "D-RR": 0.769, "KH-SGD:--sketch-dim=64": 1.154,
+                                            "SWR": 0.777},
+                "git_commit": "0123456789abcdef", "date": "2026-12-01"},
+    "LR-HMDA --max-train-examples 64000": {"epochs": 2, "epoch_reported": 2, "rounds": 1,
+                                           "seconds": {"D-RR": {"epoch_seconds": 1.0},
+                                                       "CD-GraB": {"epoch_seconds": 100.0}}}}}
+# by hand: seconds over D-RR's 2.5 s, peak memory over D-RR's 400 MiB; FlipFlop is not in the bench
+BENCH_RATIOS = {"CD-GraB": ("1.20", "1.30"), "D-RR": ("1.00", "1.00"), "KH-SGD": ("2.20", "1.50"),
+                "FlipFlop": ("-", "-")}
+
+
+def test_the_leaderboard_takes_seconds_and_memory_from_the_benchmarks_bench_run(fabricated, tmp_path):
+    from analysis import load_runs
+
+    root, taken = fabricated
+    df = load_runs(root, include_incomplete=True, warn=False)
+    bench_file = tmp_path / "leaderboard-cpu.json"
+    bench_file.write_text(json.dumps(BENCH))
+    text = "\n".join(tables_module().leaderboard_markdown(df, bench_file))
+    assert "| s / epoch vs D-RR (bench) | peak memory vs D-RR (bench) |" in text, text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "epoch reaching" not in line]
+    assert {row[0].removeprefix("| "): (row[-2], row[-1].removesuffix(" |")) for row in rows} == BENCH_RATIOS, text
+    assert (f'LR-HMDA\'s seconds and peak memory: {bench_file}, run "LR-HMDA" (bench/epoch_time.py: epoch 2 of '
+            "2-epoch runs, median of 3 rounds, one process each, side by side; commit 0123456, 2026-12-01; D-RR "
+            "2.50 s per epoch, peak 400 MiB); KH-SGD with --sketch-dim=64.") in text, text
+    # a bench run without D-RR cannot give ratios to it, nor a run recorded before memory was measured memory
+    # ratios: the runs' logs, and no memory
+    without_drr = {"runs": {"LR-HMDA": {**BENCH["runs"]["LR-HMDA"], "seconds": {"CD-GraB": {"epoch_seconds": 3.0}}}}}
+    bench_file.write_text(json.dumps(without_drr))
+    assert "| s / epoch vs D-RR (runs' logs) |" in "\n".join(tables_module().leaderboard_markdown(df, bench_file))
+    older = {key: value for key, value in BENCH["runs"]["LR-HMDA"].items() if not key.startswith("peak_rss")}
+    bench_file.write_text(json.dumps({"runs": {"LR-HMDA": older}}))
+    text = "\n".join(tables_module().leaderboard_markdown(df, bench_file))
+    assert "| CD-GraB | " in text and all(line.endswith("| 1.20 | - |") for line in text.splitlines()
+                                          if line.startswith("| CD-GraB | ")), text
 
 
 def test_every_orderer_needs_what_docs_sorters_says():
