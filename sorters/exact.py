@@ -137,6 +137,8 @@ class UnitGradients:
             pieces = self.pieces.get(id(p), [])
             if not pieces or (share is not None and not share.owned[i]):
                 continue
+            if share is not None:  # sorters.fsdp.ShardedRows: the rows of p this process owns
+                pieces = share.restrict(p, pieces)
             # (writes_grads: units() gave step_grads, empty)
             writes = self.writes_grads and step_grads is not None and id(p) not in step_grads \
                 and id(p) not in self.owner.formed_ids
@@ -207,11 +209,15 @@ class UnitGradients:
                 continue
             view = (share or self.owner).view(running_sum, p)
             pieces = self.pieces.get(id(p))
+            if pieces and share is not None:
+                pieces = share.restrict(p, pieces)
             if lam and pieces and step_grads is not None:  # (lam is 0 without step_grads)
                 grad = step_grads.get(id(p))
                 if grad is None:  # the backward's gradient not given: lam * the records' sum
                     R, C = view.shape
                     grad = summed(pieces, R, C, self.step_units, view.dtype, view.device)
+                elif share is not None:  # the backward's whole gradient: this process's rows of it (ShardedRows)
+                    grad = share.restrict_grad(p, grad)
                 view.add_(grad.reshape(view.shape), alpha=lam)
             if pieces:
                 add_weighted(pieces, view, ratio)
@@ -307,6 +313,9 @@ class ExactGradients:
         self.names = [name for name, _ in chosen]
         self.params = [p for _, p in chosen]
         self.offsets, self.d, self.layers = layout.offsets, layout.d, layout.layers
+        # each recorded layer's own parameters by attribute name: under FSDP2 (fully_shard) a layer holds a
+        # gathered copy of its weight during the backward, not the sharded parameter selected here
+        self.layer_params = {module: list(module.named_parameters(recurse=False)) for module in self.layers}
         self.how = how
         self.last_how: dict[int, str] = {}  # id(parameter) -> how the last products took it
 
@@ -478,7 +487,9 @@ class ExactRecording:
         with torch.no_grad():
             kind = self.owner.layers[module]
             a, g = tokens(module, kind, a, g.detach())
-            apply_rule(module, kind, a, g, ContributionSink(self.pieces, self.selected))
+            aliases: dict[int, torch.Tensor] = {id(held): p for name, p in self.owner.layer_params[module]
+                       if (held := getattr(module, name)) is not p}  # FSDP2: the gathered copies
+            apply_rule(module, kind, a, g, ContributionSink(self.pieces, self.selected, aliases))
 
     def watch(self, losses: torch.Tensor) -> None:
         """Start the recording of a batch (inside the ``with`` block, after the forward).

@@ -81,6 +81,12 @@ class Outer:
     def scaled(self, factors: torch.Tensor) -> "Outer":
         return Outer(self.left * factors[:, None, None], self.right)
 
+    def rows(self, r0: int, r1: int) -> "Outer":
+        """The contribution to rows r0..r1-1 of the matrix only, (r1 - r0, C) per unit: the rows are left's
+        columns (a Linear's output gradient, a Conv1D's input), so a slice of left, views of the records
+        (sorters/fsdp.py: a process owning those rows of a sharded parameter)."""
+        return Outer(self.left[:, :, r0:r1], self.right)
+
 
 class Rows:
     """Embedding rows: values[u, t] (C,) into row ids[u, t] of unit u's (R, C) matrix; ids (U, T)."""
@@ -114,6 +120,13 @@ class Rows:
     def scaled(self, factors: torch.Tensor) -> "Rows":
         return Rows(self.ids, self.values * factors[:, None, None], self.num_rows)
 
+    def rows(self, r0: int, r1: int) -> "Rows":
+        """The contribution to rows r0..r1-1 only (r1 > r0): the tokens whose id falls there, renumbered from
+        0; every other token keeps its place with id 0 and zero values (it adds nothing to any product)."""
+        inside = (self.ids >= r0) & (self.ids < r1)
+        ids = torch.where(inside, self.ids - r0, torch.zeros_like(self.ids))
+        return Rows(ids, self.values * inside.unsqueeze(-1).to(self.values.dtype), r1 - r0)
+
 
 class Formed:
     """Per-unit gradients already formed: values (U, R, C) (a vector parameter: (U, n, 1))."""
@@ -143,6 +156,10 @@ class Formed:
     def scaled(self, factors: torch.Tensor) -> "Formed":
         return Formed(self.values * factors[:, None, None])
 
+    def rows(self, r0: int, r1: int) -> "Formed":
+        """The units' gradients of rows r0..r1-1 only, (U, r1 - r0, C) views (a bias: its entries r0..r1-1)."""
+        return Formed(self.values[:, r0:r1])
+
 
 # one layer call's contribution to a parameter's per-unit gradients, factored (Outer, Rows) or formed
 Contribution = Outer | Rows | Formed
@@ -167,14 +184,20 @@ class ContributionSink(Sink):
     add(p, value (U, *p.shape)) -> Formed (U, R, C) (a bias or LayerNorm vector: (U, n, 1)).
     selected: the ids of the parameters wanted (the others are skipped by the rules)."""
 
-    def __init__(self, pieces: dict[int, Pieces], selected: set[int]) -> None:
-        self.pieces, self.selected = pieces, selected
+    def __init__(self, pieces: dict[int, Pieces], selected: set[int],
+                 aliases: dict[int, torch.Tensor] | None = None) -> None:
+        self.pieces, self.selected, self.aliases = pieces, selected, aliases or {}
+
+    def _selected(self, p: torch.Tensor) -> torch.Tensor:
+        """The selected parameter a layer's tensor stands for: itself, or (aliases {id(tensor): parameter})
+        the parameter whose gathered copy the layer holds during its backward (FSDP2's unsharded weight)."""
+        return self.aliases.get(id(p), p)
 
     def wants(self, p: torch.Tensor) -> bool:
-        return id(p) in self.selected
+        return id(self._selected(p)) in self.selected
 
     def _keep(self, p: torch.Tensor, contribution: Contribution) -> None:
-        self.pieces.setdefault(id(p), []).append((0, contribution))
+        self.pieces.setdefault(id(self._selected(p)), []).append((0, contribution))
 
     def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
         self._keep(p, Formed(value.reshape(value.shape[0], *matrix_shape(p))))

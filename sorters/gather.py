@@ -116,7 +116,7 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
         mine: list[tuple[Contribution, int]] = [(x, T) for (q, x), T in zip(parts, longest) if q is p]
         if not mine:
             continue
-        dst = None if share is None else share.owners[i]
+        dst = None if share is None or not share.gathers_to_owners else share.owners[i]
         records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine])
         if formed < records:  # the same choice in every process: it depends on the longest T only
             out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=units.scale.device)
@@ -149,7 +149,10 @@ class ParameterShare:
     makes the same split from the same model. owned: [bool] per parameter of exact.params; work: numel per
     process; size: the owned numel, the length of this process's part of a flat (d,) vector (the running sum:
     view, part, whole). reduce(x): x summed over the processes in place (all_reduce) and returned; a test
-    passes its own."""
+    passes its own. gathers_to_owners: all_gather_units sends each parameter's records to its owner only (a
+    share whose processes each own rows of every parameter, sorters.fsdp.ShardedRows, gathers them to all)."""
+
+    gathers_to_owners = True
 
     def __init__(self, exact: ExactGradients, rank: int | None = None, world: int | None = None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -197,6 +200,15 @@ class ParameterShare:
             return self._reduce(x)
         dist.all_reduce(x)
         return x
+
+    def restrict(self, p: torch.Tensor, pieces: Pieces) -> Pieces:
+        """An owned parameter's contributions as this process takes their products: all of them (it owns every
+        row; sorters.fsdp.ShardedRows keeps its rows' part of each)."""
+        return pieces
+
+    def restrict_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """An owned parameter's step gradient as this process adds it: all of it (ShardedRows: its rows)."""
+        return grad
 
     def view(self, part: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """An owned parameter p's (R, C) slice of this process's part (size,) (ExactGradients.view's)."""
