@@ -123,15 +123,24 @@ def time_breakdown(df: pd.DataFrame) -> pd.DataFrame:
     return means[GROUP + TIME_PARTS + ["other_seconds", "epoch_seconds"]]
 
 
+def herding_vectors(n_workers: int, m: int) -> float:
+    """The vectors of a herding simulation's trial, n_workers * m to 3 significant digits (the simulation's
+    10^6 * --scale, less the remainder of its division by n): what tells its scales apart."""
+    return float(f"{int(n_workers) * int(m):.3g}")
+
+
 def aggregate_herding(hdf: pd.DataFrame, band: str = "std") -> pd.DataFrame:
     """Herding bound statistics over trials per (n_workers, m, method, round).
 
-    Columns: n_workers, m, method, round, mean, std, min, max, count, lo, hi.
+    Columns: n_workers, m, method, round, mean, std, min, max, count, lo, hi, vectors (herding_vectors: the
+    scale of the simulation, so that runs of one n at two scales are never drawn or tabled as one).
     """
     keys = ["n_workers", "m", "method", "round"]
     if hdf.empty:
-        return pd.DataFrame(columns=keys + STAT_COLUMNS)
-    return _stats(hdf.groupby(keys, sort=True)["bound"], band).reset_index()
+        return pd.DataFrame(columns=keys + STAT_COLUMNS + ["vectors"])
+    agg = _stats(hdf.groupby(keys, sort=True)["bound"], band).reset_index()
+    agg["vectors"] = [herding_vectors(n, m) for n, m in zip(agg["n_workers"], agg["m"])]
+    return agg
 
 
 def missing_sorters(df: pd.DataFrame, benchmarks=BENCHMARKS, sorters=EXPECTED_SORTERS) -> list:

@@ -205,7 +205,8 @@ def load_herding(herding_dir, with_problems: bool = False, warn: bool = True):
     """All herding simulation CSVs (scripts/herding_simulation.py) under herding_dir as one DataFrame.
 
     Columns: n_workers, m, d, trial, method, round, bound (+ seconds when present), one row per
-    (n_workers, trial, method, round). Files without these columns are skipped and reported.
+    (n_workers, m, trial, method, round): runs of one n at two scales (--scale: another m) are both kept.
+    Files without these columns are skipped and reported.
     """
     herding_dir = Path(herding_dir)
     frames, problems = [], []
@@ -225,8 +226,8 @@ def load_herding(herding_dir, with_problems: bool = False, warn: bool = True):
         frames.append(frame)
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=HERDING_COLUMNS)
     if len(df):
-        df = df.drop_duplicates(["n_workers", "trial", "method", "round"]).sort_values(
-            ["n_workers", "method", "trial", "round"]).reset_index(drop=True)
+        df = df.drop_duplicates(["n_workers", "m", "trial", "method", "round"]).sort_values(
+            ["n_workers", "m", "method", "trial", "round"]).reset_index(drop=True)
     if warn:
         for problem in problems:
             warnings.warn(f"skipped herding file: {problem}", stacklevel=2)

@@ -6,7 +6,8 @@ is nothing to draw); `draw_all` saves them as PNG and PDF:
     <out>/<benchmark>-vs-epoch.{png,pdf}        train loss + headline metric(s) vs epoch, band over seeds
     <out>/<benchmark>-vs-seconds.{png,pdf}      the same vs cumulative training seconds (mean over seeds)
     <out>/<benchmark>-time-breakdown.{png,pdf}  mean sorter/comm/compute/other seconds per epoch, stacked
-    <out>/herding-bound.{png,pdf}               parallel herding bound per round, one panel per n
+    <out>/herding-bound.{png,pdf}               parallel herding bound per round, one panel per n (row: scale)
+    <out>/herding-bound-orderers.{png,pdf}      the same for issue #60's orderers beside CD-GraB and D-RR
     <out>/communication-<benchmark>.{png,pdf}   the communication study (analysis/studies.py)
     <out>/sketching-<benchmark>.{png,pdf}       the sketching study (analysis/studies.py)
     <out>/reorderers-<benchmark>.{png,pdf}      the reorderers study (analysis/studies.py)
@@ -29,7 +30,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from analysis.aggregate import GROUP, TIME_PARTS, Tables
+from analysis.aggregate import GROUP, LEADERBOARD_ONLY, TIME_PARTS, Tables
 from analysis.paper_values import PAPER_VALUES, paper_epoch
 from analysis.studies import study_figures
 from analysis.style import (LINESTYLES, PART_COLORS, SORTER_COLORS, curve_styles, metric_label as _label,
@@ -205,41 +206,80 @@ def plot_time_breakdown(times, benchmark):
     return fig
 
 
-def plot_herding(agg):
+HERDING_TITLE = "Parallel herding bound of random unit vectors"
+HERDING_REFERENCES = ("CD-GraB", "D-RR")  # drawn beside issue #60's orderers in their own herding figure
+
+
+def herding_sorter(method: str) -> str:
+    """The sorter a herding simulation method runs: "CD-GraB+sketch4" -> "CD-GraB", "MB-GraB+batch16" -> "MB-GraB"."""
+    return method.partition("+")[0]
+
+
+def plot_herding(agg, methods=None, title=HERDING_TITLE):
     """Parallel herding bound vs reorder round, one panel per worker count, one curve per method, mean
-    over trials with a band; one y scale for all panels (style.scale_value_axis: log when the bounds
-    span a factor of 10, as they do from the random start to a balancer's floor). Titles use the suite's
-    letters (n workers, m units each; the paper swaps them). agg: aggregate.aggregate_herding (Tables.herding)."""
+    over trials with a band; one row of panels per scale of the simulation (aggregate.herding_vectors: the
+    vectors of a trial, largest first; runs of one n at two scales are never drawn in one panel); one y scale
+    for all panels (style.scale_value_axis: log when the bounds span a factor of 10, as they do from the random
+    start to a balancer's floor). Titles use the suite's letters (n workers, m units each; the paper swaps
+    them). agg: aggregate.aggregate_herding (Tables.herding). methods: draw only these (None: all)."""
+    if methods is not None and not agg.empty:
+        agg = agg[agg["method"].isin(list(methods))]
     if agg.empty:
         return None
-    panels = sorted(agg[["n_workers", "m"]].drop_duplicates().itertuples(index=False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, sharey=True)
+    scales = sorted(agg["vectors"].unique(), reverse=True)
+    counts = sorted(agg["n_workers"].unique())
+    fig, axes = plt.subplots(len(scales), len(counts), figsize=(3.6 * len(counts), 3.4 * len(scales)),
+                             squeeze=False, sharey=True)
     styles = sorter_styles(sorted(agg["method"].unique()))
-    for ax, (n, m) in zip(axes[0], panels):
-        panel = agg[(agg["n_workers"] == n) & (agg["m"] == m)]
-        for method in sorted(panel["method"].unique()):
-            rows = panel[panel["method"] == method].sort_values("round")
-            color = styles[method]["color"]
-            # ALL (centralised, one sequence of n*m vectors) is a reference, not a parallel bound: dashed
-            ax.plot(rows["round"], rows["mean"], marker=".", color=color, ls="--" if method == "ALL" else "-",
-                    label="ALL (centralised)" if method == "ALL" else method)
-            ax.fill_between(rows["round"].to_numpy(float), rows["lo"].to_numpy(float), rows["hi"].to_numpy(float),
-                            color=color, alpha=0.2, lw=0)
-        ax.set_title(f"n={n} workers, m={m:g} units each", fontsize=9)
-        ax.set_xlabel("round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3, which="both")
-    scale_value_axis(axes[0], agg["mean"].to_list())
-    axes[0][0].set_ylabel("parallel herding bound")
+    trials = agg.groupby("method")["count"].max().astype(int).to_dict()  # a method's trials (its most in any panel)
+    label = {method: "ALL (centralised)" if method == "ALL" else method for method in trials}
+    if len(set(trials.values())) > 1:  # some methods ran fewer trials: say so in the legend
+        label = {method: f"{name} ({trials[method]} trial{'s' * (trials[method] > 1)})"
+                 for method, name in label.items()}
+    for row, vectors in zip(axes, scales):
+        for ax, n in zip(row, counts):
+            panel = agg[(agg["vectors"] == vectors) & (agg["n_workers"] == n)]
+            if panel.empty:  # this scale has no run with n workers
+                ax.set_visible(False)
+                continue
+            for method in sorted(panel["method"].unique()):
+                rows = panel[panel["method"] == method].sort_values("round")
+                color = styles[method]["color"]
+                # ALL (centralised, one sequence of n*m vectors) is a reference, not a parallel bound: dashed
+                ax.plot(rows["round"], rows["mean"], marker=".", color=color, ls="--" if method == "ALL" else "-",
+                        label=label[method])
+                ax.fill_between(rows["round"].to_numpy(float), rows["lo"].to_numpy(float),
+                                rows["hi"].to_numpy(float), color=color, alpha=0.2, lw=0)
+            ax.set_title(f"n={n} workers, m={int(panel['m'].iloc[0]):g} units each", fontsize=9)
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3, which="both")
+        row[0].set_ylabel("parallel herding bound" if len(scales) == 1 else
+                          f"parallel herding bound\n({vectors:,.0f} vectors a trial)")
+    scale_value_axis(list(axes.flat), agg["mean"].to_list())
     handles = {}  # every method of every panel (a method may be missing from some)
-    for ax in axes[0]:
+    for ax in axes.flat:
         handles.update(zip(*reversed(ax.get_legend_handles_labels())))
-    axes[0][-1].legend(handles.values(), handles.keys(), fontsize=8, loc="upper left",
-                       bbox_to_anchor=(1.02, 1))  # outside: the curves fill the panels
-    trials = int(agg["count"].max())
-    fig.suptitle(f"Parallel herding bound of random unit vectors ({trials} trial{'s' * (trials > 1)})")
+    legend_ax = [ax for ax in axes[0] if ax.get_visible()][-1]
+    legend_ax.legend(handles.values(), handles.keys(), fontsize=8, loc="upper left",
+                     bbox_to_anchor=(1.02, 1))  # outside: the curves fill the panels
+    if len(set(trials.values())) == 1:  # else the legend gives each method's
+        every = next(iter(trials.values()))
+        title = f"{title} ({every} trial{'s' * (every > 1)})"
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def plot_herding_figures(agg) -> dict:
+    """{figure name: plot_herding figure or None}: "herding-bound", every method but issue #60's orderers (the
+    paper's figure, with the suite's other sorters), and "herding-bound-orderers", issue #60's orderers
+    (aggregate.LEADERBOARD_ONLY) beside CD-GraB and D-RR, drawn when the simulation has one of them."""
+    methods = set(agg["method"]) if not agg.empty else set()
+    orderers = {method for method in methods if herding_sorter(method) in LEADERBOARD_ONLY}
+    return {"herding-bound": plot_herding(agg, methods - orderers),
+            "herding-bound-orderers": plot_herding(agg, orderers | set(HERDING_REFERENCES) & methods,
+                                                   f"{HERDING_TITLE}: issue #60's orderers") if orderers else None}
 
 
 def _final_points(ax, points):
@@ -418,7 +458,7 @@ def draw_all(tables: Tables, out_dir) -> list:
         figs[f"{benchmark}-vs-epoch"] = plot_benchmark(tables.curves, benchmark, "epoch", tables.band)
         figs[f"{benchmark}-vs-seconds"] = plot_benchmark(tables.curves, benchmark, "seconds", tables.band)
         figs[f"{benchmark}-time-breakdown"] = plot_time_breakdown(tables.times, benchmark)
-    figs["herding-bound"] = plot_herding(tables.herding)
+    figs.update(plot_herding_figures(tables.herding))
     figs["heterogeneity"] = plot_heterogeneity(tables.heterogeneity)
     figs["scaling"] = plot_scaling(tables.scaling, tables.scaling_herding)
     figs.update(study_figures(tables))

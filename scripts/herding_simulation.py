@@ -9,7 +9,8 @@ to 0). Every method reorders its own copy for `rounds` rounds through the ordina
     sorter.step(z[j, orders[j, t]] for t in chunk, chunk)   # the whole round, chunk by chunk
 
 Methods: the sorters CD-GraB, I-B, I-PB, D-RR (the paper's figure), any other sorter (e.g. KH-SGD and
-SBW, the randomised-threshold pair balancers of docs/reorderers.md; their E is --rounds), and ALL, the centralised
+SBW, the randomised-threshold pair balancers of docs/reorderers.md; their E is --rounds; issue #60's orderers,
+below), and ALL, the centralised
 baseline the original scripts also computed: pair balance (CD-GraB with one worker) over all n*m
 vectors as one stream, scored by the herding bound of that single sequence (not comparable step for
 step with the parallel bound: n*m prefixes instead of m; the paper does not plot it).
@@ -18,6 +19,18 @@ Sketched balancing (--sketch-dim D, balancing sorters only): the sorter balances
 CountSketches of the vectors (sorters.GradientSketch(d, D, seed=trial), docs/sketching.md), as sketched
 CD-GraB does with gradients, while the bound is still that of the vectors themselves. Such a run's method
 is named "<sorter>+sketch<D>" (e.g. CD-GraB+sketch4) in its CSV and file name.
+
+Issue #60's orderers. FlipFlop and SWR read no vectors (step(None, ...)); FlipFlop's odd rounds run the
+previous round's permutation backwards, and since every worker's vectors sum to zero a reversed order has
+the same prefix sums up to sign, hence the same bound. SWR's rows are i.i.d. draws with repeats, not
+permutations: the bound is still the largest prefix sum of the vectors it visits (centred on the worker's
+own m vectors, as every method's), only its full sum is not zero, which is the point of comparing it.
+MB-GraB's unit is a micro-batch of --batch-size consecutive positions per worker (default 4: LR-HMDA's
+paper setting, B 16 over 4 workers); each step hands it whole micro-batches of the units' vectors, which it
+averages per micro-batch, and the bound is that of the unit order. Another --batch-size names its runs
+"MB-GraB+batch<b>". RPB runs like CD-GraB (its default block of 16). Greedy costs O(m^2 d) per round and
+m sequential steps: affordable at paper scale only for the larger n, so run it at a smaller --scale (its
+m, in the file name, keeps the scales apart; the tables and figures draw each scale separately).
 
 Output: one tidy CSV per (n_workers, trial, method) in --out, named n{n}-m{m}-trial{t}-{method}.csv,
 columns n_workers,m,d,trial,method,round,bound,seconds (seconds: this method's cumulative wall time
@@ -40,6 +53,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `sorters`
+from common.errors import exit_with_error  # noqa: E402
 from sorters import SORTER_NAMES, SORTERS, GradientSketch, build_sorter, parallel_herding_bound  # noqa: E402
 
 PAPER_METHODS = ("CD-GraB", "I-B", "I-PB", "D-RR")  # the paper's figure; the default
@@ -58,21 +72,42 @@ def make_vectors(n_total: int, n_workers: int, d: int, trial: int) -> np.ndarray
 
 
 SKETCH_SUFFIX = "+sketch"
+BATCH_SUFFIX = "+batch"
+# the step's units per worker of the sorters whose unit depends on it (MB-GraB's micro-batch): LR-HMDA's paper
+# setting, B 16 over 4 workers
+DEFAULT_BATCH_SIZE = 4
+
+
+def uses_batch_size(method: str) -> bool:
+    """Whether the sorter a method name runs takes the step's units per worker (MB-GraB)."""
+    name = method.partition(SKETCH_SUFFIX)[0].partition(BATCH_SUFFIX)[0]
+    return getattr(SORTERS.get(name), "uses_batch_size", False)
+
+
+def batch_size_of(method: str) -> int:
+    """The micro-batch of a method name: b of "<sorter>+batch<b>", else DEFAULT_BATCH_SIZE."""
+    suffix = method.partition(BATCH_SUFFIX)[2]
+    return int(suffix) if suffix else DEFAULT_BATCH_SIZE
 
 
 def simulate(z: np.ndarray, method: str, rounds: int, seed: int, chunk: int = 1000):
     """Yield (round, bound, seconds) for rounds 0..rounds of `method` on z (n, m, d) float64; a method
-    "<sorter>+sketch<D>" balances the vectors' D-dimensional sketches."""
+    "<sorter>+sketch<D>" balances the vectors' D-dimensional sketches, and MB-GraB's micro-batch is b of
+    "MB-GraB+batch<b>" (else DEFAULT_BATCH_SIZE), its steps `chunk` rounded down to whole micro-batches."""
     if method == "ALL":  # centralised: one worker holding all n*m vectors (still summing to zero)
         z, method = z.reshape(1, -1, z.shape[2]), "CD-GraB"
-    method, _, sketch_dim = method.partition(SKETCH_SUFFIX)
+    batch_size = batch_size_of(method)
+    method, _, sketch_dim = method.partition(BATCH_SUFFIX)[0].partition(SKETCH_SUFFIX)
+    if SORTERS[method].uses_grads and getattr(SORTERS[method], "uses_batch_size", False):
+        chunk = max(batch_size, chunk - chunk % batch_size)  # a step covers whole micro-batches
     n, m, d = z.shape
     z64 = torch.from_numpy(np.ascontiguousarray(z))
     z32 = z64.float()  # what the sorter sees, like float32 gradients in training
     start = time.perf_counter()
     if sketch_dim:  # the sorter sees P z, the bound stays z's
         z32 = GradientSketch(d, int(sketch_dim), seed=seed)(z32)
-    sorter = build_sorter(method, n_workers=n, m=m, d=z32.shape[2], seed=seed, epochs=rounds)  # a round is an epoch
+    # a round is an epoch; batch_size is ignored by the sorters whose unit does not depend on it
+    sorter = build_sorter(method, n_workers=n, m=m, d=z32.shape[2], seed=seed, epochs=rounds, batch_size=batch_size)
     orders = sorter.sort()
     for r in range(rounds + 1):
         # z is centred already (float64), so the bound needs no second centring
@@ -98,8 +133,9 @@ def write_csv_atomic(path: Path, rows: list) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def parse_methods(text: str, sketch_dim: int = 0) -> list:
-    """The method names; with sketch_dim D, each balancing sorter's name becomes "<sorter>+sketch<D>"."""
+def parse_methods(text: str, sketch_dim: int = 0, batch_size: int = DEFAULT_BATCH_SIZE) -> list:
+    """The method names; with sketch_dim D, each balancing sorter's name becomes "<sorter>+sketch<D>"; with a
+    batch_size b other than DEFAULT_BATCH_SIZE, MB-GraB's gets "+batch<b>" after that."""
     names = list(dict.fromkeys(text.replace(",", " ").split()))  # de-duplicated, order kept
     unknown = [name for name in names if name != "ALL" and name not in SORTER_NAMES]
     if unknown:
@@ -109,6 +145,10 @@ def parse_methods(text: str, sketch_dim: int = 0) -> list:
     if sketch_dim:
         names = [f"{name}{SKETCH_SUFFIX}{sketch_dim}" if name in SORTERS and SORTERS[name].uses_grads else name
                  for name in names]
+    if batch_size < 1:
+        exit_with_error(f"--batch-size must be >= 1 (MB-GraB's micro-batch, units per worker), got {batch_size}")
+    if batch_size != DEFAULT_BATCH_SIZE:
+        names = [f"{name}{BATCH_SUFFIX}{batch_size}" if uses_batch_size(name) else name for name in names]
     return names
 
 
@@ -147,7 +187,12 @@ def main(argv=None):
     p.add_argument("--sketch-dim", type=int, default=0,
                    help="balancing sorters balance D-dimensional CountSketches of the vectors (default 0: the "
                         "vectors); their runs are named <sorter>+sketch<D>")
-    p.add_argument("--chunk", type=int, default=1000, help="positions per sorter.step call (default 1000)")
+    p.add_argument("--chunk", type=int, default=1000,
+                   help="positions per sorter.step call (default 1000; MB-GraB's: rounded down to whole micro-batches)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help=f"MB-GraB's micro-batch, units per worker per step; m must be a multiple (default "
+                        f"{DEFAULT_BATCH_SIZE}: LR-HMDA's paper setting, B 16 over 4 workers; others name the runs "
+                        "MB-GraB+batch<b>)")
     p.add_argument("--out", default="results/herding", help="output folder for the CSVs (default results/herding)")
     p.add_argument("--force", action="store_true", help="recompute runs whose CSV already exists")
     p.add_argument("--jobs", type=int, default=1,
@@ -155,7 +200,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     n_total = int(round(1e6 * args.scale))
-    methods = parse_methods(args.methods, args.sketch_dim)
+    methods = parse_methods(args.methods, args.sketch_dim, args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # the sorters are sequential loops; threads only add overhead here
@@ -166,6 +211,10 @@ def main(argv=None):
             m = n_total // n
             if m < 2:
                 raise SystemExit(f"--scale {args.scale} leaves m = {m} vectors per worker for n = {n}; need >= 2")
+            if m % args.batch_size and any(uses_batch_size(method) for method in methods):
+                exit_with_error(f"--scale {args.scale} leaves m = {m} vectors per worker for n = {n}, not a multiple "
+                                f"of MB-GraB's micro-batch --batch-size {args.batch_size}; choose a --batch-size that "
+                                "divides m, or another --scale")
             for method in methods:
                 path = out / f"n{n}-m{m}-trial{trial}-{method}.csv"
                 if args.force or not path.exists():  # an existing CSV is a finished run

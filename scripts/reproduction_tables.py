@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from common.errors import OneLineErrorParser  # noqa: E402
 from analysis import default_results_dir, load_herding, load_runs, lstm_setting  # noqa: E402
 from analysis.paper_values import PAPER_HERDING, PAPER_VALUES  # noqa: E402
+from analysis.aggregate import herding_vectors  # noqa: E402
 from analysis.aggregate import (LEADERBOARD_BENCH, LEADERBOARD_ONLY, communication_table,  # noqa: E402
                                 headline_metrics, herding_ratios, leaderboard, leaderboard_bench, leaderboard_runs,
                                 partition_order, reorderer_order, reorderer_runs, sketching_runs, variant_order)
@@ -163,21 +164,39 @@ def epoch_rows(path: Path, first: int, last: int) -> list[str]:
         return []
 
 
+PAPER_VECTORS = 1e6  # the paper's herding simulation: 10^6 vectors a trial
+
+
 def herding_table(hdf) -> list[str]:
+    """The herding simulation's bound after its last round, mean ± population std over trials: one table per
+    scale (analysis.aggregate.herding_vectors: the vectors of a trial, the paper's 10^6 first; runs of one n at
+    two scales are never averaged together), a column per worker count n, the paper's values beside the
+    paper's scale only."""
     if hdf.empty:
         return ["No herding simulation CSVs.", ""]
     last = hdf[hdf["round"] == hdf["round"].max()]
-    counts = sorted(last["n_workers"].unique())
-    lines = [f"| method (round {int(last['round'].max())}) | paper | " + " | ".join(f"n={n}" for n in counts) + " |",
-             "|---|---|" + "---|" * len(counts)]
-    for method in sorted(last["method"].unique()):
-        cells = []
-        for n in counts:
-            bounds = last[(last["method"] == method) & (last["n_workers"] == n)]["bound"]
-            cells.append(f"{bounds.mean():.2f} ± {bounds.std(ddof=0):.2f}" if len(bounds) > 1 else f"{bounds.mean():.2f}")
-        trials = last[last["method"] == method]["trial"].nunique()
-        lines.append(f"| {method} ({trials} trials) | {PAPER_HERDING.get(method, '-')} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    rounds = int(last["round"].max())
+    scale_of = [herding_vectors(n, m) for n, m in zip(last["n_workers"], last["m"])]
+    lines = []
+    for scale in sorted(set(scale_of), key=lambda v: (v != PAPER_VECTORS, -v)):
+        rows = last[[v == scale for v in scale_of]]
+        counts = sorted(rows["n_workers"].unique())
+        paper = scale == PAPER_VECTORS
+        head = f"method (round {rounds})" if paper else \
+            f"method (round {rounds}; {scale:,.0f} vectors a trial, m = {scale:,.0f} / n)"
+        lines += [f"| {head} | " + ("paper | " if paper else "") + " | ".join(f"n={n}" for n in counts) + " |",
+                  "|---|" + "---|" * (len(counts) + paper)]
+        for method in sorted(rows["method"].unique()):
+            cells = []
+            for n in counts:
+                bounds = rows[(rows["method"] == method) & (rows["n_workers"] == n)]["bound"]
+                cells.append("-" if bounds.empty else f"{bounds.mean():.2f} ± {bounds.std(ddof=0):.2f}"
+                             if len(bounds) > 1 else f"{bounds.mean():.2f}")
+            trials = rows[rows["method"] == method]["trial"].nunique()
+            lines.append(f"| {method} ({trials} trials) | " + (f"{PAPER_HERDING.get(method, '-')} | " if paper else "")
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def last_values(runs, metric) -> dict:

@@ -7,7 +7,8 @@ def parallel_herding_bound(z: torch.Tensor, orders: torch.Tensor, center: bool =
 
     Args:
         z: (n, m, d), worker j's m vectors in row j.
-        orders: (n, m), row j a permutation of range(m): worker j's order.
+        orders: (n, m), row j worker j's order: unit ids in range(m), a permutation (SWR's rows repeat units:
+            the bound is then that of the units visited, whose full sum need not be zero).
         center: first centre each worker's vectors on their mean (the paper's setting: every worker's m
             vectors sum to zero), so that a perfectly balanced order scores near 0.
 
