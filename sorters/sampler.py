@@ -35,7 +35,9 @@ Exact CD-GraB from layer records (exact=True, docs/sampler.md): the sorter is an
 goes to step_units(units), the UnitGradients of sorters.exact.ExactGradients (its call, or the recording of
 the loop's own forward and backward), never the (B, d) gradients. Under torch.distributed step_units
 all-gathers the units (`all_gather_units`: per parameter its layer records or its per-unit gradient,
-whichever is smaller), so N processes balance as one process hosting the N replicas.
+whichever is smaller), so N processes balance as one process hosting the N replicas. On a model sharded with
+FSDP2 (fully_shard; ExactGradients built after it) the first step_units installs sorters.fsdp.ShardedRows: each
+process keeps the running sum of its own rows of every parameter and takes the products over them (docs/fsdp.md).
 
 view="global" (for Accelerate's `prepare` and the HF Trainer, which shard a sampler's batches over the
 processes themselves): every process yields ALL replicas' indices, each step replica 0's batch_size
@@ -84,6 +86,7 @@ from sorters.checks import (
     plural,
 )
 from sorters.exact import ExactCDGraB, UnitGradients
+from sorters.fsdp import ShardedRows, is_sharded
 from sorters.gather import ParameterShare, all_gather_rows, all_gather_units, sketch_then_gather
 from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters.sketch import GradientSketch
@@ -496,7 +499,9 @@ class CDGraBSampler(Sampler[int]):
         writers: tuple[ParameterShare, list[bool]] | None = None
         owned_grads: dict[int, torch.Tensor] = {}
         if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
-            if self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
+            if self.sorter.share is None and is_sharded(units.owner):  # fully_shard: S sharded like the parameters
+                self.sorter.use_share(ShardedRows(units.owner))
+            elif self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
                 self.sorter.use_share(ParameterShare(units.owner))
             if units.writes_grads:
                 writers = self._recorded_for_owners(units, self.sorter.share)
@@ -523,6 +528,10 @@ class CDGraBSampler(Sampler[int]):
         from the blocks its products form, and broadcasts it as the processes' mean (ParameterShare.
         broadcast_grads). Returns the sorter's `share` and which parameters this step recorded (every process
         alike)."""
+        if isinstance(share, ShardedRows):
+            raise ValueError("CDGraBSampler: units recorded with write_grads=True are not taken on a model sharded "
+                             "with fully_shard (FSDP reduce-scatters the gradients itself): record with "
+                             "write_grads=False")
         if share is None or units.owner.formed:
             raise ValueError("CDGraBSampler: units recorded with write_grads=True under torch.distributed need "
                              "divide_products=True (each parameter's owner writes its gradient) and a layer rule "

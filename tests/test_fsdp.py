@@ -1,0 +1,234 @@
+"""Exact CD-GraB on a model sharded with FSDP2 (sorters/fsdp.py, issue #61): each process keeps the running sum
+of its own rows of every parameter and takes the products over those rows only, the partials summed over the
+processes.
+
+- In one process: the row-restricted products of every layer rule (Linear, Embedding, LayerNorm, biases, a tied
+  matrix), summed over 2 and 3 simulated processes, against float64 per-example gradients from ordinary
+  backward passes; and the running sum's update.
+- Under 2 forked gloo processes: MLP-M4's model fully_shard-ed layer by layer and at the root (uneven rows: a
+  process owns none of the output layer), trained with CDGraBSampler(exact=True), against one unsharded
+  process hosting both replicas with sorters.CDGraB fed float64 per-example gradients: the same orders bit for
+  bit, losses and parameters within float32 rounding, and each process's running sum about d / 2.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sorters.balance import CDGraB
+from sorters.exact import ExactGradients
+from sorters.fsdp import ShardedRows, owned_rows
+from tests.helpers import run_forked
+from tests.test_exact_resume import TiedNet, data, each_examples_gradient
+
+# ---------------------------------------------------------------------------------- row-restricted rules
+
+
+def test_owned_rows_are_torch_chunk_split():
+    """R rows over P processes: ceil(R / P) each, the last ones fewer or none (FSDP2's split)."""
+    p = torch.zeros(5, 2)
+    assert [owned_rows(p, rank=r, world=2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [owned_rows(torch.zeros(1, 3), rank=r, world=2) for r in range(2)] == [(0, 1), (1, 1)]
+    assert [owned_rows(torch.zeros(7), rank=r, world=3) for r in range(3)] == [(0, 3), (3, 6), (6, 7)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("how", ["stream", "ghost"])
+def test_rows_products_summed_over_processes_are_the_whole_products(world, how):
+    """TiedNet (an Embedding tied to the output Linear, LayerNorm, biases): each simulated process's products
+    over its rows, summed, equal <S, g_u> and <g_u, g_v> of float64 per-example gradients; each process's update
+    of its rows, put together, is S + sum_u w_u g_u. world 3 splits the 7-row matrix 3/3/1 and leaves one process
+    without any row of the LayerNorm's 4."""
+    model = TiedNet()
+    ids, y = data()
+    ids, y = ids[:6], y[:6]
+    exact = ExactGradients(model, how=how)
+    units = exact(lambda: F.cross_entropy(model(ids), y, reduction="none"))
+    units.step_grads = None  # the products of the records alone (the backward's gradient is tested below)
+    grads = each_examples_gradient(model, ids, y)                     # (U, d) float64
+    generator = torch.Generator().manual_seed(1)
+    S = torch.randn(exact.d, generator=generator)
+    w = torch.randn(len(ids), generator=generator).double()
+    shares = [ShardedRows(exact, rank, world, reduce=lambda x: x) for rank in range(world)]
+    assert sum(share.size for share in shares) == exact.d
+    a = sum(units.products(share.part(S), share=share)[0] for share in shares)
+    G = sum(units.products(share.part(S), share=share)[1] for share in shares)
+    torch.testing.assert_close(a, grads @ S.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(G, grads @ grads.T, rtol=1e-5, atol=1e-6)
+    updated = torch.zeros(exact.d, dtype=torch.float64)
+    for share in shares:
+        part = share.part(S)
+        units.add_to(part, w, share=share)
+        updated += share.whole(part, exact.d).double()
+    torch.testing.assert_close(updated, S.double() + w @ grads, rtol=1e-5, atol=1e-6)
+
+
+def test_the_backward_gradient_is_cut_to_the_owned_rows():
+    """Units that carry their backward's whole gradient (ExactGradients' call: step_grads): the update with a
+    weight common to most units adds the gradient's owned rows (ShardedRows.restrict_grad)."""
+    model = TiedNet()
+    ids, y = data()
+    ids, y = ids[:4], y[:4]
+    exact = ExactGradients(model)
+    units = exact(lambda: F.cross_entropy(model(ids), y, reduction="none"))
+    grads = each_examples_gradient(model, ids, y)
+    w = torch.tensor([1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    updated = torch.zeros(exact.d, dtype=torch.float64)
+    for rank in range(2):
+        share = ShardedRows(exact, rank, 2, reduce=lambda x: x)
+        part = torch.zeros(share.size)
+        units.add_to(part, w, share=share)
+        updated += share.whole(part, exact.d).double()
+    torch.testing.assert_close(updated, w @ grads, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- fully_shard, 2 processes
+
+N, M, K, EPOCHS, HORIZON, LR, SEED = 2, 6, 3, 3, 2, 0.05, 3  # steps of 3 positions: a unit waits across steps
+
+
+def mlp():
+    """MLP-M4's model, small: Linear(6, 5), Linear(5, 5), Linear(5, 1): 5 rows split 3/2, the output's 1 row
+    owned by process 0 alone."""
+    from models.mlp import AutoregressiveMLP
+    torch.manual_seed(0)
+    return AutoregressiveMLP(in_len=6, hidden=5, n_layers=3)
+
+
+def series():
+    generator = torch.Generator().manual_seed(2)
+    return torch.randn(N * M, 6, generator=generator), torch.randn(N * M, HORIZON, generator=generator)
+
+
+def losses_of(model, x, y):
+    """(B,) each window's rollout loss, mean over the horizon of the squared error."""
+    return (model(x, HORIZON) - y).square().mean(1)
+
+
+def sharded_rank(rank, port, path):
+    """One of 2 forked gloo processes: the sharded model trained with CDGraBSampler(exact=True); its orders,
+    losses, final parameters (whole) and running sum's length saved to path.rankR."""
+    from torch.distributed.fsdp import fully_shard
+
+    from sorters import CDGraBSampler
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = mlp()
+        for layer in model.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        exact = ExactGradients(model)  # after fully_shard: the sharded parameters
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        sampler = CDGraBSampler(N * M, batch_size=K, d=exact.d, seed=SEED, exact=True)
+        x, y = series()
+        orders, losses, products, sums = [], [], [], []
+        for _ in range(EPOCHS):
+            indices = list(sampler)
+            orders.append(sampler.all_indices())
+            for t in range(0, len(indices), K):
+                batch = indices[t:t + K]
+                optimizer.zero_grad()
+                with exact.recording() as rec:
+                    per_example = losses_of(model, x[batch], y[batch])
+                    rec.watch(per_example)
+                per_example.mean().backward()
+                sampler.step_units(rec.units())
+                optimizer.step()
+                losses.append(per_example.detach())
+                share = sampler.sorter.share
+                products.append(sampler.sorter.last_products)
+                sums.append(share.reduce(share.whole(sampler.sorter.running_sum, exact.d)))  # the whole S, here only
+        torch.save({"orders": orders, "losses": losses, "params": [p.full_tensor() for p in model.parameters()],
+                    "products": products, "sums": sums,
+                    "sum_numel": sampler.sorter.running_sum.numel(), "d": exact.d,
+                    "rows": sampler.sorter.share.rows}, f"{path}.rank{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def one_process():
+    """Both replicas in one unsharded process: sorters.CDGraB fed each example's float64 gradient (one ordinary
+    backward per example), SGD on the mean loss of the step's 2 K examples. Returns orders, each replica's
+    losses per step, final parameters, and per step the products of the pairs' differences in CD-GraB's
+    visiting order (the pending pairs worker by worker, then pair-major, worker-minor), a (r,) with the running
+    sum at the step's start and G (r, r), and the running sum after the step."""
+    model = mlp()
+    twin = mlp().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    d = sum(p.numel() for p in model.parameters())
+    sorter = CDGraB(N, M, d, seed=SEED, dtype=torch.float64)
+    x, y = series()
+    orders, losses, products, sums = [], [[] for _ in range(N)], [], []
+    for _ in range(EPOCHS):
+        indices = sorter.sort() + torch.arange(N)[:, None] * M
+        orders.append(indices.clone())
+        for t in range(0, M, K):
+            positions = range(t, min(t + K, M))
+            batch = indices[:, list(positions)].reshape(-1)  # replica 0's examples, then replica 1's
+            with torch.no_grad():
+                for p64, p in zip(twin.parameters(), model.parameters()):
+                    p64.copy_(p)
+            grads = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+                losses_of(twin, x[i:i + 1].double(), y[i:i + 1].double()).sum(), list(twin.parameters()))])
+                for i in batch.tolist()])
+            grads = grads.view(N, len(positions), d)
+            begin = 0 if sorter.pending is None else 1
+            diffs = [] if sorter.pending is None else [sorter.pending[j] - grads[j, 0] for j in range(N)]
+            diffs += [grads[j, begin + 2 * i] - grads[j, begin + 2 * i + 1]
+                      for i in range((len(positions) - begin) // 2) for j in range(N)]
+            diffs = torch.stack(diffs)
+            products.append((diffs @ sorter.running_sum, diffs @ diffs.T))
+            sorter.step(grads, positions)
+            sums.append(sorter.running_sum.clone())
+            optimizer.zero_grad()
+            per_example = losses_of(model, x[batch], y[batch])
+            per_example.mean().backward()
+            optimizer.step()
+            for j, rows in enumerate(per_example.detach().view(N, -1)):
+                losses[j].append(rows)
+    return orders, losses, [p.detach() for p in model.parameters()], products, sums
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    pytest.importorskip("torch.distributed.fsdp")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    path = tmp_path_factory.mktemp("fsdp") / "run"
+    run_forked(sharded_rank, (port, path), 2)
+    return [torch.load(f"{path}.rank{r}") for r in range(2)]
+
+
+def test_sharded_model_gives_one_process_orders_bit_for_bit(ranks):
+    """Both processes' orders of every epoch equal one unsharded process's with CDGraB on float64 per-example
+    gradients, bit for bit; each replica's losses and the final parameters agree within float32 rounding, and so
+    do every step's products of the pairs' differences and the whole running sum after it (the ranks' rows put
+    together): what a dropped term changes even where no sign flips."""
+    orders, losses, params, products, sums = one_process()
+    assert not torch.equal(orders[1], orders[2])  # the orders follow the gradients
+    for rank, got in enumerate(ranks):
+        for epoch, (mine, theirs) in enumerate(zip(got["orders"], orders)):
+            assert torch.equal(mine, theirs), f"rank {rank} epoch {epoch}"
+        torch.testing.assert_close(torch.cat(got["losses"]), torch.cat(losses[rank]), rtol=1e-5, atol=1e-6)
+        for mine, theirs in zip(got["params"], params):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        for step, ((a, G), (a_ref, G_ref)) in enumerate(zip(got["products"], products)):
+            torch.testing.assert_close(a, a_ref, rtol=1e-5, atol=1e-7, msg=f"rank {rank} step {step} <S, v>")
+            torch.testing.assert_close(G, G_ref, rtol=1e-5, atol=1e-7, msg=f"rank {rank} step {step} <v, v>")
+        for step, (mine, theirs) in enumerate(zip(got["sums"], sums)):
+            torch.testing.assert_close(mine.double(), theirs, rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step} S")
+
+
+def test_each_process_keeps_the_running_sum_of_its_own_rows(ranks):
+    """The running sums' lengths add up to d, each near d / 2 (rows 3/2, 3/2, 1/0 of the three layers), and the
+    owned rows are FSDP2's local shards."""
+    sizes = [got["sum_numel"] for got in ranks]
+    assert sum(sizes) == ranks[0]["d"] and min(sizes) > 0.3 * ranks[0]["d"]
+    assert ranks[0]["rows"] == [(0, 3), (0, 3), (0, 3), (0, 3), (0, 1), (0, 1)]
+    assert ranks[1]["rows"] == [(3, 5), (3, 5), (3, 5), (3, 5), (1, 1), (1, 1)]
