@@ -51,8 +51,11 @@ def test_shipped_runs_are_complete_and_hold_only_config_and_metrics(shipped_read
         ("MLP-M4", "Fold"): 3}
     assert own[own["benchmark"].isin(["LR-HMDA", "MLP-M4"])].groupby("run_dir")["epoch"].max().eq(50).all()
     herding = load_herding(SHIPPED / "herding", warn=False)
-    assert herding.groupby("method")["trial"].nunique().to_dict() == {"CD-GraB": 5, "D-RR": 5, "I-B": 5, "I-PB": 5,
-                                                                  "KH-SGD": 5, "SBW": 5}
+    # (vectors a trial, method) -> trials, each with every worker count (10^6: the paper's scale)
+    runs = herding.assign(vectors=herding["n_workers"] * herding["m"]).groupby(["vectors", "method", "trial"])
+    assert runs["n_workers"].nunique().eq(5).all()
+    trials = runs.size().reset_index().groupby(["vectors", "method"])["trial"].nunique().to_dict()
+    assert trials == {(10**6, method): 5 for method in ("CD-GraB", "D-RR", "I-B", "I-PB", "KH-SGD", "SBW", "MB-GraB")}
 
 
 def test_shipped_studies_are_complete(shipped):
