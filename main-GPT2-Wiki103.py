@@ -26,16 +26,21 @@ BENCHMARK = "GPT2-Wiki103"
 # the original README command: --sorter {CD-GraB|D-RR} --seed 0 (B 64 = node_cnt 64, AdamW 5e-4, wd 0, 50 epochs)
 DEFAULTS = dict(sorter="CD-GraB", seed=0, lr=5e-4, weight_decay=0.0, B=64, node_cnt=64, epochs=50)
 EVAL_BATCH = 32   # blocks per evaluation forward pass (32 x 128 x 50,257 logits = 0.8 GB in fp32)
-GRAD_CHUNK = 16   # blocks per gradient pass (per-block or batched); bounds the intermediates (see unit_grads)
+# blocks per gradient pass (per-block or batched) on the CPU, where it bounds the intermediates (see unit_grads);
+# a GPU holds a step's 64 blocks in one pass, so --grad-chunk auto takes them all there (fewer kernel launches)
+GRAD_CHUNK = 16
 
 
 class GPT2Wiki103(Task):
     name = BENCHMARK
     metric_columns = ("valid_loss", "train_ppl", "valid_ppl", "test_ppl")
     optimizer = "adamw"  # constant lr, as the original
-    grad_chunk = GRAD_CHUNK  # blocks per pass of Task.unit_sketches (--sketch-dim) and Task.unit_records
+    # blocks per gradient pass: unit_grads, batch_grad, Task.unit_sketches (--sketch-dim) and Task.unit_records
+    # (None: a step's local blocks in one pass); set from --grad-chunk
+    grad_chunk: int | None = GRAD_CHUNK
 
     def __init__(self, args, device):
+        self.grad_chunk = grad_chunk(getattr(args, "grad_chunk", "auto"), device)
         block = args.max_seq_length  # >= 2: one input and one target token
         for split in ("train", "valid", "test"):  # a missing file fails in every process alike, before any waiting
             split_file(args.data_dir, split, args.train_file)
@@ -95,7 +100,7 @@ class GPT2Wiki103(Task):
         return per_token.view(len(ids), -1).mean(1)
 
     def unit_grads(self, flat, batch, n_local, k):
-        """Per-block gradients (n_local, k, d), GRAD_CHUNK blocks per pass into one reused buffer.
+        """Per-block gradients (n_local, k, d), `grad_chunk` blocks per pass into one reused buffer.
 
         Each pass is one forward and one backward to the layer outputs, then per-block outer products
         written straight into the buffer rows (engine/functional.py). Chunks bound the intermediates:
@@ -107,21 +112,24 @@ class GPT2Wiki103(Task):
             return super().unit_grads(flat, batch, n_local, k)  # vmap, unchunked
         units = len(batch)
         buffer = self._unit_grad_buffer(units)
+        if (self.grad_chunk or units) >= units:  # one pass: the losses come out whole
+            _, losses = self.model.outer_unit_gradients(self.unit_losses, batch, out=buffer)
+            return buffer.view(n_local, k, -1), losses.view(n_local, k)
         losses = torch.empty(units, dtype=flat.dtype, device=flat.device)
-        for start in range(0, units, GRAD_CHUNK):
-            stop = min(start + GRAD_CHUNK, units)
-            _, losses[start:stop] = self.model.outer_unit_gradients(self.unit_losses, batch[start:stop],
-                                                                    out=buffer[start:stop])
+        for rows, part in self.grad_passes(batch, units):
+            _, losses[rows] = self.model.outer_unit_gradients(self.unit_losses, part, out=buffer[rows])
         return buffer.view(n_local, k, -1), losses.view(n_local, k)
 
     def batch_grad(self, flat, batch):
-        """Mean gradient (d,) over the local blocks, accumulated GRAD_CHUNK blocks at a time
+        """Mean gradient (d,) over the local blocks, accumulated `grad_chunk` blocks at a time
         (one pass over 64 blocks peaks at 7.5 GiB on the CPU, mostly the 50,257-way logits)."""
         if flat is not self.model.flat:
             return super().batch_grad(flat, batch)  # other parameters: torch.func, unchunked
+        if (self.grad_chunk or len(batch)) >= len(batch):  # one pass: the textbook step
+            return self.model.batch_gradient(self.loss, batch)
         total_loss = torch.zeros((), dtype=flat.dtype, device=flat.device)
-        for start in range(0, len(batch), GRAD_CHUNK):
-            chunk = batch[start:start + GRAD_CHUNK]
+        for start in range(0, len(batch), self.grad_chunk):
+            chunk = batch[start:start + self.grad_chunk]
             weight = len(chunk) / len(batch)
             grad, loss, _ = self.model.batch_gradient(self.loss, chunk, scale=weight, accumulate=start > 0)
             total_loss += loss * weight
@@ -145,6 +153,19 @@ class GPT2Wiki103(Task):
         return metrics
 
 
+def grad_chunk(flag: str, device) -> int | None:
+    """Blocks per gradient pass for --grad-chunk (None: all of a step's local blocks at once): auto takes
+    GRAD_CHUNK on the CPU and all on a GPU."""
+    if flag == "auto":
+        return GRAD_CHUNK if torch.device(device).type == "cpu" else None
+    return None if flag == "all" else int(flag)
+
+
+def chunk_flag(text: str) -> str:
+    """--grad-chunk's argparse type: auto, all or a whole number >= 1, else one line."""
+    return text if text in ("auto", "all") else str(int_flag(1)(text))
+
+
 def make_parser():
     """The command line: the common flags with this benchmark's defaults, and its own flags."""
     parser = common_parser(BENCHMARK, __doc__, DEFAULTS)
@@ -153,6 +174,11 @@ def make_parser():
                              "(stand-in: <data-dir>/wikitext-2/train.txt, whose articles are in WikiText-103)")
     parser.add_argument("--max-seq-length", type=int_flag(2), default=128, metavar="T",
                         help="tokens per block (one ordering unit); also the model's number of positions")
+    parser.add_argument("--grad-chunk", type=chunk_flag, default="auto", metavar="BLOCKS",
+                        help=f"blocks per gradient pass (forward and backward): a whole number, 'all' (a step's "
+                             f"local blocks in one pass: fewest kernel launches) or 'auto' (default: {GRAD_CHUNK} "
+                             "on the CPU, where it bounds memory, all on a GPU); the results agree to float32 "
+                             "rounding")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="folder for the tokenized-block cache; when unset: $CDGRAB_CACHE, else a cache/ "
                              "folder beside each data file, else ~/.cache/cdgrab")

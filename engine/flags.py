@@ -73,6 +73,7 @@ FLAGS = {
     "cudnn": Flag(resumable=True, added="on", out="never"),  # cuDNN's or PyTorch's kernels: float32 rounding apart
     # main-GPT2-Wiki103.py
     "train_file": Flag(), "max_seq_length": Flag(), "cache_dir": RESUMABLE,
+    "grad_chunk": Flag(resumable=True, added="16", out="never"),  # blocks per gradient pass: float32 rounding apart
 }
 
 # a flag each benchmark's entry script has had from the start and no other has: which benchmark the args of

@@ -112,6 +112,33 @@ def test_the_tasks_precomputed_mask_gives_the_models_causal_logits(tmp_path, cac
     assert not torch.allclose(logits_changed[:, 20:], logits[:, 20:])
 
 
+def test_one_gradient_pass_equals_the_chunked_passes_in_fewer_kernel_ops(tmp_path, cache_dir):
+    """--grad-chunk all (a step's blocks in one forward and backward: what auto takes on a GPU) gives the
+    chunked passes' mean gradient, loss and per-block gradients (--grad-chunk 1 here: the CPU's chunks of 16
+    on a step of 64), to float32 rounding; its mean gradient is also the mean of its per-block ones (outer
+    products, another path); and a D-RR step's pass dispatches fewer kernel ops than the chunked ones."""
+    from bench.dispatch_count import OpCounter
+
+    task, _ = entry_task(SCRIPT, torch.device("cpu"), "--train-file", TRAIN_FILE, "--cache-dir", cache_dir,
+                         "--out", tmp_path / "unused", *QUICK, "--grad-chunk", "1")
+    grad_chunk, default_chunk = (type(task).__init__.__globals__[name] for name in ("grad_chunk", "GRAD_CHUNK"))
+    assert grad_chunk("auto", "cpu") == default_chunk and grad_chunk("auto", "cuda") is None
+    flat, batch = task.model.flat, task.units([0, 1], torch.tensor([[2], [1]]))  # (2, 32): two blocks
+    results, kernel_ops = {}, {}
+    for chunk in ("1", "all"):
+        task.grad_chunk = grad_chunk(chunk, "cpu")
+        with OpCounter() as counter:
+            grad, loss, _ = task.batch_grad(flat, batch)
+        kernel_ops[chunk] = counter.kernel_ops
+        unit_grads, unit_losses = task.unit_grads(flat, batch, 2, 1)
+        results[chunk] = grad.clone(), loss, unit_grads.clone(), unit_losses.clone()
+    for chunked, one_pass in zip(results["1"], results["all"]):
+        torch.testing.assert_close(one_pass, chunked)
+    torch.testing.assert_close(results["all"][0], results["all"][2].mean((0, 1)))
+    torch.testing.assert_close(results["all"][1], results["all"][3].mean())
+    assert kernel_ops["all"] < 0.6 * kernel_ops["1"]
+
+
 def test_missing_train_file_is_one_line_and_exit_2(tmp_path, cache_dir):
     result = run_script(SCRIPT, "--train-file", tmp_path / "absent.txt", "--out", tmp_path / "run",
                         "--cache-dir", cache_dir, *QUICK)
