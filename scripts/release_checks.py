@@ -371,7 +371,8 @@ def release_checks(work: Path) -> list:
         # documented `pip install .` into a fresh venv: the tests marked tests.helpers.release_check (skipped
         # in the test command, which they would lengthen), run here in the clean copy, so that no cache or
         # build lands in the checkout
-        release_tests = ["tests/test_types_and_lint.py", "tests/test_reference.py", "tests/test_packaging.py"]
+        release_tests = ["tests/test_types_and_lint.py", "tests/test_reference.py", "tests/test_packaging.py",
+                         "tests/test_fsdp.py"]  # (the last: the tiny GPT-2 sharded with fully_shard)
         checked = run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *release_tests],
                       cwd=source, env={**python_env, "CDGRAB_RELEASE_CHECKS": "1"},
                       what="the release-check tests (mypy, ruff, the reference's build, the documented install)")
