@@ -179,12 +179,21 @@ def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tenso
     return signs > 0
 
 
+# blocks of at most this many differences get their signs from every sign vector at once (2^r of them)
+ENUMERATED_SIGNS_MAX = 12
+
+
 def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """The sequential rule's signs from products alone: a (r,) = <S, v_i>, gram (r, r) = <v_i, v_j>, both
     float64, for r differences in visiting order. Returns (r,) float64 of +-1: sign_i = +1 when
     <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij <= 0. (Exact CD-GraB, sorters/exact.py, gets a and G without
-    the differences.)"""
+    the differences.)
+
+    Up to ENUMERATED_SIGNS_MAX differences, a fixed handful of kernels (enumerated_gram_signs); more, a
+    loop of three small kernels per difference."""
     r = a.shape[0]
+    if r <= ENUMERATED_SIGNS_MAX:
+        return enumerated_gram_signs(a, gram)
     signs = torch.zeros(r, dtype=torch.float64, device=a.device)  # sign_j, 0 until decided
     plus_one, minus_one = signs.new_ones(()), -signs.new_ones(())
     dot = torch.empty(1, dtype=torch.float64, device=a.device)
@@ -192,6 +201,30 @@ def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
         torch.addmv(a[i:i + 1], gram[i:i + 1], signs, out=dot)  # signs[j >= i] are still 0
         torch.where(dot <= 0, plus_one, minus_one, out=signs[i:i + 1])
     return signs
+
+
+def enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """gram_signs for a small block (a (r,), gram (r, r) float64) without a kernel per difference: the inner
+    products <S_i, v_i> = a_i + sum_{j<i} s_j G_ij under every one of the 2^r sign vectors s at once, then the
+    vector whose every sign is the rule's own (<S_i, v_i> <= 0 exactly where s_i = +1). The sequential signs
+    are such a vector, and the only one: by induction on i, a prefix that agrees fixes the next sign. Each
+    row's products are an elementwise product and a sum over one row, so rows with the same prefix give the
+    same values; should rounding ever make rows disagree at a near-tie, the vector that agrees on the longest
+    prefix is taken (scores weigh the agreement at i by 2^(r-1-i)). Returns (r,) float64 of +-1."""
+    vectors, plus, weights = _sign_vectors(a.shape[0], a.device)
+    below = torch.tril(gram, diagonal=-1)  # G_ij for j < i: only earlier signs enter <S_i, v_i>
+    dots = (vectors[:, None, :] * below).sum(-1).add_(a)  # (2^r, r): <S_i, v_i> under each sign vector
+    agrees = (dots <= 0).eq_(plus)
+    return vectors[(agrees.to(torch.float64) @ weights).argmax()]
+
+
+@functools.cache
+def _sign_vectors(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(every sign vector (2^r, r) float64 of +-1, the same as bool (True: +1), the weights (r,) float64
+    2^(r-1-i) of enumerated_gram_signs' score), made once per r and device."""
+    bits = torch.arange(r - 1, -1, -1, device=device)
+    plus = (torch.arange(2 ** r, device=device)[:, None] >> bits & 1) == 0
+    return plus.to(torch.float64) * 2 - 1, plus, (2.0 ** bits).to(torch.float64)
 
 
 def gram_products(running_sum: torch.Tensor,

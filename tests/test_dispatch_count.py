@@ -44,6 +44,22 @@ def test_counter_sees_the_backward_pass():
     assert counts == [(6, 4), (6, 5)]
 
 
+def test_gram_signs_of_a_small_block_take_the_same_few_kernel_ops_at_any_size():
+    """CD-GraB's device path decides a block of r <= ENUMERATED_SIGNS_MAX differences in a fixed number of
+    kernel ops (the sign-vector table made once), not the loop's three per difference."""
+    from sorters import balance
+
+    counts = {}
+    for r in (4, 8, balance.ENUMERATED_SIGNS_MAX):
+        diffs = torch.randn(r, 5, dtype=torch.float64)
+        a, gram = diffs @ torch.randn(5, dtype=torch.float64), diffs @ diffs.T
+        balance.gram_signs(a, gram)  # the table of sign vectors for this r
+        with OpCounter() as counter:
+            balance.gram_signs(a, gram)
+        counts[r] = counter.kernel_ops
+    assert len(set(counts.values())) == 1 and counts[4] < 3 * 4, counts
+
+
 def test_per_step_counts_split_each_steps_work_from_the_epochs_once_only_work():
     # 5 steps: mm twice a step, one sort for the epoch (5 kernel ops), 30 calls dispatched; 10 steps: 50
     short = {"dispatched": 30, "kernel_ops": collections.Counter({"aten.mm": 10, "aten.sort": 5})}

@@ -629,6 +629,37 @@ def test_a_step_on_another_device_keeps_everything_there(name, dtype):
             assert value.dtype == (torch.float64 if key == "running_sum" else dtype), key
 
 
+def sequential_gram_signs(a: list[float], gram: list[list[float]]) -> list[float]:
+    """The sign rule from products, one difference after the other in Python floats (float64):
+    sign_i = +1 when a_i + sum_{j<i} sign_j G_ij <= 0, else -1."""
+    signs: list[float] = []
+    for i, a_i in enumerate(a):
+        dot = a_i + sum(sign * gram[i][j] for j, sign in enumerate(signs))
+        signs.append(1.0 if dot <= 0 else -1.0)
+    return signs
+
+
+def test_gram_signs_equal_the_sequential_rule_for_every_block_size():
+    """gram_signs, enumerated up to ENUMERATED_SIGNS_MAX differences and a loop beyond, gives the sequential
+    rule's signs on random blocks of every size (a = D S, G = D D^T), on blocks of zero differences and a zero
+    sum (exact ties: +1), and on blocks that repeat one difference (v, v, -v, ...: every later sign decided by
+    the earlier ones)."""
+    import sorters.balance as balance
+
+    generator = torch.Generator().manual_seed(4)
+    for r in [*range(1, balance.ENUMERATED_SIGNS_MAX + 2), 20]:
+        for trial in range(12):
+            diffs = torch.randn(r, 6, generator=generator, dtype=torch.float64) * 10.0 ** (trial % 4 - 2)
+            start = torch.randn(6, generator=generator, dtype=torch.float64) * (trial % 3)  # 0: a zero sum
+            if trial == 5:
+                diffs[::2] = 0  # zero differences: exact ties
+            if trial == 7:
+                diffs[:] = diffs[0] * torch.tensor([1.0, -1.0] * r)[:r, None]
+            a, gram = diffs @ start, diffs @ diffs.T
+            expected = sequential_gram_signs(a.tolist(), gram.tolist())
+            assert balance.gram_signs(a, gram).tolist() == expected, (r, trial)
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 3, 6])
 def test_the_device_path_forms_products_and_sums_chunk_by_chunk(monkeypatch, chunks):
     """signs_by_gram (the sign rule off the CPU) with the differences widened `d / chunks` columns at a time
