@@ -6,12 +6,14 @@ Read top to bottom: the statistics; the per-benchmark tables; the heterogeneity 
 values; the communication, sketching and reorderers studies; aggregate_all, which makes them all.
 """
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from analysis.load import REPO_ROOT, RUN_COLUMNS, SETTING, load_configs
+from analysis.paper_values import PAPER_SETTINGS, has_paper_settings
 
 # The metric each benchmark's paper figure reports next to the train loss; the first available one
 # is the table's "final metric". GPT-2 reports validation perplexity (test perplexity when present too).
@@ -478,7 +480,7 @@ def gradients_needed(sorter: str) -> str:
     data-parallel step computes anyway) or "per-example gradients"; "?" for a name the library lacks."""
     from sorters.registry import SORTERS  # here: reading runs needs no torch import
 
-    cls = SORTERS.get(sorter)
+    cls = SORTERS.get(sorter.split(" (sketch ")[0])  # a sketched_name row: its sorter's class
     if cls is None:
         return "?"
     if not cls.uses_grads:
@@ -498,11 +500,19 @@ def bench_ratios(run: dict) -> pd.DataFrame:
     """Per sorter (the index: the name of a bench sorter spec NAME or NAME:ARGS), its median epoch seconds
     and peak memory in a recorded bench run over D-RR's in the same run: columns seconds_ratio,
     memory_ratio (NaN where the run lacks the sorter's or D-RR's value; memory: runs recorded before the
-    bench measured it). A name given twice (two specs) keeps its first."""
+    bench measured it). A name given twice (two specs) keeps its first; a spec with --sketch-dim=D among its
+    arguments is the row sketched_name(NAME, D), as leaderboard_runs names such runs."""
+    def row_name(spec: str) -> str:  # NAME, or sketched_name for NAME:... --sketch-dim[=]D ...
+        name, _, extra = spec.partition(":")
+        words = shlex.split(extra)
+        dims = [word.partition("=")[2] if "=" in word else (words[i + 1] if i + 1 < len(words) else "0")
+                for i, word in enumerate(words) if word.partition("=")[0] == "--sketch-dim"]
+        return sketched_name(name, int(dims[-1])) if dims and int(dims[-1]) else name
+
     def ratios(values: dict) -> dict:
         by_name = {}
         for spec, value in values.items():
-            by_name.setdefault(spec.partition(":")[0], value)
+            by_name.setdefault(row_name(spec), value)
         base = by_name.get("D-RR", float("nan"))
         return {name: value / base for name, value in by_name.items()}
 
@@ -513,13 +523,37 @@ def bench_ratios(run: dict) -> pd.DataFrame:
     return table.rename_axis("sorter")
 
 
+def sketched_name(sorter: str, sketch_dim: int) -> str:
+    """The leaderboard's row of an orderer run on --sketch-dim D sketches of its gradients: "Greedy (sketch 64)"."""
+    return f"{sorter} (sketch {sketch_dim})"
+
+
+def _paper_settings_but_the_sketch(benchmark: str, args: dict) -> bool:
+    """Whether a run with --sketch-dim D > 0 has its benchmark's paper settings in everything else (the sketch's
+    own flags, sketch_dim and sketch_min_numel, set to the paper's)."""
+    if not args.get("sketch_dim") or benchmark not in PAPER_SETTINGS:
+        return False
+    paper = PAPER_SETTINGS[benchmark]
+    return has_paper_settings(benchmark, {**args, "sketch_dim": paper["sketch_dim"],
+                                          "sketch_min_numel": paper["sketch_min_numel"]})
+
+
 def leaderboard_runs(df: pd.DataFrame, configs: pd.DataFrame) -> pd.DataFrame:
     """The leaderboard's runs: every finished run (it reached its --epochs) with its benchmark's paper
     settings, from the benchmark's own folder or the reorderers study (LEADERBOARD_STUDIES); a (benchmark,
-    sorter, seed) run in both counts once, the own folder's. df: a load_runs frame; configs: its
+    sorter, seed) run in both counts once, the own folder's. A run whose only departure from the paper's
+    settings is --sketch-dim D (an orderer whose exact form this CPU cannot afford there: Greedy on MLP-M4)
+    is its own orderer, sketched_name's "SORTER (sketch D)". df: a load_runs frame; configs: its
     load_configs."""
     if not len(df) or "paper_settings" not in df.columns:
         return df.iloc[:0]
+    args = dict(zip(configs["run_dir"], configs["args"]))
+    benchmark_of = df.drop_duplicates("run_dir").set_index("run_dir")["benchmark"]
+    sketched = {run: sketched_name(args[run]["sorter"], int(args[run]["sketch_dim"])) for run in benchmark_of.index
+                if run in args and _paper_settings_but_the_sketch(benchmark_of[run], args[run])}
+    if sketched:
+        df = df.assign(sorter=df["run_dir"].map(sketched).fillna(df["sorter"]),
+                       paper_settings=df["paper_settings"] | df["run_dir"].isin(sketched))
     runs = df[df["paper_settings"] & df["study"].isin(LEADERBOARD_STUDIES)]
     wanted = config_args(configs, ["epochs"]).set_index("run_dir")["epochs"]
     last = runs.groupby("run_dir")["epoch"].max()

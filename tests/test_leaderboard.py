@@ -60,7 +60,9 @@ def fabricated(tmp_path_factory):
     taken = [write_run(root, "D-RR", 0, curve(0.30, 0.280, 0.001)), write_run(root, "D-RR", 1, curve(0.30, 0.282)),
              write_run(root, "FlipFlop", 0, curve(0.30, 0.279)), write_run(root, "FlipFlop", 1, curve(0.31, 0.2805)),
              write_run(root, "CD-GraB", 0, curve(0.29, 0.276)),
-             write_run(root, "KH-SGD", 3, curve(0.30, 0.277), study="reorderers")]
+             write_run(root, "KH-SGD", 3, curve(0.30, 0.277), study="reorderers"),
+             write_run(root, "Greedy", 0, curve(0.30, 0.2785), sketch_dim=64)]  # its own row, "Greedy (sketch 64)"
+    write_run(root, "Greedy", 1, curve(0.30, 0.20), sketch_dim=64, lr=0.05)  # sketched, and another lr
     write_run(root, "FlipFlop", 2, curve(0.30, 0.20)[:30])                 # unfinished
     write_run(root, "FlipFlop", 3, curve(0.30, 0.20), lr=0.05)             # not the paper's settings
     write_run(root, "D-RR", 4, curve(0.30, 0.20), study="heterogeneity")  # another study
@@ -72,7 +74,8 @@ def oracle(runs):
     <= D-RR's final mean, median seconds per epoch over D-RR's)}) from the metrics.csv files."""
     losses, seconds = {}, {}
     for run in runs:
-        sorter = json.loads((run / "config.json").read_text())["args"]["sorter"]
+        args = json.loads((run / "config.json").read_text())["args"]
+        sorter = args["sorter"] + (f" (sketch {args['sketch_dim']})" if args.get("sketch_dim") else "")
         with open(run / "metrics.csv") as f:
             rows = list(csv.DictReader(f))
         losses.setdefault(sorter, []).append(([float(r["train_loss"]) for r in rows], float(rows[-1]["test_acc"])))
@@ -108,33 +111,34 @@ def test_the_leaderboard_table_is_the_runs_final_values_and_epochs_to_d_rr(fabri
     rows = [line for line in text.splitlines() if line.startswith("| ") and "epoch reaching" not in line]
     order = sorted(found, key=lambda sorter: statistics.mean(found[sorter][1]))
     assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == order, text  # best final loss first
-    seeds = {"D-RR": "0-1", "FlipFlop": "0-1", "CD-GraB": "0", "KH-SGD": "3"}
+    seeds = {"D-RR": "0-1", "FlipFlop": "0-1", "CD-GraB": "0", "KH-SGD": "3", "Greedy (sketch 64)": "0"}
     for row, sorter in zip(rows, order):
         count, losses, accuracies, reaches, seconds = found[sorter]
-        assert row == (f"| {sorter} | {NEEDS[sorter]} | {seeds[sorter]} | {plus_minus(losses)} | "
+        assert row == (f"| {sorter} | {NEEDS[sorter.removesuffix(' (sketch 64)')]} | {seeds[sorter]} | {plus_minus(losses)} | "
                        f"{plus_minus(accuracies)} | {reaches or 'never'} | {seconds:.2f} | - |"), row
     assert found["D-RR"][3] is not None and found["CD-GraB"][3] < found["D-RR"][3]  # the runs test what they should
 
 
 # A bench/epoch_time.py --record file, written by hand: the LR-HMDA run lists CD-GraB first (its
-# ratio_to_first is to CD-GraB, not D-RR), keys KH-SGD by a spec with arguments, has SWR (no runs here) and
-# lacks FlipFlop; another label with absurd seconds must not be taken.
+# ratio_to_first is to CD-GraB, not D-RR), keys Greedy by a spec with --sketch-dim (the sketched runs' row), has
+# no plain KH-SGD (whose runs get "-"), has SWR (no runs here) and lacks FlipFlop; another label with absurd seconds must
+# not be taken.
 BENCH = {"runs": {
     "LR-HMDA": {"script": "main-LR-HMDA.py", "entry_args": [], "epochs": 2, "epoch_reported": 2, "rounds": 3,
                 "seconds": {"CD-GraB": {"epoch_seconds": 3.0}, "D-RR": {"epoch_seconds": 2.5},
-                            "KH-SGD:--sketch-dim=64": {"epoch_seconds": 5.5}, "SWR": {"epoch_seconds": 2.6}},
-                "ratio_to_first": {"CD-GraB": 1.0, "D-RR": 0.833, "KH-SGD:--sketch-dim=64": 1.833, "SWR": 0.867},
-                "sorter_args": {"CD-GraB": [], "D-RR": [], "KH-SGD:--sketch-dim=64": ["--sketch-dim=64"], "SWR": []},
-                "peak_rss_mib": {"CD-GraB": 520.0, "D-RR": 400.0, "KH-SGD:--sketch-dim=64": 600.0, "SWR": 404.0},
-                "peak_rss_ratio_to_first": {"CD-GraB": 1.0, "D-RR": 0.769, "KH-SGD:--sketch-dim=64": 1.154,
+                            "Greedy:--sketch-dim=64": {"epoch_seconds": 5.5}, "SWR": {"epoch_seconds": 2.6}},
+                "ratio_to_first": {"CD-GraB": 1.0, "D-RR": 0.833, "Greedy:--sketch-dim=64": 1.833, "SWR": 0.867},
+                "sorter_args": {"CD-GraB": [], "D-RR": [], "Greedy:--sketch-dim=64": ["--sketch-dim=64"], "SWR": []},
+                "peak_rss_mib": {"CD-GraB": 520.0, "D-RR": 400.0, "Greedy:--sketch-dim=64": 600.0, "SWR": 404.0},
+                "peak_rss_ratio_to_first": {"CD-GraB": 1.0, "D-RR": 0.769, "Greedy:--sketch-dim=64": 1.154,
                                             "SWR": 0.777},
                 "git_commit": "0123456789abcdef", "date": "2026-12-01"},
     "LR-HMDA --max-train-examples 64000": {"epochs": 2, "epoch_reported": 2, "rounds": 1,
                                            "seconds": {"D-RR": {"epoch_seconds": 1.0},
                                                        "CD-GraB": {"epoch_seconds": 100.0}}}}}
 # by hand: seconds over D-RR's 2.5 s, peak memory over D-RR's 400 MiB; FlipFlop is not in the bench
-BENCH_RATIOS = {"CD-GraB": ("1.20", "1.30"), "D-RR": ("1.00", "1.00"), "KH-SGD": ("2.20", "1.50"),
-                "FlipFlop": ("-", "-")}
+BENCH_RATIOS = {"CD-GraB": ("1.20", "1.30"), "D-RR": ("1.00", "1.00"), "Greedy (sketch 64)": ("2.20", "1.50"),
+                "KH-SGD": ("-", "-"), "FlipFlop": ("-", "-")}
 
 
 def test_the_leaderboard_takes_seconds_and_memory_from_the_benchmarks_bench_run(fabricated, tmp_path):
@@ -150,7 +154,7 @@ def test_the_leaderboard_takes_seconds_and_memory_from_the_benchmarks_bench_run(
     assert {row[0].removeprefix("| "): (row[-2], row[-1].removesuffix(" |")) for row in rows} == BENCH_RATIOS, text
     assert (f'LR-HMDA\'s seconds and peak memory: {bench_file}, run "LR-HMDA" (bench/epoch_time.py: epoch 2 of '
             "2-epoch runs, median of 3 rounds, one process each, side by side; commit 0123456, 2026-12-01; D-RR "
-            "2.50 s per epoch, peak 400 MiB); KH-SGD with --sketch-dim=64.") in text, text
+            "2.50 s per epoch, peak 400 MiB); Greedy with --sketch-dim=64.") in text, text
     # a bench run without D-RR cannot give ratios to it, nor a run recorded before memory was measured memory
     # ratios: the runs' logs, and no memory
     without_drr = {"runs": {"LR-HMDA": {**BENCH["runs"]["LR-HMDA"], "seconds": {"CD-GraB": {"epoch_seconds": 3.0}}}}}
@@ -169,6 +173,18 @@ def test_every_orderer_needs_what_docs_sorters_says():
 
     assert {name: gradients_needed(name) for name in SORTER_NAMES} == NEEDS
     assert gradients_needed("no-such-sorter") == "?"
+    assert gradients_needed("Greedy (sketch 64)") == NEEDS["Greedy"] and gradients_needed("SWR (sketch 8)") == "nothing"
+
+
+@pytest.mark.parametrize("spec, row", [("Greedy:--sketch-dim=64", "Greedy (sketch 64)"),
+                                       ("Greedy:--sketch-dim 256 --sketch-min-numel=16", "Greedy (sketch 256)"),
+                                       ("Greedy:--sketch-dim=0", "Greedy"), ("RPB:--sign-loop=gram", "RPB")])
+def test_a_bench_spec_with_a_sketch_is_the_sketched_runs_row(spec, row):
+    from analysis.aggregate import bench_ratios
+
+    ratios = bench_ratios({"seconds": {"D-RR": {"epoch_seconds": 2.0}, spec: {"epoch_seconds": 5.0}},
+                           "peak_rss_mib": {"D-RR": 100.0, spec: 130.0}})
+    assert ratios.loc[row].tolist() == pytest.approx([2.5, 1.3]) and len(ratios) == 2
 
 
 def test_issue_60s_orderers_are_in_the_leaderboard_only_and_drawn_there(fabricated, monkeypatch):
@@ -191,7 +207,7 @@ def test_issue_60s_orderers_are_in_the_leaderboard_only_and_drawn_there(fabricat
     _, found = oracle(taken)
     curves_panel, loss_panel, acc_panel = fig.axes[:3]
     assert sorted(line.get_label() for line in curves_panel.get_lines()) == sorted(found)
-    labels = [tick.get_text().split(" (")[0] for tick in loss_panel.get_yticklabels()]
+    labels = [tick.get_text().rsplit(" (", 1)[0] for tick in loss_panel.get_yticklabels()]  # less "(k seeds)"
     for panel, column in ((loss_panel, 1), (acc_panel, 2)):
         points = [line for line in panel.get_lines() if line.get_marker() in ("o", "s", "^")
                   and len(line.get_xdata()) == 1]
