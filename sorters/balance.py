@@ -215,7 +215,8 @@ def enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     below = torch.tril(gram, diagonal=-1)  # G_ij for j < i: only earlier signs enter <S_i, v_i>
     dots = (vectors[:, None, :] * below).sum(-1).add_(a)  # (2^r, r): <S_i, v_i> under each sign vector
     agrees = (dots <= 0).eq_(plus)
-    return vectors[(agrees.to(torch.float64) @ weights).argmax()]
+    best = (agrees.to(torch.float64) @ weights).argmax()
+    return vectors[best[None]][0]  # a 1-element index: a 0-d one is read on the host (a synchronisation)
 
 
 @functools.cache
