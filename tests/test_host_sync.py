@@ -59,6 +59,9 @@ class HostReads(TorchFunctionMode):
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             if any(isinstance(part, list) for part in index):
                 self.reads.append(f"{func.__name__} with a list")
+            if any(isinstance(part, torch.Tensor) and part.dim() == 0 and not part.is_floating_point()
+                   for part in index):  # torch reads a 0-d integer index on the host (item) to select with it
+                self.reads.append(f"{func.__name__} with a 0-d tensor")
         return func(*args, **(kwargs or {}))
 
 
@@ -128,4 +131,7 @@ def test_the_detector_sees_host_reads():
         x[[0, 1]]
         x.tolist()
         x[torch.as_tensor([0, 1])]
-    assert mode.reads == ["item", "__bool__", "cpu", "__getitem__ with a list", "tolist", "as_tensor"]
+        x[x.argmax()]
+        x[x.argmax()[None]]  # a 1-element index: an index kernel, no read
+    assert mode.reads == ["item", "__bool__", "cpu", "__getitem__ with a list", "tolist", "as_tensor",
+                          "__getitem__ with a 0-d tensor"]
