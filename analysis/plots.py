@@ -221,7 +221,9 @@ def plot_herding(agg, methods=None, title=HERDING_TITLE):
     vectors of a trial, largest first; runs of one n at two scales are never drawn in one panel); one y scale
     for all panels (style.scale_value_axis: log when the bounds span a factor of 10, as they do from the random
     start to a balancer's floor). Titles use the suite's letters (n workers, m units each; the paper swaps
-    them). agg: aggregate.aggregate_herding (Tables.herding). methods: draw only these (None: all)."""
+    them). The trials: in the title when every curve has as many, else in a row's label when its curves have
+    as many, else in the legend. agg: aggregate.aggregate_herding (Tables.herding). methods: draw only these
+    (None: all)."""
     if methods is not None and not agg.empty:
         agg = agg[agg["method"].isin(list(methods))]
     if agg.empty:
@@ -231,11 +233,15 @@ def plot_herding(agg, methods=None, title=HERDING_TITLE):
     fig, axes = plt.subplots(len(scales), len(counts), figsize=(3.6 * len(counts), 3.4 * len(scales)),
                              squeeze=False, sharey=True)
     styles = sorter_styles(sorted(agg["method"].unique()))
-    trials = agg.groupby("method")["count"].max().astype(int).to_dict()  # a method's trials (its most in any panel)
-    label = {method: "ALL (centralised)" if method == "ALL" else method for method in trials}
-    if len(set(trials.values())) > 1:  # some methods ran fewer trials: say so in the legend
-        label = {method: f"{name} ({trials[method]} trial{'s' * (trials[method] > 1)})"
-                 for method, name in label.items()}
+    # trials: in the title when every curve has the same, else in a row's label when its curves have the same,
+    # else in the legend (a method's most in the rows whose curves differ)
+    row_trials = {vectors: set(rows["count"].astype(int)) for vectors, rows in agg.groupby("vectors")}
+    every = set().union(*row_trials.values())
+    mixed = agg[[len(row_trials[v]) > 1 for v in agg["vectors"]]]
+    trials = mixed.groupby("method")["count"].max().astype(int).to_dict()
+    label = {method: ("ALL (centralised)" if method == "ALL" else method)
+             + (f" ({trials[method]} trial{'s' * (trials[method] > 1)})" if method in trials else "")
+             for method in agg["method"].unique()}
     for row, vectors in zip(axes, scales):
         for ax, n in zip(row, counts):
             panel = agg[(agg["vectors"] == vectors) & (agg["n_workers"] == n)]
@@ -254,8 +260,11 @@ def plot_herding(agg, methods=None, title=HERDING_TITLE):
             ax.set_xlabel("round")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3, which="both")
-        row[0].set_ylabel("parallel herding bound" if len(scales) == 1 else
-                          f"parallel herding bound\n({vectors:,.0f} vectors a trial)")
+        row_label = [f"{vectors:,.0f} vectors a trial"] if len(scales) > 1 else []
+        if len(every) > 1 and len(row_trials[vectors]) == 1:
+            count = next(iter(row_trials[vectors]))
+            row_label.append(f"{count} trial{'s' * (count > 1)}")
+        row[0].set_ylabel("parallel herding bound" + (f"\n({', '.join(row_label)})" if row_label else ""))
     scale_value_axis(list(axes.flat), agg["mean"].to_list())
     handles = {}  # every method of every panel (a method may be missing from some)
     for ax in axes.flat:
@@ -263,9 +272,9 @@ def plot_herding(agg, methods=None, title=HERDING_TITLE):
     legend_ax = [ax for ax in axes[0] if ax.get_visible()][-1]
     legend_ax.legend(handles.values(), handles.keys(), fontsize=8, loc="upper left",
                      bbox_to_anchor=(1.02, 1))  # outside: the curves fill the panels
-    if len(set(trials.values())) == 1:  # else the legend gives each method's
-        every = next(iter(trials.values()))
-        title = f"{title} ({every} trial{'s' * (every > 1)})"
+    if len(every) == 1:
+        count = next(iter(every))
+        title = f"{title} ({count} trial{'s' * (count > 1)})"
     fig.suptitle(title)
     fig.tight_layout()
     return fig

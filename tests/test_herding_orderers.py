@@ -181,6 +181,8 @@ def test_the_herding_figures_draw_a_row_per_scale_and_issue_60s_orderers_apart(t
     assert sorted(line.get_label() for line in orderers.axes[2].get_lines()) == ["CD-GraB (1 trial)",
                                                                                  "Greedy (2 trials)"]
     assert orderers.texts[0].get_text() == "Parallel herding bound of random unit vectors: issue #60's orderers"
+    assert [ax.get_ylabel() for ax in orderers.axes[::2]] == [  # a row whose curves have as many trials says so
+        "parallel herding bound\n(1,000,000 vectors a trial, 1 trial)", "parallel herding bound\n(100,000 vectors a trial)"]
     for fig in figures.values():
         matplotlib.pyplot.close(fig)
     hdf = load_herding(two_scales, warn=False)
