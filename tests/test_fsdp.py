@@ -188,6 +188,11 @@ def sharded_rank(rank, port, path, case_name):
         torch.distributed.destroy_process_group()
 
 
+def float64(t):
+    """A float tensor in float64 (the oracle's twin model); ids as they are."""
+    return t.double() if t.is_floating_point() else t
+
+
 def one_process(case):
     """Both replicas in one unsharded process: sorters.CDGraB fed each example's float64 gradient (one ordinary
     backward per example), SGD on the mean loss of the step's 2 K examples. Returns orders, each replica's
@@ -211,8 +216,7 @@ def one_process(case):
                 for p64, p in zip(twin.parameters(), model.parameters()):
                     p64.copy_(p)
             grads = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-                case.losses(twin, *(t[i:i + 1].double() if t.is_floating_point() else t[i:i + 1] for t in (x, y))).sum(),
-                list(twin.parameters()))])
+                case.losses(twin, *(float64(t[i:i + 1]) for t in (x, y))).sum(), list(twin.parameters()))])
                 for i in batch.tolist()])
             grads = grads.view(N, len(positions), d)
             begin = 0 if sorter.pending is None else 1
@@ -275,7 +279,8 @@ def test_each_process_keeps_the_running_sum_of_its_own_rows(ranks):
     sizes = [got["sum_numel"] for got in ranks]
     assert sum(sizes) == ranks[0]["d"] and min(sizes) > 0.3 * ranks[0]["d"]
     for first, second, local0, local1 in zip(ranks[0]["rows"], ranks[1]["rows"], ranks[0]["local"], ranks[1]["local"]):
-        assert first[0] == 0 and first[1] == second[0] and (first[1] - first[0], second[1] - second[0]) == (local0, local1)
+        assert first[0] == 0 and first[1] == second[0]
+        assert (first[1] - first[0], second[1] - second[0]) == (local0, local1)
     if case_name == "mlp":
         assert ranks[0]["rows"] == [(0, 3), (0, 3), (0, 3), (0, 3), (0, 1), (0, 1)]
         assert ranks[1]["rows"] == [(3, 5), (3, 5), (3, 5), (3, 5), (1, 1), (1, 1)]
