@@ -466,7 +466,10 @@ def reorderer_curves(runs: pd.DataFrame, benchmark: str) -> pd.DataFrame:
 # Issue #60's orderers: compared with every other orderer in the leaderboard; the benchmarks' paper-vs-ours
 # tables and figures keep the paper's comparison (and their epoch times stay those of runs made alone).
 LEADERBOARD_ONLY = ("FlipFlop", "SWR", "Greedy", "MB-GraB", "RPB")
-LEADERBOARD_STUDIES = ("", "reorderers")  # where runs with the paper's settings live (own folder first)
+# where runs with the paper's settings live (own folder first); "leaderboard": a leaderboard orderer's runs in
+# a setting of its own (Greedy on MLP-M4 with --sketch-dim), kept out of the benchmark's folder, whose runs'
+# curve labels name every setting in which they differ
+LEADERBOARD_STUDIES = ("", "reorderers", "leaderboard")
 NEEDS = ("nothing", "per-worker gradients", "per-example gradients")
 # the side-by-side bench of every orderer (bench/epoch_time.py --record ... --label BENCHMARK): its seconds
 # and peak memory ratios; a benchmark without a run there falls back to its runs' own logged seconds
