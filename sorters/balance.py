@@ -189,11 +189,11 @@ def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij <= 0. (Exact CD-GraB, sorters/exact.py, gets a and G without
     the differences.)
 
-    Up to ENUMERATED_SIGNS_MAX differences, a fixed handful of kernels (enumerated_gram_signs); more, a
+    Up to ENUMERATED_SIGNS_MAX differences, a fixed handful of kernels (_enumerated_gram_signs); more, a
     loop of three small kernels per difference."""
     r = a.shape[0]
     if r <= ENUMERATED_SIGNS_MAX:
-        return enumerated_gram_signs(a, gram)
+        return _enumerated_gram_signs(a, gram)
     signs = torch.zeros(r, dtype=torch.float64, device=a.device)  # sign_j, 0 until decided
     plus_one, minus_one = signs.new_ones(()), -signs.new_ones(())
     dot = torch.empty(1, dtype=torch.float64, device=a.device)
@@ -203,7 +203,7 @@ def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return signs
 
 
-def enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """gram_signs for a small block (a (r,), gram (r, r) float64) without a kernel per difference: the inner
     products <S_i, v_i> = a_i + sum_{j<i} s_j G_ij under every one of the 2^r sign vectors s at once, then the
     vector whose every sign is the rule's own (<S_i, v_i> <= 0 exactly where s_i = +1). The sequential signs
@@ -222,7 +222,7 @@ def enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _sign_vectors(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(every sign vector (2^r, r) float64 of +-1, the same as bool (True: +1), the weights (r,) float64
-    2^(r-1-i) of enumerated_gram_signs' score), made once per r and device."""
+    2^(r-1-i) of _enumerated_gram_signs' score), made once per r and device."""
     bits = torch.arange(r - 1, -1, -1, device=device)
     plus = (torch.arange(2 ** r, device=device)[:, None] >> bits & 1) == 0
     return plus.to(torch.float64) * 2 - 1, plus, (2.0 ** bits).to(torch.float64)

@@ -38,7 +38,8 @@ REAL = {"lr", "momentum", "weight_decay", "dist_timeout", "warmup_epochs", "min_
         "clip"}
 EXTRA_BAD = {"momentum": ("1", "1.5"), "density": ("1.01",), "layers": ("1",), "max_seq_length": ("1",),
              "partition": ("", "dirichlet:0", "dirichlet:nan", "dirichlet:inf", "none"), "lr": ("1e308",),
-             "seed": ("4294967296",), "dist_timeout": ("1e300",)}
+             "seed": ("4294967296",), "dist_timeout": ("1e300",),
+             "grad_chunk": ("", "none", "0", "-1", "1.5", "nan", "inf")}  # auto, all or a whole number >= 1
 PATHS = {"data_dir", "hmda_file", "train_file", "cache_dir"}  # read where the data loads: end to end below
 COMBINATIONS = [  # settings each fine alone
     ["--B", "6", "--node_cnt", "4"], ["--min-lr", "1", "--lr", "0.1"], ["--warmup-epochs", "3", "--epochs", "3"],
