@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 
 from analysis import aggregate_herding, load_herding, plots  # noqa: E402
 from sorters import build_sorter  # noqa: E402
+from tests.test_orderers import pair_balance  # noqa: E402  (the coordinated pair balance oracle, in torch)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,28 +35,6 @@ def prefix_bound(z, orders):
     return float(np.abs(np.cumsum(visited.sum(axis=0), axis=0)).max())
 
 
-def pair_balance(vectors, orders):
-    """One epoch of coordinated pair balance (CD-GraB's rule) over the (n, M) order of the (n, M, d) vectors:
-    pairs visited pair after pair, worker after worker, against one float64 running sum; the winner of a pair
-    to the front, the loser to the back; an odd count's last item in the middle."""
-    n, count = orders.shape
-    nxt = np.full((n, count), -1)
-    s = np.zeros(vectors.shape[2])
-    left, right = 0, count - 1
-    for p in range(count // 2):
-        for j in range(n):
-            a, c = orders[j, 2 * p], orders[j, 2 * p + 1]
-            v = vectors[j, a] - vectors[j, c]
-            if s @ v <= 0:
-                nxt[j, left], nxt[j, right], s = a, c, s + v
-            else:
-                nxt[j, left], nxt[j, right], s = c, a, s - v
-        left, right = left + 1, right - 1
-    if count % 2:
-        nxt[:, left] = orders[:, count - 1]
-    return nxt
-
-
 @pytest.mark.parametrize("method, b", [("MB-GraB", simulation.DEFAULT_BATCH_SIZE), ("MB-GraB+batch2", 2)])
 def test_mb_grab_balances_its_micro_batches_and_is_scored_per_unit(method, b):
     """MB-GraB in the simulation: micro-batches of b units cut from the seeded first order, pair-balanced by
@@ -72,7 +51,7 @@ def test_mb_grab_balances_its_micro_batches_and_is_scored_per_unit(method, b):
     expected = []
     for _ in range(4):
         expected.append(prefix_bound(z, np.stack([members[j][blocks[j]].reshape(m) for j in range(n)])))
-        blocks = pair_balance(means, blocks)
+        blocks = pair_balance(torch.from_numpy(means), torch.from_numpy(blocks)).numpy()
     assert got == pytest.approx(expected, rel=1e-9)
     assert expected[3] < expected[0]  # balancing lowers it
 
