@@ -6,7 +6,7 @@ import pytest
 
 import analysis.load as load
 from analysis import load_herding, load_runs
-from tests.helpers import REPO, read_metrics, run_python
+from tests.helpers import REPO, read_metrics, release_check, run_python
 
 SHIPPED = REPO / "reproduction"
 
@@ -164,6 +164,7 @@ def test_analysis_defaults_to_the_shipped_runs_without_runs_of_ones_own(tmp_path
     assert load.default_results_dir() == tmp_path / "results"
 
 
+@release_check  # python -m analysis over every shipped run: about 25 s, the test command's second longest
 @pytest.mark.slow
 def test_analysis_draws_the_reproduction_figures(tmp_path):
     done = run_python([sys.executable, "-m", "analysis", SHIPPED, "--out", tmp_path], timeout=300)
