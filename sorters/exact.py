@@ -54,7 +54,7 @@ from sorters.exact_products import (
     parameter_products,
     summed,
 )
-from sorters.layer_rules import Layout, apply_rule, examples_of_call, spread_over_examples, tokens
+from sorters.layer_rules import AliasSink, Layout, apply_rule, examples_of_call, spread_over_examples, tokens
 from sorters.layer_sketch import selected_parameters
 
 if TYPE_CHECKING:  # sorters.gather imports this module (named in full: the reference shows the annotations)
@@ -313,9 +313,9 @@ class ExactGradients:
         self.names = [name for name, _ in chosen]
         self.params = [p for _, p in chosen]
         self.offsets, self.d, self.layers = layout.offsets, layout.d, layout.layers
-        # each recorded layer's own parameters by attribute name: under FSDP2 (fully_shard) a layer holds a
-        # gathered copy of its weight during the backward, not the sharded parameter selected here
-        self.layer_params = {module: list(module.named_parameters(recurse=False)) for module in self.layers}
+        # under FSDP2 (fully_shard) a layer holds a gathered copy of its weight during the backward, not the
+        # sharded parameter selected here: {id(copy): parameter} for a layer (Layout.held_copies)
+        self.held_copies = layout.held_copies
         self.how = how
         self.last_how: dict[int, str] = {}  # id(parameter) -> how the last products took it
 
@@ -487,9 +487,8 @@ class ExactRecording:
         with torch.no_grad():
             kind = self.owner.layers[module]
             a, g = tokens(module, kind, a, g.detach())
-            aliases: dict[int, torch.Tensor] = {id(held): p for name, p in self.owner.layer_params[module]
-                       if (held := getattr(module, name)) is not p}  # FSDP2: the gathered copies
-            apply_rule(module, kind, a, g, ContributionSink(self.pieces, self.selected, aliases))
+            apply_rule(module, kind, a, g,
+                       AliasSink(ContributionSink(self.pieces, self.selected), self.owner.held_copies(module)))
 
     def watch(self, losses: torch.Tensor) -> None:
         """Start the recording of a batch (inside the ``with`` block, after the forward).

@@ -184,20 +184,14 @@ class ContributionSink(Sink):
     add(p, value (U, *p.shape)) -> Formed (U, R, C) (a bias or LayerNorm vector: (U, n, 1)).
     selected: the ids of the parameters wanted (the others are skipped by the rules)."""
 
-    def __init__(self, pieces: dict[int, Pieces], selected: set[int],
-                 aliases: dict[int, torch.Tensor] | None = None) -> None:
-        self.pieces, self.selected, self.aliases = pieces, selected, aliases or {}
-
-    def _selected(self, p: torch.Tensor) -> torch.Tensor:
-        """The selected parameter a layer's tensor stands for: itself, or (aliases {id(tensor): parameter})
-        the parameter whose gathered copy the layer holds during its backward (FSDP2's unsharded weight)."""
-        return self.aliases.get(id(p), p)
+    def __init__(self, pieces: dict[int, Pieces], selected: set[int]) -> None:
+        self.pieces, self.selected = pieces, selected
 
     def wants(self, p: torch.Tensor) -> bool:
-        return id(self._selected(p)) in self.selected
+        return id(p) in self.selected
 
     def _keep(self, p: torch.Tensor, contribution: Contribution) -> None:
-        self.pieces.setdefault(id(self._selected(p)), []).append((0, contribution))
+        self.pieces.setdefault(id(p), []).append((0, contribution))
 
     def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
         self._keep(p, Formed(value.reshape(value.shape[0], *matrix_shape(p))))

@@ -125,6 +125,30 @@ class BlockSink(Sink):
             block.add_rows(ids, g, self.out)
 
 
+class AliasSink(Sink):
+    """A sink seen through a layer's held copies: the rules write to the tensor the layer holds (under FSDP2,
+    a gathered copy of a sharded parameter: `Layout.held_copies`), and `sink` gets the chosen parameter it
+    stands for. aliases: {id(held tensor): chosen parameter}."""
+
+    def __init__(self, sink: Sink, aliases: dict[int, torch.Tensor]) -> None:
+        self.sink, self.aliases = sink, aliases
+
+    def _chosen(self, p: torch.Tensor) -> torch.Tensor:
+        return self.aliases.get(id(p), p)
+
+    def wants(self, p: torch.Tensor) -> bool:
+        return self.sink.wants(self._chosen(p))
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        self.sink.add(self._chosen(p), value)
+
+    def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        self.sink.add_outer(self._chosen(p), left, right)
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        self.sink.add_rows(self._chosen(p), ids, g)
+
+
 def scatter_rows(view: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """view (U, rows, cols) += g[u, t] (U, T, cols) at row ids[u, t] (U, T), in place; returns view."""
     units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
@@ -280,6 +304,16 @@ class Layout:
             if any(id(p) in self.recorded for p in module.parameters(recurse=False))
             and (kind := layer_kind(module)) is not None}
         self.formed = [(name, p) for name, p in chosen if id(p) not in self.recorded]
+        # each recorded layer's own parameters by attribute name: under FSDP2 (fully_shard) a layer holds a
+        # gathered copy of its sharded weight during the backward, another object (`held_copies`)
+        self.own = {module: list(module.named_parameters(recurse=False)) for module in self.layers}
+
+    def held_copies(self, module: torch.nn.Module) -> dict[int, torch.Tensor]:
+        """{id(tensor): chosen parameter} for each parameter of a recorded layer that the layer now holds as
+        ANOTHER tensor: FSDP2's gathered (unsharded) copy of a sharded parameter, which the layer holds during
+        its backward (a root's layers during the forward too). Empty for a model that was not sharded. The
+        rules write to the tensor the layer holds; an `AliasSink` sends that to the chosen parameter."""
+        return {id(held): p for name, p in self.own[module] if (held := getattr(module, name)) is not p}
 
     def blocks(self, min_numel: int) -> list[tuple[int, int, int]]:
         """(offset, rows, cols) of every recorded 2-D weight of a Linear, Conv1D or Embedding with at least
