@@ -70,6 +70,27 @@ class LogisticHMDA(Task):
         grads, losses = self._closed_form(flat, batch, self._unit_grad_buffer(len(batch[0])))
         return grads.view(n_local, k, -1), losses.view(n_local, k)
 
+    def batch_grad(self, flat, batch):
+        """The mean gradient (d,) of the batch's loss in closed form, with the loss and aux (None), for
+        D-RR and the other sorters without per-unit gradients: r = (sigmoid(w.x + b) - y) / U per example,
+        the weight's gradient r^T X and the bias's sum(r), into the model's gradient buffer (valid until the
+        next gradient call, as Task.batch_grad's). No autograd graph: at d = 26 building and walking it cost
+        more than the arithmetic, which made D-RR's step dearer than CD-GraB's closed-form one. The operators
+        are the ones autograd's backward of the module runs (the module's own forward, BCE's backward
+        (sigmoid(z) - y) / U, the Linear's mm and sum), in the same order, so the gradient is the same to the
+        bit. Other parameters and --unit-grads vmap take the general (autograd) path."""
+        if not self.outer_products_apply(flat):
+            return super().batch_grad(flat, batch)
+        x, y = batch  # (U, F), (U,)
+        grad = self.model.grad
+        with torch.no_grad():
+            logits = self.model(flat, x).squeeze(-1)  # (U,): the module's forward (addmm), as autograd's path
+            loss = F.binary_cross_entropy_with_logits(logits, y)
+            residual = torch.sigmoid(logits).sub_(y).div_(len(y))  # BCE's backward, mean reduction
+            torch.mm(residual[None], x, out=grad[:-1].view(1, -1))  # (1, U) @ (U, F): the weight row
+            torch.sum(residual, 0, keepdim=True, out=grad[-1:])  # the bias
+        return grad, loss, None
+
     def stacked_gradients(self, params, batch, k, per_unit):
         """Local steps: the closed form of unit_grads, worker j's units at its own row of params (n_local, d)."""
         n_local = params.shape[0]
