@@ -100,7 +100,8 @@ class UnitGradients:
         self.sum_all, self.grad_sink = False, grad_sink
 
     def products(self, running_sum: torch.Tensor, how: str | None = None, pairs: Pairs | None = None,
-                 share: "sorters.gather.ParameterShare | None" = None) -> tuple[torch.Tensor, ...]:
+                 share: "sorters.gather.ParameterShare | None" = None,
+                 riders: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The units' inner products with the running sum and with each other, summed over the parameters on
         the running sum's device, then copied to the host once (not a synchronisation per parameter).
 
@@ -117,6 +118,9 @@ class UnitGradients:
             share: None (every parameter here), or a ``sorters.gather.ParameterShare``: this process takes the
                 products of the parameters it owns only; each parameter's products, from its one owner, are
                 summed over the processes (share.reduce, exact: the others add zeros).
+            riders: None, or a float64 (k,) tensor of this process's partial sums that ride in the same
+                collective as the products (with a share): replaced in place by their sums over the processes
+                (ExactCDGraB: ||S||^2 of its parts, one all-reduce a step instead of two).
 
         Returns:
             float64 tensors on the CPU: without pairs (a, G), a (U,) <S, g_u> and G (U, U) <g_u, g_v>; with
@@ -151,8 +155,14 @@ class UnitGradients:
                 self._keep_grad(p, grad)
             rows[i] = torch.cat([x.reshape(-1) for x in products])
             self.owner.last_how[id(p)] = chosen
+        if share is not None:  # one collective: the partials, the riders after them
+            flat = rows.reshape(-1) if riders is None else torch.cat([rows.reshape(-1), riders.to(rows.device)])
+            flat = share.reduce(flat)
+            rows = flat[:rows.numel()].view_as(rows)
+            if riders is not None:
+                riders.copy_(flat[rows.numel():])
         total = torch.zeros(width, dtype=torch.float64, device=running_sum.device)
-        for row in rows if share is None else share.reduce(rows):  # in the parameters' order
+        for row in rows:  # in the parameters' order
             total += row
         a, G, norms = total[:r], total[r:r + r * r].view(r, r), total[r + r * r:]
         if pairs is not None:  # in gradients already (Pairs divides by the scale)
@@ -700,7 +710,10 @@ class ExactCDGraB(PairBalancer):
         if r:
             everything.sum_all = self.sum_all
             pairs = Pairs(firsts, seconds, 1.0 / everything.scale)
-            diff_a, diff_G, norms = everything.products(self.running_sum, pairs=pairs, share=self.share)
+            # ||S||^2 for the near-tie count: with a share, its parts summed in the products' collective
+            s_norm2 = torch.tensor([_squared_norm(self.running_sum)], dtype=torch.float64)
+            diff_a, diff_G, norms = everything.products(self.running_sum, pairs=pairs, share=self.share,
+                                                        riders=None if self.share is None else s_norm2)
             if not bool(diff_a.isfinite().all() and diff_G.isfinite().all() and norms.isfinite().all()):
                 where = f"step at positions {start}..{start + k - 1} of {self.m}; lower the learning rate or fix " \
                         "the input"
@@ -708,7 +721,7 @@ class ExactCDGraB(PairBalancer):
                 raise NonFiniteGradientError(f"{what} in epoch {self.epoch}, {where}", self.epoch, start,
                                              f"{what}, {where}")
             signs = gram_signs(diff_a, diff_G)
-            self.near_ties += self._count_near_ties(diff_a, diff_G, signs, norms, firsts, seconds)
+            self.near_ties += self._count_near_ties(diff_a, diff_G, signs, norms, firsts, seconds, float(s_norm2[0]))
             self.last_products = (diff_a, diff_G)
             w = torch.zeros(everything.units, dtype=torch.float64)
             w[firsts], w[seconds] = signs, -signs  # each unit is in one pair
@@ -753,25 +766,23 @@ class ExactCDGraB(PairBalancer):
             self._place_pairs(np, np.ascontiguousarray(plus[at:].reshape(pairs, n).T), first)
 
     def _count_near_ties(self, diff_a: torch.Tensor, diff_G: torch.Tensor, signs: torch.Tensor, norms: torch.Tensor,
-                         firsts: list[int], seconds: list[int]) -> int:
+                         firsts: list[int], seconds: list[int], s_norm2_start: float) -> int:
         """Signs where |<S_i, v_i>| <= NEAR_TIE ||S_i|| (||g_first|| + ||g_second||), for every pair i at once:
         <S_i, v_i> = a_i + sum_{j<i} s_j G_ij and
-        ||S_i||^2 = ||S||^2 + 2 sum_{j<i} s_j a_j + sum_{j,l<i} s_j s_l G_jl (prefix sums over the pairs; float64)."""
+        ||S_i||^2 = ||S||^2 + 2 sum_{j<i} s_j a_j + sum_{j,l<i} s_j s_l G_jl (prefix sums over the pairs; float64),
+        ||S||^2 = s_norm2_start, the whole running sum's at the step's start."""
         signs = signs.to(torch.float64)
         dots = diff_a + torch.tril(diff_G, -1) @ signs
         quadratic = (signs[:, None] * diff_G * signs[None, :]).cumsum(0).cumsum(1).diagonal()  # sum_{j,l<=i}
         before = torch.cat([torch.zeros(1, dtype=torch.float64), quadratic[:-1]])            # sum_{j,l<i}
         linear = torch.cat([torch.zeros(1, dtype=torch.float64), (signs * diff_a).cumsum(0)[:-1]])
-        s_norm2 = _squared_norm(self.running_sum, self.share) + 2 * linear + before
+        s_norm2 = s_norm2_start + 2 * linear + before
         g_norms = norms.to(torch.float64).clamp(min=0).sqrt()
         scale = s_norm2.clamp(min=0).sqrt() * (g_norms[firsts] + g_norms[seconds])
         return int(((scale > 0) & (dots.abs() <= NEAR_TIE * scale)).sum())  # S_i = 0 exactly: a true tie, +1
 
 
-def _squared_norm(x: torch.Tensor, share: "sorters.gather.ParameterShare | None" = None, chunk: int = 2**20) -> float:
-    """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole); with a
-    share (ExactCDGraB), x holds this process's parameters only and the squares are summed over the processes."""
-    total = sum(float(part.double().square().sum()) for part in x.split(chunk))
-    if share is None:
-        return total
-    return float(share.reduce(torch.tensor([total], dtype=torch.float64, device=x.device))[0])
+def _squared_norm(x: torch.Tensor, chunk: int = 2**20) -> float:
+    """||x||^2 of a flat x, accumulated in float64 a chunk at a time (never a float64 copy of x whole). With a
+    share, x is this process's part: ExactCDGraB.step sums the parts in the products' collective (riders)."""
+    return sum(float(part.double().square().sum()) for part in x.split(chunk))

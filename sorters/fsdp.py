@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from sorters.exact import ExactGradients
-from sorters.exact_products import Pieces, matrix_shape
+from sorters.exact_products import Contribution, Outer, Pieces, Rows, matrix_shape
 from sorters.gather import ParameterShare
 
 __all__ = ["ShardedRows", "is_sharded", "owned_rows"]
@@ -45,6 +45,14 @@ def is_sharded(exact: ExactGradients) -> bool:
         return False
     from torch.distributed.tensor import DTensor  # here: `import sorters` stays without DTensor's modules
     return any(isinstance(p, DTensor) for p in exact.params)
+
+
+def chunk_rows(R: int, rank: int, world: int) -> tuple[int, int]:
+    """(r0, r1): the rows r0..r1-1 of R that process `rank` of `world` holds under torch.chunk's split (FSDP2's
+    Shard(0)): ceil(R / world) rows a process, the last ones fewer or none."""
+    chunk = math.ceil(R / world)
+    r0 = min(rank * chunk, R)
+    return r0, min(r0 + chunk, R)
 
 
 def owned_rows(p: torch.Tensor, name: str = "a parameter", rank: int | None = None,
@@ -74,13 +82,17 @@ def owned_rows(p: torch.Tensor, name: str = "a parameter", rank: int | None = No
         rank = dist.get_rank() if rank is None else rank
         world = dist.get_world_size() if world is None else world
     assert rank is not None and world is not None  # (for mypy: set on both paths)
-    chunk = math.ceil(R / world)
-    r0 = min(rank * chunk, R)
-    r1 = min(r0 + chunk, R)
+    r0, r1 = chunk_rows(R, rank, world)
     if local is not None and local != r1 - r0:  # FSDP2 pads only its all-gather buffer, never the local shard
         raise ValueError(f"ShardedRows: {name}'s local shard has {local} rows where rank {rank} of {world} should "
                          f"hold rows {r0}..{r1 - 1} of {R}")
     return r0, r1
+
+
+def row_count(x: Contribution) -> int:
+    """The rows of the (R, C) matrix a contribution holds: Outer's left (U, T, R), Rows' num_rows, Formed's
+    values (U, R, C)."""
+    return x.left.shape[2] if isinstance(x, Outer) else x.num_rows if isinstance(x, Rows) else x.values.shape[1]
 
 
 class ShardedRows(ParameterShare):
@@ -88,10 +100,18 @@ class ShardedRows(ParameterShare):
     (ExactCDGraB(share=) or use_share; CDGraBSampler installs it at its first step_units on a sharded model):
     the running sum holds those rows of each parameter one after the other ((size,), about d / P), each
     parameter's products are taken over them (`restrict`), and the (parameters, products) partials are summed
-    over the processes (`reduce`). Every process owns part of most parameters, so all_gather_units hands every
-    process every unit's records (gathers_to_owners False).
+    over the processes (`reduce`). Every process owns part of most parameters, so the records go to every
+    process (gathers_to_owners False), in one of two ways (`records`):
 
-    Attributes (besides ParameterShare's): rows, [(r0, r1)] per parameter of exact.params; owned[i]: r1 > r0.
+    - "owners": each process receives the row factor's rows it owns only (a Linear's output gradients delta
+      (U, T, r1 - r0), a Conv1D's inputs, a formed gradient's rows: an all-to-all, `row_splits`) and the column
+      factor whole (an all-gather); an embedding's records whole (which rows a token touches depends on its id);
+    - "all": every unit's whole records to every process (all-gathered, as in the data-parallel exact path).
+
+    Both give the same products and orders; "owners" sends up to (P - 1) / P fewer of the row factor's bytes.
+
+    Attributes (besides ParameterShare's): rows, [(r0, r1)] per parameter of exact.params; owned[i]: r1 > r0;
+    records; row_splits: with records="owners", per parameter every process's (r0, r1) (rank-major), else None.
 
     Args:
         exact: the ExactGradients of the sharded model (built after fully_shard).
@@ -99,12 +119,22 @@ class ShardedRows(ParameterShare):
             process group's).
         reduce: None (all_reduce over the default group), or the callable that sums a tensor over the
             processes (a test passes its own).
+        records: "owners" or "all" (above); None: the class's default `RECORDS`.
+
+    Raises:
+        ValueError: records not one of those, or (records="owners") a parameter's rows not split over the default
+            process group (the route's all-to-all).
     """
 
     gathers_to_owners = False
+    RECORDS = "owners"  # the default route (bench/fsdp_gpt2_small.py: the cheaper on GPT-2 small)
 
     def __init__(self, exact: ExactGradients, rank: int | None = None, world: int | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, records: str | None = None) -> None:
+        records = self.RECORDS if records is None else records
+        if records not in ("owners", "all"):
+            raise ValueError(f"ShardedRows: records must be 'owners' or 'all', got {records!r}")
+        self.records = records
         # (ParameterShare's __init__ splits whole parameters; the attributes its users read are set here)
         self.offsets, self.params, self._reduce = exact.offsets, exact.params, reduce
         self.rows = [owned_rows(p, name, rank, world) for name, p in zip(exact.names, exact.params)]
@@ -118,13 +148,24 @@ class ShardedRows(ParameterShare):
             self.size += (r1 - r0) * matrix_shape(p)[1]
         self.work = [self.size]
         self._rows_of = {id(p): rows for p, rows in zip(self.params, self.rows)}
+        self.row_splits: list[list[tuple[int, int]]] | None = None
+        if records == "owners":
+            if world is None:
+                world = dist.get_world_size() if dist.is_initialized() else 1
+            self.row_splits = [[chunk_rows(matrix_shape(p)[0], q, world) for q in range(world)] for p in self.params]
+            for name, splits, rows in zip(exact.names, self.row_splits, self.rows):
+                if splits[self.rank] != rows:
+                    raise ValueError(f"ShardedRows: {name}'s rows {rows} are not rank {self.rank}'s of the default "
+                                     f"process group of {world}; pass records='all'")
 
     def restrict(self, p: torch.Tensor, pieces: Pieces) -> Pieces:
-        """p's contributions cut to its owned rows (each (first unit, contribution.rows(r0, r1)))."""
+        """p's contributions cut to its owned rows (each (first unit, contribution.rows(r0, r1))); one that has
+        r1 - r0 rows already (routed to the owners: records="owners") is kept as it is."""
         r0, r1 = self._rows_of[id(p)]
-        if r0 == 0 and r1 == matrix_shape(p)[0]:
+        R = matrix_shape(p)[0]
+        if r0 == 0 and r1 == R:
             return pieces
-        return [(first, x.rows(r0, r1)) for first, x in pieces]
+        return [(first, x if row_count(x) == r1 - r0 else x.rows(r0, r1)) for first, x in pieces]
 
     def restrict_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """A step gradient of p, (R, C) whole (a backward's) or (r1 - r0, C) already (summed from restricted

@@ -78,12 +78,35 @@ def _gather(local: torch.Tensor, into: list[torch.Tensor] | None, dst: int) -> N
     dist.gather(local, into, dst=dst)
 
 
+def _rows_to_owners(x: torch.Tensor, dim: int, splits: list[tuple[int, int]]) -> torch.Tensor:
+    """x (U, ..., R, ...) in each process, R on `dim` -> (world_size * U, ..., r1 - r0, ...) in each: every
+    process's U units (rank-major), of this process's rows r0..r1-1 = splits[rank] only (one all-to-all).
+    splits: every process's (r0, r1), rank-major, the same in every process."""
+    sends = [x.narrow(dim, r0, r1 - r0) for r0, r1 in splits]
+    r0, r1 = splits[dist.get_rank()]
+    shape = list(x.shape)
+    shape[dim] = r1 - r0
+    out = torch.empty([len(splits)] + shape, dtype=x.dtype, device=x.device)
+    _all_to_all(out.view(-1), torch.cat([part.reshape(-1) for part in sends]), [part.numel() for part in sends],
+                [out[0].numel()] * len(splits))
+    return out.view([len(splits) * shape[0]] + shape[1:])
+
+
+def _all_to_all(out: torch.Tensor, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> None:
+    """out (sum(receive_sizes),) <- receive_sizes[q] numbers from each process q; send (sum(send_sizes),):
+    send_sizes[q] numbers to each q, rank-major."""
+    dist.all_to_all_single(out, send, receive_sizes, send_sizes)
+
+
 def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None) -> UnitGradients:
     """This process's U units (records fresh from one backward: each contribution covers all U) -> the
     world_size * U units of every process, rank-major, in every process, with the loss weights (U,).
     share: None, or the ParameterShare of an ExactCDGraB that divides the products: each parameter's records go
     to its owner only (_gather_rows_to), so a process holds every unit of its own parameters and nothing of
-    the others' (its own records of them are sent, then dropped).
+    the others' (its own records of them are sent, then dropped); or a share with row_splits
+    (sorters.fsdp.ShardedRows(records="owners")): each process receives the rows it owns of each parameter's
+    row factor (Outer's left, Formed's rows; `_rows_to_owners`) and the rest whole, so the units' Outer and
+    Formed contributions have r1 - r0 rows there.
     Per parameter, whichever is smaller per unit (`exchange_bytes`) is all-gathered: its contributions'
     records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and values (U, T, C),
     Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over many tokens,
@@ -117,6 +140,7 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
         if not mine:
             continue
         dst = None if share is None or not share.gathers_to_owners else share.owners[i]
+        splits = None if share is None or share.row_splits is None else share.row_splits[i]
         records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine])
         if formed < records:  # the same choice in every process: it depends on the longest T only
             out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=units.scale.device)
@@ -126,14 +150,16 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
         for x, T in mine:
             # the gathered tensors, None in a process that does not own p (it keeps nothing of it)
             all_units: Contribution | None
-            if isinstance(x, Outer):
-                left, right = gathered(x.left, T, dst), gathered(x.right, T, dst)
+            if isinstance(x, Outer):  # left (U, T, R): the rows are its columns
+                left = gathered(x.left, T, dst) if splits is None else _rows_to_owners(padded(x.left, T), 2, splits)
+                right = gathered(x.right, T, dst)
                 all_units = None if left is None or right is None else Outer(left, right)
             elif isinstance(x, Rows):
                 ids, values = gathered(x.ids, T, dst), gathered(x.values, T, dst)
                 all_units = None if ids is None or values is None else Rows(ids, values, x.num_rows)
-            else:
-                formed_values = gathered(x.values, None, dst)
+            else:  # (U, R, C)
+                formed_values = gathered(x.values, None, dst) if splits is None else \
+                    _rows_to_owners(x.values, 1, splits)
                 all_units = None if formed_values is None else Formed(formed_values)
             if all_units is not None:
                 pieces.setdefault(id(p), []).append((0, all_units))
@@ -150,9 +176,12 @@ class ParameterShare:
     process; size: the owned numel, the length of this process's part of a flat (d,) vector (the running sum:
     view, part, whole). reduce(x): x summed over the processes in place (all_reduce) and returned; a test
     passes its own. gathers_to_owners: all_gather_units sends each parameter's records to its owner only (a
-    share whose processes each own rows of every parameter, sorters.fsdp.ShardedRows, gathers them to all)."""
+    share whose processes each own rows of every parameter, sorters.fsdp.ShardedRows, gathers them to all).
+    row_splits: None here (ShardedRows(records="owners"): per parameter every process's rows, which
+    all_gather_units sends each process only)."""
 
     gathers_to_owners = True
+    row_splits: list[list[tuple[int, int]]] | None = None
 
     def __init__(self, exact: ExactGradients, rank: int | None = None, world: int | None = None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

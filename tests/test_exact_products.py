@@ -334,7 +334,7 @@ def test_near_ties_are_counted_for_every_pair_as_the_sign_loop_meets_them():
         S_i = S_i + signs[i] * v[i]
     sorter = ExactCDGraB(1, 2, d, dtype=torch.float64)
     sorter.running_sum = S.clone()
-    counted = sorter._count_near_ties(v @ S, v @ v.T, signs, g.square().sum(1), firsts, seconds)
+    counted = sorter._count_near_ties(v @ S, v @ v.T, signs, g.square().sum(1), firsts, seconds, float(S @ S))
     assert expected == 3 and counted == expected
 
 

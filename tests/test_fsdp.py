@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from sorters.balance import CDGraB
-from sorters.exact import ExactGradients
+from sorters.exact import ExactCDGraB, ExactGradients
 from sorters.fsdp import ShardedRows, owned_rows
 from tests.helpers import release_check, run_forked
 from tests.test_exact_resume import TiedNet, data, each_examples_gradient
@@ -143,15 +143,35 @@ class GPT2Case:
 CASES = {"mlp": MLPCase, "gpt2": GPT2Case}
 
 
-def sharded_rank(rank, port, path, case_name):
-    """One of 2 forked gloo processes: the sharded model trained with CDGraBSampler(exact=True); its orders,
-    losses, final parameters (whole) and running sum's length saved to path.rankR."""
+def sharded_rank(rank, port, path, case_name, records="owners"):
+    """One of 2 forked gloo processes: the sharded model trained with CDGraBSampler(exact=True), its records
+    routed by ShardedRows(records=`records`); its orders, losses, final parameters (whole), running sum's length
+    and the collectives each step_units made saved to path.rankR."""
     from torch.distributed.fsdp import fully_shard
 
     from sorters import CDGraBSampler
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    ShardedRows.RECORDS = records  # (this forked process only) the route the sampler's share takes
+    calls = {"all_reduce": 0, "all_to_all_single": 0}  # the sorter's collectives, counted in step_units
+
+    def counted(name):
+        collective = getattr(torch.distributed, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return collective(*args, **kwargs)
+        return call
+    for name in calls:
+        setattr(torch.distributed, name, counted(name))
+    norms = []  # per step, the ||S||^2 the near-tie count was given (summed over the processes in the products')
+    count_near_ties = ExactCDGraB._count_near_ties
+
+    def kept_norm(sorter, *args):
+        norms.append(args[-1])
+        return count_near_ties(sorter, *args)
+    ExactCDGraB._count_near_ties = kept_norm
     try:
         case = CASES[case_name]
         model = case.model()
@@ -162,7 +182,7 @@ def sharded_rank(rank, port, path, case_name):
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         sampler = CDGraBSampler(N * M, batch_size=K, d=exact.d, seed=SEED, exact=True)
         x, y = case.data()
-        orders, losses, products, sums = [], [], [], []
+        orders, losses, products, sums, collectives = [], [], [], [], []
         for _ in range(EPOCHS):
             indices = list(sampler)
             orders.append(sampler.all_indices())
@@ -173,14 +193,16 @@ def sharded_rank(rank, port, path, case_name):
                     per_example = case.losses(model, x[batch], y[batch])
                     rec.watch(per_example)
                 per_example.mean().backward()
+                before = dict(calls)
                 sampler.step_units(rec.units())
+                collectives.append({name: calls[name] - before[name] for name in calls})
                 optimizer.step()
                 losses.append(per_example.detach())
                 share = sampler.sorter.share
                 products.append(sampler.sorter.last_products)
                 sums.append(share.reduce(share.whole(sampler.sorter.running_sum, exact.d)))  # the whole S, here only
         torch.save({"orders": orders, "losses": losses, "params": [p.full_tensor() for p in model.parameters()],
-                    "products": products, "sums": sums,
+                    "products": products, "sums": sums, "collectives": collectives, "norms": norms,
                     "sum_numel": sampler.sorter.running_sum.numel(), "d": exact.d,
                     "rows": sampler.sorter.share.rows,
                     "local": [p.to_local().shape[0] for p in exact.params]}, f"{path}.rank{rank}")
@@ -236,16 +258,20 @@ def one_process(case):
     return orders, losses, [p.detach() for p in model.parameters()], products, sums
 
 
-# the tiny GPT-2 (about 30 s more on this 2-core CPU): a release check (scripts/release_checks.py)
-@pytest.fixture(scope="module", params=["mlp", pytest.param("gpt2", marks=release_check)])
+# (case, records route): MLP-M4 by both routes; the tiny GPT-2 (about 30 s more on this 2-core CPU) by the
+# default route, a release check (scripts/release_checks.py)
+@pytest.fixture(scope="module", params=[("mlp", "owners"), ("mlp", "all"),
+                                        pytest.param(("gpt2", "owners"), marks=release_check)],
+                ids=["mlp-owners", "mlp-all", "gpt2-owners"])
 def ranks(request, tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
+    case_name, records = request.param
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     path = tmp_path_factory.mktemp("fsdp") / "run"
-    run_forked(sharded_rank, (port, path, request.param), 2)
-    return request.param, [torch.load(f"{path}.rank{r}") for r in range(2)]
+    run_forked(sharded_rank, (port, path, case_name, records), 2)
+    return case_name, [torch.load(f"{path}.rank{r}") for r in range(2)], records
 
 
 def test_sharded_model_gives_one_process_orders_bit_for_bit(ranks):
@@ -253,7 +279,7 @@ def test_sharded_model_gives_one_process_orders_bit_for_bit(ranks):
     gradients, bit for bit; each replica's losses and the final parameters agree within float32 rounding, and so
     do every step's products of the pairs' differences and the whole running sum after it (the ranks' rows put
     together): what a dropped term changes even where no sign flips."""
-    case_name, ranks = ranks
+    case_name, ranks, _ = ranks
     orders, losses, params, products, sums = one_process(CASES[case_name])
     assert not torch.equal(orders[1], orders[2])  # the orders follow the gradients
     for rank, got in enumerate(ranks):
@@ -275,7 +301,7 @@ def test_sharded_model_gives_one_process_orders_bit_for_bit(ranks):
 def test_each_process_keeps_the_running_sum_of_its_own_rows(ranks):
     """The running sums' lengths add up to d, each near d / 2; the owned rows are FSDP2's local shards (their
     lengths), first rank first: by hand for MLP-M4's (rows 3/2, 3/2, 1/0 of the three layers)."""
-    case_name, ranks = ranks
+    case_name, ranks, _ = ranks
     sizes = [got["sum_numel"] for got in ranks]
     assert sum(sizes) == ranks[0]["d"] and min(sizes) > 0.3 * ranks[0]["d"]
     for first, second, local0, local1 in zip(ranks[0]["rows"], ranks[1]["rows"], ranks[0]["local"], ranks[1]["local"]):
@@ -284,3 +310,19 @@ def test_each_process_keeps_the_running_sum_of_its_own_rows(ranks):
     if case_name == "mlp":
         assert ranks[0]["rows"] == [(0, 3), (0, 3), (0, 3), (0, 3), (0, 1), (0, 1)]
         assert ranks[1]["rows"] == [(3, 5), (3, 5), (3, 5), (3, 5), (1, 1), (1, 1)]
+
+
+def test_one_all_reduce_a_step_and_the_records_route(ranks):
+    """Each step_units makes one all-reduce: the products' partials, with ||S||^2's parts riding along (docs/fsdp.md
+    item 5), which the near-tie count gets whole: the one-process oracle's ||S||^2 at the step's start (0 at an
+    epoch's). The records take the route asked for: all-to-alls of the row factors' owned rows ("owners", one
+    per Linear's Outer and per formed bias / LayerNorm vector a step), none ("all")."""
+    case_name, ranks, records = ranks
+    sums = one_process(CASES[case_name])[4]
+    steps_per_epoch = -(-M // K)
+    whole = [0.0 if step % steps_per_epoch == 0 else float(sums[step - 1].square().sum()) for step in range(len(sums))]
+    for got in ranks:
+        assert got["norms"] == pytest.approx(whole, rel=1e-5)
+        assert all(step["all_reduce"] == 1 for step in got["collectives"])
+        routed = [step["all_to_all_single"] for step in got["collectives"]]
+        assert all(count > 0 for count in routed) if records == "owners" else not any(routed)
