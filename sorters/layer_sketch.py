@@ -33,6 +33,7 @@ Embedding with scale_grad_by_freq) is formed per example by a batched vector-Jac
 graph (torch.autograd.grad with is_grads_batched) and CountSketched; the constructor warns once which.
 """
 import re
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from sorters.checks import check_int, check_module, check_no_dropout, check_seed
 from sorters.layer_rules import (
+    AliasSink,
     BlockSink,
     Layout,
     Sink,
@@ -131,6 +133,13 @@ class LayerSketch:
         self.sketch = GradientSketch(self.d, dim, seed, blocks=self.layout.blocks(min_numel) if dim < self.d else ())
         self.dim = self.sketch.dim
         self.formed = [name for name, _ in self.layout.formed]
+        # FSDP2 (fully_shard): the parameters are sharded DTensors; each process sketches its own examples' whole
+        # gradients from their records, and the backward is FSDP's (docs/fsdp.md)
+        self.sharded = _any_dtensor([p for _, p in chosen])
+        if self.sharded and self.formed:
+            raise ValueError(f"LayerSketch: under fully_shard the parameters of layers without a per-layer rule "
+                             f"cannot be formed per example (their gradients reach FSDP's gathered copies only): "
+                             f"{', '.join(self.formed[:8])}; leave them out with params=")
         if self.formed:
             numel = sum(p.numel() for _, p in self.layout.formed)
             warnings.warn(f"LayerSketch: {len(self.formed)} parameter(s) ({numel} entries) belong to layers without "
@@ -169,11 +178,18 @@ class LayerSketch:
         Returns:
             (sketches, losses): sketches (B, dim) in the parameters' dtype and losses (B,), both detached.
 
+        Under FSDP2 (a model that went through fully_shard: `sharded`) the backward is the model's own,
+        ``(update_scale * losses.sum()).backward()``, so ``.grad`` gets FSDP's reduce-scattered gradient, the
+        mean over the processes as FSDP's backward always gives it, and update_scale is required; a layer used
+        outside its call is not detected there (as in `recording`).
+
         Raises:
             ValueError: losses that are not a (B,) tensor, a dropout module in training mode, an input without
-                the B examples on batch_dim, or a recorded layer whose parameters got a gradient outside its
-                call.
+                the B examples on batch_dim, a recorded layer whose parameters got a gradient outside its
+                call, or update_scale None or 0 on a sharded model.
         """
+        if self.sharded:
+            return self._sharded_call(losses_fn, update_scale)
         state = _Pass()
         handles = self._record_calls(state)
         try:
@@ -195,6 +211,22 @@ class LayerSketch:
         if self.formed:
             self._add_formed(losses, state)
         return self._finish(state), losses.detach()
+
+    def _sharded_call(self, losses_fn: Callable[[], torch.Tensor],
+                      update_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """__call__ on a model sharded by FSDP2: FSDP all-gathers a layer's weight for its backward and
+        reduce-scatters the gradients it gets, so the gradients come from the model's own backward (a
+        torch.autograd.grad of the sharded parameters sees none) and the sketches from a `recording` of it."""
+        if update_scale is None or update_scale == 0:
+            raise ValueError("LayerSketch: on a model sharded by fully_shard the backward is FSDP's, which writes "
+                             f".grad: pass a nonzero update_scale (1 / B for a batch-mean loss), got {update_scale}, "
+                             "or use recording() with the loop's own backward")
+        with self.recording() as rec:
+            losses = losses_fn()
+            self._check_losses(losses)
+            rec.watch(losses)
+        (losses.sum() * update_scale).backward()
+        return rec.sketches(), losses.detach()
 
     def recording(self) -> "Recording":
         """A recording of the sketches for a loop that runs its own backward (the HF Trainer, Lightning, DDP,
@@ -274,7 +306,9 @@ class LayerSketch:
         with torch.no_grad():
             kind = self.layout.layers[module]
             check_units("LayerSketch", module, a, g, state.B, "examples")
-            apply_rule(module, kind, *tokens(module, kind, a, g), state.sink)
+            aliases = self.layout.held_copies(module)  # FSDP2: the layer holds gathered copies of its weights
+            sink = AliasSink(state.sink, aliases) if aliases else state.sink
+            apply_rule(module, kind, *tokens(module, kind, a, g), sink)
 
     def _update_params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -322,6 +356,13 @@ class LayerSketch:
             self._tables[key] = self.sketch.tables_at(self._index, *key)
         buckets, signs = self._tables[key]
         return state.out.index_add_(1, buckets, state.rest.mul_(signs))
+
+
+def _any_dtensor(params: Sequence[torch.Tensor]) -> bool:
+    """Whether any of params is a DTensor (FSDP2's sharded parameters). Without torch.distributed.tensor
+    imported none can exist, so `import sorters` does not import it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in params)
 
 
 class Recording:
