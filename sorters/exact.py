@@ -609,7 +609,9 @@ class ExactCDGraB(PairBalancer):
     # between steps the n pending units' records; loaded from a checkpoint, their (n, d) gradients (a tensor, as
     # PairBalancer keeps them) until the next step
     pending: "UnitGradients | torch.Tensor | None"  # type: ignore[assignment]
-    running_sum: torch.Tensor  # S, (d,) in `dtype`; with a share (share.size,), this process's parameters
+    # S, (d,) in `dtype`; with a share (share.size,), this process's parameters. Until the first step (or a load)
+    # a tensor on the meta device: its shape, no memory (a sharded model's process never holds d numbers)
+    running_sum: torch.Tensor
 
     def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, nonfinite: str = "raise", sum_all: bool = False,
@@ -627,55 +629,96 @@ class ExactCDGraB(PairBalancer):
         Args:
             share: the ``sorters.gather.ParameterShare`` of this process.
         """
-        self.running_sum = share.part(self.running_sum)
+        if self.running_sum.is_meta:  # never stepped nor loaded: still no memory, now of the share's size
+            self.running_sum = torch.empty(share.size, dtype=self.dtype, device="meta")
+        else:
+            self.running_sum = share.part(self.running_sum)
         self.share, self.sum_all = share, True
 
     def _reset_running_sums(self) -> None:
         size = self.d if self.share is None else self.share.size
-        if getattr(self, "running_sum", None) is not None and self.running_sum.dtype == self.dtype \
-                and self.running_sum.numel() == size:
-            self.running_sum.zero_()  # no fresh (d,) allocation every epoch
-        else:
-            self.running_sum = torch.zeros(size, dtype=self.dtype, device=self.device)
+        current = getattr(self, "running_sum", None)
+        if current is not None and current.dtype == self.dtype and current.numel() == size:
+            if not current.is_meta:
+                current.zero_()  # no fresh (d,) allocation every epoch
+        else:  # allocated by the first step, where the records are and at the share's size by then
+            self.running_sum = torch.empty(size, dtype=self.dtype, device="meta")
 
     def _keep_sum_beside(self, units: UnitGradients) -> None:
         """The running sum lives where the records are (the model's device), whatever `device` keeps the
         orders: the products and the update stream every record against it, and no record crosses devices
-        (a sampler built on the CPU, its default, beside a model on a GPU)."""
-        if self.running_sum.device != units.scale.device:
+        (a sampler built on the CPU, its default, beside a model on a GPU). Not allocated yet (the meta
+        device): zeros there now, of the share's size when the sampler installed one (never d on a sharded
+        model)."""
+        if self.running_sum.is_meta:
+            self.running_sum = torch.zeros(self.running_sum.shape, dtype=self.dtype, device=units.scale.device)
+        elif self.running_sum.device != units.scale.device:
             self.running_sum = self.running_sum.to(units.scale.device)
 
-    def state_dict(self) -> dict[str, Any]:
+    def _allocated_sum(self) -> torch.Tensor:
+        """The running sum, zeros on `device` in place of a never-allocated one (the meta device)."""
+        if self.running_sum.is_meta:
+            return torch.zeros(self.running_sum.shape, dtype=self.dtype, device=self.device)
+        return self.running_sum
+
+    def state_dict(self, sharded: bool = False) -> dict[str, Any]:
         """The sorter's whole state, for a checkpoint: as sorters.CDGraB's, every tensor on `device` (a checkpoint
         loads where the sorter was built). With a share, every process must call it together.
 
+        Args:
+            sharded: with a share, keep each process's part instead: the running sum (share.size,) and the
+                pending units' gradients (n, share.size), never put together (sorters.fsdp.sharded_state_dict
+                saves them with torch.distributed.checkpoint); no collective.
+
         Returns:
             A dict of tensors (copies) and numbers, with its format version; the pending units as their (n, d)
-            gradients.
+            gradients ((n, share.size) with `sharded`).
+
+        Raises:
+            ValueError: `sharded` without a share (one line).
         """
+        if sharded and self.share is None:
+            raise ValueError(f"{self.name}: state_dict(sharded=True) keeps a share's parts, and this sorter has no "
+                             "share (call state_dict())")
         state = super().state_dict()
-        if self.share is not None:  # the processes' parts put together: the whole (d,) running sum
+        state["running_sum"] = self._allocated_sum().clone() if self.running_sum.is_meta else state["running_sum"]
+        pending = state.get("pending")
+        if self.share is not None and torch.is_tensor(pending):  # loaded whole and not stepped since
+            pending = self.share.part(pending)
+        elif isinstance(pending, UnitGradients):  # formed: the (n, d) gradients CDGraB saves (or the share's part)
+            pending = pending.owner.flat(pending) if self.share is None else _formed_part(pending, self.share)
+            pending = pending.to(self.dtype)
+        if self.share is not None and not sharded:  # the processes' parts put together: the whole (d,) tensors
             state["running_sum"] = self.share.reduce(self.share.whole(state["running_sum"], self.d))
-        if isinstance(state.get("pending"), UnitGradients):  # saved as CDGraB saves it: the (n, d) gradients
-            state["pending"] = state["pending"].owner.flat(state["pending"]).to(self.dtype)
-            if self.share is not None:  # each process's parameters (it may hold no records of the others')
-                state["pending"] = self.share.reduce(self.share.whole(self.share.part(state["pending"]), self.d))
+            pending = None if pending is None else self.share.reduce(self.share.whole(pending, self.d))
+        state["pending"] = pending
         return {key: value.to(self.device) if torch.is_tensor(value) else value for key, value in state.items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], sharded: bool = False) -> None:
         """Restore a state_dict() of ExactCDGraB, or of sorters.CDGraB of the same n, m, d (the keys are the
         same). A pending unit comes as its formed (n, d) gradients: kept so, and turned into units (one
         Formed contribution per parameter) by the next step(), which brings the ExactGradients they need.
 
         Args:
             state: what ``state_dict()`` returned.
+            sharded: the state's running sum is this process's part, (share.size,) of the share installed
+                (use_share), and its pending units None or already that part's `UnitGradients`
+                (sorters.fsdp.load_sharded_state_dict).
 
         Raises:
             ValueError: a state that is not one (`Sorter.load_state_dict`), refused in one line.
         """
+        if sharded:
+            pending = state.get("pending")
+            if self.share is None or not (pending is None or isinstance(pending, UnitGradients)):
+                raise ValueError(f"{self.name}: load_state_dict(sharded=True) takes a share's part (use_share first) "
+                                 "and the pending units as UnitGradients (sorters.fsdp.load_sharded_state_dict)")
+            super().load_state_dict({**state, "pending": None})  # the running sum checked as (share.size,)
+            self.running_sum, self.pending = self.running_sum.to(self.dtype), pending
+            return
         share, self.share = self.share, None
         if share is not None:  # the saved sum is whole: checked and loaded as (d,), then this process's part kept
-            self.running_sum = torch.zeros(self.d, dtype=self.dtype, device=self.device)
+            self.running_sum = torch.empty(self.d, dtype=self.dtype, device="meta")
         super().load_state_dict(state)
         self.running_sum = self.running_sum.to(self.dtype)
         if share is not None:
@@ -780,6 +823,18 @@ class ExactCDGraB(PairBalancer):
         g_norms = norms.to(torch.float64).clamp(min=0).sqrt()
         scale = s_norm2.clamp(min=0).sqrt() * (g_norms[firsts] + g_norms[seconds])
         return int(((scale > 0) & (dots.abs() <= NEAR_TIE * scale)).sum())  # S_i = 0 exactly: a true tie, +1
+
+
+def _formed_part(units: UnitGradients, share: "sorters.gather.ParameterShare") -> torch.Tensor:
+    """The units' gradients formed on a share's part only, (U, share.size) on the records' device: what each
+    process holds of them (with ShardedRows its rows of every parameter), never (U, d)."""
+    first = units.owner.params[0]
+    out = torch.zeros(units.units, share.size, dtype=first.dtype, device=units.scale.device)
+    for u in range(units.units):
+        w = torch.zeros(units.units, dtype=torch.float64)
+        w[u] = 1.0
+        units.add_to(out[u], w, share=share)
+    return out
 
 
 def _squared_norm(x: torch.Tensor, chunk: int = 2**20) -> float:

@@ -26,17 +26,22 @@ layer records (all-gathered as in the data-parallel exact path, sorters.gather.a
 A parameter that is not a DTensor (a layer left out of fully_shard: replicated) is split the same way.
 Only FSDP2's Shard(0) on a one-dimensional mesh is taken (HSDP's two-dimensional mesh is refused).
 """
+import io
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from sorters.exact import ExactGradients
-from sorters.exact_products import Contribution, Outer, Pieces, Rows, matrix_shape
+from sorters.exact import ExactCDGraB, ExactGradients, UnitGradients
+from sorters.exact_products import Contribution, Formed, Outer, Pieces, Rows, matrix_shape
 from sorters.gather import ParameterShare
 
-__all__ = ["ShardedRows", "is_sharded", "owned_rows"]
+if TYPE_CHECKING:  # sorters.sampler imports this module
+    from sorters.sampler import CDGraBSampler
+
+__all__ = ["ShardedRows", "is_sharded", "owned_rows", "sharded_state_dict", "load_sharded_state_dict"]
 
 
 def is_sharded(exact: ExactGradients) -> bool:
@@ -197,3 +202,203 @@ class ShardedRows(ParameterShare):
             C, start, mine = matrix_shape(p)[1], self.offsets[id(p)], self.part_offsets[id(p)]
             flat[..., start + r0 * C:start + r1 * C] = part[..., mine:mine + (r1 - r0) * C]
         return flat
+
+
+# ---------------------------------------------------------------------------------- checkpoints (DCP)
+
+def _sharded_sorter(owner: "CDGraBSampler | ExactCDGraB", exact: ExactGradients,
+                    what: str) -> tuple[ExactCDGraB, "CDGraBSampler | None", ShardedRows]:
+    """(the ExactCDGraB, the sampler or None, its ShardedRows share: installed here on a sorter that has none
+    yet, as the sampler's first step_units would), or one line saying what to pass."""
+    sampler = None if isinstance(owner, ExactCDGraB) else owner
+    sorter = owner if sampler is None else getattr(sampler, "sorter", None)
+    if not isinstance(sorter, ExactCDGraB) or not isinstance(exact, ExactGradients):
+        raise TypeError(f"{what} takes a CDGraBSampler built with exact=True (or its ExactCDGraB) and the model's "
+                        f"ExactGradients, got {type(owner).__name__} and {type(exact).__name__}")
+    if sorter.d != exact.d:
+        raise ValueError(f"{what}: the sorter is for d={sorter.d}, the ExactGradients select d={exact.d}")
+    if not (dist.is_available() and dist.is_initialized()) or not is_sharded(exact):
+        raise ValueError(f"{what} is for a model sharded with fully_shard under torch.distributed (ExactGradients "
+                         "built after fully_shard); otherwise save sampler.state_dict()")
+    if sorter.share is None:
+        sorter.use_share(ShardedRows(exact))
+    share = sorter.share
+    if not isinstance(share, ShardedRows) or share.params != exact.params:
+        raise ValueError(f"{what}: the sorter divides its running sum otherwise than this model's rows (a share of "
+                         "another ExactGradients, or divide_products=True)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name, p, rows in zip(exact.names, exact.params, share.rows):
+        if rows != chunk_rows(matrix_shape(p)[0], rank, world):  # the checkpoint's DTensors are split over the group
+            raise ValueError(f"{what}: {name}'s rows {rows} are not rank {rank}'s share of the default process group "
+                             f"of {world} (a model sharded over part of the processes is not supported)")
+    return sorter, sampler, share
+
+
+def _rows_dtensor(local: torch.Tensor, shape: tuple[int, ...], dim: int, mesh: Any) -> Any:
+    """local, this process's rows (dim `dim`) of a tensor of `shape`, as a DTensor placed Shard(dim) on `mesh`
+    (the chunk rule: torch.distributed.checkpoint then re-splits it for another process count)."""
+    from torch.distributed.tensor import DTensor, Shard
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _world_mesh(exact: ExactGradients) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+    group = dist.group.WORLD
+    assert group is not None  # (initialised: _sharded_sorter checked it)
+    return DeviceMesh.from_group(group, exact.params[0].device.type)
+
+
+def sharded_state_dict(owner: "CDGraBSampler | ExactCDGraB", exact: ExactGradients) -> dict[str, Any]:
+    """The state of exact CD-GraB on a model sharded with fully_shard, for torch.distributed.checkpoint (DCP),
+    without d numbers on any process: each process's rows of the running sum (and of the pending units'
+    gradients, when a unit waits for its pair across steps) as DTensors placed Shard on the process group,
+    and the rest (the orders, the position, the settings; the same in every process) as one bytes object.
+
+        dcp.save({"model": model.state_dict(), "sampler": sharded_state_dict(sampler, exact)}, checkpoint_id=path)
+        ...  # the same or another number of processes, the model fully_shard-ed again:
+        load_sharded_state_dict(sampler, exact, path)
+
+    Every process calls it (no collective).
+
+    Args:
+        owner: a CDGraBSampler built with exact=True, or its ExactCDGraB (the sorter's state alone).
+        exact: the ExactGradients of the sharded model (built after fully_shard).
+
+    Returns:
+        {"state": bytes, "running_sum": {name: (R, C) DTensor}, and "pending": {name: (n, R, C) DTensor} when
+        units wait}: per selected parameter (by name) its (R, C) matrix shape (a vector: (R, 1)), this
+        process's rows r0..r1-1 local (copies).
+
+    Raises:
+        TypeError / ValueError: not an exact sampler or sorter and the ExactGradients of its model, or a model not
+            sharded with fully_shard over the default process group (one line).
+    """
+    sorter, sampler, share = _sharded_sorter(owner, exact, "sharded_state_dict")
+    sorter_state = sorter.state_dict(sharded=True)
+    part, pending = sorter_state.pop("running_sum"), sorter_state.pop("pending")
+    rest = {"kind": "sampler" if sampler is not None else "sorter", "pending": pending is not None,
+            "state": sampler._state_around(sorter_state) if sampler is not None else sorter_state}
+    blob = io.BytesIO()
+    torch.save(rest, blob)
+    mesh = _world_mesh(exact)
+    device = exact.params[0].device
+    state: dict[str, Any] = {"state": blob.getvalue(), "running_sum": {}}
+    if pending is not None:
+        state["pending"] = {}
+    for name, p, (r0, r1) in zip(exact.names, exact.params, share.rows):
+        R, C = matrix_shape(p)
+        start = share.part_offsets[id(p)]
+        rows = part[start:start + (r1 - r0) * C].view(r1 - r0, C)
+        state["running_sum"][name] = _rows_dtensor(rows.to(device, copy=True), (R, C), 0, mesh)
+        if pending is not None:
+            units = pending[:, start:start + (r1 - r0) * C].reshape(len(pending), r1 - r0, C)
+            state["pending"][name] = _rows_dtensor(units.to(device, copy=True), (len(units), R, C), 1, mesh)
+    return state
+
+
+def load_sharded_state_dict(owner: "CDGraBSampler | ExactCDGraB", exact: ExactGradients, checkpoint_id: Any = None,
+                            key: str = "sampler", storage_reader: Any = None,
+                            replay_from_epoch_start: bool = False) -> None:
+    """Restore what sharded_state_dict saved under `key` of a torch.distributed.checkpoint checkpoint, onto the
+    same or another number of processes (each process reads its rows only: torch.chunk's split of the new
+    process count, as fully_shard splits the parameters). The run goes on with the orders of an uninterrupted
+    one. Every process calls it (DCP's collectives).
+
+    Args:
+        owner: a CDGraBSampler built with exact=True, or an ExactCDGraB (as saved), of the same settings.
+        exact: the ExactGradients of the model sharded with fully_shard (built after it).
+        checkpoint_id, storage_reader: DCP's (a checkpoint's path, or a StorageReader).
+        key: where the state was put in the checkpoint's state dict.
+        replay_from_epoch_start: as CDGraBSampler.load_state_dict.
+
+    Raises:
+        ValueError: a checkpoint without that state, of another model (parameter names or shapes) or other
+            settings, refused in one line before anything changes (the sampler's own checks after).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    sorter, sampler, share = _sharded_sorter(owner, exact, "load_sharded_state_dict")
+    reader = storage_reader if storage_reader is not None else dcp.FileSystemReader(checkpoint_id)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"load_sharded_state_dict: cannot read checkpoint {checkpoint_id!r}: {error}") from None
+    if f"{key}.state" not in saved:
+        raise ValueError(f"load_sharded_state_dict: checkpoint {checkpoint_id!r} holds no state of "
+                         f"sharded_state_dict under key {key!r}")
+    sums = {name[len(key) + 13:]: meta for name, meta in saved.items() if name.startswith(f"{key}.running_sum.")}
+    units = {name[len(key) + 9:]: meta for name, meta in saved.items() if name.startswith(f"{key}.pending.")}
+    if sums.keys() != set(exact.names):
+        missing, extra = set(exact.names) - sums.keys(), sums.keys() - set(exact.names)
+        raise ValueError(f"load_sharded_state_dict: the checkpoint is of another model: its parameters differ "
+                         f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
+    for name, p in zip(exact.names, exact.params):
+        meta = sums[name]
+        if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != matrix_shape(p):
+            got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "not a tensor"
+            raise ValueError(f"load_sharded_state_dict: the checkpoint is of another model: {name}'s running sum is "
+                             f"{got} there, {matrix_shape(p)} here")
+    mesh = _world_mesh(exact)
+    device = exact.params[0].device
+    template: dict[str, Any] = {"state": b"", "running_sum": {}}
+    if units:
+        template["pending"] = {}
+    n = sorter.n
+    for name, p, (r0, r1) in zip(exact.names, exact.params, share.rows):
+        R, C = matrix_shape(p)
+        template["running_sum"][name] = _rows_dtensor(torch.empty(r1 - r0, C, device=device), (R, C), 0, mesh)
+        if units:
+            if tuple(getattr(units.get(name), "size", ())) != (n, R, C):
+                raise ValueError(f"load_sharded_state_dict: the checkpoint's pending units of {name} are not "
+                                 f"({n}, {R}, {C}) (another model or number of workers)")
+            template["pending"][name] = _rows_dtensor(torch.empty(n, r1 - r0, C, device=device), (n, R, C), 1, mesh)
+    dcp.load({key: template}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
+    rest = torch.load(io.BytesIO(template["state"]), weights_only=True)
+    if sampler is not None and rest["kind"] != "sampler":
+        raise ValueError("load_sharded_state_dict: the checkpoint holds an ExactCDGraB's state, not a sampler's; "
+                         "load it into the sampler's sorter")
+    sorter_state = rest["state"]["sorter"] if rest["kind"] == "sampler" else rest["state"]
+    part = torch.cat([template["running_sum"][name].to_local().reshape(-1) for name in exact.names])
+    pending = None
+    if units:
+        rows = torch.cat([template["pending"][name].to_local().reshape(n, -1) for name in exact.names], 1)
+        pending = _formed_units(exact, share, rows)
+
+    def load_sorter(state: dict[str, Any]) -> None:
+        sorter.load_state_dict({**state, "running_sum": part.to(sorter.dtype), "pending": pending}, sharded=True)
+
+    if sampler is None:  # a sampler's checkpoint too: its sorter's state (on another number of processes)
+        load_sorter(sorter_state)
+    else:
+        sampler._load_around(rest["state"], replay_from_epoch_start, load_sorter)
+
+
+def _formed_units(exact: ExactGradients, share: ShardedRows, rows: torch.Tensor) -> UnitGradients:
+    """Units whose gradients, on this process's rows, are given formed (ExactGradients.formed_units of a share's
+    part): per parameter one Formed contribution of its owned rows, (U, r1 - r0, C), scale 1.
+
+    Args:
+        exact: the ExactGradients the share is of.
+        share: this process's ShardedRows.
+        rows: (U, share.size) the units' gradients on the owned rows, parameter after parameter.
+
+    Returns:
+        The U units' UnitGradients (a parameter whose rows are all zero, or owned by none here, gets none).
+
+    Raises:
+        ValueError: rows of another shape.
+    """
+    if rows.dim() != 2 or rows.shape[1] != share.size:
+        raise ValueError(f"_formed_units: takes (U, share.size={share.size}) rows, got {tuple(rows.shape)}")
+    pieces: dict[int, Pieces] = {}
+    U = len(rows)
+    for p, (r0, r1) in zip(exact.params, share.rows):
+        C, start = matrix_shape(p)[1], share.part_offsets[id(p)]
+        values = rows[:, start:start + (r1 - r0) * C]
+        if r1 > r0 and bool(values.ne(0).any()):
+            # r1 - r0 rows: ShardedRows.restrict keeps them as they are (as records routed to the row owners)
+            pieces[id(p)] = [(0, Formed(values.reshape(U, r1 - r0, C).to(p.device, p.dtype)))]
+    first = exact.params[0]
+    return UnitGradients(exact, U, pieces, torch.ones(U, dtype=first.dtype, device=first.device))

@@ -55,7 +55,7 @@ epoch for a loader that skips the batches already used itself (accelerate's skip
 """
 import math
 import warnings
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -591,7 +591,11 @@ class CDGraBSampler(Sampler[int]):
             A dict of plain tensors and numbers (torch.load(weights_only=True) reads it): "sorter", "position",
             "started", "config" and its "format_version".
         """
-        return {"sorter": self.sorter.state_dict(), "position": self.position, "started": self.started,
+        return self._state_around(self.sorter.state_dict())
+
+    def _state_around(self, sorter_state: dict[str, Any]) -> dict[str, Any]:
+        """The sampler's state with the sorter's given (sorters.fsdp.sharded_state_dict: each process's part)."""
+        return {"sorter": sorter_state, "position": self.position, "started": self.started,
                 "config": self._config(), FORMAT_KEY: SAMPLER_STATE_FORMAT}  # sorters/_state_format.py
 
     def load_state_dict(self, state: dict[str, Any], replay_from_epoch_start: bool = False) -> None:
@@ -612,6 +616,12 @@ class CDGraBSampler(Sampler[int]):
             ValueError: a state of a newer format, one that lacks keys or does not hold together, or one
                 saved with other settings (one line naming them).
         """
+        self._load_around(state, replay_from_epoch_start, self.sorter.load_state_dict)
+
+    def _load_around(self, state: dict[str, Any], replay_from_epoch_start: bool,
+                     load_sorter: Callable[[dict[str, Any]], None]) -> None:
+        """load_state_dict with the sorter's state restored by `load_sorter` (sorters.fsdp.load_sharded_state_dict:
+        each process's part), after the same checks."""
         if not isinstance(replay_from_epoch_start, bool):
             raise TypeError(f"replay_from_epoch_start must be True or False, got {replay_from_epoch_start!r}")
         owner = "CDGraBSampler.load_state_dict"
@@ -633,7 +643,7 @@ class CDGraBSampler(Sampler[int]):
                       if saved.get(key) != now.get(key)}
             raise ValueError("sampler state is for other settings: " + ", ".join(
                 f"{key} {was} (this sampler: {is_now})" for key, (was, is_now) in sorted(differ.items())))
-        self.sorter.load_state_dict(state["sorter"])
+        load_sorter(state["sorter"])
         self.position, self.started = position, state["started"]
         mid_epoch = self.started and 0 < self.position < self.m
         self.resume = ("replay" if replay_from_epoch_start else "rest") if mid_epoch else None

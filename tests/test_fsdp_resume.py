@@ -1,0 +1,222 @@
+"""Exact CD-GraB on a model sharded with fully_shard, without d numbers on any process, and its resume
+(sorters.fsdp.sharded_state_dict / load_sharded_state_dict, issue #61; docs/fsdp.md).
+
+MLP-M4's small model (tests/test_fsdp.py's MLPCase: d = 71) under forked gloo processes, 2 replicas, steps of 3
+examples each (a unit waits for its pair across steps):
+
+- an uninterrupted 2-process run saves a mid-epoch checkpoint with torch.distributed.checkpoint (the model's
+  DTensors and the sampler's rows), with a unit pending, and goes on;
+- the checkpoint is restored onto 2 processes (the sampler), and onto 3 and 1 (the sorter: its 2 workers'
+  examples split over the processes, the rows re-split by the chunk rule), and the run goes on: the orders of
+  every later epoch equal the uninterrupted run's bit for bit, the running sum after every later step within
+  float32 rounding, and bit for bit from the next epoch on where the arithmetic is the same (2 processes);
+- a torch dispatch mode around the sampler's and the sorter's every call (construction, steps, saving,
+  restoring) sees no tensor with a dimension of d;
+- a checkpoint of another model is refused in one line.
+"""
+import os
+import socket
+
+import pytest
+import torch
+
+from sorters.exact import ExactCDGraB, ExactGradients
+from tests.helpers import run_forked
+from tests.test_fsdp import LR, SEED, K, M, MLPCase, N
+
+EPOCHS = 4
+CHECKPOINT = (1, K)  # (epoch, position): after the first step of epoch 1, with a unit of each worker pending
+
+
+class DSized:
+    """A torch dispatch mode that notes every op whose output has a dimension of d (not on the meta device)."""
+
+    def __new__(cls, d):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and not t.is_meta and d in tuple(t.shape):
+                        self.seen.append((str(func), tuple(t.shape)))
+                return out
+
+        return Mode()
+
+
+def other_model():
+    """Another model than MLPCase's: hidden width 4 (another d)."""
+    from models.mlp import AutoregressiveMLP
+    torch.manual_seed(0)
+    return AutoregressiveMLP(in_len=6, hidden=4, n_layers=3)
+
+
+def sharded(model):
+    from torch.distributed.fsdp import fully_shard
+    for block in MLPCase.blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def rows_of(sorter, exact):
+    """This process's rows of the running sum, {name: (r1 - r0, C) copy}."""
+    return {name: sorter.share.view(sorter.running_sum, p).clone() for name, p in zip(exact.names, exact.params)}
+
+
+def resume_rank(rank, world, port, path, phase):
+    """One of `world` forked gloo processes. phase "save": the uninterrupted run, a checkpoint at CHECKPOINT;
+    "sampler": restored into a CDGraBSampler (2 processes); "sorter": into an ExactCDGraB of 2 workers, their
+    examples split over the processes. Saves its orders, rows of the running sum per step and what the dispatch
+    mode saw to path.phase.worldW.rankR."""
+    import torch.distributed.checkpoint as dcp
+
+    from sorters import CDGraBSampler
+    from sorters.fsdp import load_sharded_state_dict, sharded_state_dict
+    from sorters.gather import all_gather_units
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = sharded(MLPCase.model())
+        exact = ExactGradients(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        watch = DSized(exact.d)
+        with watch:  # the mode sees a (d,) tensor: it is not blind
+            torch.zeros(exact.d)
+        out = {"sees": len(watch.seen), "orders": {}, "sums": {}, "refused": None}
+        watch.seen.clear()
+        checkpoint = f"{path}.checkpoint"
+        if phase != "save":
+            state = model.state_dict()
+            dcp.load({"model": state}, checkpoint_id=checkpoint)
+            model.load_state_dict(state)
+            other = ExactGradients(sharded(other_model()))
+            try:
+                load_sharded_state_dict(CDGraBSampler(N * M, batch_size=K, d=other.d, seed=SEED, exact=True),
+                                        other, checkpoint)
+            except ValueError as error:
+                out["refused"] = str(error)
+        x, y = MLPCase.data()
+
+        def train(batch, step):
+            """The forward and backward of this process's examples, `step(units)`, the optimizer's step."""
+            optimizer.zero_grad()
+            with exact.recording() as rec:
+                per_example = MLPCase.losses(model, x[batch], y[batch])
+                rec.watch(per_example)
+            per_example.mean().backward()
+            units = rec.units()
+            with watch:
+                step(units)
+            optimizer.step()
+
+        if phase in ("save", "sampler"):
+            with watch:
+                sampler = CDGraBSampler(N * M, batch_size=K, d=exact.d, seed=SEED, exact=True)
+                if phase == "sampler":
+                    load_sharded_state_dict(sampler, exact, checkpoint)
+            for epoch in range(sampler.epoch, EPOCHS):
+                indices = list(sampler)  # after the restore: the rest of the epoch
+                out["orders"][epoch] = sampler.all_indices()
+                for t in range(0, len(indices), K):
+                    train(indices[t:t + K], sampler.step_units)
+                    out["sums"][(epoch, sampler.position)] = rows_of(sampler.sorter, exact)
+                    if phase == "save" and (epoch, sampler.position) == CHECKPOINT:
+                        with watch:
+                            saved = sharded_state_dict(sampler, exact)
+                            dcp.save({"model": model.state_dict(), "sampler": saved}, checkpoint_id=checkpoint)
+        else:  # the sorter of 2 workers on `world` processes: each step's 2 K examples split over them
+            with watch:
+                sorter = ExactCDGraB(N, M, exact.d, seed=SEED)
+                load_sharded_state_dict(sorter, exact, checkpoint)
+            while True:
+                if sorter._next_position == M:
+                    if sorter.epoch == EPOCHS:
+                        break
+                    sorter.sort()
+                epoch, t = sorter.epoch - 1, sorter._next_position
+                indices = sorter.orders + torch.arange(N)[:, None] * M
+                out["orders"][epoch] = indices
+                batch = indices[:, t:t + K].reshape(-1).tensor_split(world)[rank].tolist()  # replica-major
+
+                def step(units, t=t):
+                    if world > 1:
+                        units = all_gather_units(units, sorter.share)  # rank-major: replica-major again
+                    sorter.step(units, range(t, t + K))
+                train(batch, step)
+                out["sums"][(epoch, t + K)] = rows_of(sorter, exact)
+        out["seen"] = watch.seen
+        torch.save(out, f"{path}.{phase}.world{world}.rank{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{(phase, world): [each rank's output]}: the uninterrupted run, then each restore from its checkpoint."""
+    pytest.importorskip("torch.distributed.checkpoint")
+    path = tmp_path_factory.mktemp("fsdp_resume") / "run"
+    got = {}
+    for phase, world in (("save", 2), ("sampler", 2), ("sorter", 3), ("sorter", 1)):
+        run_forked(resume_rank, (world, free_port(), path, phase), world)
+        got[phase, world] = [torch.load(f"{path}.{phase}.world{world}.rank{r}") for r in range(world)]
+    return got
+
+
+def whole(ranks, key):
+    """The running sum's rows of every process put together, {name: (R, C)}, rank after rank."""
+    return {name: torch.cat([got["sums"][key][name] for got in ranks]) for name in ranks[0]["sums"][key]}
+
+
+@pytest.mark.parametrize("restored", [("sampler", 2), ("sorter", 3), ("sorter", 1)],
+                         ids=["2-processes", "3-processes", "1-process"])
+def test_a_restored_run_goes_on_as_the_uninterrupted_one(runs, restored):
+    """From the mid-epoch checkpoint (a unit pending) on: every epoch's orders bit for bit, the running sum after
+    every step within float32 rounding, and, on as many processes, bit for bit from the next epoch on."""
+    uninterrupted, after = runs["save", 2], runs[restored]
+    assert not torch.equal(uninterrupted[0]["orders"][2], uninterrupted[0]["orders"][3])  # they follow gradients
+    assert sorted(after[0]["orders"]) == list(range(CHECKPOINT[0], EPOCHS))
+    for got in after:
+        for epoch, orders in got["orders"].items():
+            assert torch.equal(orders, uninterrupted[0]["orders"][epoch]), f"epoch {epoch}"
+    keys = sorted(after[0]["sums"])
+    assert keys[0] == (CHECKPOINT[0], M) and keys[-1] == (EPOCHS - 1, M)
+    for key in keys:
+        mine, theirs = whole(after, key), whole(uninterrupted, key)
+        for name in theirs:
+            if restored[1] == 2 and key[0] > CHECKPOINT[0]:
+                assert torch.equal(mine[name], theirs[name]), f"{key} {name}"
+            torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+        assert any(bool(t.ne(0).any()) for t in theirs.values())
+
+
+def test_no_process_allocates_a_tensor_of_d(runs):
+    """Around every call of the sampler and the sorter (construction, steps, saving, restoring), in every process
+    of the runs on 2 and 3 processes (on 1, its rows are all d): no tensor with a dimension of d = 71; the mode
+    itself sees torch.zeros(d)."""
+    for (phase, world), ranks in runs.items():
+        for rank, got in enumerate(ranks):
+            assert got["sees"] == 1
+            if world == 1:
+                continue
+            assert got["seen"] == [], f"{phase} on {world}, rank {rank}: {got['seen'][:3]}"
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs):
+    for phase in (("sampler", 2), ("sorter", 3)):
+        for got in runs[phase]:
+            refused = got["refused"]
+            assert refused is not None and "\n" not in refused and "another model" in refused, refused
