@@ -276,9 +276,14 @@ class CDGraBTrainerMixin(_TrainerBase):
         if args.n_gpu > 1:
             raise ValueError(f"{name}: {args.n_gpu} GPUs in one process (DataParallel) split every batch; start "
                              "one process per GPU with torchrun instead")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError(f"{name}: DeepSpeed and FSDP shard the parameters, which the per-example gradients "
-                             "need whole; use plain DDP (torchrun)")
+        if self.is_deepspeed_enabled:
+            raise ValueError(f"{name}: DeepSpeed shards the parameters, which the per-example gradients need whole; "
+                             "use FSDP2 (fsdp=True) with exact_low_memory, or plain DDP (torchrun)")
+        if self.is_fsdp_enabled:
+            self._check_fsdp()
+        elif args.fsdp:  # Accelerate 1.15 keeps MULTI_CPU on gloo CPU processes and drops the plugin, silently
+            _LOGGER.warning("%s: fsdp is set, but Accelerate did not enable FSDP (it does on GPUs only): the model is "
+                            "trained unsharded, with DDP across processes; CD-GraB's orders are the same", name)
         config = cast(AcceleratorConfig, args.accelerator_config)  # TrainingArguments' __post_init__ made it one
         if config.split_batches or config.dispatch_batches:
             raise ValueError(f"{name}: accelerator_config split_batches / dispatch_batches change how the loader's "
@@ -298,6 +303,22 @@ class CDGraBTrainerMixin(_TrainerBase):
                              "the dataset")
         if self._uses_grads and not self._grads_from_backward:  # the backward's own gradient needs no tracing
             self._check_gradients_can_be_formed()
+
+    def _check_fsdp(self) -> None:
+        """Under Accelerate's FSDP plugin: FSDP2 only, and for a balancing sorter exact CD-GraB from layer records
+        (the formed per-example gradients and the sketches need the parameters whole; docs/fsdp.md)."""
+        name, settings = type(self).__name__, self.cdgrab_settings
+        version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+        if version != 2:
+            raise ValueError(f"{name}: FSDP{version} flattens the parameters, whose per-layer weights the layer "
+                             "records cannot name; use FSDP2: fsdp_config={'version': 2} (fully_shard)")
+        if not self._uses_grads:
+            return
+        if settings.exact_low_memory is False or not settings.exact_applies(self._module):
+            raise ValueError(f"{name}: under FSDP {settings.sorter} balances the exact gradients from layer records "
+                             "only (the formed per-example gradients and sketches need the parameters whole): use "
+                             "CD-GraB, no sketch, exact_low_memory=True or unset, and grad_params selecting Linear, "
+                             "Conv1D, Embedding and LayerNorm parameters only")
 
     def _check_gradients_can_be_formed(self) -> None:
         args, name = self.args, type(self).__name__
@@ -338,8 +359,9 @@ class CDGraBTrainerMixin(_TrainerBase):
         # check_settings refused a train_dataset without a length and indexing before train() came here
         dataset = cast(_MapDataset, self.train_dataset if train_dataset is None else train_dataset)
         if self.cdgrab_settings.exact_low_memory is None:  # auto: decided once, kept in the settings
-            self.cdgrab_settings = dataclasses.replace(self.cdgrab_settings,
-                                                       exact_low_memory=self._exact_is_the_default(dataset))
+            # under FSDP the records are the only path (_check_fsdp): the dry run below then says why they fail
+            exact = self._uses_grads if self.is_fsdp_enabled else self._exact_is_the_default(dataset)
+            self.cdgrab_settings = dataclasses.replace(self.cdgrab_settings, exact_low_memory=exact)
         settings, args = self.cdgrab_settings, self.args
         world, here = self._replicas
         if self._uses_grads and self.cdgrab_grads is None:
@@ -374,7 +396,8 @@ class CDGraBTrainerMixin(_TrainerBase):
         sampler, exact = self._sampler, cast(ExactGradients, self.cdgrab_grads)  # built for exact_low_memory
         # under torchrun every process has every replica's units (all-gathered): each takes its share of the
         # parameters' products and update (ParameterShare), with sum_all over its share only (d / N floats)
-        divided = self.args.world_size > 1
+        # under FSDP the sampler's first step_units gives it the rows of the sharded parameters (ShardedRows)
+        divided = self.args.world_size > 1 and not self.is_fsdp_enabled
         sampler.sorter = ExactCDGraB(world, sampler.m, exact.d, seed=self.cdgrab_settings.resolved_seed,
                                      sum_all=divided, share=ParameterShare(exact) if divided else None)
         sampler.d = exact.d
@@ -519,6 +542,8 @@ class CDGraBTrainerMixin(_TrainerBase):
             NonFiniteGradientError: a per-example gradient holds NaN or inf, naming the step and epoch.
         """
         grads, exact = None, self.cdgrab_settings.exact_low_memory
+        if exact and self.is_fsdp_enabled:
+            self._exact_over_sharded_parameters()
         writes = bool(exact) and self._records_write_grads()
         # cdgrab_grads: what _get_train_sampler built for these settings (ExactGradients, PerExampleLossGrads or
         # a LayerSketch)
@@ -552,10 +577,22 @@ class CDGraBTrainerMixin(_TrainerBase):
         self._sampler.step(grads)
         return loss
 
+    def _exact_over_sharded_parameters(self) -> None:
+        """Under FSDP: the Trainer shards the model (fully_shard, new DTensor parameters) after it built the
+        sampler and its ExactGradients, so at the first micro-batch they are built again over the sharded
+        parameters (the same names, the same d), which the sampler's running sum then follows (ShardedRows)."""
+        exact = cast(ExactGradients, self.cdgrab_grads)
+        current = dict(self._module.named_parameters())
+        if any(current.get(name) is not p for name, p in zip(exact.names, exact.params)):
+            self.cdgrab_grads = self.cdgrab_settings.exact_gradients(self._module)
+
     def _records_write_grads(self) -> bool:
         """exact_low_memory: whether the records write .grad (the backward skipping the recorded weights'
         gradients): always in one process; under torchrun where every trainable parameter is selected and has a
-        layer rule (each then has an owner that writes it; any other would keep autograd's unsynced gradient)."""
+        layer rule (each then has an owner that writes it; any other would keep autograd's unsynced gradient);
+        never under FSDP, which reduce-scatters the gradients itself."""
+        if self.is_fsdp_enabled:
+            return False
         if self.args.world_size == 1:
             return True
         exact = cast(ExactGradients, self.cdgrab_grads)

@@ -77,6 +77,7 @@ Under DDP each rank hands over its own records and the sampler all-gathers them 
 
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -212,6 +213,7 @@ class CDGraBCallback(Callback):
             self._check_settings(pl_module)
         if self.sketcher is not None:
             self._check_sketcher()
+        self._check_sharding(trainer, pl_module)
         self._check_exact()
         if self.exact is not None and getattr(trainer, "world_size", 1) > 1:
             # Lightning takes every callback's state on every rank (dump_checkpoint), as a divided sampler's
@@ -257,6 +259,28 @@ class CDGraBCallback(Callback):
             raise ValueError(f"CDGraBCallback: the sketcher has dim={sketcher.dim}, seed={sketcher.sketch.seed}, "
                              f"the settings sketch_dim={settings.sketch_dim}, seed={settings.resolved_seed}: build it "
                              "with settings.layer_sketch(...)")
+
+    def _check_sharding(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A sharded model: FSDP2 (ModelParallelStrategy, fully_shard in configure_model) takes exact CD-GraB
+        from layer records, its ExactGradients rebuilt over the sharded parameters; FSDP1 (FSDPStrategy) and
+        the paths that need the parameters whole are refused."""
+        if not self._sampler.uses_grads:  # D-RR, D-SO, Fold, FlipFlop, SWR: no gradient, any strategy
+            return
+        if _is_fsdp1(trainer):
+            raise ValueError(f"CDGraBCallback: {type(trainer.strategy).__name__} wraps the model in FSDP1, whose flat "
+                             "parameters the layer records cannot name; use ModelParallelStrategy and fully_shard "
+                             "(FSDP2) in configure_model (docs/fsdp.md)")
+        if not _has_dtensors(pl_module):
+            return
+        if self.exact is None:
+            raise ValueError(f"CDGraBCallback: the model is sharded (fully_shard), and {self._sampler.sorter.name} "
+                             "from formed per-example gradients, sketches or the backward's gradient needs the "
+                             "parameters whole; balance exact CD-GraB from layer records: "
+                             "CDGraBSettings(exact_low_memory=True), self.exact = settings.exact_gradients(self.net) "
+                             "and watch(self, losses) in training_step (docs/fsdp.md)")
+        stale, self.exact = self.exact, _over_current_parameters(self.exact)
+        if getattr(pl_module, "exact", None) is stale:  # the module's attribute, as the callback found it
+            pl_module.exact = self.exact  # type: ignore[assignment]  # nn.Module.__setattr__: tensors, modules
 
     def _check_sketcher(self) -> None:
         """The sampler balances gradients, of the sketcher's d and dim."""
@@ -422,6 +446,31 @@ class CDGraBCallback(Callback):
                              "resumes by counting batches itself: build the sampler as "
                              "sorters.lightning.LightningCDGraBSampler (same arguments)")
         self.sampler.load_state_dict(state)  # mid-epoch: its next iteration is the rest of that epoch
+
+
+def _is_fsdp1(trainer: Trainer) -> bool:
+    """Whether the Trainer's strategy is Lightning's FSDPStrategy (FSDP1's FullyShardedDataParallel wrapper)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    return isinstance(getattr(trainer, "strategy", None), FSDPStrategy)
+
+
+def _has_dtensors(module: torch.nn.Module) -> bool:
+    """Whether fully_shard (FSDP2) made the module's parameters DTensors."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _over_current_parameters(exact: ExactGradients) -> ExactGradients:
+    """`exact` while its parameters are still its model's; else, when fully_shard replaced them (Lightning's
+    configure_model runs after the module's setup(), where `exact` was built), the ExactGradients of the same
+    parameters, by name, as the model holds them now: the sharded DTensors that the sampler's running sum
+    follows (sorters.fsdp.ShardedRows), and no reference left to the unsharded ones."""
+    current = dict(exact.model.named_parameters())
+    if all(current.get(name) is p for name, p in zip(exact.names, exact.params)):
+        return exact
+    return ExactGradients(exact.model, params=[f"^{re.escape(name)}$" for name in exact.names], how=exact.how)
 
 
 def watch(pl_module: LightningModule, losses: torch.Tensor) -> torch.Tensor:
