@@ -27,6 +27,7 @@ class LogisticHMDA(Task):
     metric_columns = ("train_acc", "test_acc")
     vmap_over_workers = True
     linear_stack = True  # local steps: every worker's gradient in closed form (stacked_gradients)
+    compiled_methods = ("batch_grad", "_closed_form")  # --compile: both closed forms (engine/compiled.py)
 
     def __init__(self, args, device):
         data = load_hmda(args.data_dir, args.hmda_file)

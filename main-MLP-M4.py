@@ -45,6 +45,7 @@ class MLPM4(Task):
     metric_columns = ("valid_loss", "test_smape")
     vmap_over_workers = True
     linear_stack = True  # local steps: every worker's gradient from one batched pass (engine/linear_stack.py)
+    compiled_methods = ("loss",)  # --compile: the batch gradient's rollout and its backward (engine/compiled.py)
     lr_decay_every = 10
     lr_decay_gamma = 0.25
 

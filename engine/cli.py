@@ -6,6 +6,7 @@ from pathlib import Path
 
 from common.errors import OneLineErrorParser, UserFacingError
 from common.paths import default_data_dir
+from engine.compiled import COMPILE_CHOICES, check_compile_args
 from engine.flags import FLAGS, NAMED_BY_VALUE, RESUMABLE_FLAGS, changed_on_resume
 from engine.local_sgd import SYNC_RULES, check_sync_args
 from engine.optim import LRSchedule
@@ -204,6 +205,12 @@ def add_step_flags(p) -> None:
                         "loop (CPU only), gram = a few matrix products per step (the GPU path). auto: gram on GPUs; "
                         "on the CPU compiled, except with --sketch-dim on a model of 2^20 parameters or more "
                         "(LSTM, GPT-2), where the step dwarfs the loop and numba's resident memory would show. docs/sketching.md")
+    p.add_argument("--compile", choices=COMPILE_CHOICES, default="off",
+                   help="torch.compile the data-parallel step's gradients (LR-HMDA: its closed forms; MLP-M4: the "
+                        "batch gradient's rollout and backward; engine/compiled.py): inductor = fused kernels (fewer "
+                        "GPU launches; a C compiler on the CPU; the first steps compile, about 20 s), aot_eager = the "
+                        "traced graphs run operator by operator (a check: the eager step's arithmetic). The same "
+                        "orders; losses to float32 rounding. off (default): eager")
     p.add_argument("--dist-timeout", type=float_flag(0, 7 * 24 * 3600, low_open=True), default=300.0, metavar="SECONDS",
                    help="torch.distributed collective timeout; a dead rank is normally detected at once")
 
@@ -318,6 +325,7 @@ def check_args(args, benchmark: str, defaults: dict | None = None) -> None:
     check_communication_args(args)
     check_sketch_args(args)
     check_exact_args(args)
+    check_compile_args(args, benchmark)
     if getattr(args, "sign_loop", "auto") != "auto" and args.sorter != "CD-GraB":
         raise UserFacingError(f"--sign-loop chooses CD-GraB's sign loop; {args.sorter} has none to choose: drop it")
     if getattr(args, "overwrite", False) and args.resume:

@@ -53,6 +53,7 @@ FLAGS = {
     "unit_grads": Flag(out="never"),  # the per-unit gradient paths agree to float32 rounding
     "overlap": RESUMABLE,  # the same orders either way
     "sign_loop": RESUMABLE,  # CD-GraB's signs either way (a near-tie apart, like a BLAS dot's order)
+    "compile": RESUMABLE,  # the same orders; with inductor losses to float32 rounding (engine/compiled.py)
     "log_herding": Flag(added=False, out="never"),  # adds a metrics.csv column
     "dist_timeout": RESUMABLE,
     "warmup_epochs": Flag(added=0.0), "min_lr": Flag(added=0.0),

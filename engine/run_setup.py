@@ -12,6 +12,7 @@ import torch
 from common.errors import UserFacingError
 from engine import runlog
 from engine.comm import GradientExchange
+from engine.compiled import compile_step
 from engine.device import tf32_settings
 from engine.herding_log import HerdingLog
 from engine.local_sgd import LocalWorkers, SyncSchedule
@@ -73,6 +74,7 @@ def build_run(task, args, comm, device) -> Run:
         raise UserFacingError(f"{task.name}: {m} units per worker is not a multiple of {k} units per step")
     steps_per_epoch = m // k
     task.unit_grad_path = args.unit_grads
+    compile_step(task, getattr(args, "compile", "off"))  # --compile: the step's gradient methods, torch.compile'd
     sketch = make_sketch(args, d, task.model)  # --sketch-dim: the sorter balances (n, k, D) sketches (engine/sketching.py)
     sorted_d = sketch.dim if sketch else d
     exact = exact_gradients(task, args)

@@ -32,6 +32,9 @@ class Task:
     # --sketch-dim with tensor-sketched blocks: sketches straight from the layer records (unit_sketches)
     sketch_records = True
     grad_chunk: int | None = None     # units per records pass in unit_sketches (None: all at once)
+    # --compile (engine/compiled.py): the methods making the data-parallel step's gradients that torch.compile
+    # may wrap, each a pure tensor function of its arguments and the model's parameters; () = no compiled step
+    compiled_methods: tuple = ()
     # worker_gradients: True = one torch.func.vmap over the workers' (parameters, units); False = a loop
     # over the workers, each a batch of one worker (what LSTM and GPT-2 need: see their docstrings)
     vmap_over_workers = False

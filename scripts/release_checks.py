@@ -373,6 +373,7 @@ def release_checks(work: Path) -> list:
         # build lands in the checkout
         release_tests = ["tests/test_types_and_lint.py", "tests/test_reference.py", "tests/test_packaging.py",
                          "tests/test_fsdp.py",  # the tiny GPT-2 sharded with fully_shard
+                         "tests/test_compiled_step.py",  # --compile inductor: ~20 s of C++ compiling per run
                          "tests/test_reproduction.py::test_analysis_draws_the_reproduction_figures"]
         checked = run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *release_tests],
                       cwd=source, env={**python_env, "CDGRAB_RELEASE_CHECKS": "1"},

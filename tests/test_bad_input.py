@@ -46,7 +46,8 @@ COMBINATIONS = [  # settings each fine alone
     ["--density", "0.5"], ["--reducer", "topk"], ["--sync", "qsr"], ["--sync", "post-local"],
     ["--switch-epoch", "9", "--epochs", "3"], ["--overwrite", "--resume"], ["--sketch-min-numel", "5"],
     ["--sorter", "D-RR", "--sketch-dim", "4"], ["--sorter", "D-RR", "--sign-loop", "gram"], ["--avg-m"],
-    ["--log-herding", "--sync", "constant"], ["--average-opt-state"], ["--out", ""], ["--tf32=yes"]]
+    ["--log-herding", "--sync", "constant"], ["--average-opt-state"], ["--out", ""], ["--tf32=yes"],
+    ["--compile", "aot_eager", "--sync", "constant"], ["--compile", "inductor", "--sketch-dim", "4"]]
 
 
 @pytest.fixture(scope="module")
