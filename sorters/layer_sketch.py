@@ -133,13 +133,7 @@ class LayerSketch:
         self.sketch = GradientSketch(self.d, dim, seed, blocks=self.layout.blocks(min_numel) if dim < self.d else ())
         self.dim = self.sketch.dim
         self.formed = [name for name, _ in self.layout.formed]
-        # FSDP2 (fully_shard): the parameters are sharded DTensors; each process sketches its own examples' whole
-        # gradients from their records, and the backward is FSDP's (docs/fsdp.md)
-        self.sharded = _any_dtensor([p for _, p in chosen])
-        if self.sharded and self.formed:
-            raise ValueError(f"LayerSketch: under fully_shard the parameters of layers without a per-layer rule "
-                             f"cannot be formed per example (their gradients reach FSDP's gathered copies only): "
-                             f"{', '.join(self.formed[:8])}; leave them out with params=")
+        self._sharded()  # refuses what cannot work on a model already sharded
         if self.formed:
             numel = sum(p.numel() for _, p in self.layout.formed)
             warnings.warn(f"LayerSketch: {len(self.formed)} parameter(s) ({numel} entries) belong to layers without "
@@ -178,17 +172,17 @@ class LayerSketch:
         Returns:
             (sketches, losses): sketches (B, dim) in the parameters' dtype and losses (B,), both detached.
 
-        Under FSDP2 (a model that went through fully_shard: `sharded`) the backward is the model's own,
-        ``(update_scale * losses.sum()).backward()``, so ``.grad`` gets FSDP's reduce-scattered gradient, the
-        mean over the processes as FSDP's backward always gives it, and update_scale is required; a layer used
-        outside its call is not detected there (as in `recording`).
+        On a model sharded by FSDP2 (its parameters are DTensors: it went through fully_shard) the backward is
+        the model's own, ``(update_scale * losses.sum()).backward()``, so ``.grad`` gets FSDP's reduce-scattered
+        gradient, the mean over the processes as FSDP's backward always gives it, and update_scale is required;
+        a layer used outside its call is not detected there (as in `recording`).
 
         Raises:
             ValueError: losses that are not a (B,) tensor, a dropout module in training mode, an input without
                 the B examples on batch_dim, a recorded layer whose parameters got a gradient outside its
                 call, or update_scale None or 0 on a sharded model.
         """
-        if self.sharded:
+        if self._sharded():
             return self._sharded_call(losses_fn, update_scale)
         state = _Pass()
         handles = self._record_calls(state)
@@ -211,6 +205,17 @@ class LayerSketch:
         if self.formed:
             self._add_formed(losses, state)
         return self._finish(state), losses.detach()
+
+    def _sharded(self) -> bool:
+        """Whether the model's parameters are FSDP2's sharded DTensors now (read at each use: a LayerSketch built
+        before fully_shard sees them too). Each process then sketches its own examples' whole gradients from their
+        records, and the backward is FSDP's (docs/fsdp.md). Refuses the parameters formed per example there."""
+        sharded = _any_dtensor(list(self.model.parameters()))
+        if sharded and self.formed:
+            raise ValueError(f"LayerSketch: under fully_shard the parameters of layers without a per-layer rule "
+                             f"cannot be formed per example (their gradients reach FSDP's gathered copies only): "
+                             f"{', '.join(self.formed[:8])}; leave them out with params=")
+        return sharded
 
     def _sharded_call(self, losses_fn: Callable[[], torch.Tensor],
                       update_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,6 +380,7 @@ class Recording:
         self._formed: torch.Tensor | None = None  # (B, d_rest) the parameters without a rule, formed at watch()
 
     def __enter__(self) -> "Recording":
+        self.sketcher._sharded()  # refuses parameters formed per example on a sharded model
         self._handles = self.sketcher._record_calls(self.state)
         return self
 

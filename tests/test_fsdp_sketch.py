@@ -6,7 +6,8 @@ data-parallel sketched path (docs/fsdp.md).
 Under 2 forked gloo processes, MLP-M4's model (each Linear fully_shard-ed, then the root; the output layer's one
 row owned by process 0 alone) and the tiny tied GPT-2 of tests/test_fsdp.py (each block, then the root: wte,
 wpe, ln_f and the tied lm_head held by the root) are trained with CDGraBSampler(d=D) fed LayerSketch's sketches,
-through recording() and the loop's own backward, and through LayerSketch's call with update_scale. The oracle is
+through recording() and the loop's own backward (LayerSketch built after fully_shard), and through LayerSketch's
+call with update_scale (built before fully_shard: it sees the sharding at each call). The oracle is
 one unsharded process hosting both replicas: the map as a dense (D, d) matrix applied to float64 per-example
 gradients from one ordinary backward per example, fed to sorters.CDGraB in float64. Every step's sketches equal
 the oracle's and the unsharded LayerSketch's of the same examples within float32 rounding, the orders equal the
@@ -30,6 +31,17 @@ SKETCH_SEED, MIN_NUMEL = 5, 16  # every weight of at least 16 entries a TensorSk
 DIMS = {"mlp": 16, "gpt2": 48}  # D below d (MLP-M4's 71, the tiny GPT-2's 1,146)
 
 
+class WithBareParameter(torch.nn.Module):
+    """A Linear and a bare parameter (no layer rule: LayerSketch would form its gradient per example)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.scale = torch.nn.Linear(3, 2), torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
 def sharded_rank(rank, port, path, case_name, how):
     """One of 2 forked gloo processes: the sharded model trained with CDGraBSampler(d=D) fed LayerSketch's
     sketches of this process's examples (how: "recording", the loop's backward of the mean loss; or "call",
@@ -42,16 +54,23 @@ def sharded_rank(rank, port, path, case_name, how):
     try:
         case = CASES[case_name]
         model = case.model()
+        if how == "call":  # built before fully_shard: it reads whether the model is sharded at each call
+            sketcher = LayerSketch(model, DIMS[case_name], seed=SKETCH_SEED, min_numel=MIN_NUMEL)
         for block in case.blocks(model):
             fully_shard(block)
         fully_shard(model)
-        sketcher = LayerSketch(model, DIMS[case_name], seed=SKETCH_SEED, min_numel=MIN_NUMEL)  # after fully_shard
+        if how == "recording":  # after fully_shard, as the exact path's ExactGradients
+            sketcher = LayerSketch(model, DIMS[case_name], seed=SKETCH_SEED, min_numel=MIN_NUMEL)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         sampler = CDGraBSampler(N * M, batch_size=K, d=sketcher.dim, seed=SEED)
         x, y = case.data()
         errors = []
         try:  # a sharded model's backward is FSDP's, which writes .grad
             sketcher(lambda: case.losses(model, x[:K], y[:K]))
+        except ValueError as error:
+            errors.append(str(error))
+        try:  # a parameter without a layer rule: its gradient reaches FSDP's gathered copy only
+            LayerSketch(fully_shard(WithBareParameter()), 4)
         except ValueError as error:
             errors.append(str(error))
         orders, losses, sketches = [], [], []
@@ -165,9 +184,11 @@ def test_sharded_sketches_orders_and_training_equal_one_unsharded_process(ranks)
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_sharded_call_without_update_scale_is_refused_in_one_line(ranks):
-    """LayerSketch's call on a sharded model needs update_scale: its backward is FSDP's, which writes .grad."""
+def test_what_cannot_work_sharded_is_refused_in_one_line(ranks):
+    """On a sharded model LayerSketch's call needs update_scale (its backward is FSDP's, which writes .grad), and
+    a parameter without a layer rule is refused (FSDP's gathered copy alone gets its gradient)."""
     _, ranks = ranks
     for got in ranks:
-        (error,) = got["errors"]
-        assert "update_scale" in error and "recording()" in error and "\n" not in error
+        no_scale, bare = got["errors"]
+        assert "update_scale" in no_scale and "recording()" in no_scale and "\n" not in no_scale
+        assert "scale" in bare and "params=" in bare and "\n" not in bare
