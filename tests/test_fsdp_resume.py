@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from sorters.exact import ExactCDGraB, ExactGradients
-from tests.helpers import run_forked
-from tests.test_fsdp import LR, SEED, K, M, MLPCase, N
+from tests.helpers import release_check, run_forked
+from tests.test_fsdp import CASES, LR, SEED, K, M, N
 
 EPOCHS = 4
 CHECKPOINT = (1, K)  # (epoch, position): after the first step of epoch 1, with a unit of each worker pending
@@ -50,16 +50,19 @@ class DSized:
         return Mode()
 
 
-def other_model():
-    """Another model than MLPCase's: hidden width 4 (another d)."""
-    from models.mlp import AutoregressiveMLP
+def other_model(case_name):
+    """Another model than the case's, of another d: MLP-M4's of hidden width 4, GPT-2's of a vocabulary of 12."""
     torch.manual_seed(0)
-    return AutoregressiveMLP(in_len=6, hidden=4, n_layers=3)
+    if case_name == "mlp":
+        from models.mlp import AutoregressiveMLP
+        return AutoregressiveMLP(in_len=6, hidden=4, n_layers=3)
+    from models.gpt2 import build_gpt2
+    return build_gpt2(vocab_size=12, n_embd=6, n_layer=2, n_head=2, n_positions=8)
 
 
-def sharded(model):
+def sharded(case, model):
     from torch.distributed.fsdp import fully_shard
-    for block in MLPCase.blocks(model):
+    for block in case.blocks(model):
         fully_shard(block)
     fully_shard(model)
     return model
@@ -70,8 +73,9 @@ def rows_of(sorter, exact):
     return {name: sorter.share.view(sorter.running_sum, p).clone() for name, p in zip(exact.names, exact.params)}
 
 
-def resume_rank(rank, world, port, path, phase):
-    """One of `world` forked gloo processes. phase "save": the uninterrupted run, a checkpoint at CHECKPOINT;
+def resume_rank(rank, world, port, path, phase, case_name):
+    """One of `world` forked gloo processes, on CASES[case_name]'s model. phase "save": the uninterrupted run, a
+    checkpoint at CHECKPOINT (and there the whole state_dict beside each process's part);
     "sampler": restored into a CDGraBSampler (2 processes); "sorter": into an ExactCDGraB of 2 workers, their
     examples split over the processes. Saves its orders, rows of the running sum per step and what the dispatch
     mode saw to path.phase.worldW.rankR."""
@@ -84,7 +88,8 @@ def resume_rank(rank, world, port, path, phase):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = sharded(MLPCase.model())
+        case = CASES[case_name]
+        model = sharded(case, case.model())
         exact = ExactGradients(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         watch = DSized(exact.d)
@@ -97,19 +102,19 @@ def resume_rank(rank, world, port, path, phase):
             state = model.state_dict()
             dcp.load({"model": state}, checkpoint_id=checkpoint)
             model.load_state_dict(state)
-            other = ExactGradients(sharded(other_model()))
+            other = ExactGradients(sharded(case, other_model(case_name)))
             try:
                 load_sharded_state_dict(CDGraBSampler(N * M, batch_size=K, d=other.d, seed=SEED, exact=True),
                                         other, checkpoint)
             except ValueError as error:
                 out["refused"] = str(error)
-        x, y = MLPCase.data()
+        x, y = case.data()
 
         def train(batch, step):
             """The forward and backward of this process's examples, `step(units)`, the optimizer's step."""
             optimizer.zero_grad()
             with exact.recording() as rec:
-                per_example = MLPCase.losses(model, x[batch], y[batch])
+                per_example = case.losses(model, x[batch], y[batch])
                 rec.watch(per_example)
             per_example.mean().backward()
             units = rec.units()
@@ -132,6 +137,11 @@ def resume_rank(rank, world, port, path, phase):
                         with watch:
                             saved = sharded_state_dict(sampler, exact)
                             dcp.save({"model": model.state_dict(), "sampler": saved}, checkpoint_id=checkpoint)
+                        # the whole state (d numbers: outside the mode) holds every process's part, bit for bit
+                        whole, share = sampler.sorter.state_dict(), sampler.sorter.share
+                        part = sampler.sorter.state_dict(sharded=True)
+                        out["whole_vs_part"] = {key: (whole[key], share.part(whole[key]), part[key])
+                                                for key in ("running_sum", "pending")}
         else:  # the sorter of 2 workers on `world` processes: each step's 2 K examples split over them
             with watch:
                 sorter = ExactCDGraB(N, M, exact.d, seed=SEED)
@@ -164,14 +174,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+# the tiny GPT-2 (an embedding's rows, LayerNorm and bias vectors, the tied wte / lm_head): a release check
+@pytest.fixture(scope="module", params=["mlp", pytest.param("gpt2", marks=release_check)])
+def runs(request, tmp_path_factory):
     """{(phase, world): [each rank's output]}: the uninterrupted run, then each restore from its checkpoint."""
     pytest.importorskip("torch.distributed.checkpoint")
     path = tmp_path_factory.mktemp("fsdp_resume") / "run"
     got = {}
     for phase, world in (("save", 2), ("sampler", 2), ("sorter", 3), ("sorter", 1)):
-        run_forked(resume_rank, (world, free_port(), path, phase), world)
+        run_forked(resume_rank, (world, free_port(), path, phase, request.param), world)
         got[phase, world] = [torch.load(f"{path}.{phase}.world{world}.rank{r}") for r in range(world)]
     return got
 
@@ -220,3 +231,15 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs):
         for got in runs[phase]:
             refused = got["refused"]
             assert refused is not None and "\n" not in refused and "another model" in refused, refused
+
+
+def test_the_whole_state_dict_holds_each_process_part(runs):
+    """At the checkpoint, sampler.state_dict()'s whole running sum and pending gradients (the processes' parts
+    put together) are the same in every process and hold each process's part of state_dict(sharded=True), bit
+    for bit; a unit is pending."""
+    ranks = runs["save", 2]
+    for rank, got in enumerate(ranks):
+        for key, (whole, from_whole, part) in got["whole_vs_part"].items():
+            assert part is not None and part.ne(0).any(), f"rank {rank} {key}"
+            assert torch.equal(whole, ranks[0]["whole_vs_part"][key][0]), f"rank {rank} {key}"
+            assert torch.equal(from_whole, part), f"rank {rank} {key}"
