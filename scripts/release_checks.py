@@ -373,6 +373,10 @@ def release_checks(work: Path) -> list:
         # build lands in the checkout
         release_tests = ["tests/test_types_and_lint.py", "tests/test_reference.py", "tests/test_packaging.py",
                          "tests/test_fsdp.py",  # the tiny GPT-2 sharded with fully_shard
+                         # fully_shard's options: reshard to 2 of 4 processes, the tiny GPT-2's root resharded, in bf16
+                         "tests/test_fsdp_options.py::test_reshard_after_forward_to_a_smaller_mesh",
+                         "tests/test_fsdp_options.py::test_gpt2_blocks_kept_and_root_resharded",
+                         "tests/test_fsdp_options.py::test_bf16_records_give_float64_products_of_the_bf16_forward[gpt2]",
                          "tests/test_compiled_step.py",  # --compile inductor: ~20 s of C++ compiling per run
                          "tests/test_reproduction.py::test_analysis_draws_the_reproduction_figures"]
         checked = run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *release_tests],

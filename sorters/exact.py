@@ -326,6 +326,10 @@ class ExactGradients:
         # under FSDP2 (fully_shard) a layer holds a gathered copy of its weight during the backward, not the
         # sharded parameter selected here: {id(copy): parameter} for a layer (Layout.held_copies)
         self.held_copies = layout.held_copies
+        # the dtype each recorded layer's records are kept in, its parameters': under a mixed-precision policy
+        # (FSDP2's MixedPrecisionPolicy, autocast) the layer runs in bf16 and its records are upcast, exactly, so
+        # that the products and the running sum's update never mix dtypes (docs/fsdp.md, "fully_shard options")
+        self.record_dtypes = {module: next(module.parameters(recurse=False)).dtype for module in self.layers}
         self.how = how
         self.last_how: dict[int, str] = {}  # id(parameter) -> how the last products took it
 
@@ -497,6 +501,8 @@ class ExactRecording:
         with torch.no_grad():
             kind = self.owner.layers[module]
             a, g = tokens(module, kind, a, g.detach())
+            dtype = self.owner.record_dtypes[module]
+            a, g = (a.to(dtype) if a.is_floating_point() else a), g.to(dtype)  # bf16 (mixed precision): upcast
             apply_rule(module, kind, a, g,
                        AliasSink(ContributionSink(self.pieces, self.selected), self.owner.held_copies(module)))
 
@@ -555,7 +561,7 @@ class ExactRecording:
         for p in self.owner.formed:  # each unit's own gradient, times its weight as records are
             g = self.formed_grads.get(id(p))
             if g is not None:
-                formed = g.reshape(B, *matrix_shape(p)) * scale.to(g.dtype).view(-1, 1, 1)
+                formed = g.reshape(B, *matrix_shape(p)).to(p.dtype) * scale.to(p.dtype).view(-1, 1, 1)
                 self.pieces[id(p)] = [(0, Formed(formed))]
         units = UnitGradients(self.owner, B, self.pieces, scale)
         if self.turned_off:

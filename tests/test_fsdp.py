@@ -215,36 +215,43 @@ def float64(t):
     return t.double() if t.is_floating_point() else t
 
 
-def one_process(case):
-    """Both replicas in one unsharded process: sorters.CDGraB fed each example's float64 gradient (one ordinary
-    backward per example), SGD on the mean loss of the step's 2 K examples. Returns orders, each replica's
-    losses per step, final parameters, and per step the products of the pairs' differences in CD-GraB's
+def one_process(case, n=N, weights=None, round_to=None):
+    """The n replicas (default both) in one unsharded process: sorters.CDGraB fed each example's float64 gradient
+    (one ordinary backward per example), SGD on the mean loss of the step's n K examples. Returns orders, each
+    replica's losses per step, final parameters, and per step the products of the pairs' differences in CD-GraB's
     visiting order (the pending pairs worker by worker, then pair-major, worker-minor), a (r,) with the running
-    sum at the step's start and G (r, r), and the running sum after the step."""
+    sum at the step's start and G (r, r), and the running sum after the step.
+
+    weights: None (the gradients at this process's own SGD iterates), or per step the parameters to take them
+    at instead (a sharded run's own, when its training is not this one's: mixed precision). round_to: None, or
+    a dtype the gradients' parameters and the model's input x are rounded to first (bf16: the float64 gradients of
+    the function a bf16 forward computes, at the weights and inputs it sees)."""
     model = case.model()
     twin = case.model().double()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     d = sum(p.numel() for p in model.parameters())
-    sorter = CDGraB(N, M, d, seed=SEED, dtype=torch.float64)
+    sorter = CDGraB(n, M, d, seed=SEED, dtype=torch.float64)
     x, y = case.data()
-    orders, losses, products, sums = [], [[] for _ in range(N)], [], []
+    x_seen = x.to(round_to) if round_to is not None and x.is_floating_point() else x  # the gradients' input
+    orders, losses, products, sums = [], [[] for _ in range(n)], [], []
     for _ in range(EPOCHS):
-        indices = sorter.sort() + torch.arange(N)[:, None] * M
+        indices = sorter.sort() + torch.arange(n)[:, None] * M
         orders.append(indices.clone())
         for t in range(0, M, K):
             positions = range(t, min(t + K, M))
-            batch = indices[:, list(positions)].reshape(-1)  # replica 0's examples, then replica 1's
+            batch = indices[:, list(positions)].reshape(-1)  # replica 0's examples, then replica 1's ...
             with torch.no_grad():
-                for p64, p in zip(twin.parameters(), model.parameters()):
-                    p64.copy_(p)
+                at = model.parameters() if weights is None else weights[len(sums)]
+                for p64, p in zip(twin.parameters(), at):
+                    p64.copy_(p if round_to is None else p.to(round_to))
             grads = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-                case.losses(twin, *(float64(t[i:i + 1]) for t in (x, y))).sum(), list(twin.parameters()))])
+                case.losses(twin, *(float64(t[i:i + 1]) for t in (x_seen, y))).sum(), list(twin.parameters()))])
                 for i in batch.tolist()])
-            grads = grads.view(N, len(positions), d)
+            grads = grads.view(n, len(positions), d)
             begin = 0 if sorter.pending is None else 1
-            diffs = [] if sorter.pending is None else [sorter.pending[j] - grads[j, 0] for j in range(N)]
+            diffs = [] if sorter.pending is None else [sorter.pending[j] - grads[j, 0] for j in range(n)]
             diffs += [grads[j, begin + 2 * i] - grads[j, begin + 2 * i + 1]
-                      for i in range((len(positions) - begin) // 2) for j in range(N)]
+                      for i in range((len(positions) - begin) // 2) for j in range(n)]
             diffs = torch.stack(diffs)
             products.append((diffs @ sorter.running_sum, diffs @ diffs.T))
             sorter.step(grads, positions)
@@ -253,7 +260,7 @@ def one_process(case):
             per_example = case.losses(model, x[batch], y[batch])
             per_example.mean().backward()
             optimizer.step()
-            for j, rows in enumerate(per_example.detach().view(N, -1)):
+            for j, rows in enumerate(per_example.detach().view(n, -1)):
                 losses[j].append(rows)
     return orders, losses, [p.detach() for p in model.parameters()], products, sums
 
