@@ -262,8 +262,8 @@ class CDGraBCallback(Callback):
 
     def _check_sharding(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A sharded model: FSDP2 (ModelParallelStrategy, fully_shard in configure_model) takes exact CD-GraB
-        from layer records, its ExactGradients rebuilt over the sharded parameters; FSDP1 (FSDPStrategy) and
-        the paths that need the parameters whole are refused."""
+        or the structured sketches from layer records, the ExactGradients or LayerSketch rebuilt over the sharded
+        parameters; FSDP1 (FSDPStrategy) and the paths that need the parameters whole are refused."""
         if not self._sampler.uses_grads:  # D-RR, D-SO, Fold, FlipFlop, SWR: no gradient, any strategy
             return
         if _is_fsdp1(trainer):
@@ -272,12 +272,17 @@ class CDGraBCallback(Callback):
                              "(FSDP2) in configure_model (docs/fsdp.md)")
         if not _has_dtensors(pl_module):
             return
+        if self.sketcher is not None:
+            stale_sketcher, self.sketcher = self.sketcher, _sketcher_over_current_parameters(self.sketcher)
+            if getattr(pl_module, "sketcher", None) is stale_sketcher:  # the module's attribute, as found
+                pl_module.sketcher = self.sketcher  # type: ignore[assignment]  # nn.Module.__setattr__: tensors, modules
+            return
         if self.exact is None:
             raise ValueError(f"CDGraBCallback: the model is sharded (fully_shard), and {self._sampler.sorter.name} "
-                             "from formed per-example gradients, sketches or the backward's gradient needs the "
-                             "parameters whole; balance exact CD-GraB from layer records: "
-                             "CDGraBSettings(exact_low_memory=True), self.exact = settings.exact_gradients(self.net) "
-                             "and watch(self, losses) in training_step (docs/fsdp.md)")
+                             "from formed per-example gradients or the backward's gradient needs the parameters "
+                             "whole; balance from layer records: exact CD-GraB (CDGraBSettings(exact_low_memory="
+                             "True), self.exact = settings.exact_gradients(self.net)) or structured sketches (a "
+                             "sketcher), with watch(self, losses) in training_step (docs/fsdp.md)")
         stale, self.exact = self.exact, _over_current_parameters(self.exact)
         if getattr(pl_module, "exact", None) is stale:  # the module's attribute, as the callback found it
             pl_module.exact = self.exact  # type: ignore[assignment]  # nn.Module.__setattr__: tensors, modules
@@ -471,6 +476,22 @@ def _over_current_parameters(exact: ExactGradients) -> ExactGradients:
     if all(current.get(name) is p for name, p in zip(exact.names, exact.params)):
         return exact
     return ExactGradients(exact.model, params=[f"^{re.escape(name)}$" for name in exact.names], how=exact.how)
+
+
+def _sketcher_over_current_parameters(sketcher: LayerSketch) -> LayerSketch:
+    """`sketcher` while its parameters are still its model's; else (fully_shard replaced them after it was
+    built) the LayerSketch of the same parameters, by name, over the model as it is now, with the same map: the
+    same dim and seed, and a min_numel that blocks the same weights (the smallest block's entries; above d
+    without blocks), checked against the old map's blocks."""
+    current = dict(sketcher.model.named_parameters())
+    if all(id(current.get(name)) in sketcher.layout.offsets for name in sketcher.names):  # (offsets: by id)
+        return sketcher
+    blocks = [(block.offset, block.rows, block.cols) for block in sketcher.sketch.blocks]
+    min_numel = min((rows * cols for _, rows, cols in blocks), default=sketcher.d + 1)
+    rebuilt = LayerSketch(sketcher.model, sketcher.dim, sketcher.sketch.seed, min_numel=min_numel,
+                          params=[f"^{re.escape(name)}$" for name in sketcher.names], batch_dim=sketcher.batch_dim)
+    assert [(block.offset, block.rows, block.cols) for block in rebuilt.sketch.blocks] == blocks, "another map"
+    return rebuilt
 
 
 def watch(pl_module: LightningModule, losses: torch.Tensor) -> torch.Tensor:

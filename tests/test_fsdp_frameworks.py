@@ -23,6 +23,8 @@ import torch
 
 from tests.helpers import REPO, run_forked
 from tests.test_fsdp import EPOCHS, LR, SEED, K, MLPCase, one_process
+from tests.test_fsdp_sketch import DIMS, MIN_NUMEL, SKETCH_SEED
+from tests.test_fsdp_sketch import one_process as sketched_one_process
 
 
 def free_port() -> int:
@@ -43,12 +45,15 @@ def torchrun_environment(rank: int, port: int) -> None:
 
 def lightning_module(settings):
     """A LightningModule training MLPCase's model on its data (SGD, LR), fully_shard-ed layer by layer and at
-    the root in configure_model, with exact CD-GraB's records (self.exact, built in setup(): before the
-    sharding, which the callback catches up with); records every epoch's orders and every step's losses."""
+    the root in configure_model. With settings.exact_low_memory exact CD-GraB's records (self.exact, built in
+    setup()); else the structured sketches of tests/test_fsdp_sketch.py's map (self.sketcher, built in
+    __init__), balanced by CD-GraB with the SEED of tests/test_fsdp.py. Both are built before the sharding,
+    which the callback catches up with. Records every epoch's orders and every step's losses."""
     import lightning.pytorch as L
     from torch.distributed.fsdp import fully_shard
     from torch.utils.data import DataLoader, TensorDataset
 
+    from sorters import LayerSketch
     from sorters.lightning import LightningCDGraBSampler, watch
 
     class ShardedMLP(L.LightningModule):
@@ -57,10 +62,17 @@ def lightning_module(settings):
             self.net = MLPCase.model()
             self.train_set = TensorDataset(*MLPCase.data())
             self.orders, self.losses = [], []
+            if not settings.exact_low_memory:
+                self.sketcher = LayerSketch(self.net, DIMS["mlp"], seed=SKETCH_SEED, min_numel=MIN_NUMEL)
 
         def setup(self, stage):
-            self.exact = settings.exact_gradients(self.net)
-            self.sampler = settings.sampler(self.train_set, batch_size=K, d=self.exact.d, cls=LightningCDGraBSampler)
+            if settings.exact_low_memory:
+                self.exact = settings.exact_gradients(self.net)
+                self.sampler = settings.sampler(self.train_set, batch_size=K, d=self.exact.d,
+                                                cls=LightningCDGraBSampler)
+            else:
+                self.sampler = LightningCDGraBSampler(self.train_set, batch_size=K, d=self.sketcher.d, seed=SEED,
+                                                      sketch_dim=self.sketcher.dim)
 
         def configure_model(self):
             mesh = self.device_mesh["data_parallel"]
@@ -86,48 +98,62 @@ def lightning_module(settings):
     return ShardedMLP()
 
 
-def lightning_rank(rank, port, path):
+def lightning_rank(rank, port, path, how):
     """One of 2 forked processes: Lightning's ModelParallelStrategy over gloo (it reads the torchrun variables)
-    with CDGraBCallback; orders, losses, whole final parameters and the sampler's share saved to path.rankR."""
+    with CDGraBCallback, balancing exact CD-GraB ("exact") or the structured sketches ("sketch"); orders,
+    losses, whole final parameters and the sampler's share saved to path.rankR."""
     torchrun_environment(rank, port)
     import lightning.pytorch as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from sorters import CDGraBSettings
     from sorters.lightning import CDGraBCallback
-    settings = CDGraBSettings(sorter="CD-GraB", seed=SEED, exact_low_memory=True)
+    settings = CDGraBSettings(sorter="CD-GraB", seed=SEED, exact_low_memory=how == "exact")
     try:
         module = lightning_module(settings)
+        # the sketch's seed is not the sampler's: the callback takes the sketcher without settings
+        callback = CDGraBCallback(settings=settings) if how == "exact" else CDGraBCallback(sketcher=module.sketcher)
         trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=2, use_distributed_sampler=False,
                             strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                            callbacks=[CDGraBCallback(settings=settings)], logger=False, enable_checkpointing=False,
+                            callbacks=[callback], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module)
-        sorter = module.sampler.sorter
+        sorter, recorder = module.sampler.sorter, module.exact if how == "exact" else module.sketcher
+        selected = dict(module.net.named_parameters())
+        offsets = recorder.offsets if how == "exact" else recorder.layout.offsets  # by id(parameter)
         torch.save({"orders": module.orders, "losses": module.losses,
                     "params": [p.full_tensor() for p in module.net.parameters()],
-                    "share": type(sorter.share).__name__, "sum_numel": sorter.running_sum.numel(),
-                    "d": module.exact.d, "exact_params": [type(p).__name__ for p in module.exact.params]},
+                    "share": type(getattr(sorter, "share", None)).__name__, "sum_numel": sorter.running_sum.numel(),
+                    "d": recorder.d, "recorded": [type(selected[name]).__name__ for name in recorder.names],
+                    # the records' parameters are the sharded ones (no unsharded copy kept alive)
+                    "current": all(id(selected[name]) in offsets for name in recorder.names),
+                    "callback's": recorder is (callback.exact if how == "exact" else callback.sketcher)},
                    f"{path}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def lightning_ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=["exact", "sketch"])
+def lightning_ranks(request, tmp_path_factory):
     pytest.importorskip("lightning")
     pytest.importorskip("torch.distributed.fsdp")
     path = tmp_path_factory.mktemp("lightning-fsdp") / "run"
-    run_forked(lightning_rank, (free_port(), path), 2)
-    return [torch.load(f"{path}.rank{r}") for r in range(2)]
+    run_forked(lightning_rank, (free_port(), path, request.param), 2)
+    return request.param, [torch.load(f"{path}.rank{r}") for r in range(2)]
 
 
 def test_lightning_model_parallel_gives_the_unsharded_orders_bit_for_bit(lightning_ranks):
-    """Both processes' orders of every epoch equal one unsharded process's with CDGraB on float64 per-example
-    gradients (the own loop's oracle in tests/test_fsdp.py), bit for bit; each replica's losses and the final
-    parameters within float32 rounding. The callback rebuilt the ExactGradients over the sharded parameters
-    (DTensors), and the running sum holds this process's rows only (ShardedRows, about d / 2)."""
-    orders, losses, params, _, _ = one_process(MLPCase)
+    """Both processes' orders of every epoch equal one unsharded process's, bit for bit: exact CD-GraB against
+    CDGraB on float64 per-example gradients (the own loop's oracle, tests/test_fsdp.py), the structured sketch
+    against CDGraB on those gradients times the map as a dense matrix (tests/test_fsdp_sketch.py's); each
+    replica's losses and the final parameters within float32 rounding. The callback rebuilt the ExactGradients
+    (LayerSketch) over the sharded parameters (DTensors); exact CD-GraB's running sum holds this process's rows
+    only (ShardedRows, about d / 2)."""
+    how, lightning_ranks = lightning_ranks
+    if how == "exact":
+        orders, losses, params, _, _ = one_process(MLPCase)
+    else:
+        orders, losses, _, _, params = sketched_one_process("mlp")
     assert not torch.equal(orders[1], orders[2])  # the orders follow the gradients
     for rank, got in enumerate(lightning_ranks):
         assert len(got["orders"]) == EPOCHS
@@ -136,7 +162,11 @@ def test_lightning_model_parallel_gives_the_unsharded_orders_bit_for_bit(lightni
         torch.testing.assert_close(torch.cat(got["losses"]), torch.cat(losses[rank]), rtol=1e-5, atol=1e-6)
         for mine, theirs in zip(got["params"], params):
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
-        assert got["share"] == "ShardedRows" and set(got["exact_params"]) == {"DTensor"}
+        assert got["current"] and got["callback's"] and set(got["recorded"]) == {"DTensor"}
+    if how == "sketch":
+        assert lightning_ranks[0]["sum_numel"] == DIMS["mlp"]  # the sketches' running sum, (D,)
+        return
+    assert all(got["share"] == "ShardedRows" for got in lightning_ranks)
     sizes = [got["sum_numel"] for got in lightning_ranks]
     assert sum(sizes) == lightning_ranks[0]["d"] and min(sizes) > 0.3 * lightning_ranks[0]["d"]
 
