@@ -283,6 +283,32 @@ def test_bf16_records_give_float64_products_of_the_bf16_forward(tmp_path, case_n
     assert float((a - a_ref).abs().max()) > 1e-4 * float(a_ref.abs().max())
 
 
+def test_autocast_records_are_upcast_unsharded():
+    """The same upcast without sharding: TiedNet (tied embedding / output Linear, LayerNorm, biases) under CPU
+    autocast to bf16, where the output layer's input is float32 and its output gradient bf16. Its products and
+    update agree with float64 per-example gradients (one backward each, no autocast) within BF16_REL."""
+    import torch.nn.functional as F
+
+    from tests.test_exact_resume import TiedNet, data, each_examples_gradient
+    model = TiedNet()
+    ids, y = data()
+    ids, y = ids[:6], y[:6]
+    exact = ExactGradients(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(ids).dtype == torch.bfloat16
+        units = exact(lambda: F.cross_entropy(model(ids), y, reduction="none"))
+    grads = each_examples_gradient(TiedNet().double(), ids, y)  # (U, d) float64, the same initial weights
+    generator = torch.Generator().manual_seed(1)
+    S, w = torch.randn(exact.d, generator=generator), torch.randn(len(ids), generator=generator).double()
+    a, G = units.products(S)
+    norms = grads.norm(dim=1)
+    assert float(((a - grads @ S.double()).abs() / (norms * S.norm())).max()) <= BF16_REL
+    assert float(((G - grads @ grads.T).abs() / (norms[:, None] * norms[None, :])).max()) <= BF16_REL
+    updated = S.clone()
+    units.add_to(updated, w)
+    assert float((updated.double() - S.double() - w @ grads).norm()) <= BF16_REL * float(w.abs() @ norms)
+
+
 # ------------------------------------------------------------------------------------- release checks
 
 @release_check
