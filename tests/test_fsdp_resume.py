@@ -95,7 +95,7 @@ def resume_rank(rank, world, port, path, phase, case_name):
         watch = DSized(exact.d)
         with watch:  # the mode sees a (d,) tensor: it is not blind
             torch.zeros(exact.d)
-        out = {"sees": len(watch.seen), "orders": {}, "sums": {}, "refused": None}
+        out = {"sees": len(watch.seen), "orders": {}, "sums": {}, "refused": {}}
         watch.seen.clear()
         checkpoint = f"{path}.checkpoint"
         if phase != "save":
@@ -103,11 +103,15 @@ def resume_rank(rank, world, port, path, phase, case_name):
             dcp.load({"model": state}, checkpoint_id=checkpoint)
             model.load_state_dict(state)
             other = ExactGradients(sharded(case, other_model(case_name)))
-            try:
-                load_sharded_state_dict(CDGraBSampler(N * M, batch_size=K, d=other.d, seed=SEED, exact=True),
-                                        other, checkpoint)
-            except ValueError as error:
-                out["refused"] = str(error)
+            for what, exact_of, seed, where, key in (("another model", other, SEED, checkpoint, "sampler"),
+                                                     ("another key", exact, SEED, checkpoint, "model"),
+                                                     ("no checkpoint", exact, SEED, f"{path}.none", "sampler"),
+                                                     ("another seed", exact, SEED + 1, checkpoint, "sampler")):
+                fresh = CDGraBSampler(N * M, batch_size=K, d=exact_of.d, seed=seed, exact=True)
+                try:
+                    load_sharded_state_dict(fresh, exact_of, where, key=key)
+                except ValueError as error:
+                    out["refused"][what] = str(error)
         x, y = case.data()
 
         def train(batch, step):
@@ -162,7 +166,7 @@ def resume_rank(rank, world, port, path, phase, case_name):
                     sorter.step(units, range(t, t + K))
                 train(batch, step)
                 out["sums"][(epoch, t + K)] = rows_of(sorter, exact)
-        out["seen"] = watch.seen
+        out["seen"], out["case"] = watch.seen, case_name
         torch.save(out, f"{path}.{phase}.world{world}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
@@ -226,11 +230,23 @@ def test_no_process_allocates_a_tensor_of_d(runs):
             assert got["seen"] == [], f"{phase} on {world}, rank {rank}: {got['seen'][:3]}"
 
 
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs):
+def test_a_checkpoint_it_cannot_continue_from_is_refused_in_one_line(runs):
+    """Another model's parameters (hidden width 4), no state under the key, no checkpoint, another seed; on 3
+    processes, a sampler of 3 replicas: the pending units of another number of workers."""
+    expected = {"another model": "the checkpoint is of another model: net.0.weight's running sum is (5, 6) there, "
+                                 "(4, 6) here",
+                "another key": "holds no state of sharded_state_dict under key 'model'",
+                "no checkpoint": "cannot read checkpoint",
+                "another seed": f"sampler state is for other settings: seed {SEED} (this sampler: {SEED + 1})"}
     for phase in (("sampler", 2), ("sorter", 3)):
         for got in runs[phase]:
-            refused = got["refused"]
-            assert refused is not None and "\n" not in refused and "another model" in refused, refused
+            if got["case"] == "gpt2":  # its vocabulary of 12: the tied matrix's rows
+                expected["another model"] = "the checkpoint is of another model: transformer.wte.weight's"
+            if phase[1] == 3:
+                expected["another seed"] = "the checkpoint's pending units of"
+            assert got["refused"].keys() == expected.keys()
+            for what, message in got["refused"].items():
+                assert "\n" not in message and expected[what] in message, message
 
 
 def test_the_whole_state_dict_holds_each_process_part(runs):
@@ -243,3 +259,28 @@ def test_the_whole_state_dict_holds_each_process_part(runs):
             assert part is not None and part.ne(0).any(), f"rank {rank} {key}"
             assert torch.equal(whole, ranks[0]["whole_vs_part"][key][0]), f"rank {rank} {key}"
             assert torch.equal(from_whole, part), f"rank {rank} {key}"
+
+
+def test_the_running_sum_is_allocated_by_the_first_step_where_the_records_are():
+    """One process, no share: a new ExactCDGraB holds its running sum on the meta device (no memory); its
+    state_dict has the zero (d,) sum CDGraB's has, and a sorter loaded from it takes it; the first step allocates
+    it, and adds the step's signed gradients (against each example's gradient from its own backward)."""
+    model = CASES["mlp"].model()
+    exact = ExactGradients(model)
+    sorter = ExactCDGraB(1, 4, exact.d)
+    assert sorter.running_sum.is_meta and sorter.running_sum.shape == (exact.d,)
+    state = sorter.state_dict()
+    assert torch.equal(state["running_sum"], torch.zeros(exact.d))
+    loaded = ExactCDGraB(1, 4, exact.d)
+    loaded.load_state_dict(state)
+    assert not loaded.running_sum.is_meta
+    with pytest.raises(ValueError, match="has no share"):
+        sorter.state_dict(sharded=True)
+    x, y = CASES["mlp"].data()
+    sorter.sort()
+    units = exact(lambda: CASES["mlp"].losses(model, x[:2], y[:2]))
+    sorter.step(units, range(2))
+    grads = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(CASES["mlp"].losses(model, x[i:i + 1], y[i:i + 1])
+                                                                   .sum(), exact.params)]) for i in range(2)]
+    sign = 1.0 if sorter.next_orders[0, 0] == sorter.orders[0, 0] else -1.0  # the first unit placed left: +1
+    torch.testing.assert_close(sorter.running_sum, sign * (grads[0] - grads[1]), rtol=1e-5, atol=1e-6)
