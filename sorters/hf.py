@@ -61,7 +61,8 @@ from sorters._state_format import FORMAT_KEY, TRAINER_STATE_FORMAT, saved_format
 from sorters.checks import check_no_dropout, plural
 from sorters.exact import ExactCDGraB, ExactGradients, ExactRecording
 from sorters.gather import ParameterShare
-from sorters.layer_sketch import LayerSketch, Recording
+from sorters.layer_rules import Layout
+from sorters.layer_sketch import LayerSketch, Recording, selected_parameters
 from sorters.per_example import BackwardGradient
 from sorters.registry import SORTERS
 from sorters.settings import CDGraBSettings
@@ -305,8 +306,9 @@ class CDGraBTrainerMixin(_TrainerBase):
             self._check_gradients_can_be_formed()
 
     def _check_fsdp(self) -> None:
-        """Under Accelerate's FSDP plugin: FSDP2 only, and for a balancing sorter exact CD-GraB from layer records
-        (the formed per-example gradients and the sketches need the parameters whole; docs/fsdp.md)."""
+        """Under Accelerate's FSDP plugin: FSDP2 only, and for a balancing sorter what the layer records give,
+        exact CD-GraB or the structured sketches, of parameters that all have a layer rule (the formed
+        per-example gradients need the parameters whole; docs/fsdp.md)."""
         name, settings = type(self).__name__, self.cdgrab_settings
         version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1)
         if version != 2:
@@ -314,11 +316,14 @@ class CDGraBTrainerMixin(_TrainerBase):
                              "records cannot name; use FSDP2: fsdp_config={'version': 2} (fully_shard)")
         if not self._uses_grads:
             return
-        if settings.exact_low_memory is False or not settings.exact_applies(self._module):
-            raise ValueError(f"{name}: under FSDP {settings.sorter} balances the exact gradients from layer records "
-                             "only (the formed per-example gradients and sketches need the parameters whole): use "
-                             "CD-GraB, no sketch, exact_low_memory=True or unset, and grad_params selecting Linear, "
-                             "Conv1D, Embedding and LayerNorm parameters only")
+        model = self._module
+        every_one_recorded = not Layout(model, selected_parameters(model, settings.grad_params, name)).formed
+        if not every_one_recorded or not settings.structured and (
+                settings.exact_low_memory is False or not settings.exact_applies(model)):
+            raise ValueError(f"{name}: under FSDP {settings.sorter} balances what layer records give (the formed "
+                             "per-example gradients need the parameters whole): exact CD-GraB (no sketch, "
+                             "exact_low_memory=True or unset) or structured sketches (structured=True), with "
+                             "grad_params selecting Linear, Conv1D, Embedding and LayerNorm parameters only")
 
     def _check_gradients_can_be_formed(self) -> None:
         args, name = self.args, type(self).__name__
@@ -360,7 +365,8 @@ class CDGraBTrainerMixin(_TrainerBase):
         dataset = cast(_MapDataset, self.train_dataset if train_dataset is None else train_dataset)
         if self.cdgrab_settings.exact_low_memory is None:  # auto: decided once, kept in the settings
             # under FSDP the records are the only path (_check_fsdp): the dry run below then says why they fail
-            exact = self._uses_grads if self.is_fsdp_enabled else self._exact_is_the_default(dataset)
+            exact = self._uses_grads and not self.cdgrab_settings.structured if self.is_fsdp_enabled \
+                else self._exact_is_the_default(dataset)
             self.cdgrab_settings = dataclasses.replace(self.cdgrab_settings, exact_low_memory=exact)
         settings, args = self.cdgrab_settings, self.args
         world, here = self._replicas
@@ -371,8 +377,7 @@ class CDGraBTrainerMixin(_TrainerBase):
             elif self._grads_from_backward:  # MB-GraB: the micro-batch's gradient is the backward's (training_step)
                 self.cdgrab_grads = BackwardGradient(self._module, settings.grad_params)
             elif settings.structured:  # the sketches come from the Trainer's own backward (training_step)
-                self.cdgrab_grads = LayerSketch(self._module, settings.sketch_dim, settings.resolved_seed,
-                                                params=settings.grad_params, min_numel=settings.min_numel)
+                self.cdgrab_grads = self._layer_sketch()
                 self._first_sketch_dry_run(dataset)
             else:
                 self.cdgrab_grads = settings.loss_gradients(self._module)
@@ -401,6 +406,12 @@ class CDGraBTrainerMixin(_TrainerBase):
         sampler.sorter = ExactCDGraB(world, sampler.m, exact.d, seed=self.cdgrab_settings.resolved_seed,
                                      sum_all=divided, share=ParameterShare(exact) if divided else None)
         sampler.d = exact.d
+
+    def _layer_sketch(self) -> LayerSketch:
+        """structured: the LayerSketch of the model as it is now, with the settings' map."""
+        settings = self.cdgrab_settings
+        return LayerSketch(self._module, settings.sketch_dim, settings.resolved_seed, params=settings.grad_params,
+                           min_numel=settings.min_numel)
 
     def _total_epochs(self, per_replica: int) -> int:
         """The run's epochs (KH-SGD's and SBW's thresholds depend on it): num_train_epochs, or max_steps'."""
@@ -542,8 +553,8 @@ class CDGraBTrainerMixin(_TrainerBase):
             NonFiniteGradientError: a per-example gradient holds NaN or inf, naming the step and epoch.
         """
         grads, exact = None, self.cdgrab_settings.exact_low_memory
-        if exact and self.is_fsdp_enabled:
-            self._exact_over_sharded_parameters()
+        if self.is_fsdp_enabled:
+            self._records_over_sharded_parameters()
         writes = bool(exact) and self._records_write_grads()
         # cdgrab_grads: what _get_train_sampler built for these settings (ExactGradients, PerExampleLossGrads or
         # a LayerSketch)
@@ -577,14 +588,22 @@ class CDGraBTrainerMixin(_TrainerBase):
         self._sampler.step(grads)
         return loss
 
-    def _exact_over_sharded_parameters(self) -> None:
+    def _records_over_sharded_parameters(self) -> None:
         """Under FSDP: the Trainer shards the model (fully_shard, new DTensor parameters) after it built the
-        sampler and its ExactGradients, so at the first micro-batch they are built again over the sharded
-        parameters (the same names, the same d), which the sampler's running sum then follows (ShardedRows)."""
-        exact = cast(ExactGradients, self.cdgrab_grads)
-        current = dict(self._module.named_parameters())
-        if any(current.get(name) is not p for name, p in zip(exact.names, exact.params)):
-            self.cdgrab_grads = self.cdgrab_settings.exact_gradients(self._module)
+        sampler and its ExactGradients (or LayerSketch), so at the first micro-batch they are built again over
+        the sharded parameters (the same names, the same d and map): exact CD-GraB's running sum then follows
+        them (ShardedRows), and no unsharded copy of the model is kept alive."""
+        grads = self.cdgrab_grads
+        if isinstance(grads, ExactGradients):
+            held = [id(p) for p in grads.params]
+        elif isinstance(grads, LayerSketch):
+            held = list(grads.layout.offsets)  # by id(parameter)
+        else:
+            return
+        current = {id(p) for p in self._module.parameters()}
+        if any(key not in current for key in held):
+            self.cdgrab_grads = self.cdgrab_settings.exact_gradients(self._module) \
+                if isinstance(grads, ExactGradients) else self._layer_sketch()
 
     def _records_write_grads(self) -> bool:
         """exact_low_memory: whether the records write .grad (the backward skipping the recorded weights'

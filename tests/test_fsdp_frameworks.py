@@ -21,7 +21,7 @@ import socket
 import pytest
 import torch
 
-from tests.helpers import REPO, run_forked
+from tests.helpers import REPO, release_check, run_forked
 from tests.test_fsdp import EPOCHS, LR, SEED, K, MLPCase, one_process
 from tests.test_fsdp_sketch import DIMS, MIN_NUMEL, SKETCH_SEED
 from tests.test_fsdp_sketch import one_process as sketched_one_process
@@ -246,10 +246,14 @@ def recorded(cls):
     return Recorded
 
 
-def hf_rank(rank, port, out):
-    """One of 2 forked processes: CDGraBTrainer (CD-GraB, exact_low_memory by default) under Accelerate's FSDP2
-    over gloo, a checkpoint every 4 optimizer steps; micro-batches, losses, whole final parameters and the
-    sampler's share saved to out.rankR. First, without the GPU state: what Accelerate does with `fsdp` on the
+# exact CD-GraB (the default for a causal LM); the structured sketch, every weight of 256 entries or more a block
+HF_SETTINGS = {"exact": {}, "sketch": {"sketch_dim": 32, "structured": True, "min_numel": 256}}
+
+
+def hf_rank(rank, port, out, how):
+    """One of 2 forked processes: CDGraBTrainer (CD-GraB with HF_SETTINGS[how]) under Accelerate's FSDP2 over
+    gloo, a checkpoint every 4 optimizer steps; micro-batches, losses, whole final parameters and the sampler's
+    share saved to out.rankR. First ("exact"), without the GPU state: what Accelerate does with `fsdp` on the
     CPU, and CDGraBTrainer's warning."""
     torchrun_environment(rank, port)
     from accelerate.state import AcceleratorState
@@ -259,23 +263,29 @@ def hf_rank(rank, port, out):
     try:
         args = hf.training_args(out, ddp_backend="gloo", fsdp=True, fsdp_config=dict(FSDP_CONFIG),
                                 save_strategy="steps", save_steps=4)
-        on_cpu = hf.CDGraBTrainer(model=hf.tiny_gpt2(), args=args, train_dataset=hf.examples(hf.token_rows()))
-        warned = []
-        handler = logging.Handler()
-        handler.emit = lambda record: warned.append(record.getMessage())
-        logging.getLogger("sorters.hf").addHandler(handler)
-        on_cpu.check_settings()
-        logging.getLogger("sorters.hf").removeHandler(handler)
-        trainer = fsdp_on_cpu(recorded(hf.CDGraBTrainer))(model=hf.tiny_gpt2(), args=args, cdgrab=CDGraBSettings(),
+        warned, on_cpu = [], None
+        if how == "exact":
+            on_cpu = hf.CDGraBTrainer(model=hf.tiny_gpt2(), args=args, train_dataset=hf.examples(hf.token_rows()))
+            handler = logging.Handler()
+            handler.emit = lambda record: warned.append(record.getMessage())
+            logging.getLogger("sorters.hf").addHandler(handler)
+            on_cpu.check_settings()
+            logging.getLogger("sorters.hf").removeHandler(handler)
+        trainer = fsdp_on_cpu(recorded(hf.CDGraBTrainer))(model=hf.tiny_gpt2(), args=args,
+                                                          cdgrab=CDGraBSettings(**HF_SETTINGS[how]),
                                                           train_dataset=hf.examples(hf.token_rows()))
         trainer.train()
-        sorter = trainer.cdgrab_sampler.sorter
+        sorter, records = trainer.cdgrab_sampler.sorter, trainer.cdgrab_grads
+        selected = dict(trainer.model.named_parameters())
+        offsets = records.offsets if how == "exact" else records.layout.offsets  # by id(parameter)
         torch.save({"batches": trainer.batches, "losses": trainer.losses,
-                    "params": {n: p.full_tensor() for n, p in trainer.model.named_parameters()},
-                    "share": type(sorter.share).__name__, "sum_numel": sorter.running_sum.numel(),
-                    "d": trainer.cdgrab_grads.d, "exact": trainer.cdgrab_settings.exact_low_memory,
-                    "on_cpu": (on_cpu.is_fsdp_enabled, warned),
-                    "exact_params": [type(p).__name__ for p in trainer.cdgrab_grads.params]}, f"{out}.rank{rank}")
+                    "params": {n: p.full_tensor() for n, p in selected.items()},
+                    "share": type(getattr(sorter, "share", None)).__name__, "sum_numel": sorter.running_sum.numel(),
+                    "d": records.d, "exact": trainer.cdgrab_settings.exact_low_memory,
+                    "on_cpu": (on_cpu is not None and on_cpu.is_fsdp_enabled, warned),
+                    "recorded": [type(selected[name]).__name__ for name in records.names],
+                    # the records' parameters are the sharded ones (no unsharded copy kept alive)
+                    "current": all(id(selected[name]) in offsets for name in records.names)}, f"{out}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -288,25 +298,36 @@ def hf():
     return tiny
 
 
-def test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders(hf, tmp_path):
+# the structured sketch (about 30 s more on this 2-core CPU): a release check (scripts/release_checks.py)
+@pytest.mark.parametrize("how", ["exact", pytest.param("sketch", marks=release_check)])
+def test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders(hf, tmp_path, how):
     """CDGraBTrainer under Accelerate's FSDP2 plugin (2 forked gloo processes, each one replica): each rank uses
-    its replica's half of every micro-batch of one unsharded process hosting both replicas, balanced from the
-    formed per-example gradients by sorters.CDGraB (so the same orders, bit for bit); the ranks' losses average
-    to its losses and both end with its parameters, within float32 rounding. The model was sharded
-    (DTensors), the records taken from the sharded parameters, and each running sum holds its rows only."""
+    its replica's half of every micro-batch of one unsharded process hosting both replicas (so the same orders,
+    bit for bit), balanced by sorters.CDGraB from the formed per-example gradients ("exact"), or from the
+    unsharded structured sketches of the same map ("sketch"; tests/test_hf_trainer.py checks them against the
+    map of each example's gradient). The ranks' losses average to its losses and both end with its
+    parameters, within float32 rounding. The model was sharded (DTensors), the records taken from the sharded
+    parameters, and exact CD-GraB's running sum holds each process's rows only."""
+    from sorters import CDGraBSettings
+    oracle = {"exact_low_memory": False} if how == "exact" else HF_SETTINGS[how]
     one = recorded(hf.CDGraBTrainer)(model=hf.tiny_gpt2(), args=hf.training_args(tmp_path / "one"),
-                                     train_dataset=hf.examples(hf.token_rows()), num_replicas=hf.REPLICAS,
-                                     exact_low_memory=False)
+                                     train_dataset=hf.examples(hf.token_rows()),
+                                     cdgrab=CDGraBSettings(num_replicas=hf.REPLICAS, **oracle))
     one.train()
-    run_forked(hf_rank, (free_port(), tmp_path / "fsdp"), 2)
+    run_forked(hf_rank, (free_port(), tmp_path / "fsdp", how), 2)
     runs = [torch.load(tmp_path / f"fsdp.rank{r}") for r in range(2)]
     for r, run in enumerate(runs):
         assert run["batches"] == [b[r * hf.BATCH:(r + 1) * hf.BATCH] for b in one.batches], f"rank {r}"
-        assert run["exact"] is True and run["share"] == "ShardedRows" and set(run["exact_params"]) == {"DTensor"}
+        assert run["current"] and set(run["recorded"]) == {"DTensor"}
+    assert not all(a == b for a, b in zip(runs[0]["losses"], runs[1]["losses"]))  # each rank's own examples
     averaged = [(a + b) / 2 for a, b in zip(runs[0]["losses"], runs[1]["losses"])]
     assert averaged == pytest.approx(one.losses, rel=1e-5)
     for name, p in one.model.named_parameters():  # atol: Adam scales a zero-up-to-rounding gradient up to ~lr
         torch.testing.assert_close(runs[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-4)
+    if how == "sketch":
+        assert runs[0]["exact"] is False and runs[0]["sum_numel"] == HF_SETTINGS[how]["sketch_dim"]
+        return
+    assert all(run["exact"] is True and run["share"] == "ShardedRows" for run in runs)
     sizes = [run["sum_numel"] for run in runs]
     assert sum(sizes) == runs[0]["d"] and min(sizes) > 0.3 * runs[0]["d"]
     for run in runs:  # without the GPU state: unsharded (Accelerate's choice), and the glue says so in one warning
@@ -319,8 +340,8 @@ def test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders(hf, tmp_pat
 
 @pytest.mark.parametrize("settings, message", [
     ({"version": 1}, r"FSDP1 flattens the parameters.*\{'version': 2\}"),
-    ({"version": 2, "exact_low_memory": False}, "from layer records only"),
-    ({"version": 2, "sketch_dim": 8}, "from layer records only"),
+    ({"version": 2, "exact_low_memory": False}, "what layer records give"),
+    ({"version": 2, "sketch_dim": 8}, "what layer records give"),
 ])
 def test_hf_trainer_under_fsdp_refuses_what_needs_whole_parameters(hf, tmp_path, settings, message):
     """FSDP1, and a balancing sorter on formed gradients or sketches, are refused in one line when train()
