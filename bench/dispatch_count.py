@@ -39,6 +39,15 @@ loss read) is once-per-epoch work, spread over the benchmark's real steps per ep
 all data) in kernel_ops_per_step. kernel_ops_per_step_in_slice is the s-step epoch's total / s, which
 is how bench/gpu_profile.py's launches per step count it (LR-HMDA and MLP-M4: 100 steps, as the H200's).
 
+The compiled step (--compile inductor, engine/compiled.py; LR-HMDA and MLP-M4, "compiled" in the JSON): a
+dispatch mode turns torch.compile off (dynamo runs the step eagerly under one), so these runs are counted by
+`ProfiledCounter` instead, from torch.profiler's CPU events with inductor's generated C++ kernels recorded
+as events of their own (torch._inductor.config.cpp.enable_kernel_profile): each fused kernel counts once,
+and so does each outermost ATen operator with a kernel of its own (not a view, not NO_KERNEL, not an implicit
+composite, whose children are what runs), as the dispatch mode counts them. D-RR and CD-GraB with the Gram
+sign loop (the GPU's path) are counted eager and compiled, both this way and in their second epoch (the
+first compiles), over epochs of s and 2s steps as above (`--no-compiled` skips them).
+
 Writes one JSON object (default bench/results/dispatch-count-cpu.json) and prints it: git_commit (of the
 code it ran), torch, command, goals (issue #62's upper bounds: CD-GraB <= 1.3x D-RR, D-RR <= 1.2x the
 textbook loop, in kernel ops), and per benchmark the counts per step, ratios, meets_goals, the H200
@@ -54,6 +63,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +81,7 @@ from common.paths import default_data_dir  # noqa: E402
 from engine import runlog  # noqa: E402
 from engine.cli import int_flag  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
+from engine.compiled import COMPILED_BENCHMARKS  # noqa: E402
 from engine.train import train  # noqa: E402
 
 # operators that launch no kernel on a GPU: allocation, metadata, a read of one value to the host
@@ -88,6 +99,10 @@ SLICE_FLAGS = {"GPT2-Wiki103": ["--max-seq-length", "{gpt2_max_seq_length}", "--
 RUNS = ("textbook", "textbook foreach", "D-RR", "CD-GraB", "CD-GraB gram")
 GOALS = {"CD-GraB/D-RR": 1.3, "D-RR/textbook": 1.2}  # issue #62's upper bounds, in kernel ops per step
 COUNTED_EPOCH = 1  # no warm-up needed: per_step() separates the first step's set-up as once-only work
+# the compiled step's runs (ProfiledCounter), each as eager and as --compile inductor, counted in epoch 2: the
+# first compiles (dynamo's tracing runs operators of its own, which are no step's)
+COMPILED_RUNS = ("D-RR", "CD-GraB gram")
+COMPILED_COUNTED_EPOCH = 2
 H200_PROFILE = REPO / "bench" / "results" / "gpu-profile-NVIDIA-H200-2026-11-27.txt"
 DEFAULT_JSON = REPO / "bench" / "results" / "dispatch-count-cpu.json"
 TOP = 12  # kernel ops listed per run
@@ -124,7 +139,88 @@ class OpCounter(TorchDispatchMode):
         return sum(self.kernel_calls().values())
 
 
-def totals(counter: OpCounter) -> dict:
+class ProfiledCounter:
+    """Counts kernels from torch.profiler's CPU events while active (`with ProfiledCounter() as counter:`),
+    for code a dispatch mode cannot watch (a torch.compile'd step). An event of inductor's generated kernels
+    (with cpp.enable_kernel_profile on, when the code was generated: the runs set it before compiling) counts
+    once as "inductor.<its fused operators>"; an ATen operator event counts as "aten.<op>" when the operator
+    has a kernel of its own (not a view, not in NO_KERNEL, not implemented only as a CompositeImplicitAutograd)
+    and no event around it counted already (its children are its kernel's work, as the dispatch mode sees a
+    composite with its own kernel once). Offers OpCounter's `calls`, `views`, `dispatched`, `kernel_calls()`
+    and `kernel_ops` (`calls` holds only the counted events; `dispatched` counts the outermost ATen events
+    and the kernels)."""
+
+    INDUCTOR_KERNEL = "cpp_fused_"  # in the name of every generated C++ kernel's event
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter = collections.Counter()
+        self.views: set[str] = set()
+        self.dispatched = 0
+        self._profile = profile(activities=[ProfilerActivity.CPU])
+        self._kinds: dict[str, str] = {}
+
+    def __enter__(self) -> "ProfiledCounter":
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        for event in self._profile.events():
+            counted = self._counted_name(event.name)
+            if counted is None or self._under_a_counted_event(event):
+                continue
+            self.calls[counted] += 1
+        self.dispatched = sum(1 for event in self._profile.events() if event.name.startswith("aten::")
+                              and not self._has_aten_parent(event)) + sum(
+            count for name, count in self.calls.items() if name.startswith("inductor."))
+
+    def _kind(self, op: str) -> str:
+        """"kernel", "view" (views and NO_KERNEL) or "composite" (CompositeImplicitAutograd only) for aten op."""
+        if op not in self._kinds:
+            packet = getattr(torch.ops.aten, op, None)
+            overloads = [getattr(packet, name) for name in packet.overloads()] if packet is not None else []
+            if not overloads or any(o.is_view for o in overloads) or f"aten.{op}" in NO_KERNEL:
+                self._kinds[op] = "view"
+            elif all(torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), "CompositeImplicitAutograd")
+                     for o in overloads):
+                self._kinds[op] = "composite"
+            else:
+                self._kinds[op] = "kernel"
+        return self._kinds[op]
+
+    def _counted_name(self, name: str) -> str | None:
+        if self.INDUCTOR_KERNEL in name:
+            return "inductor." + name.split(self.INDUCTOR_KERNEL, 1)[1]
+        if name.startswith("aten::") and self._kind(name[6:]) == "kernel":
+            return "aten." + name[6:]
+        return None
+
+    def _under_a_counted_event(self, event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if self._counted_name(parent.name) is not None:
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    @staticmethod
+    def _has_aten_parent(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    def kernel_calls(self) -> collections.Counter:
+        return collections.Counter(self.calls)
+
+    @property
+    def kernel_ops(self) -> int:
+        return sum(self.calls.values())
+
+
+def totals(counter) -> dict:
     """What a counted epoch (or pass) leaves: {"dispatched": calls, "kernel_ops": kernel calls per op}."""
     return {"dispatched": counter.dispatched, "kernel_ops": counter.kernel_calls()}
 
@@ -165,13 +261,14 @@ def count_textbook(benchmark: str, steps: int, data_dir: str, foreach: bool, fla
 
 
 def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_loop: str | None,
-                 flags: list[str]) -> dict:
-    """totals() of epoch COUNTED_EPOCH of the engine's training, counted from the epoch's start to its last
-    step (the two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe)."""
-    device, counter = torch.device("cpu"), OpCounter()
+                 flags: list[str], counter=None, counted_epoch: int = COUNTED_EPOCH) -> dict:
+    """totals() of epoch `counted_epoch` of the engine's training, counted from the epoch's start to its last
+    step (the two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe), by
+    `counter` (an OpCounter unless given; a ProfiledCounter for --compile runs)."""
+    device, counter = torch.device("cpu"), counter or OpCounter()
     # --overlap off: the counter sees one thread, and with auto a long model's sorter steps in a background
     # thread (the same operators, elsewhere)
-    extra = ["--sorter", sorter, "--epochs", str(COUNTED_EPOCH), "--progress", "off", "--max-eval-examples", "1",
+    extra = ["--sorter", sorter, "--epochs", str(counted_epoch), "--progress", "off", "--max-eval-examples", "1",
              "--overlap", "off", *flags]
     with tempfile.TemporaryDirectory() as out:
         args, task = build_task(benchmark, steps, data_dir, device,
@@ -180,12 +277,12 @@ def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_lo
 
         def start(epoch):
             state["epoch"] = epoch
-            if epoch == COUNTED_EPOCH:
+            if epoch == counted_epoch:
                 counter.__enter__()
             start_epoch(epoch)
 
         def evaluate_after_training(flat, comm):
-            if state["epoch"] == COUNTED_EPOCH:
+            if state["epoch"] == counted_epoch:
                 counter.__exit__(None, None, None)
             return evaluate(flat, comm)
 
@@ -200,6 +297,33 @@ def count_run(run: str, benchmark: str, steps: int, data_dir: str, flags: list[s
         return count_textbook(benchmark, steps, data_dir, run == "textbook foreach", flags)
     sorter, _, sign_loop = run.partition(" ")
     return count_engine(benchmark, sorter, steps, data_dir, sign_loop or None, flags)
+
+
+def count_compiled_run(run: str, compiled: bool, benchmark: str, steps: int, data_dir: str) -> dict:
+    """totals() of one of COMPILED_RUNS, eager or with --compile inductor, counted by a ProfiledCounter in
+    epoch COMPILED_COUNTED_EPOCH of `steps` steps."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    sorter, _, sign_loop = run.partition(" ")
+    torch._dynamo.reset()  # a fresh task: its methods compile afresh, not against the last run's guards
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # each generated kernel an event
+        return count_engine(benchmark, sorter, steps, data_dir, sign_loop or None,
+                            ["--compile", "inductor" if compiled else "off"], counter=ProfiledCounter(),
+                            counted_epoch=COMPILED_COUNTED_EPOCH)
+
+
+def compiled_report(counts: dict) -> dict:
+    """A benchmark's "compiled" entry from per_step() counts of each COMPILED_RUNS run, eager and compiled
+    (keys "<run>" and "<run> compiled")."""
+    kernel = {run: counts[run]["kernel_ops"] for run in counts}
+    return {"counted_by": "ProfiledCounter (torch.profiler events; inductor's kernels one each)",
+            "counted_epoch": COMPILED_COUNTED_EPOCH, "compile": "inductor",
+            "kernel_ops_per_step": kernel,
+            "compiled_over_eager": {run: round(kernel[f"{run} compiled"] / kernel[run], 3) for run in COMPILED_RUNS},
+            "CD-GraB/D-RR": {variant: round(kernel[f"CD-GraB gram{suffix}"] / kernel[f"D-RR{suffix}"], 3)
+                             for variant, suffix in (("eager", ""), ("compiled", " compiled"))},
+            "top_kernel_ops_per_step": {run: counts[run]["top_kernel_ops"] for run in counts}}
 
 
 def h200_launches(profile: Path = H200_PROFILE) -> dict:
@@ -251,6 +375,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help=f"which benchmarks (default all: {' '.join(STEPS)})")
     parser.add_argument("--json", default=str(DEFAULT_JSON),
                         help=f"the report (default {DEFAULT_JSON.relative_to(REPO)})")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="skip the compiled step's counts (--compile inductor: about 20 s of C++ compiling a run "
+                             "for LR-HMDA, minutes for MLP-M4's rollout)")
     parser.add_argument("--gpt2-max-seq-length", type=int_flag(1), default=32, metavar="T",
                         help="GPT-2's tokens per block (default 32: the paper's 128 runs the same operators, slower)")
     return parser
@@ -283,6 +410,14 @@ def main(argv: list[str] | None = None) -> None:
                 counts[run] = per_step(short, long, steps, steps_per_epoch)
             report["benchmarks"][benchmark] = benchmark_report(counts, steps, steps_per_epoch, h200.get(benchmark),
                                                                flags)
+            if benchmark in COMPILED_BENCHMARKS and not args.no_compiled:
+                compiled = {}
+                for run in COMPILED_RUNS:
+                    for on in (False, True):
+                        short, long = (count_compiled_run(run, on, benchmark, n, args.data_dir)
+                                       for n in (steps, 2 * steps))
+                        compiled[run + " compiled" * on] = per_step(short, long, steps, steps_per_epoch)
+                report["benchmarks"][benchmark]["compiled"] = compiled_report(compiled)
             print(f"{benchmark}: {report['benchmarks'][benchmark]['kernel_ops_per_step']}", file=sys.stderr)
     except UserFacingError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -139,3 +139,45 @@ def test_performance_page_quotes_the_shipped_counts():
                f"| {h200['CD-GraB']:.1f} | {in_slice['CD-GraB gram'] / in_slice['D-RR']:.2f} "
                f"| {h200['CD-GraB'] / h200['D-RR']:.2f} |")
         assert entry["steps_counted"][0] == 100 and row in table.splitlines(), row
+
+
+def test_profiled_counter_counts_what_the_dispatch_mode_counts_on_eager_code():
+    """ProfiledCounter (for compiled steps, which a dispatch mode turns eager) against OpCounter on an eager
+    forward and backward with implicit composites (linear: its addmm counts; cross_entropy: its log_softmax and
+    nll_loss), a composite with its own kernel (binary_cross_entropy_with_logits: once), views and an
+    allocation (not counted)."""
+    from bench.dispatch_count import ProfiledCounter
+
+    layer, x, y = torch.nn.Linear(5, 1), torch.randn(8, 5), torch.rand(8)
+
+    def step():
+        logits = layer(x).squeeze(-1)  # linear -> t (a view) and addmm
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+        loss = loss + torch.nn.functional.cross_entropy(logits[None], y[None])
+        loss.backward()
+        torch.empty(3)
+        return loss
+
+    step()  # the .grad buffers exist: each later backward adds into them
+    with OpCounter() as dispatch_counter:
+        step()
+    with ProfiledCounter() as counter:
+        step()
+    assert counter.kernel_ops == dispatch_counter.kernel_ops
+    assert counter.calls["aten.binary_cross_entropy_with_logits"] == 1 and "aten.empty" not in counter.calls
+    assert counter.calls["aten.log_softmax"] + counter.calls["aten._log_softmax"] == 1 and "aten.cross_entropy" \
+        not in counter.calls
+    assert not any(name in counter.calls for name in ("aten.t", "aten.view", "aten.expand", "aten.squeeze"))
+
+
+def test_profiled_counter_counts_a_generated_kernel_once_and_nothing_inside_it():
+    """An event named as inductor names its C++ kernels counts once, its children not at all; ATen operators
+    outside it count as usual (here: the add after it)."""
+    from bench.dispatch_count import ProfiledCounter
+
+    a = torch.ones(4)
+    with ProfiledCounter() as counter:
+        with torch.profiler.record_function("graph_0_cpp_fused_add_mul_0"):
+            (a * 2).add_(1)  # what the fused kernel stands for: two kernels when eager
+        a + 1
+    assert dict(counter.calls) == {"inductor.add_mul_0": 1, "aten.add": 1}
