@@ -1,8 +1,10 @@
 """Per-step overhead of the suite against a textbook PyTorch loop, measured in one run (issue #7, goals 1-4).
 
     OMP_NUM_THREADS=1 python bench/step_overhead.py [--data-dir DIR] [--steps 3000] [--rounds 3] [--no-gpt2]
+                                                    [--json PATH]
 
-Prints ONE JSON object:
+Writes ONE JSON object to bench/results/step-overhead-cpu.json (--json) and prints it: git_commit (of the code
+it ran), date, command, torch, threads, and
 
 - "step": microseconds per training step of the textbook loop (index a batch, nn.Module forward,
   loss, zero_grad, backward, torch.optim.SGD(momentum=0.9).step(), loss.item()) and of our engine's
@@ -34,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from anywhere
 
 from common.paths import default_data_dir  # noqa: E402
+from engine import runlog  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.cli import check_args  # noqa: E402
 from engine.functional import FlatModel, unit_gradients  # noqa: E402
@@ -258,15 +261,21 @@ def main():
     parser.add_argument("--steps", type=int, default=3000, help="training steps per timed round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 per-unit gradient case (slowest)")
+    parser.add_argument("--json", default=str(REPO / "bench" / "results" / "step-overhead-cpu.json"),
+                        help="the report (default bench/results/step-overhead-cpu.json)")
     args = parser.parse_args()
-    report = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+    report = {"bench": "bench/step_overhead.py", "git_commit": runlog.git_commit(), "date": time.strftime("%Y-%m-%d"),
+              "command": "python bench/step_overhead.py " + " ".join(sys.argv[1:]),
+              "torch": torch.__version__, "threads": torch.get_num_threads(),
               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
     with tempfile.TemporaryDirectory() as tmp:
         report["step"] = bench_steps(args.data_dir, args.steps, args.rounds, tmp)
     report["sorter_step"] = bench_sorter_steps()
     report["sign_loop"] = bench_sign_loop()
     report["unit_grads"] = bench_unit_grads(args.data_dir, not args.no_gpt2)
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    Path(args.json).write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
