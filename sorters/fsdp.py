@@ -277,7 +277,7 @@ def sharded_state_dict(owner: "CDGraBSampler | ExactCDGraB", exact: ExactGradien
     sorter, sampler, share = _sharded_sorter(owner, exact, "sharded_state_dict")
     sorter_state = sorter.state_dict(sharded=True)
     part, pending = sorter_state.pop("running_sum"), sorter_state.pop("pending")
-    rest = {"kind": "sampler" if sampler is not None else "sorter", "pending": pending is not None,
+    rest = {"kind": "sampler" if sampler is not None else "sorter",
             "state": sampler._state_around(sorter_state) if sampler is not None else sorter_state}
     blob = io.BytesIO()
     torch.save(rest, blob)
@@ -320,6 +320,8 @@ def load_sharded_state_dict(owner: "CDGraBSampler | ExactCDGraB", exact: ExactGr
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     sorter, sampler, share = _sharded_sorter(owner, exact, "load_sharded_state_dict")
+    if checkpoint_id is None and storage_reader is None:
+        raise ValueError("load_sharded_state_dict: pass the checkpoint's path (checkpoint_id) or a storage_reader")
     reader = storage_reader if storage_reader is not None else dcp.FileSystemReader(checkpoint_id)
     try:
         saved = reader.read_metadata().state_dict_metadata
