@@ -460,8 +460,9 @@ def _is_fsdp1(trainer: Trainer) -> bool:
 
 
 def _has_dtensors(module: torch.nn.Module) -> bool:
-    """Whether fully_shard (FSDP2) made the module's parameters DTensors."""
-    if not torch.distributed.is_available():
+    """Whether fully_shard (FSDP2) made the module's parameters DTensors (False for an object without
+    parameters())."""
+    if not torch.distributed.is_available() or not callable(getattr(module, "parameters", None)):
         return False
     from torch.distributed.tensor import DTensor
     return any(isinstance(p, DTensor) for p in module.parameters())
