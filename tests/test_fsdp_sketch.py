@@ -11,7 +11,9 @@ call with update_scale (built before fully_shard: it sees the sharding at each c
 one unsharded process hosting both replicas: the map as a dense (D, d) matrix applied to float64 per-example
 gradients from one ordinary backward per example, fed to sorters.CDGraB in float64. Every step's sketches equal
 the oracle's and the unsharded LayerSketch's of the same examples within float32 rounding, the orders equal the
-oracle's bit for bit, and losses and parameters agree within float32 rounding.
+oracle's bit for bit, and losses and parameters agree within float32 rounding. The same holds under fully_shard's
+reshard_after_forward=False and CPU offload (MLP-M4). Under MixedPrecisionPolicy (bf16 forward and backward:
+the tiny GPT-2) the first step's sketches are the oracle's within bf16's rounding.
 """
 import functools
 import os
@@ -42,11 +44,21 @@ class WithBareParameter(torch.nn.Module):
         return self.linear(x) * self.scale
 
 
-def sharded_rank(rank, port, path, case_name, how):
-    """One of 2 forked gloo processes: the sharded model trained with CDGraBSampler(d=D) fed LayerSketch's
-    sketches of this process's examples (how: "recording", the loop's backward of the mean loss; or "call",
-    LayerSketch's call with update_scale=1/K); orders, sketches, losses and final parameters (whole) saved to
-    path.rankR, with the one-line errors of the refused uses."""
+def fully_shard_options(option):
+    """fully_shard's keyword arguments for an option of the test: "default", "no-reshard" (the gathered weights
+    kept from the forward to the backward), "offload" (the shards on the CPU, pin_memory off), "bf16" (the
+    forward and backward in bf16, the gradients reduced in float32)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    return {"default": {}, "no-reshard": {"reshard_after_forward": False},
+            "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+            "bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}}[option]
+
+
+def sharded_rank(rank, port, path, case_name, how, option):
+    """One of 2 forked gloo processes: the model sharded with fully_shard's option, trained with
+    CDGraBSampler(d=D) fed LayerSketch's sketches of this process's examples (how: "recording", the loop's
+    backward of the mean loss; or "call", LayerSketch's call with update_scale=1/K); orders, sketches, losses and
+    final parameters (whole) saved to path.rankR, with the one-line errors of the refused uses."""
     from torch.distributed.fsdp import fully_shard
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -57,8 +69,8 @@ def sharded_rank(rank, port, path, case_name, how):
         if how == "call":  # built before fully_shard: it reads whether the model is sharded at each call
             sketcher = LayerSketch(model, DIMS[case_name], seed=SKETCH_SEED, min_numel=MIN_NUMEL)
         for block in case.blocks(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **fully_shard_options(option))
+        fully_shard(model, **fully_shard_options(option))
         if how == "recording":  # after fully_shard, as the exact path's ExactGradients
             sketcher = LayerSketch(model, DIMS[case_name], seed=SKETCH_SEED, min_numel=MIN_NUMEL)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -145,16 +157,28 @@ def one_process(case_name):
     return orders, losses, oracle, layer, [p.detach() for p in model.parameters()]
 
 
-@pytest.fixture(scope="module", params=[("mlp", "recording"), ("mlp", "call"), ("gpt2", "recording"), ("gpt2", "call")],
-                ids=lambda param: "-".join(param))
-def ranks(request, tmp_path_factory):
+def run_ranks(tmp_path_factory, case_name, how, option):
+    """sharded_rank in 2 forked processes: (case_name, what each rank saved)."""
     pytest.importorskip("torch.distributed.fsdp")
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     path = tmp_path_factory.mktemp("fsdp_sketch") / "run"
-    run_forked(sharded_rank, (port, path, *request.param), 2)
-    return request.param[0], [torch.load(f"{path}.rank{r}") for r in range(2)]
+    run_forked(sharded_rank, (port, path, case_name, how, option), 2)
+    return case_name, [torch.load(f"{path}.rank{r}") for r in range(2)]
+
+
+@pytest.fixture(scope="module", params=[("mlp", "recording", "default"), ("mlp", "call", "default"),
+                                        ("gpt2", "recording", "default"), ("gpt2", "call", "default"),
+                                        ("mlp", "recording", "no-reshard"), ("mlp", "call", "offload")],
+                ids=lambda param: "-".join(param))
+def ranks(request, tmp_path_factory):
+    return run_ranks(tmp_path_factory, *request.param)
+
+
+@pytest.fixture(scope="module")
+def bf16_ranks(tmp_path_factory):
+    return run_ranks(tmp_path_factory, "gpt2", "recording", "bf16")
 
 
 def assert_sketches_close(mine, theirs, reference, what):
@@ -192,3 +216,15 @@ def test_what_cannot_work_sharded_is_refused_in_one_line(ranks):
         no_scale, bare = got["errors"]
         assert "update_scale" in no_scale and "recording()" in no_scale and "\n" not in no_scale
         assert "scale" in bare and "params=" in bare and "\n" not in bare
+
+
+def test_bf16_sketches_are_the_oracles_within_bf16_rounding(bf16_ranks):
+    """MixedPrecisionPolicy(param_dtype=bf16): the records come in bf16 and are widened to the parameters' float32.
+    The first step (the same parameters as the oracle's) gives the oracle's sketches within bf16's rounding, 2^-5
+    of the row's largest entry, and not within float32's (the records were bf16)."""
+    case_name, ranks = bf16_ranks
+    _, _, oracle, _, _ = one_process(case_name)
+    for rank, got in enumerate(ranks):
+        mine, theirs = got["sketches"][0].double(), oracle[rank][0]
+        error = float(((mine - theirs).abs() / theirs.abs().max(dim=1, keepdim=True).values).max())
+        assert 1e-5 < error <= 2 ** -5, f"rank {rank}: {error:.2e} of the row's largest entry"
