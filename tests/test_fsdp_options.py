@@ -9,7 +9,7 @@ one unsharded process with sorters.CDGraB fed float64 per-example gradients.
 - mixed precision (bf16 forward and backward, float32 reduce): the records are upcast to float32 and the
   products agree with float64 gradients of the function the bf16 forward computes within bf16's rounding; the
   orders match where no sign is that close to a tie (checked);
-- a parameter placed Shard(1) (shard_placement_fn) is refused in one line;
+- a parameter placed Shard(1) (shard_placement_fn), and HSDP's two-dimensional mesh, are refused in one line;
 - release checks (scripts/release_checks.py): reshard_after_forward=2 on 4 processes, the tiny GPT-2 with its
   blocks kept unsharded and its root resharded after the forward, and in bf16.
 """
@@ -89,6 +89,9 @@ def shard(model, case, option):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if option == "hsdp":  # replicated over the 2 processes, sharded over 1: a two-dimensional mesh
+        from torch.distributed.device_mesh import init_device_mesh
+        hsdp = {"mesh": init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))}
     blocks, root = {
         "default": ({}, {}),
         "no-reshard": ({"reshard_after_forward": False}, {"reshard_after_forward": False}),
@@ -102,6 +105,7 @@ def shard(model, case, option):
         # (FSDP2 itself refuses an uneven split of dim 1: the matrices with an even number of columns)
         "shard-dim-1": ({"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % 2 == 0
                          else Shard(0)}, {}),
+        "hsdp": (hsdp, hsdp) if option == "hsdp" else None,
     }[option]
     if blocks is not None:
         for block in case.blocks(model):
@@ -227,11 +231,14 @@ def test_option_gives_one_process_orders_bit_for_bit(tmp_path, case_name, option
         assert [ranks[1]["rows"][i] for i in head] == [(1, 1), (1, 1)]
 
 
-def test_a_parameter_sharded_on_another_dim_is_refused_in_one_line(tmp_path):
-    """shard_placement_fn placing the matrices Shard(1): the first step_units refuses, saying what to do."""
-    for got in run(tmp_path, "mlp", "shard-dim-1"):
+@pytest.mark.parametrize("option", ["shard-dim-1", "hsdp"])
+def test_other_placements_are_refused_in_one_line(tmp_path, option):
+    """shard_placement_fn placing the matrices Shard(1), and HSDP (a two-dimensional mesh: replicated over 2
+    processes, sharded over 1): the first step_units refuses, saying what it takes."""
+    for got in run(tmp_path, "mlp", option):
         message = got["refused"]
-        assert "\n" not in message and "Shard(0)" in message and "fully_shard" in message
+        assert "\n" not in message and "Shard(0)" in message and "one-dimensional mesh" in message
+        assert ("Shard(dim=1)" if option == "shard-dim-1" else "2-D mesh") in message
 
 
 # ------------------------------------------------------------------------------------- mixed precision (bf16)
