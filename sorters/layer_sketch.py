@@ -104,6 +104,10 @@ class LayerSketch:
     out_proj, whose weight it reads directly): a layer never called whose parameters still get a gradient is
     refused with a ValueError after the backward.
 
+    On a model sharded with FSDP2 (fully_shard, before or after this is built) each process sketches its own
+    examples' whole gradients from their records, as without sharding; the sampler all-gathers the sketches
+    (docs/fsdp.md). Parameters of layers without a rule are refused there.
+
     Attributes:
         names: the selected parameters' names, in ``named_parameters()`` order (a tied one once).
         d: their total number of entries, the length of the gradients the sketches stand for.
@@ -114,7 +118,8 @@ class LayerSketch:
     Raises:
         TypeError: model is not an ``nn.Module``, or dim, seed or min_numel is not an integer, or params is
             neither None, a string nor a list of strings.
-        ValueError: dim or min_numel below 1, batch_dim not 0 or 1, or no trainable parameter selected.
+        ValueError: dim or min_numel below 1, batch_dim not 0 or 1, no trainable parameter selected, or a
+            parameter without a layer rule on a model sharded with fully_shard.
     """
 
     def __init__(self, model: torch.nn.Module, dim: int, seed: int = 0, params: str | Sequence[str] | None = None,
