@@ -4,8 +4,9 @@ one unsharded process with sorters.CDGraB fed float64 per-example gradients.
 
 - reshard_after_forward=False on the blocks and the root, CPU offload, every layer under the root's fully_shard
   only, a Linear called twice inside a sharded block with layers of the root's own, a layer left out of
-  fully_shard (ignored_params: replicated, its gradient all-reduced by the loop): the same orders bit for bit,
-  products and running sums within float32 rounding;
+  fully_shard (ignored_params: replicated, its gradient all-reduced by the loop), the blocks sharded and the root
+  not (its own layers replicated): the same orders bit for bit, products and running sums within float32
+  rounding;
 - mixed precision (bf16 forward and backward, float32 reduce): the records are upcast to float32 and the
   products agree with float64 gradients of the function the bf16 forward computes within bf16's rounding; the
   orders match where no sign is that close to a tie (checked);
@@ -106,10 +107,14 @@ def shard(model, case, option):
         "shard-dim-1": ({"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % 2 == 0
                          else Shard(0)}, {}),
         "hsdp": (hsdp, hsdp) if option == "hsdp" else None,
+        "blocks-only": ({}, None),
     }[option]
     if blocks is not None:
         for block in case.blocks(model):
             fully_shard(block, **blocks)
+    if root is None:  # the root not sharded: its own layers' parameters stay plain, replicated
+        inside = {id(p) for block in case.blocks(model) for p in block.parameters()}
+        return [p for p in model.parameters() if id(p) not in inside]
     fully_shard(model, **root)
     return list(root.get("ignored_params") or [])
 
@@ -207,7 +212,7 @@ def assert_as_one_process(ranks, oracle, rel):
 
 @pytest.mark.parametrize("case_name, option", [
     ("mlp", "no-reshard"), ("mlp", "offload"), ("mlp", "root-only"),
-    ("shared", "default"), ("shared", "head-replicated")])
+    ("shared", "default"), ("shared", "head-replicated"), ("shared", "blocks-only")])
 def test_option_gives_one_process_orders_bit_for_bit(tmp_path, case_name, option):
     """Each option trains as the plain loop does: the orders of one unsharded process bit for bit, products and
     running sums within float32 rounding, and the parameters. `held` shows the option took effect: a sharded
@@ -223,6 +228,8 @@ def test_option_gives_one_process_orders_bit_for_bit(tmp_path, case_name, option
     held = ranks[0]["held"]
     if case_name == "mlp":  # Linear, Linear, Linear: each a block
         assert held == ([3, 3, 1] if option == "offload" else [None, None, None])  # rank 0's rows: 3/2, 3/2, 1/0
+    elif option == "blocks-only":  # each block is then an FSDP root of its own, which keeps its parameters
+        assert held == [None] * 6
     else:  # embed, (mix, norm) x 2, head: the blocks resharded, the root's own layers kept
         assert held == [None, 3, 3, 3, 3, None]
     if option == "head-replicated":  # split by the same chunk rule as the sharded ones: row 0 of 1 on rank 0
