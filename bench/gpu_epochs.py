@@ -63,6 +63,7 @@ from common.errors import OneLineErrorParser  # noqa: E402
 from engine.cli import check_args  # noqa: E402
 from engine import runlog  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
+from engine.compiled import COMPILE_CHOICES, COMPILED_BENCHMARKS  # noqa: E402
 from engine.device import set_tf32, setup_device  # noqa: E402
 from common.errors import UserFacingError  # noqa: E402
 from engine.progress import LOSS_CHECK_EVERY  # noqa: E402
@@ -311,12 +312,15 @@ def textbook_run(benchmark: str, steps: int, data_dir: str, device: torch.device
 
 
 # ------------------------------------------------------------------ the engine
-def engine_run(benchmark: str, sorter: str, steps: int, data_dir: str, device: torch.device) -> dict:
+def engine_run(benchmark: str, sorter: str, steps: int, data_dir: str, device: torch.device,
+               compile_backend: str = "off") -> dict:
     count = device.type == "cuda"
     epochs = TIMED_EPOCH + 1 if count else TIMED_EPOCH
+    # --compile: the benchmarks with a compiled step only (engine/compiled.py); epoch 1, the warm-up, compiles
+    compiled = ["--compile", compile_backend] if benchmark in COMPILED_BENCHMARKS else []
     with tempfile.TemporaryDirectory() as out:
         args, task = build_task(benchmark, steps, data_dir, device, ["--sorter", sorter, "--epochs", str(epochs),
-                                                                    "--out", out, "--progress", "off"])
+                                                                    "--out", out, "--progress", "off", *compiled])
         probe = EpochProbe(task, device, count_epoch=TIMED_EPOCH + 1 if count else None)
         rows = train(task, args, LocalCommunicator(args.node_cnt, device), device)
     timed = rows[TIMED_EPOCH - 1]
@@ -327,7 +331,7 @@ def engine_run(benchmark: str, sorter: str, steps: int, data_dir: str, device: t
             "train_loss_after_epoch": [row["train_loss"] for row in rows]}
 
 
-def measure_one(benchmark: str, steps: int, data_dir: str, device_choice: str) -> dict:
+def measure_one(benchmark: str, steps: int, data_dir: str, device_choice: str, compile_backend: str = "off") -> dict:
     """The three runs of one benchmark, in this process, one after the other."""
     device, _ = setup_device(device_choice, None)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
@@ -335,7 +339,7 @@ def measure_one(benchmark: str, steps: int, data_dir: str, device_choice: str) -
     result["runs"]["textbook"] = textbook_run(benchmark, steps, data_dir, device)
     for sorter in RUNS[1:]:
         gc.collect()  # the previous run's tensors are gone before this one's peak memory is taken
-        result["runs"][sorter] = engine_run(benchmark, sorter, steps, data_dir, device)
+        result["runs"][sorter] = engine_run(benchmark, sorter, steps, data_dir, device, compile_backend)
     return result
 
 
@@ -412,7 +416,8 @@ def measure_in_own_process(benchmark: str, steps: int, args, folder: str) -> dic
     on stderr)."""
     measured = Path(folder) / f"{benchmark}.json"
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", benchmark, "--steps", str(steps),
-                           "--device", args.device, "--data-dir", args.data_dir, "--json", str(measured)],
+                           "--device", args.device, "--data-dir", args.data_dir, "--json", str(measured),
+                           "--compile", args.compile],
                           stdout=sys.stderr)  # this process's stdout carries the report alone
     return None if done.returncode else json.loads(measured.read_text())
 
@@ -427,6 +432,8 @@ def run_all(args, steps: dict) -> int:
     report = {"device": None, "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": commit,
               "git_clean": clean, "code_tree": runlog.code_tree(),  # finds the commit where .git is older
               "command": " ".join(["python", *sys.argv]), "steps_note": steps_note(args.device),
+              "compile": {"backend": args.compile, "benchmarks": [name for name in args.benchmarks
+                                                                  if name in COMPILED_BENCHMARKS]},
               "goals": GOALS, "benchmarks": {}}
     with tempfile.TemporaryDirectory() as folder:
         for benchmark in args.benchmarks:
@@ -486,6 +493,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None, metavar="PATH",
                         help=f"where the report goes (default: {DEFAULT_JSON.relative_to(REPO)} in the repository); "
                              "with --one, where that benchmark's measurements go")
+    parser.add_argument("--compile", choices=COMPILE_CHOICES, default="off",
+                        help="the engine's runs with --compile (engine/compiled.py) on the benchmarks that have a "
+                             f"compiled step ({', '.join(COMPILED_BENCHMARKS)}), compiled in the warm-up epoch; the "
+                             "textbook loop stays eager. Write to another --json to keep the eager report")
     parser.add_argument("--one", choices=list(SETTINGS), metavar="NAME",
                         help="measure only this benchmark, in this process, and write its raw measurements to "
                              "--json (what the command runs for each benchmark)")
@@ -501,7 +512,7 @@ def main():
         if args.one:
             if args.json is None:
                 raise UserFacingError("--one needs --json PATH for its measurements")
-            measured = measure_one(args.one, steps[args.one], args.data_dir, args.device)
+            measured = measure_one(args.one, steps[args.one], args.data_dir, args.device, args.compile)
             Path(args.json).write_text(json.dumps(measured))
             return
         args.json = args.json or str(DEFAULT_JSON)
