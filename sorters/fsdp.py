@@ -52,7 +52,7 @@ def is_sharded(exact: ExactGradients) -> bool:
     return any(isinstance(p, DTensor) for p in exact.params)
 
 
-def chunk_rows(R: int, rank: int, world: int) -> tuple[int, int]:
+def _chunk_rows(R: int, rank: int, world: int) -> tuple[int, int]:
     """(r0, r1): the rows r0..r1-1 of R that process `rank` of `world` holds under torch.chunk's split (FSDP2's
     Shard(0)): ceil(R / world) rows a process, the last ones fewer or none."""
     chunk = math.ceil(R / world)
@@ -87,14 +87,14 @@ def owned_rows(p: torch.Tensor, name: str = "a parameter", rank: int | None = No
         rank = dist.get_rank() if rank is None else rank
         world = dist.get_world_size() if world is None else world
     assert rank is not None and world is not None  # (for mypy: set on both paths)
-    r0, r1 = chunk_rows(R, rank, world)
+    r0, r1 = _chunk_rows(R, rank, world)
     if local is not None and local != r1 - r0:  # FSDP2 pads only its all-gather buffer, never the local shard
         raise ValueError(f"ShardedRows: {name}'s local shard has {local} rows where rank {rank} of {world} should "
                          f"hold rows {r0}..{r1 - 1} of {R}")
     return r0, r1
 
 
-def row_count(x: Contribution) -> int:
+def _row_count(x: Contribution) -> int:
     """The rows of the (R, C) matrix a contribution holds: Outer's left (U, T, R), Rows' num_rows, Formed's
     values (U, R, C)."""
     return x.left.shape[2] if isinstance(x, Outer) else x.num_rows if isinstance(x, Rows) else x.values.shape[1]
@@ -157,7 +157,7 @@ class ShardedRows(ParameterShare):
         if records == "owners":
             if world is None:
                 world = dist.get_world_size() if dist.is_initialized() else 1
-            self.row_splits = [[chunk_rows(matrix_shape(p)[0], q, world) for q in range(world)] for p in self.params]
+            self.row_splits = [[_chunk_rows(matrix_shape(p)[0], q, world) for q in range(world)] for p in self.params]
             for name, splits, rows in zip(exact.names, self.row_splits, self.rows):
                 if splits[self.rank] != rows:
                     raise ValueError(f"ShardedRows: {name}'s rows {rows} are not rank {self.rank}'s of the default "
@@ -170,7 +170,7 @@ class ShardedRows(ParameterShare):
         R = matrix_shape(p)[0]
         if r0 == 0 and r1 == R:
             return pieces
-        return [(first, x if row_count(x) == r1 - r0 else x.rows(r0, r1)) for first, x in pieces]
+        return [(first, x if _row_count(x) == r1 - r0 else x.rows(r0, r1)) for first, x in pieces]
 
     def restrict_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """A step gradient of p, (R, C) whole (a backward's) or (r1 - r0, C) already (summed from restricted
@@ -228,7 +228,7 @@ def _sharded_sorter(owner: "CDGraBSampler | ExactCDGraB", exact: ExactGradients,
                          "another ExactGradients, or divide_products=True)")
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, p, rows in zip(exact.names, exact.params, share.rows):
-        if rows != chunk_rows(matrix_shape(p)[0], rank, world):  # the checkpoint's DTensors are split over the group
+        if rows != _chunk_rows(matrix_shape(p)[0], rank, world):  # the checkpoint's DTensors are split over the group
             raise ValueError(f"{what}: {name}'s rows {rows} are not rank {rank}'s share of the default process group "
                              f"of {world} (a model sharded over part of the processes is not supported)")
     return sorter, sampler, share
