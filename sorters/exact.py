@@ -299,7 +299,8 @@ class ExactGradients:
 
     Raises:
         TypeError: model is not an ``nn.Module``.
-        ValueError: an unknown ``how``, or no parameter selected.
+        ValueError: an unknown ``how``, no parameter selected, or under fully_shard a selected parameter sharded
+            by it that has no layer rule (autograd cannot form its per-example gradients there).
     """
 
     def __init__(self, model: torch.nn.Module, params: str | Sequence[str] | None = None,
@@ -314,6 +315,12 @@ class ExactGradients:
         self.formed_ids = {id(p) for p in self.formed}
         # a BatchNorm in training mode mixes the batch: an example's loss then depends on the others' inputs
         self.batch_norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        sharded_formed = [name for name, p in layout.formed if _is_dtensor(p)]
+        if sharded_formed:  # autograd.grad of a sharded parameter gets None: FSDP's forward used its gathered copy
+            raise ValueError(f"ExactGradients: under fully_shard the parameters of layers without a per-layer rule "
+                             f"cannot be formed per example (their gradients reach FSDP's gathered copies only): "
+                             f"{', '.join(sharded_formed[:8])}; leave them out with params=, or out of fully_shard "
+                             "with its ignored_params=")
         if self.formed:
             names = ", ".join(name for name, _ in layout.formed[:8])
             warnings.warn(f"ExactGradients: {len(self.formed)} selected parameter(s) "
@@ -841,6 +848,14 @@ def _formed_part(units: UnitGradients, share: "sorters.gather.ParameterShare") -
         w[u] = 1.0
         units.add_to(out[u], w, share=share)
     return out
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    """Whether p is a DTensor (FSDP2's sharded parameter); torch.distributed.tensor is imported only when asked."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(p, DTensor)
 
 
 def _squared_norm(x: torch.Tensor, chunk: int = 2**20) -> float:

@@ -72,6 +72,30 @@ class SharedCase(MLPCase):
         return (model(x) - y[:, 0]).square()
 
 
+class GainNet(SharedNet):
+    """SharedNet with a bare (5,) gain after the first layer: a parameter without a layer rule, formed per
+    example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x)) * self.gain
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)[:, 0]
+
+
+class GainCase(SharedCase):
+    """GainNet on SharedCase's windows and losses."""
+
+    @staticmethod
+    def model():
+        torch.manual_seed(0)
+        return GainNet()
+
+
 class MLP4Case(MLPCase):
     """MLPCase with the windows of 4 replicas."""
 
@@ -81,7 +105,7 @@ class MLP4Case(MLPCase):
         return torch.randn(4 * M, 6, generator=generator), torch.randn(4 * M, HORIZON, generator=generator)
 
 
-CASES = {"mlp": MLPCase, "mlp4": MLP4Case, "shared": SharedCase, "gpt2": GPT2Case}
+CASES = {"mlp": MLPCase, "mlp4": MLP4Case, "shared": SharedCase, "gain": GainCase, "gpt2": GPT2Case}
 
 
 def shard(model, case, option):
@@ -103,6 +127,7 @@ def shard(model, case, option):
         "bf16": ({"mp_policy": bf16},) * 2,
         "root-only": (None, {}),
         "head-replicated": ({}, {"ignored_params": set(model.head.parameters()) if hasattr(model, "head") else None}),
+        "gain-replicated": ({}, {"ignored_params": {model.gain} if hasattr(model, "gain") else None}),
         # (FSDP2 itself refuses an uneven split of dim 1: the matrices with an even number of columns)
         "shard-dim-1": ({"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % 2 == 0
                          else Shard(0)}, {}),
@@ -128,8 +153,8 @@ def options_rank(rank, port, path, case_name, option, world):
     """One of `world` forked gloo processes: the model sharded with `option` and trained with
     CDGraBSampler(exact=True) (tests/test_fsdp.py's loop); saved to path.rankR: the orders, losses, products and
     whole running sums per step, the parameters before each step and at the end, and what each recorded layer
-    holds after the first forward (`held`: a DTensor's local rows, None for a plain tensor); or, when the first
-    step_units refuses, its message (`refused`)."""
+    holds after the first forward (`held`: a DTensor's local rows, None for a plain tensor); or, when
+    ExactGradients or the first step_units refuses, its message (`refused`)."""
     import torch.distributed as dist
 
     from sorters import CDGraBSampler
@@ -140,7 +165,11 @@ def options_rank(rank, port, path, case_name, option, world):
         case = CASES[case_name]
         model = case.model()
         replicated = shard(model, case, option)
-        exact = ExactGradients(model)  # after fully_shard: the sharded parameters
+        try:
+            exact = ExactGradients(model)  # after fully_shard: the sharded parameters
+        except ValueError as refusal:
+            torch.save({"refused": str(refusal)}, f"{path}.rank{rank}")
+            return
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         sampler = CDGraBSampler(world * M, batch_size=K, d=exact.d, seed=SEED, exact=True)
         x, y = case.data()
@@ -212,7 +241,7 @@ def assert_as_one_process(ranks, oracle, rel):
 
 @pytest.mark.parametrize("case_name, option", [
     ("mlp", "no-reshard"), ("mlp", "offload"), ("mlp", "root-only"),
-    ("shared", "default"), ("shared", "head-replicated"), ("shared", "blocks-only")])
+    ("shared", "default"), ("shared", "head-replicated"), ("shared", "blocks-only"), ("gain", "gain-replicated")])
 def test_option_gives_one_process_orders_bit_for_bit(tmp_path, case_name, option):
     """Each option trains as the plain loop does: the orders of one unsharded process bit for bit, products and
     running sums within float32 rounding, and the parameters. `held` shows the option took effect: a sharded
@@ -230,8 +259,13 @@ def test_option_gives_one_process_orders_bit_for_bit(tmp_path, case_name, option
         assert held == ([3, 3, 1] if option == "offload" else [None, None, None])  # rank 0's rows: 3/2, 3/2, 1/0
     elif option == "blocks-only":  # each block is then an FSDP root of its own, which keeps its parameters
         assert held == [None] * 6
+    elif option == "gain-replicated":  # the blocks resharded (the root's own layers too, here)
+        assert held[1:5] == [3, 3, 3, 3]
     else:  # embed, (mix, norm) x 2, head: the blocks resharded, the root's own layers kept
         assert held == [None, 3, 3, 3, 3, None]
+    if option == "gain-replicated":  # the gain, formed per example, plain and split like the others
+        gain = ranks[0]["names"].index("gain")
+        assert (ranks[0]["rows"][gain], ranks[1]["rows"][gain]) == ((0, 3), (3, 5))
     if option == "head-replicated":  # split by the same chunk rule as the sharded ones: row 0 of 1 on rank 0
         head = [i for i, name in enumerate(ranks[0]["names"]) if name.startswith("head.")]
         assert [ranks[0]["rows"][i] for i in head] == [(0, 1), (0, 1)]
@@ -246,6 +280,15 @@ def test_other_placements_are_refused_in_one_line(tmp_path, option):
         message = got["refused"]
         assert "\n" not in message and "Shard(0)" in message and "one-dimensional mesh" in message
         assert ("Shard(dim=1)" if option == "shard-dim-1" else "2-D mesh") in message
+
+
+def test_a_sharded_parameter_without_a_layer_rule_is_refused_in_one_line(tmp_path):
+    """GainNet's bare gain, sharded by the root's fully_shard: autograd cannot form its per-example gradients (they
+    reach FSDP's gathered copy), so ExactGradients refuses it, naming it and what to do. Left out of fully_shard
+    (ignored_params) it is formed as unsharded: test_option_gives_one_process_orders_bit_for_bit[gain-...]."""
+    for got in run(tmp_path, "gain", "default"):
+        message = got["refused"]
+        assert "\n" not in message and ": gain;" in message and "params=" in message and "ignored_params=" in message
 
 
 # ------------------------------------------------------------------------------------- mixed precision (bf16)
