@@ -218,7 +218,8 @@ def fsdp_on_cpu(cls, plugin_args=None):
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
             state = self.accelerator.state
-            assert state.distributed_type in (DistributedType.MULTI_CPU, DistributedType.NO)  # the plugin dropped
+            # the plugin dropped (or, for a second Trainer in the process, the state set for the first)
+            assert state.distributed_type in (DistributedType.MULTI_CPU, DistributedType.NO, DistributedType.FSDP)
             self.cpu_state = state.distributed_type, getattr(state, "fsdp_plugin", None)  # shared by every Trainer
             state.distributed_type = DistributedType.FSDP
             state.fsdp_plugin = FullyShardedDataParallelPlugin(**(plugin_args or self.args.fsdp_plugin_args))
@@ -253,8 +254,9 @@ HF_SETTINGS = {"exact": {}, "sketch": {"sketch_dim": 32, "structured": True, "mi
 def hf_rank(rank, port, out, how):
     """One of 2 forked processes: CDGraBTrainer (CD-GraB with HF_SETTINGS[how]) under Accelerate's FSDP2 over
     gloo, a checkpoint every 4 optimizer steps; micro-batches, losses, whole final parameters and the sampler's
-    share saved to out.rankR. First ("exact"), without the GPU state: what Accelerate does with `fsdp` on the
-    CPU, and CDGraBTrainer's warning."""
+    share saved to out.rankR. With "exact", also: first, without the GPU state, what Accelerate does with
+    `fsdp` on the CPU and CDGraBTrainer's warning; last, a second Trainer resumed from checkpoint-4 (mid-epoch:
+    the Trainer's sharded model and optimizer, the sampler's state), its micro-batches and losses."""
     torchrun_environment(rank, port)
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(reset_partial_state=True)  # the parent's one-process state, forked
@@ -275,6 +277,11 @@ def hf_rank(rank, port, out, how):
                                                           cdgrab=CDGraBSettings(**HF_SETTINGS[how]),
                                                           train_dataset=hf.examples(hf.token_rows()))
         trainer.train()
+        resumed = fsdp_on_cpu(recorded(hf.CDGraBTrainer))(model=hf.tiny_gpt2(), args=args,
+                                                          cdgrab=CDGraBSettings(**HF_SETTINGS[how]),
+                                                          train_dataset=hf.examples(hf.token_rows()))
+        if how == "exact":
+            resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
         sorter, records = trainer.cdgrab_sampler.sorter, trainer.cdgrab_grads
         selected = dict(trainer.model.named_parameters())
         offsets = records.offsets if how == "exact" else records.layout.offsets  # by id(parameter)
@@ -282,6 +289,7 @@ def hf_rank(rank, port, out, how):
                     "params": {n: p.full_tensor() for n, p in selected.items()},
                     "share": type(getattr(sorter, "share", None)).__name__, "sum_numel": sorter.running_sum.numel(),
                     "d": records.d, "exact": trainer.cdgrab_settings.exact_low_memory,
+                    "resumed": (resumed.batches, resumed.losses),
                     "on_cpu": (on_cpu is not None and on_cpu.is_fsdp_enabled, warned),
                     "recorded": [type(selected[name]).__name__ for name in records.names],
                     # the records' parameters are the sharded ones (no unsharded copy kept alive)
@@ -336,6 +344,9 @@ def test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders(hf, tmp_pat
     # optimizer step 4: epoch 1's first, 2 micro-batches of 2 of its 12 positions; the sum whole (state_dict)
     saved = torch.load(tmp_path / "fsdp" / "checkpoint-4" / hf.SAMPLER_FILE)["sampler"]
     assert saved["position"] == 4 and saved["sorter"]["running_sum"].numel() == runs[0]["d"]
+    for run in runs:  # resumed there: the uninterrupted run's last 10 micro-batches and losses, bit for bit
+        batches, losses = run["resumed"]
+        assert len(batches) == 10 and batches == run["batches"][-10:] and losses == run["losses"][-10:]
 
 
 @pytest.mark.parametrize("settings, message", [
