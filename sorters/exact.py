@@ -296,6 +296,8 @@ class ExactGradients:
         params: those parameters.
         d: their total number of entries, the length of the gradients the products stand for.
         offsets: each parameter's (by ``id``) first coordinate in that flat (d,) vector.
+        record_dtypes: each recorded layer's (by module) dtype of its records, its parameters' dtype: records in
+            another (bf16 under a mixed-precision policy or autocast) are upcast to it.
 
     Raises:
         TypeError: model is not an ``nn.Module``.
