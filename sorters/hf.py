@@ -78,6 +78,8 @@ except ImportError as error:  # the package depends on torch, numpy and numba on
 __all__ = ["CDGraBTrainer", "CDGraBTrainerMixin", "SAMPLER_FILE"]
 
 SAMPLER_FILE = "cdgrab_sampler.pt"
+# under FSDP: the sampler's rows of the running sum, a torch.distributed.checkpoint folder beside SAMPLER_FILE
+_SHARDED_SAMPLER_DIR = "cdgrab_sampler_shards"
 _LOGGER = logging.getLogger(__name__)  # "sorters.hf": the dry run's reads of the user's data (INFO)
 
 # the keyword arguments the mixin took before CDGraBSettings, and the settings' field each one sets
@@ -168,6 +170,7 @@ class CDGraBTrainerMixin(_TrainerBase):
         # the formed gradients, the structured sketches or the exact path's records
         self.cdgrab_grads: PerExampleLossGrads | LayerSketch | ExactGradients | BackwardGradient | None = None
         self._cdgrab_resume_from: str | None = None
+        self._cdgrab_sharded_state: str | None = None  # a sharded sampler state to load once the model is sharded
         # structured / exact: the recording of the current micro-batch
         self._cdgrab_recording: Recording | ExactRecording | None = None
 
@@ -391,7 +394,14 @@ class CDGraBTrainerMixin(_TrainerBase):
         if settings.exact_low_memory:
             self._install_exact_sorter(len(dataset), world)
         if self._cdgrab_resume_from is not None:
-            self._sampler.load_state_dict(self._saved_sampler_state(), replay_from_epoch_start=True)
+            state = self._saved_sampler_state()
+            if "sharded" not in state:
+                self._sampler.load_state_dict(state, replay_from_epoch_start=True)
+            elif not self.is_fsdp_enabled:
+                raise ValueError(f"{type(self).__name__}: {self._cdgrab_resume_from} holds the sampler's state "
+                                 "sharded, as written under FSDP; resume under FSDP (fsdp=True)")
+            else:  # its rows follow the sharded parameters: loaded by _prepare_for_training, after the sharding
+                self._cdgrab_sharded_state = os.path.join(self._cdgrab_resume_from, state["sharded"])
         return self._sampler
 
     def _install_exact_sorter(self, dataset_size: int, world: int) -> None:
@@ -662,13 +672,38 @@ class CDGraBTrainerMixin(_TrainerBase):
     # ------------------------------------------------------------------ checkpoints
 
     # trial: an optuna.Trial or a dict of hyperparameters (optuna is optional, so not named here)
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's model wrapping (under FSDP: the sharding), then what follows the sharded parameters:
+        the records' ExactGradients or LayerSketch, and a resumed sampler's sharded state (before the loader
+        is iterated)."""
+        prepared = super()._prepare_for_training(*args, **kwargs)
+        if self.is_fsdp_enabled:
+            self._records_over_sharded_parameters()
+        checkpoint, self._cdgrab_sharded_state = self._cdgrab_sharded_state, None
+        if checkpoint is not None:
+            from sorters.fsdp import load_sharded_state_dict
+            load_sharded_state_dict(self._sampler, cast(ExactGradients, self.cdgrab_grads), checkpoint,
+                                    replay_from_epoch_start=True)
+        return prepared
+
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        # every process takes the state (exact_low_memory under torchrun sums its running sum over them)
-        state = None if self.cdgrab_sampler is None else self.cdgrab_sampler.state_dict()
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        sampler, exact = self.cdgrab_sampler, self.cdgrab_grads
+        state: dict[str, Any] | None = None
+        if sampler is not None and self.is_fsdp_enabled and isinstance(exact, ExactGradients):
+            # under FSDP each process saves its rows of the running sum (torch.distributed.checkpoint), so that no
+            # process holds d numbers; SAMPLER_FILE names the folder
+            import torch.distributed.checkpoint as dcp
+
+            from sorters.fsdp import sharded_state_dict
+            dcp.save({"sampler": sharded_state_dict(sampler, exact)},
+                     checkpoint_id=os.path.join(folder, _SHARDED_SAMPLER_DIR))
+            state = {"sharded": _SHARDED_SAMPLER_DIR}
+        elif sampler is not None:
+            # every process takes the state (exact_low_memory under torchrun sums its running sum over them)
+            state = sampler.state_dict()
         if self.args.should_save and state is not None:
-            folder = os.path.join(self._get_output_dir(trial=trial),
-                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             path = os.path.join(folder, SAMPLER_FILE)
             torch.save({"sampler": state, "gradients": self._gradient_settings(), FORMAT_KEY: TRAINER_STATE_FORMAT},
                        path + ".tmp")  # the format: sorters/_state_format.py

@@ -341,9 +341,14 @@ def test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders(hf, tmp_pat
     for run in runs:  # without the GPU state: unsharded (Accelerate's choice), and the glue says so in one warning
         enabled, warned = run["on_cpu"]
         assert not enabled and len(warned) == 1 and "did not enable FSDP" in warned[0]
-    # optimizer step 4: epoch 1's first, 2 micro-batches of 2 of its 12 positions; the sum whole (state_dict)
-    saved = torch.load(tmp_path / "fsdp" / "checkpoint-4" / hf.SAMPLER_FILE)["sampler"]
-    assert saved["position"] == 4 and saved["sorter"]["running_sum"].numel() == runs[0]["d"]
+    # optimizer step 4 (epoch 1's first): the sampler's state in a torch.distributed.checkpoint folder, the
+    # running sum's rows per parameter (no tensor of d entries), which SAMPLER_FILE names
+    checkpoint = tmp_path / "fsdp" / "checkpoint-4"
+    folder = torch.load(checkpoint / hf.SAMPLER_FILE)["sampler"]["sharded"]
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(checkpoint / folder).read_metadata().state_dict_metadata
+    sums = {key: value.size for key, value in saved.items() if key.startswith("sampler.running_sum.")}
+    assert sum(size.numel() for size in sums.values()) == runs[0]["d"] and len(sums) > 1
     for run in runs:  # resumed there: the uninterrupted run's last 10 micro-batches and losses, bit for bit
         batches, losses = run["resumed"]
         assert len(batches) == 10 and batches == run["batches"][-10:] and losses == run["losses"][-10:]
