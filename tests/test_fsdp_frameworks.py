@@ -101,7 +101,8 @@ def lightning_module(settings):
 def lightning_rank(rank, port, path, how):
     """One of 2 forked processes: Lightning's ModelParallelStrategy over gloo (it reads the torchrun variables)
     with CDGraBCallback, balancing exact CD-GraB ("exact") or the structured sketches ("sketch"); orders,
-    losses, whole final parameters and the sampler's share saved to path.rankR."""
+    losses, whole final parameters and the sampler's share saved to path.rankR. With "exact" also a checkpoint
+    after step 3 (mid-epoch 1: Lightning's distributed checkpoint), and a second run resumed from it."""
     torchrun_environment(rank, port)
     import lightning.pytorch as L
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -113,15 +114,22 @@ def lightning_rank(rank, port, path, how):
         module = lightning_module(settings)
         # the sketch's seed is not the sampler's: the callback takes the sketcher without settings
         callback = CDGraBCallback(settings=settings) if how == "exact" else CDGraBCallback(sketcher=module.sketcher)
-        trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=2, use_distributed_sampler=False,
-                            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                            callbacks=[callback], logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(module)
+
+        def trainer(*callbacks):
+            return L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=2, use_distributed_sampler=False,
+                             strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                             callbacks=list(callbacks), logger=False, enable_checkpointing=len(callbacks) > 1,
+                             enable_progress_bar=False, enable_model_summary=False)
+        saver = L.callbacks.ModelCheckpoint(dirpath=f"{path}-checkpoints", every_n_train_steps=3, save_top_k=-1,
+                                            filename="mid-{step}")
+        trainer(callback, *([saver] if how == "exact" else [])).fit(module)
+        resumed = lightning_module(settings)
+        if how == "exact":
+            trainer(CDGraBCallback(settings=settings)).fit(resumed, ckpt_path=f"{path}-checkpoints/mid-step=3.ckpt")
         sorter, recorder = module.sampler.sorter, module.exact if how == "exact" else module.sketcher
         selected = dict(module.net.named_parameters())
         offsets = recorder.offsets if how == "exact" else recorder.layout.offsets  # by id(parameter)
-        torch.save({"orders": module.orders, "losses": module.losses,
+        torch.save({"orders": module.orders, "losses": module.losses, "resumed": (resumed.orders, resumed.losses),
                     "params": [p.full_tensor() for p in module.net.parameters()],
                     "share": type(getattr(sorter, "share", None)).__name__, "sum_numel": sorter.running_sum.numel(),
                     "d": recorder.d, "recorded": [type(selected[name]).__name__ for name in recorder.names],
@@ -166,6 +174,10 @@ def test_lightning_model_parallel_gives_the_unsharded_orders_bit_for_bit(lightni
     if how == "sketch":
         assert lightning_ranks[0]["sum_numel"] == DIMS["mlp"]  # the sketches' running sum, (D,)
         return
+    for got in lightning_ranks:  # resumed after step 3: epochs 1 and 2's orders, steps 4 to 6's losses, bit for bit
+        resumed_orders, resumed_losses = got["resumed"]
+        assert len(resumed_orders) == 2 and all(map(torch.equal, resumed_orders, got["orders"][1:]))
+        assert len(resumed_losses) == 3 and all(map(torch.equal, resumed_losses, got["losses"][3:]))
     assert all(got["share"] == "ShardedRows" for got in lightning_ranks)
     sizes = [got["sum_numel"] for got in lightning_ranks]
     assert sum(sizes) == lightning_ranks[0]["d"] and min(sizes) > 0.3 * lightning_ranks[0]["d"]
