@@ -34,14 +34,23 @@ What the mixin changes in the Trainer, and why:
   default and refuse what the layer records cannot serve; the formed path also forms item 0's gradient),
   logged at INFO level by the logger "sorters.hf".
 
+Under Accelerate's FSDP2 plugin (`fsdp=True`, fsdp_config={"version": 2}; on GPUs: Accelerate drops the plugin on
+the CPU, and the mixin then logs a warning) a balancing sorter takes what the layer records give: exact CD-GraB,
+its running sum split like the sharded parameters (sorters.fsdp.ShardedRows, each process its rows), or the
+structured sketches. The Trainer shards the model after it built the sampler, so the ExactGradients (LayerSketch)
+is rebuilt over the sharded parameters in `_prepare_for_training`; the records never write .grad (FSDP
+reduce-scatters it), and a checkpoint keeps each process's rows (sorters.fsdp.sharded_state_dict, in a
+torch.distributed.checkpoint folder beside cdgrab_sampler.pt), loaded on resume once the model is sharded.
+FSDP1 is refused.
+
 One process can also host several replicas (`num_replicas=R` when not launched by torchrun): each
 micro-batch is then every replica's `per_device_train_batch_size` examples side by side, and the orders
 equal those of R processes (the sampler's one-process mode).
 
 transformers and accelerate are imported here only, so `import sorters` never needs them (pip extra:
 `cdgrab-sorters[hf]`). Checked against transformers 5.23 (the Trainer's private `_get_dataloader`,
-`_get_output_dir` and `_save_checkpoint` are used, as documented subclassing points are not enough:
-the loader's batch size and the checkpoint folder).
+`_get_output_dir`, `_save_checkpoint` and `_prepare_for_training` are used, as documented subclassing points
+are not enough: the loader's batch size, the checkpoint folder, the moment FSDP has sharded the model).
 """
 import contextlib
 import dataclasses
@@ -261,7 +270,8 @@ class CDGraBTrainerMixin(_TrainerBase):
 
         Raises:
             ValueError: one line for each: a train_dataset without a length, another train_sampling_strategy,
-                auto_find_batch_size, DataParallel, DeepSpeed or FSDP, split_batches / dispatch_batches,
+                auto_find_batch_size, DataParallel, DeepSpeed, FSDP1 or under FSDP2 a balancing
+                sorter on what the layer records do not give, split_batches / dispatch_batches,
                 ignore_data_skip on a resume, num_replicas other than the processes, a dataset that does not
                 split into full batches without dataloader_drop_last; for a sorter that balances gradients,
                 gradient checkpointing, dropout, NEFTune, label smoothing or a compute_loss_func.

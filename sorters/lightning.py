@@ -75,6 +75,12 @@ gradients, which are never formed whole. training_step as above (watch(self, los
 Under DDP each rank hands over its own records and the sampler all-gathers them (docs/exact-cdgrab.md,
 "Several processes").
 
+A model sharded with FSDP2 (`ModelParallelStrategy`, `fully_shard` in the module's `configure_model`, which
+Lightning calls after `setup()`): the callback rebuilds the module's ExactGradients (or sketcher, with the same
+map) over the sharded parameters at on_fit_start, and exact CD-GraB's running sum follows their rows
+(sorters.fsdp.ShardedRows; docs/fsdp.md). The formed per-example gradients, and FSDPStrategy (FSDP1's flat
+parameters), are refused for a balancing sorter.
+
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
 import re
