@@ -104,6 +104,9 @@ except ImportError as error:  # the package depends on torch, numpy and numba on
 
 __all__ = ["CDGraBCallback", "LightningCDGraBSampler", "watch"]
 
+# ModelParallelStrategy's distributed checkpoint: where the sampler's rows go in its "state_dict" (by DCP's key)
+_SHARDED_KEY = "cdgrab_sampler"
+
 
 class LightningCDGraBSampler(CDGraBSampler):
     """A CDGraBSampler (same arguments) for Lightning: len() is the whole epoch's.
@@ -177,6 +180,10 @@ class CDGraBCallback(Callback):
         self._recording: Recording | ExactRecording | None = None
         # MB-GraB in one process hosting one replica: the micro-batch's gradient from the step's own backward
         self._backward: BackwardGradient | None = None
+        # exact CD-GraB on a sharded model under a distributed checkpoint: the running sum's rows are saved by
+        # each process into the checkpoint's model state (on_save_checkpoint) and read from trainer.ckpt_path
+        self._saves_rows = False
+        self._trainer: Trainer | None = None
 
     @property
     def _sampler(self) -> CDGraBSampler:
@@ -228,6 +235,9 @@ class CDGraBCallback(Callback):
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
         self._backward = self._backward_gradient(trainer, pl_module)
+        self._trainer = trainer
+        self._saves_rows = isinstance(self._sampler.sorter, ExactCDGraB) and self.exact is not None \
+            and _has_dtensors(pl_module) and bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
         if self._sampler.uses_grads and self._backward is None and self.sketcher is None and self.exact is None \
                 and self.grads_fn is None \
                 and not hasattr(pl_module, "per_example_grads"):
@@ -415,8 +425,19 @@ class CDGraBCallback(Callback):
         """
         if self.sampler is None:  # nothing to save yet, or the loaded state still waiting for the sampler
             return {FORMAT_KEY: LIGHTNING_STATE_FORMAT} if self._pending_state is None else self._pending_state
-        return {"sampler": self.sampler.state_dict(), "sketch_map": self._sketch_map(),
+        # on a sharded model the rows go into the distributed checkpoint (on_save_checkpoint), not d numbers here
+        sampler = {"sharded": _SHARDED_KEY} if self._saves_rows else self.sampler.state_dict()
+        return {"sampler": sampler, "sketch_map": self._sketch_map(),
                 FORMAT_KEY: LIGHTNING_STATE_FORMAT}  # the format: sorters/_state_format.py
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Lightning's hook (every process): exact CD-GraB on a sharded model under ModelParallelStrategy's
+        distributed checkpoint puts this process's rows of the running sum into the checkpoint's model state,
+        which the strategy saves with torch.distributed.checkpoint (sorters.fsdp.sharded_state_dict), so that no
+        process holds d numbers."""
+        if self._saves_rows and self.exact is not None:
+            from sorters.fsdp import sharded_state_dict
+            checkpoint["state_dict"][_SHARDED_KEY] = sharded_state_dict(self._sampler, self.exact)
 
     def _sketch_map(self) -> dict[str, object] | None:
         """The sketcher's map (None without one): what the sampler's sketch_dim and seed do not say."""
@@ -451,12 +472,27 @@ class CDGraBCallback(Callback):
                              f"this run's is {map_now}: resume with the same sketcher (LayerSketch dim, seed, "
                              "params, min_numel) or none, as the checkpoint's run")
         state = state_dict["sampler"]
+        if "sharded" in state:  # the running sum's rows, in the distributed checkpoint being resumed
+            self._load_rows(state["sharded"])
+            state = {"started": self.sampler.started, "position": self.sampler.position}
         if state["started"] and 0 < state["position"] < self.sampler.m and not isinstance(self.sampler,
                                                                                      LightningCDGraBSampler):
             raise ValueError("CDGraBCallback: the checkpoint was saved part-way through an epoch, which Lightning "
                              "resumes by counting batches itself: build the sampler as "
                              "sorters.lightning.LightningCDGraBSampler (same arguments)")
-        self.sampler.load_state_dict(state)  # mid-epoch: its next iteration is the rest of that epoch
+        if "sharded" not in state_dict["sampler"]:
+            self.sampler.load_state_dict(state)  # mid-epoch: its next iteration is the rest of that epoch
+
+    def _load_rows(self, key: str) -> None:
+        """The sampler's state from the distributed checkpoint Lightning resumes (trainer.ckpt_path), each
+        process reading its rows of the running sum (sorters.fsdp.load_sharded_state_dict)."""
+        path = getattr(self._trainer, "ckpt_path", None)
+        if self.exact is None or path is None or not self._saves_rows:
+            raise ValueError("CDGraBCallback: the checkpoint holds the sampler's running sum sharded, as exact CD-GraB "
+                             "on a model sharded with fully_shard under ModelParallelStrategy saves it; resume that "
+                             "way (exact_low_memory, the same strategy)")
+        from sorters.fsdp import load_sharded_state_dict
+        load_sharded_state_dict(self._sampler, self.exact, checkpoint_id=path, key=f"state_dict.{key}")
 
 
 def _is_fsdp1(trainer: Trainer) -> bool:

@@ -147,7 +147,7 @@ def lightning_ranks(request, tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
     path = tmp_path_factory.mktemp("lightning-fsdp") / "run"
     run_forked(lightning_rank, (free_port(), path, request.param), 2)
-    return request.param, [torch.load(f"{path}.rank{r}") for r in range(2)]
+    return request.param, [torch.load(f"{path}.rank{r}") for r in range(2)], path
 
 
 def test_lightning_model_parallel_gives_the_unsharded_orders_bit_for_bit(lightning_ranks):
@@ -157,7 +157,7 @@ def test_lightning_model_parallel_gives_the_unsharded_orders_bit_for_bit(lightni
     replica's losses and the final parameters within float32 rounding. The callback rebuilt the ExactGradients
     (LayerSketch) over the sharded parameters (DTensors); exact CD-GraB's running sum holds this process's rows
     only (ShardedRows, about d / 2)."""
-    how, lightning_ranks = lightning_ranks
+    how, lightning_ranks, path = lightning_ranks
     if how == "exact":
         orders, losses, params, _, _ = one_process(MLPCase)
     else:
@@ -174,6 +174,16 @@ def test_lightning_model_parallel_gives_the_unsharded_orders_bit_for_bit(lightni
     if how == "sketch":
         assert lightning_ranks[0]["sum_numel"] == DIMS["mlp"]  # the sketches' running sum, (D,)
         return
+    # the checkpoint: the callback's state names its rows, which the distributed checkpoint holds per parameter
+    checkpoint = path.parent / f"{path.name}-checkpoints" / "mid-step=3.ckpt"
+    states = [state for key, state in torch.load(checkpoint / "meta.pt", weights_only=False)["callbacks"].items()
+              if key.startswith("CDGraBCallback")]
+    assert len(states) == 1 and states[0]["sampler"] == {"sharded": "cdgrab_sampler"}
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    sums = [meta.size.numel() for key, meta in saved.items()
+            if key.startswith("state_dict.cdgrab_sampler.running_sum.")]
+    assert sum(sums) == lightning_ranks[0]["d"] and len(sums) == 6
     for got in lightning_ranks:  # resumed after step 3: epochs 1 and 2's orders, steps 4 to 6's losses, bit for bit
         resumed_orders, resumed_losses = got["resumed"]
         assert len(resumed_orders) == 2 and all(map(torch.equal, resumed_orders, got["orders"][1:]))
