@@ -45,7 +45,8 @@ class MLPM4(Task):
     metric_columns = ("valid_loss", "test_smape")
     vmap_over_workers = True
     linear_stack = True  # local steps: every worker's gradient from one batched pass (engine/linear_stack.py)
-    compiled_methods = ("loss",)  # --compile: the batch gradient's rollout and its backward (engine/compiled.py)
+    # --compile (engine/compiled.py): the batch gradient's rollout with its backward, and the per-window gradients
+    compiled_methods = ("loss", "_window_gradients")
     lr_decay_every = 10
     lr_decay_gamma = 0.25
 
@@ -105,8 +106,13 @@ class MLPM4(Task):
         if not self.outer_products_apply(flat):
             return super().unit_grads(flat, batch, n_local, k)
         grads = self._unit_grad_buffer(n_local * k)
-        losses = window_gradients(self.model.module, *batch, out=grads)
+        losses = self._window_gradients(*batch, out=grads)
         return grads.view(n_local, k, -1), losses.view(n_local, k)
+
+    def _window_gradients(self, x, y, out):
+        """models.mlp.window_gradients of the module (x (U, in_len), y (U, horizon) into out (U, d); the losses
+        (U,)), a method of its own so that --compile can wrap it."""
+        return window_gradients(self.model.module, x, y, out=out)
 
     def _squared_error_sum(self, flat, x, y, comm):
         """Sum of squared errors of a rollout of len y over all rows; fixed chunks split over processes."""

@@ -207,7 +207,8 @@ def add_step_flags(p) -> None:
                         "(LSTM, GPT-2), where the step dwarfs the loop and numba's resident memory would show. docs/sketching.md")
     p.add_argument("--compile", choices=COMPILE_CHOICES, default="off",
                    help="torch.compile the data-parallel step's gradients (LR-HMDA: its closed forms; MLP-M4: the "
-                        "batch gradient's rollout and backward; engine/compiled.py): inductor = fused kernels (fewer "
+                        "batch gradient's rollout and backward, and the per-window gradients; engine/compiled.py): "
+                        "inductor = fused kernels (fewer "
                         "GPU launches; a C compiler on the CPU; the first steps compile, about 20 s), aot_eager = the "
                         "traced graphs run operator by operator (a check: the eager step's arithmetic). The same "
                         "orders; losses to float32 rounding. off (default): eager")
