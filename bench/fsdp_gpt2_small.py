@@ -36,8 +36,10 @@ process and receives theirs; a reduce-scatter sends each other process its chunk
 own chunk from each; an all-reduce counts as a reduce-scatter and an all-gather (2 (P - 1) / P of the tensor
 each way); an all-to-all sends and receives everything but its own block. Per round a variant counts its slowest
 rank's step and its largest peak; per variant the median over the interleaved rounds (every variant once a
-round), with the ratios to plain's. "cheaper_route": the records route whose sorter's part ("sorter") is the
-shorter (the only part a route changes). Writes ONE JSON object to --out (and prints it), then a markdown table.
+round), with the ratios to plain's. "cheaper_route": the records route with the shorter sorter's part (the only
+part of the step a route changes; whole steps vary more with the machine's load than the routes differ), with
+the shorter records' exchange ("gather") and with fewer bytes received. Writes ONE JSON object to --out (and
+prints it), then a markdown table.
 """
 import argparse
 import contextlib
@@ -384,14 +386,16 @@ def measure(args) -> dict:
     summary = summarise(rounds)
     first = summary["plain"]["rounds"][0]["ranks"][0]
     exact_names = [name for name in names if name.startswith("exact")]
-    # the route changes the sorter's call only: compared on it, not on whole steps (the model's part varies more
-    # between runs with the machine's load than the routes differ)
-    fastest = min(exact_names, key=lambda name: summary[name]["part_seconds"].get("sorter", 0.0))
+
+    def cheapest(cost):  # the route of the exact variant with the smallest cost
+        return min(exact_names, key=lambda name: cost(summary[name])).split("=")[1]
     return {
         "variants": summary,
         "targets": {"exact": TARGETS, "met": {name: {key: summary[name][key] <= limit for key, limit in TARGETS.items()}
                                              for name in exact_names}},
-        "cheaper_route": fastest.split("=")[1],
+        "cheaper_route": {"sorter_seconds": cheapest(lambda v: v["part_seconds"].get("sorter", 0.0)),
+                          "gather_seconds": cheapest(lambda v: v["part_seconds"].get("gather", 0.0)),
+                          "bytes_received": cheapest(lambda v: v["bytes_per_step"]["cdgrab"]["received"])},
         "routes_give_the_same_orders": orders_equal(rounds),
         "settings": {
             "model": f"models.gpt2.build_gpt2(**{SMALL if args.small_config else GPT2_SMALL}): eager attention, "
