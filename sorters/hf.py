@@ -329,6 +329,10 @@ class CDGraBTrainerMixin(_TrainerBase):
                              "records cannot name; use FSDP2: fsdp_config={'version': 2} (fully_shard)")
         if not self._uses_grads:
             return
+        if getattr(self.accelerator.state.fsdp_plugin, "activation_checkpointing", False):
+            raise ValueError(f"{name}: FSDP's activation checkpointing runs the forward again in the backward, "
+                             f"which the layer records {settings.sorter} balances cannot follow; turn "
+                             "fsdp_config's activation_checkpointing off")
         model = self._module
         every_one_recorded = not Layout(model, selected_parameters(model, settings.grad_params, name)).formed
         if not every_one_recorded or not settings.structured and (

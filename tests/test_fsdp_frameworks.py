@@ -380,13 +380,16 @@ def test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders(hf, tmp_pat
     ({"version": 1}, r"FSDP1 flattens the parameters.*\{'version': 2\}"),
     ({"version": 2, "exact_low_memory": False}, "what layer records give"),
     ({"version": 2, "sketch_dim": 8}, "what layer records give"),
+    ({"version": 2, "activation_checkpointing": True}, "activation checkpointing runs the forward again"),
 ])
 def test_hf_trainer_under_fsdp_refuses_what_needs_whole_parameters(hf, tmp_path, settings, message):
-    """FSDP1, and a balancing sorter on formed gradients or sketches, are refused in one line when train()
-    starts, before any step (in one process: the check needs no process group)."""
+    """FSDP1, FSDP's activation checkpointing, and a balancing sorter on formed gradients or unstructured
+    sketches, are refused in one line when train() starts, before any step (in one process: the check needs no
+    process group)."""
     from sorters import CDGraBSettings
     settings = dict(settings)
-    plugin = {"fsdp_version": settings.pop("version")}  # (the Trainer takes `fsdp` in distributed runs only)
+    plugin = {"fsdp_version": settings.pop("version"),  # (the Trainer takes `fsdp` in distributed runs only)
+              "activation_checkpointing": settings.pop("activation_checkpointing", False)}
     trainer = fsdp_on_cpu(hf.CDGraBTrainer, plugin)(model=hf.tiny_gpt2(), train_dataset=hf.examples(hf.token_rows()),
                                                     args=hf.training_args(tmp_path), cdgrab=CDGraBSettings(**settings))
     try:
