@@ -330,8 +330,8 @@ class CDGraBTrainerMixin(_TrainerBase):
         if not self._uses_grads:
             return
         if getattr(self.accelerator.state.fsdp_plugin, "activation_checkpointing", False):
-            raise ValueError(f"{name}: FSDP's activation checkpointing runs the forward again in the backward, "
-                             f"which the layer records {settings.sorter} balances cannot follow; turn "
+            raise ValueError(f"{name}: FSDP's activation checkpointing runs the layers' forward again in the "
+                             f"backward, outside the recording whose layer records {settings.sorter} balances; turn "
                              "fsdp_config's activation_checkpointing off")
         model = self._module
         every_one_recorded = not Layout(model, selected_parameters(model, settings.grad_params, name)).formed
