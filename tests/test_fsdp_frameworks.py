@@ -380,7 +380,7 @@ def test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders(hf, tmp_pat
     ({"version": 1}, r"FSDP1 flattens the parameters.*\{'version': 2\}"),
     ({"version": 2, "exact_low_memory": False}, "what layer records give"),
     ({"version": 2, "sketch_dim": 8}, "what layer records give"),
-    ({"version": 2, "activation_checkpointing": True}, "activation checkpointing runs the forward again"),
+    ({"version": 2, "activation_checkpointing": True}, "activation checkpointing runs the layers. forward again"),
 ])
 def test_hf_trainer_under_fsdp_refuses_what_needs_whole_parameters(hf, tmp_path, settings, message):
     """FSDP1, FSDP's activation checkpointing, and a balancing sorter on formed gradients or unstructured
