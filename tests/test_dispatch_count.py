@@ -181,3 +181,39 @@ def test_profiled_counter_counts_a_generated_kernel_once_and_nothing_inside_it()
             (a * 2).add_(1)  # what the fused kernel stands for: two kernels when eager
         a + 1
     assert dict(counter.calls) == {"inductor.add_mul_0": 1, "aten.add": 1}
+
+
+def test_shipped_json_counts_the_compiled_step_where_there_is_one():
+    """The benchmarks with a compiled step (engine.compiled.COMPILED_BENCHMARKS) carry a "compiled" entry: each
+    of COMPILED_RUNS eager and with --compile inductor, with ratios that are those counts'; the others none."""
+    from bench.dispatch_count import COMPILED_RUNS
+    from engine.compiled import COMPILED_BENCHMARKS
+
+    for name, entry in shipped()["benchmarks"].items():
+        if name not in COMPILED_BENCHMARKS:
+            assert "compiled" not in entry, name
+            continue
+        compiled = entry["compiled"]
+        kernel = compiled["kernel_ops_per_step"]
+        assert set(kernel) == {f"{run}{suffix}" for run in COMPILED_RUNS for suffix in ("", " compiled")}, name
+        assert compiled["compile"] == "inductor" and compiled["counted_epoch"] == 2
+        for run in COMPILED_RUNS:
+            assert 0 < kernel[f"{run} compiled"] <= kernel[run], (name, run)
+            assert compiled["compiled_over_eager"][run] == pytest.approx(kernel[f"{run} compiled"] / kernel[run],
+                                                                         abs=1e-3)
+        assert compiled["CD-GraB/D-RR"]["compiled"] == pytest.approx(
+            kernel["CD-GraB gram compiled"] / kernel["D-RR compiled"], abs=1e-3)
+
+
+def test_performance_page_quotes_the_compiled_counts():
+    """docs/performance.md's table of the compiled step is the shipped JSON's "compiled" entries."""
+    page = (REPO / "docs" / "performance.md").read_text()
+    table = page[page.index("| kernel ops per step, `--compile inductor` |"):]
+    table = table[:table.index("\n\n")]
+    for name, entry in shipped()["benchmarks"].items():
+        if "compiled" not in entry:
+            continue
+        kernel = entry["compiled"]["kernel_ops_per_step"]
+        row = (f"| {name} | {kernel['D-RR']:.1f} | {kernel['D-RR compiled']:.1f} | {kernel['CD-GraB gram']:.1f} "
+               f"| {kernel['CD-GraB gram compiled']:.1f} |")
+        assert row in table.splitlines(), row
