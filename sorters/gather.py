@@ -107,10 +107,10 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     (sorters.fsdp.ShardedRows(records="owners")): each process receives the rows it owns of each parameter's
     row factor (Outer's left, Formed's rows; `_rows_to_owners`) and the rest whole, so the units' Outer and
     Formed contributions have r1 - r0 rows there.
-    Per parameter, whichever is smaller per unit (`exchange_bytes`) is all-gathered: its contributions'
-    records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and values (U, T, C),
-    Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over many tokens,
-    several Formed contributions). Tokens are padded with zeros to the longest process's T, which adds
+    Per parameter, whichever is smaller per unit (`exchange_bytes`, weighed on the route's own bytes) is
+    sent: its contributions' records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and
+    values (U, T, C), Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over
+    many tokens, several Formed contributions). Tokens are padded with zeros to the longest process's T, which adds
     nothing to any product. The result holds no backward gradient (step_grads): under DDP .grad is the
     processes' mean, so the running sum's update reads every unit's records."""
     def ints(values: list[int]) -> list[list[int]]:  # one process's integers -> (world_size, n), every process's
@@ -141,7 +141,9 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
             continue
         dst = None if share is None or not share.gathers_to_owners else share.owners[i]
         splits = None if share is None or share.row_splits is None else share.row_splits[i]
-        records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine])
+        # on the owners route the choice weighs what that route sends: a formed gradient's rows go to their owners
+        rows = None if splits is None else max(r1 - r0 for r0, r1 in splits)
+        records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine], rows)
         if formed < records:  # the same choice in every process: it depends on the longest T only
             out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=units.scale.device)
             for x, _ in mine:
@@ -306,18 +308,23 @@ def records_bytes(parts: list[UnitGradients]) -> int:
     return total
 
 
-def exchange_bytes(p: torch.Tensor, contributions: list[Contribution], tokens: list[int]) -> tuple[int, int]:
-    """(records, formed): bytes PER UNIT of exchanging parameter p's contributions (sorters/exact_products.py)
-    with these token counts as records, or p's gradient formed (R x C entries). Outer: T (R + C) entries;
-    Rows: T int64 ids and T x C entries; Formed: R x C entries."""
+def exchange_bytes(p: torch.Tensor, contributions: list[Contribution], tokens: list[int],
+                   rows: int | None = None) -> tuple[int, int]:
+    """(records, formed): bytes PER UNIT that one process receives from another when parameter p's contributions
+    (sorters/exact_products.py) with these token counts go as records, or as p's gradient formed. Outer: T (R + C)
+    entries; Rows: T int64 ids and T x C entries; Formed: R x C entries; formed: R x C entries. rows: None (every
+    process receives whole records), or the rows of p's dim 0 a process receives on ShardedRows' "owners" route
+    (ceil(R / P)): an Outer's row factor (its left) and a formed gradient count that many rows instead of R, an
+    embedding's Rows stay whole (which rows a token touches depends on its id)."""
     size = p.element_size()
     R, C = matrix_shape(p)
+    R_received = R if rows is None else rows
     records = 0
     for x, T in zip(contributions, tokens):
         if isinstance(x, Outer):
-            records += T * (x.left.shape[2] + x.right.shape[2]) * size
+            records += T * ((x.left.shape[2] if rows is None else rows) + x.right.shape[2]) * size
         elif isinstance(x, Rows):
             records += T * (8 + x.values.shape[2] * size)
         else:
-            records += R * C * size
-    return records, R * C * size
+            records += R_received * C * size
+    return records, R_received * C * size

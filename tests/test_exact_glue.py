@@ -199,3 +199,10 @@ def test_each_parameter_is_exchanged_as_the_smaller_of_its_records_and_its_forme
         assert ("formed" if 11 * 5 * 4 < records else "records") == chosen
     bias = [x for _, x in units.pieces[id(model.head.bias)]]
     assert exchange_bytes(model.head.bias, bias, [1]) == (11 * 4, 11 * 4)
+    # ShardedRows' "owners" route, 6 of the 11 rows received: the output layer's row factor and the formed
+    # gradient count 6 rows, the embedding's records stay whole; at T = 3 the choice differs from the whole one's
+    tokens = [1 if type(x).__name__ == "Outer" else 3 for x in tied]
+    owners = 1 * (6 + 5) * 4 + 3 * 8 + 3 * 5 * 4
+    assert exchange_bytes(model.emb.weight, tied, tokens, rows=6) == (owners, 6 * 5 * 4)
+    assert 6 * 5 * 4 < owners and 11 * 5 * 4 > min(exchange_bytes(model.emb.weight, tied, tokens))
+    assert exchange_bytes(model.head.bias, bias, [1], rows=6) == (6 * 4, 6 * 4)
