@@ -214,5 +214,6 @@ def test_bad_input_is_one_line(tmp_path, args, message):
 
 def test_every_flag_has_help():
     flags = [action for action in bench_module().make_parser()._actions if action.dest != "help"]
-    assert {action.dest for action in flags} == {"data_dir", "benchmarks", "steps", "device", "json", "one"}
+    assert {action.dest for action in flags} == {"data_dir", "benchmarks", "steps", "device", "json", "one",
+                                                  "compile"}
     assert all(action.help for action in flags)
