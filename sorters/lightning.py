@@ -34,7 +34,9 @@ What the callback does:
   on_before_optimizer_step does not, and runs once per batch under gradient accumulation;
 - state_dict / load_state_dict: the sampler's state goes into the checkpoint under the callback. Every
   rank holds the same state (each runs the same sorter on the same all-gathered gradients), so rank 0's
-  copy, the one Lightning writes, restores every rank.
+  copy, the one Lightning writes, restores every rank; except exact CD-GraB on a model sharded under
+  ModelParallelStrategy, whose running sum is each rank's own rows: there the strategy's distributed
+  checkpoint keeps each rank's rows, and each rank restores its own (docs/fsdp.md).
 Lightning calls `set_epoch` on the DataLoader's sampler itself, with its epoch count; the sampler checks
 that it is the epoch it yields next.
 
