@@ -98,6 +98,8 @@ class UnitGradients:
         self.owner, self.units, self.pieces, self.scale = owner, units, pieces, scale
         self.step_grads, self.step_units, self.writes_grads = step_grads, step_units, writes_grads
         self.sum_all, self.grad_sink = False, grad_sink
+        # the exchange the backward started of these (fresh) units' records, which all_gather_units finishes
+        self.in_flight: sorters.gather.OverlappedExchange | None = None
 
     def products(self, running_sum: torch.Tensor, how: str | None = None, pairs: Pairs | None = None,
                  share: "sorters.gather.ParameterShare | None" = None,
@@ -298,6 +300,8 @@ class ExactGradients:
         offsets: each parameter's (by ``id``) first coordinate in that flat (d,) vector.
         record_dtypes: each recorded layer's (by module) dtype of its records, its parameters' dtype: records in
             another (bf16 under a mixed-precision policy or autocast) are upcast to it.
+        overlapped: None, or the ``sorters.gather.OverlappedExchange`` a recording tells of its layers' calls and
+            output gradients (CDGraBSampler installs it with a ShardedRows share of records="owners-overlapped").
 
     Raises:
         TypeError: model is not an ``nn.Module``.
@@ -341,6 +345,7 @@ class ExactGradients:
         self.record_dtypes = {module: next(module.parameters(recurse=False)).dtype for module in self.layers}
         self.how = how
         self.last_how: dict[int, str] = {}  # id(parameter) -> how the last products took it
+        self.overlapped: sorters.gather.OverlappedExchange | None = None
 
     def view(self, running_sum: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """A parameter's slice of a flat vector.
@@ -460,6 +465,7 @@ class ExactRecording:
         self.turned_off: list[torch.Tensor] = []
         self.formed_grads: dict[int, torch.Tensor] = {}
         self.examples: int | None = None  # the examples of the model's current call (examples_of_call), at its forward
+        self.exchange: sorters.gather.OverlappedExchange | None = None  # owner.overlapped, while recording
 
     def __enter__(self) -> "ExactRecording":
         if any(m.training for m in self.owner.batch_norms):
@@ -478,11 +484,16 @@ class ExactRecording:
             if self.turned_off and not output.requires_grad and torch.is_grad_enabled():
                 output = output.detach().requires_grad_()
             if output.requires_grad:
+                if self.exchange is not None:
+                    self.exchange.forward_call(module)
                 a, output = spread_over_examples(args[0].detach(), output, self.examples)  # (1, T) ids: (B, T)
                 entry: list[Any] = [module, a]  # [the layer, its input (None once taken)]
                 output.register_hook(lambda g, entry=entry: self._on_grad(entry, g))
             return output
 
+        self.exchange = self.owner.overlapped  # the records' exchange started in the backward, or None
+        if self.exchange is not None:
+            self.exchange.begin()
         self.handles = [self.owner.model.register_forward_pre_hook(count_examples, with_kwargs=True)]
         self.handles += [module.register_forward_hook(record) for module in self.owner.layers]
         if self.write_grads:  # a formed parameter keeps autograd's gradient: no layer rule gives it from records
@@ -512,8 +523,13 @@ class ExactRecording:
             a, g = tokens(module, kind, a, g.detach())
             dtype = self.owner.record_dtypes[module]
             a, g = (a.to(dtype) if a.is_floating_point() else a), g.to(dtype)  # bf16 (mixed precision): upcast
+            before = None if self.exchange is None else {key: len(xs) for key, xs in self.pieces.items()}
             apply_rule(module, kind, a, g,
                        AliasSink(ContributionSink(self.pieces, self.selected), self.owner.held_copies(module)))
+            if self.exchange is not None and before is not None:
+                added = {key: len(xs) - before.get(key, 0) for key, xs in self.pieces.items()
+                         if len(xs) > before.get(key, 0)}
+                self.exchange.layer_done(module, added, self.pieces, self.B or 0)
 
     def watch(self, losses: torch.Tensor) -> None:
         """Start the recording of a batch (inside the ``with`` block, after the forward).
@@ -573,6 +589,7 @@ class ExactRecording:
                 formed = g.reshape(B, *matrix_shape(p)).to(p.dtype) * scale.to(p.dtype).view(-1, 1, 1)
                 self.pieces[id(p)] = [(0, Formed(formed))]
         units = UnitGradients(self.owner, B, self.pieces, scale)
+        units.in_flight = self.exchange
         if self.turned_off:
             units.step_grads, units.step_units, units.writes_grads = {}, B, True
         elif from_grad and self.fresh:

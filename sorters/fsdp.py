@@ -111,12 +111,17 @@ class ShardedRows(ParameterShare):
     - "owners": each process receives the row factor's rows it owns only (a Linear's output gradients delta
       (U, T, r1 - r0), a Conv1D's inputs, a formed gradient's rows: an all-to-all, `row_splits`) and the column
       factor whole (an all-gather); an embedding's records whole (which rows a token touches depends on its id);
-    - "all": every unit's whole records to every process (all-gathered, as in the data-parallel exact path).
+    - "all": every unit's whole records to every process (all-gathered, as in the data-parallel exact path);
+    - "owners-overlapped": "owners", each parameter's records sent inside the backward as soon as its layers'
+      output gradients are in, by asynchronous collectives that run while the backward goes on
+      (sorters.gather.OverlappedExchange, which CDGraBSampler installs on the model's ExactGradients: from its
+      second step on; docs/fsdp.md).
 
-    Both give the same products and orders; "owners" sends up to (P - 1) / P fewer of the row factor's bytes.
+    All give the same products and orders; "owners" sends up to (P - 1) / P fewer of the row factor's bytes.
 
     Attributes (besides ParameterShare's): rows, [(r0, r1)] per parameter of exact.params; owned[i]: r1 > r0;
-    records; row_splits: with records="owners", per parameter every process's (r0, r1) (rank-major), else None.
+    records; row_splits: with records="owners" or "owners-overlapped", per parameter every process's (r0, r1)
+    (rank-major), else None; overlapped: records="owners-overlapped".
 
     Args:
         exact: the ExactGradients of the sharded model (built after fully_shard).
@@ -124,10 +129,10 @@ class ShardedRows(ParameterShare):
             process group's).
         reduce: None (all_reduce over the default group), or the callable that sums a tensor over the
             processes (a test passes its own).
-        records: "owners" or "all" (above); None: the class's default `RECORDS`.
+        records: "owners", "all" or "owners-overlapped" (above); None: the class's default `RECORDS`.
 
     Raises:
-        ValueError: records not one of those, or (records="owners") a parameter's rows not split over the default
+        ValueError: records not one of those, or (an owners' route) a parameter's rows not split over the default
             process group (the route's all-to-all).
     """
 
@@ -137,9 +142,9 @@ class ShardedRows(ParameterShare):
     def __init__(self, exact: ExactGradients, rank: int | None = None, world: int | None = None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, records: str | None = None) -> None:
         records = self.RECORDS if records is None else records
-        if records not in ("owners", "all"):
-            raise ValueError(f"ShardedRows: records must be 'owners' or 'all', got {records!r}")
-        self.records = records
+        if records not in ("owners", "all", "owners-overlapped"):
+            raise ValueError(f"ShardedRows: records must be 'owners', 'all' or 'owners-overlapped', got {records!r}")
+        self.records, self.overlapped = records, records == "owners-overlapped"
         # (ParameterShare's __init__ splits whole parameters; the attributes its users read are set here)
         self.offsets, self.params, self._reduce = exact.offsets, exact.params, reduce
         self.rows = [owned_rows(p, name, rank, world) for name, p in zip(exact.names, exact.params)]
@@ -154,7 +159,7 @@ class ShardedRows(ParameterShare):
         self.work = [self.size]
         self._rows_of = {id(p): rows for p, rows in zip(self.params, self.rows)}
         self.row_splits: list[list[tuple[int, int]]] | None = None
-        if records == "owners":
+        if records != "all":
             if world is None:
                 world = dist.get_world_size() if dist.is_initialized() else 1
             self.row_splits = [[_chunk_rows(matrix_shape(p)[0], q, world) for q in range(world)] for p in self.params]

@@ -40,14 +40,19 @@ def sketch_rows(rows: torch.Tensor, sketch: GradientSketch | None = None) -> tor
     return sketch(rows)
 
 
-def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
+def all_gather_rows(local: torch.Tensor, works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> torch.Tensor:
     """local (r, ...) in each process of the default process group -> (world_size * r, ...) in every
     process: process p's rows at p * r ... (p + 1) * r - 1. Every process must call it at the same time
     with the same shape and dtype; the result is made on local's device, in its dtype (NCCL gathers GPU
-    tensors)."""
+    tensors). works: None (the result is there on return), or a list the started collective goes to (async_op):
+    its handle and the tensor sent, kept until it is waited on, when the result is there."""
     out = torch.empty((dist.get_world_size() * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
                       device=local.device)
-    _all_gather_single(out, local.contiguous())
+    local = local.contiguous()
+    if works is None:
+        _all_gather_single(out, local)
+    else:
+        works.append((_all_gather_single(out, local, async_op=True), local))
     return out
 
 
@@ -78,24 +83,29 @@ def _gather(local: torch.Tensor, into: list[torch.Tensor] | None, dst: int) -> N
     dist.gather(local, into, dst=dst)
 
 
-def _rows_to_owners(x: torch.Tensor, dim: int, splits: list[tuple[int, int]]) -> torch.Tensor:
+def _rows_to_owners(x: torch.Tensor, dim: int, splits: list[tuple[int, int]],
+                    works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> torch.Tensor:
     """x (U, ..., R, ...) in each process, R on `dim` -> (world_size * U, ..., r1 - r0, ...) in each: every
     process's U units (rank-major), of this process's rows r0..r1-1 = splits[rank] only (one all-to-all).
-    splits: every process's (r0, r1), rank-major, the same in every process."""
+    splits: every process's (r0, r1), rank-major, the same in every process. works: as all_gather_rows'."""
     sends = [x.narrow(dim, r0, r1 - r0) for r0, r1 in splits]
     r0, r1 = splits[dist.get_rank()]
     shape = list(x.shape)
     shape[dim] = r1 - r0
     out = torch.empty([len(splits)] + shape, dtype=x.dtype, device=x.device)
     _all_to_all(out.view(-1), torch.cat([part.reshape(-1) for part in sends]), [part.numel() for part in sends],
-                [out[0].numel()] * len(splits))
+                [out[0].numel()] * len(splits), works)
     return out.view([len(splits) * shape[0]] + shape[1:])
 
 
-def _all_to_all(out: torch.Tensor, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> None:
+def _all_to_all(out: torch.Tensor, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
+                works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> None:
     """out (sum(receive_sizes),) <- receive_sizes[q] numbers from each process q; send (sum(send_sizes),):
-    send_sizes[q] numbers to each q, rank-major."""
-    dist.all_to_all_single(out, send, receive_sizes, send_sizes)
+    send_sizes[q] numbers to each q, rank-major. works: as all_gather_rows'."""
+    if works is None:
+        dist.all_to_all_single(out, send, receive_sizes, send_sizes)
+    else:
+        works.append((dist.all_to_all_single(out, send, receive_sizes, send_sizes, async_op=True), send))
 
 
 def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None) -> UnitGradients:
@@ -120,52 +130,149 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     owner, U = units.owner, units.units
     parts = [(p, x) for p in owner.params for first, x in units.pieces.get(id(p), [])
              if first == 0 and x.units == U]
-    shapes = ints([len(parts)] + [len(units.pieces.get(id(p), [])) for p in owner.params])
+    shapes = all_gather_rows(torch.tensor([[len(parts)] + [len(units.pieces.get(id(p), [])) for p in owner.params]],
+                                          dtype=torch.long)).tolist()
     if len(parts) != sum(shapes[0][1:]) or any(row != shapes[0] for row in shapes):
         raise ValueError("CDGraBSampler: the processes recorded different layers for this step (every process "
                          "must run the same model through the same layers, and hand over fresh records)")
-    kinds = [(0 if isinstance(x, Outer) else 1 if isinstance(x, Rows) else 2, x.tokens) for _, x in parts]
-    every = ints([value for kind in kinds for value in kind])
-    if any(row[0::2] != every[0][0::2] for row in every):
-        raise ValueError("CDGraBSampler: the processes' layer records are of different kinds for this step")
-    longest = [max(row[2 * i + 1] for row in every) for i in range(len(parts))]
-
-    def gathered(x: torch.Tensor, T: int | None, dst: int | None) -> torch.Tensor | None:
-        x = x if T is None else padded(x, T)  # (U, t, ...) padded to T tokens, then gathered
-        return all_gather_rows(x) if dst is None else _gather_rows_to(x, dst)
-
+    # the parameters whose exchange the backward started (ShardedRows(records="owners-overlapped"))
+    started = {} if units.in_flight is None else units.in_flight.finish(units.pieces)
+    units.in_flight = None
+    rest = [(p, x) for p, x in parts if id(p) not in started]
+    longest = _agreed_tokens([x for _, x in rest])
     pieces: dict[int, Pieces] = {}
     for i, p in enumerate(owner.params):
-        mine: list[tuple[Contribution, int]] = [(x, T) for (q, x), T in zip(parts, longest) if q is p]
-        if not mine:
+        if id(p) in started:
+            pieces[id(p)] = [(0, x) for x in started[id(p)]]
             continue
-        dst = None if share is None or not share.gathers_to_owners else share.owners[i]
-        splits = None if share is None or share.row_splits is None else share.row_splits[i]
-        # on the owners route the choice weighs what that route sends: a formed gradient's rows go to their owners
-        rows = None if splits is None else max(r1 - r0 for r0, r1 in splits)
-        records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine], rows)
-        if formed < records:  # the same choice in every process: it depends on the longest T only
-            out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=units.scale.device)
-            for x, _ in mine:
-                x.add_rows(out, 0, out.shape[1])
-            mine = [(Formed(out), 1)]
-        for x, T in mine:
-            # the gathered tensors, None in a process that does not own p (it keeps nothing of it)
-            all_units: Contribution | None
-            if isinstance(x, Outer):  # left (U, T, R): the rows are its columns
-                left = gathered(x.left, T, dst) if splits is None else _rows_to_owners(padded(x.left, T), 2, splits)
-                right = gathered(x.right, T, dst)
-                all_units = None if left is None or right is None else Outer(left, right)
-            elif isinstance(x, Rows):
-                ids, values = gathered(x.ids, T, dst), gathered(x.values, T, dst)
-                all_units = None if ids is None or values is None else Rows(ids, values, x.num_rows)
-            else:  # (U, R, C)
-                formed_values = gathered(x.values, None, dst) if splits is None else \
-                    _rows_to_owners(x.values, 1, splits)
-                all_units = None if formed_values is None else Formed(formed_values)
-            if all_units is not None:
-                pieces.setdefault(id(p), []).append((0, all_units))
+        mine: list[tuple[Contribution, int]] = [(x, T) for (q, x), T in zip(rest, longest) if q is p]
+        if mine:
+            contributions = _exchange_parameter(p, i, mine, U, share, units.scale.device)
+            if contributions:
+                pieces[id(p)] = [(0, x) for x in contributions]
     return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
+
+
+def _agreed_tokens(contributions: list[Contribution]) -> list[int]:
+    """Per contribution (every process hands over the same kinds in the same order), the longest process's
+    token count T (one small all-gather); contributions of different kinds in the processes are refused."""
+    kinds = [(0 if isinstance(x, Outer) else 1 if isinstance(x, Rows) else 2, x.tokens) for x in contributions]
+    every = all_gather_rows(torch.tensor([[value for kind in kinds for value in kind]], dtype=torch.long)).tolist()
+    if any(row[0::2] != every[0][0::2] for row in every):
+        raise ValueError("CDGraBSampler: the processes' layer records are of different kinds for this step")
+    return [max(row[2 * i + 1] for row in every) for i in range(len(contributions))]
+
+
+def _exchange_parameter(p: torch.Tensor, i: int, mine: list[tuple[Contribution, int]], U: int,
+                        share: "ParameterShare | None", device: torch.device,
+                        works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> list[Contribution]:
+    """Parameter p's (exact.params[i]) contributions of this process's U units, each with the longest process's
+    token count [(contribution, T)] -> its contributions of every process's world_size * U units here (none in a
+    process a ParameterShare does not send p to), by the route of all_gather_units. works: None (the
+    contributions are whole on return), or the list the started collectives go to (asynchronous: their tensors
+    are filled once those are waited on)."""
+    dst = None if share is None or not share.gathers_to_owners else share.owners[i]
+    splits = None if share is None or share.row_splits is None else share.row_splits[i]
+
+    def gathered(x: torch.Tensor, T: int | None) -> torch.Tensor | None:
+        x = x if T is None else padded(x, T)  # (U, t, ...) padded to T tokens, then gathered
+        return all_gather_rows(x, works) if dst is None else _gather_rows_to(x, dst)
+
+    # on the owners route the choice weighs what that route sends: a formed gradient's rows go to their owners
+    rows = None if splits is None else max(r1 - r0 for r0, r1 in splits)
+    records, formed = exchange_bytes(p, [x for x, _ in mine], [T for _, T in mine], rows)
+    if formed < records:  # the same choice in every process: it depends on the longest T only
+        out = torch.zeros((U,) + matrix_shape(p), dtype=p.dtype, device=device)
+        for x, _ in mine:
+            x.add_rows(out, 0, out.shape[1])
+        mine = [(Formed(out), 1)]
+    contributions: list[Contribution] = []
+    for x, T in mine:
+        # the gathered tensors, None in a process that does not own p (it keeps nothing of it)
+        all_units: Contribution | None
+        if isinstance(x, Outer):  # left (U, T, R): the rows are its columns
+            left = gathered(x.left, T) if splits is None else _rows_to_owners(padded(x.left, T), 2, splits, works)
+            right = gathered(x.right, T)
+            all_units = None if left is None or right is None else Outer(left, right)
+        elif isinstance(x, Rows):
+            ids, values = gathered(x.ids, T), gathered(x.values, T)
+            all_units = None if ids is None or values is None else Rows(ids, values, x.num_rows)
+        else:  # (U, R, C)
+            formed_values = gathered(x.values, None) if splits is None else _rows_to_owners(x.values, 1, splits, works)
+            all_units = None if formed_values is None else Formed(formed_values)
+        if all_units is not None:
+            contributions.append(all_units)
+    return contributions
+
+
+class OverlappedExchange:
+    """The owners' route (sorters.fsdp.ShardedRows) started inside the backward (records="owners-overlapped"):
+    ExactRecording tells it of every recorded layer call (`forward_call`) and of every output gradient taken
+    (`layer_done`); as soon as the last call that records a parameter has had its output gradient, that
+    parameter's records go to the rows' owners by asynchronous collectives (`_exchange_parameter`), which run
+    while the backward goes on (FSDP reduce-scatters the layer's gradient then too). all_gather_units waits for
+    them (`finish`) and exchanges the rest as the owners' route does: the same records, so the same products
+    and orders.
+
+    Which parameters a layer's call records is learned from the steps before (the first step starts nothing in
+    the backward, nor a step whose forward calls a recorded layer no step called before); a parameter that got
+    more records after its start (a layer calls it otherwise than before) is exchanged again after the
+    backward. Every process runs the same model through the same layers, so they start the same collectives in
+    the same order.
+
+    Args:
+        share: the ShardedRows share (row_splits set) the records are routed by.
+    """
+
+    def __init__(self, share: "ParameterShare") -> None:
+        self.share = share
+        self.index = {id(p): i for i, p in enumerate(share.params)}
+        self.records_of: dict[torch.nn.Module, dict[int, int]] = {}  # a layer -> {id(p): records a call adds}
+        self.begin()
+
+    def begin(self) -> None:
+        """A new recording: no call counted, nothing started."""
+        self.calls: dict[torch.nn.Module, int] = {}  # the forward's calls of each recorded layer
+        self.expected: dict[int, int] | None = None  # id(p) -> the records the step will give it (learned)
+        self.arrived: dict[int, int] = {}
+        self.started: dict[int, tuple[int, list[Contribution]]] = {}  # id(p) -> (its records then, exchanged)
+        self.works: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def forward_call(self, module: torch.nn.Module) -> None:
+        """A recorded layer's call in the forward (its output gradient will come)."""
+        self.calls[module] = self.calls.get(module, 0) + 1
+
+    def layer_done(self, module: torch.nn.Module, added: dict[int, int], pieces: dict[int, Pieces], U: int) -> None:
+        """A layer call's records taken: added {id(p): records it added}; pieces the recording's so far, of U
+        units. Starts the exchange of every parameter whose records are all in."""
+        if self.expected is None:  # the backward's first output gradient: the forward's calls are all counted
+            self.expected = {}
+            if all(m in self.records_of for m in self.calls):
+                for m, n in self.calls.items():
+                    for key, per_call in self.records_of[m].items():
+                        self.expected[key] = self.expected.get(key, 0) + n * per_call
+        self.records_of[module] = added
+        for key, count in added.items():
+            self.arrived[key] = self.arrived.get(key, 0) + count
+            if key not in self.started and key in self.index and self.arrived[key] == self.expected.get(key):
+                records = pieces[key]
+                fresh = [x for first, x in records if first == 0 and x.units == U]
+                if len(fresh) == len(records):  # (else left to all_gather_units, which checks the records)
+                    i = self.index[key]
+                    mine = list(zip(fresh, _agreed_tokens(fresh)))
+                    device = (fresh[0].left if isinstance(fresh[0], Outer) else fresh[0].values).device
+                    self.started[key] = (len(records),
+                                         _exchange_parameter(self.share.params[i], i, mine, U, self.share, device,
+                                                             self.works))
+
+    def finish(self, pieces: dict[int, Pieces]) -> dict[int, list[Contribution]]:
+        """Wait for the started collectives: {id(p): p's contributions of every process's units} of the
+        parameters whose records (pieces: the units handed over) are the ones sent; then a new recording."""
+        for work, _sent in self.works:
+            work.wait()
+        done = {key: xs for key, (count, xs) in self.started.items() if len(pieces.get(key, [])) == count}
+        self.begin()
+        return done
 
 
 class ParameterShare:

@@ -87,7 +87,7 @@ from sorters.checks import (
 )
 from sorters.exact import ExactCDGraB, UnitGradients
 from sorters.fsdp import ShardedRows, is_sharded
-from sorters.gather import ParameterShare, all_gather_rows, all_gather_units, sketch_then_gather
+from sorters.gather import OverlappedExchange, ParameterShare, all_gather_rows, all_gather_units, sketch_then_gather
 from sorters.registry import SORTER_NAMES, SORTERS, build_sorter
 from sorters.sketch import GradientSketch
 
@@ -501,6 +501,9 @@ class CDGraBSampler(Sampler[int]):
         if dist.is_available() and dist.is_initialized():  # also for a sorter installed after construction
             if self.sorter.share is None and is_sharded(units.owner):  # fully_shard: S sharded like the parameters
                 self.sorter.use_share(ShardedRows(units.owner))
+            share = self.sorter.share
+            if isinstance(share, ShardedRows) and share.overlapped and units.owner.overlapped is None:
+                units.owner.overlapped = OverlappedExchange(share)  # the next recordings send in their backward
             elif self.divide_products and self.sorter.share is None:  # at the first step: its units bring the model
                 self.sorter.use_share(ParameterShare(units.owner))
             if units.writes_grads:

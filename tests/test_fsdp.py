@@ -146,7 +146,7 @@ CASES = {"mlp": MLPCase, "gpt2": GPT2Case}
 def sharded_rank(rank, port, path, case_name, records="owners"):
     """One of 2 forked gloo processes: the sharded model trained with CDGraBSampler(exact=True), its records
     routed by ShardedRows(records=`records`); its orders, losses, final parameters (whole), running sum's length
-    and the collectives each step_units made saved to path.rankR."""
+    and the collectives each step_units made (and the all-to-alls each backward made) saved to path.rankR."""
     from torch.distributed.fsdp import fully_shard
 
     from sorters import CDGraBSampler
@@ -192,10 +192,13 @@ def sharded_rank(rank, port, path, case_name, records="owners"):
                 with exact.recording() as rec:
                     per_example = case.losses(model, x[batch], y[batch])
                     rec.watch(per_example)
+                before = dict(calls)
                 per_example.mean().backward()
+                in_backward = calls["all_to_all_single"] - before["all_to_all_single"]
                 before = dict(calls)
                 sampler.step_units(rec.units())
-                collectives.append({name: calls[name] - before[name] for name in calls})
+                collectives.append({**{name: calls[name] - before[name] for name in calls},
+                                    "all_to_all_single in the backward": in_backward})
                 optimizer.step()
                 losses.append(per_example.detach())
                 share = sampler.sorter.share
@@ -265,11 +268,12 @@ def one_process(case, n=N, weights=None, round_to=None):
     return orders, losses, [p.detach() for p in model.parameters()], products, sums
 
 
-# (case, records route): MLP-M4 by both routes; the tiny GPT-2 (about 30 s more on this 2-core CPU) by the
-# default route, a release check (scripts/release_checks.py)
-@pytest.fixture(scope="module", params=[("mlp", "owners"), ("mlp", "all"),
-                                        pytest.param(("gpt2", "owners"), marks=release_check)],
-                ids=["mlp-owners", "mlp-all", "gpt2-owners"])
+# (case, records route): MLP-M4 by every route; the tiny GPT-2 (about 30 s more on this 2-core CPU) by the
+# default route and the overlapped one, release checks (scripts/release_checks.py)
+@pytest.fixture(scope="module", params=[("mlp", "owners"), ("mlp", "all"), ("mlp", "owners-overlapped"),
+                                        pytest.param(("gpt2", "owners"), marks=release_check),
+                                        pytest.param(("gpt2", "owners-overlapped"), marks=release_check)],
+                ids=["mlp-owners", "mlp-all", "mlp-owners-overlapped", "gpt2-owners", "gpt2-owners-overlapped"])
 def ranks(request, tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
     case_name, records = request.param
@@ -323,7 +327,10 @@ def test_one_all_reduce_a_step_and_the_records_route(ranks):
     """Each step_units makes one all-reduce: the products' partials, with ||S||^2's parts riding along (docs/fsdp.md
     item 5), which the near-tie count gets whole: the one-process oracle's ||S||^2 at the step's start (0 at an
     epoch's). The records take the route asked for: all-to-alls of the row factors' owned rows ("owners", one
-    per Linear's Outer and per formed bias / LayerNorm vector a step), none ("all")."""
+    per Linear's Outer and per formed bias / LayerNorm vector a step), none ("all"); "owners-overlapped" makes the
+    owners' all-to-alls in step_units at the first step (the sampler installs the exchange there) and the second
+    (whose backward learns which layer records which parameter), then every one of them inside each backward
+    (none left for step_units), as many a step."""
     case_name, ranks, records = ranks
     sums = one_process(CASES[case_name])[4]
     steps_per_epoch = -(-M // K)
@@ -332,4 +339,10 @@ def test_one_all_reduce_a_step_and_the_records_route(ranks):
         assert got["norms"] == pytest.approx(whole, rel=1e-5)
         assert all(step["all_reduce"] == 1 for step in got["collectives"])
         routed = [step["all_to_all_single"] for step in got["collectives"]]
-        assert all(count > 0 for count in routed) if records == "owners" else not any(routed)
+        in_backward = [step["all_to_all_single in the backward"] for step in got["collectives"]]
+        if records == "owners-overlapped":
+            assert routed[0] == routed[1] > 0 and in_backward[:2] == [0, 0]
+            assert not any(routed[2:]) and all(count == routed[0] for count in in_backward[2:])
+        else:
+            assert all(count > 0 for count in routed) if records == "owners" else not any(routed)
+            assert not any(in_backward)
