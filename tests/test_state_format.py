@@ -353,7 +353,8 @@ def trainer_glue(hf, folder):
 
     class Glue(hf.CDGraBTrainerMixin, TrainersPart):
         def __init__(self):
-            self._cdgrab_resume_from, self.cdgrab_sampler = str(folder), None
+            self._cdgrab_resume_from, self.cdgrab_sampler, self.cdgrab_grads = str(folder), None, None
+            self.is_fsdp_enabled = False  # (the Trainer's; the glue saves the sharded state under FSDP)
             self.cdgrab_settings = CDGraBSettings(sorter="CD-GraB", seed=0, exact_low_memory=False)
             self.args, self.state = SimpleNamespace(should_save=True), SimpleNamespace(global_step=4)
 
