@@ -378,6 +378,10 @@ def release_checks(work: Path) -> list:
                          "tests/test_fsdp_options.py::test_gpt2_blocks_kept_and_root_resharded",
                          "tests/test_fsdp_options.py::test_bf16_records_give_float64_products_of_the_bf16_forward[gpt2]",
                          "tests/test_compiled_step.py",  # --compile inductor: ~20 s of C++ compiling per run
+                         # the tiny GPT-2's sharded checkpoint and resume (with the file's MLP-M4 cases, ~25 s)
+                         "tests/test_fsdp_resume.py",
+                         # the FSDP bench at a small size: its layout, FSDP's bytes from the parameters' shapes
+                         "tests/test_fsdp_bench.py::test_report_layout_and_fsdps_bytes_from_the_parameters",
                          # the HF Trainer's structured sketches under Accelerate's FSDP2, 2 processes
                          "tests/test_fsdp_frameworks.py::test_hf_trainer_under_accelerates_fsdp2_gives_one_process_orders"
                          "[sketch]",
