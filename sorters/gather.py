@@ -139,7 +139,7 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     started = {} if units.in_flight is None else units.in_flight.finish(units.pieces)
     units.in_flight = None
     rest = [(p, x) for p, x in parts if id(p) not in started]
-    longest = _agreed_tokens([x for _, x in rest])
+    longest = _longest_tokens(_token_table([x for _, x in rest]))
     pieces: dict[int, Pieces] = {}
     for i, p in enumerate(owner.params):
         if id(p) in started:
@@ -153,14 +153,23 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
 
 
-def _agreed_tokens(contributions: list[Contribution]) -> list[int]:
-    """Per contribution (every process hands over the same kinds in the same order), the longest process's
-    token count T (one small all-gather); contributions of different kinds in the processes are refused."""
+def _token_table(contributions: list[Contribution],
+                 works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> torch.Tensor:
+    """(world_size, 2 n) long: every process's kind and token count T of each of its n contributions (every
+    process hands over the same kinds in the same order), one small all-gather (works: as all_gather_rows')."""
     kinds = [(0 if isinstance(x, Outer) else 1 if isinstance(x, Rows) else 2, x.tokens) for x in contributions]
-    every = all_gather_rows(torch.tensor([[value for kind in kinds for value in kind]], dtype=torch.long)).tolist()
+    return all_gather_rows(torch.tensor([[value for kind in kinds for value in kind]], dtype=torch.long), works)
+
+
+def _longest_tokens(table: torch.Tensor, work: dist.Work | None = None) -> list[int]:
+    """Per contribution of a `_token_table` (waited for first: its started collective's `work`), the longest
+    process's T; contributions of different kinds in the processes are refused."""
+    if work is not None:
+        work.wait()
+    every = table.tolist()
     if any(row[0::2] != every[0][0::2] for row in every):
         raise ValueError("CDGraBSampler: the processes' layer records are of different kinds for this step")
-    return [max(row[2 * i + 1] for row in every) for i in range(len(contributions))]
+    return [max(row[2 * i + 1] for row in every) for i in range(len(every[0]) // 2)]
 
 
 def _exchange_parameter(p: torch.Tensor, i: int, mine: list[tuple[Contribution, int]], U: int,
@@ -210,7 +219,10 @@ class OverlappedExchange:
     ExactRecording tells it of every recorded layer call (`forward_call`) and of every output gradient taken
     (`layer_done`); as soon as the last call that records a parameter has had its output gradient, that
     parameter's records go to the rows' owners by asynchronous collectives (`_exchange_parameter`), which run
-    while the backward goes on (FSDP reduce-scatters the layer's gradient then too). all_gather_units waits for
+    while the backward goes on (FSDP reduce-scatters the layer's gradient then too). Their token counts are
+    agreed with the other processes first (`_token_table`), asynchronously too: a layer call's parameters are
+    sent at the next call's output gradient, when the other processes' counts have had a layer's backward to
+    arrive (not a wait for the slowest process at every parameter). all_gather_units waits for
     them (`finish`) and exchanges the rest as the owners' route does: the same records, so the same products
     and orders.
 
@@ -237,6 +249,10 @@ class OverlappedExchange:
         self.arrived: dict[int, int] = {}
         self.started: dict[int, tuple[int, list[Contribution]]] = {}  # id(p) -> (its records then, exchanged)
         self.works: list[tuple[dist.Work, torch.Tensor]] = []
+        # the parameters whose token counts are being agreed: (id(p), its records, their number, the
+        # _token_table, its collective), sent at the next layer_done or at finish
+        self.agreeing: list[tuple[int, list[Contribution], int, torch.Tensor, tuple[dist.Work, torch.Tensor]]] = []
+        self.units = 0
 
     def forward_call(self, module: torch.nn.Module) -> None:
         """A recorded layer's call in the forward (its output gradient will come)."""
@@ -252,22 +268,33 @@ class OverlappedExchange:
                     for key, per_call in self.records_of[m].items():
                         self.expected[key] = self.expected.get(key, 0) + n * per_call
         self.records_of[module] = added
+        self._send_agreed()  # the previous call's parameters
+        self.units = U
         for key, count in added.items():
             self.arrived[key] = self.arrived.get(key, 0) + count
             if key not in self.started and key in self.index and self.arrived[key] == self.expected.get(key):
                 records = pieces[key]
                 fresh = [x for first, x in records if first == 0 and x.units == U]
                 if len(fresh) == len(records):  # (else left to all_gather_units, which checks the records)
-                    i = self.index[key]
-                    mine = list(zip(fresh, _agreed_tokens(fresh)))
-                    device = (fresh[0].left if isinstance(fresh[0], Outer) else fresh[0].values).device
-                    self.started[key] = (len(records),
-                                         _exchange_parameter(self.share.params[i], i, mine, U, self.share, device,
-                                                             self.works))
+                    works: list[tuple[dist.Work, torch.Tensor]] = []
+                    table = _token_table(fresh, works)
+                    self.agreeing.append((key, fresh, len(records), table, works[0]))
+                    self.started[key] = (len(records), [])  # (its contributions once sent)
+
+    def _send_agreed(self) -> None:
+        """Start the exchange of the parameters whose token counts were being agreed, in the order they came."""
+        for key, fresh, count, table, (work, _sent) in self.agreeing:
+            i = self.index[key]
+            mine = list(zip(fresh, _longest_tokens(table, work)))
+            device = (fresh[0].left if isinstance(fresh[0], Outer) else fresh[0].values).device
+            self.started[key] = (count, _exchange_parameter(self.share.params[i], i, mine, self.units, self.share,
+                                                            device, self.works))
+        self.agreeing = []
 
     def finish(self, pieces: dict[int, Pieces]) -> dict[int, list[Contribution]]:
         """Wait for the started collectives: {id(p): p's contributions of every process's units} of the
         parameters whose records (pieces: the units handed over) are the ones sent; then a new recording."""
+        self._send_agreed()
         for work, _sent in self.works:
             work.wait()
         done = {key: xs for key, (count, xs) in self.started.items() if len(pieces.get(key, [])) == count}
