@@ -21,25 +21,35 @@ that each process's peak resident memory (ru_maxrss at the end) is its variant's
   CDGraBSampler(exact=True).step_units (sorters/fsdp.py's ShardedRows: the running sum of this process's rows,
   the products over them, one all-reduce of the partials); records="owners" sends each process its own rows of
   each layer's row factor and the column factor whole, records="all" every unit's whole records (docs/fsdp.md);
+- "exact records=owners-overlapped": records="owners" sent inside the backward, each parameter's records by
+  asynchronous collectives as soon as its layers' output gradients are in (sorters.gather.OverlappedExchange),
+  waited for in step_units; from the third step on (its first two steps exchange after the backward);
 - "sketch D=<D>": the same step inside LayerSketch(model, D).recording(), then CDGraBSampler(d=D).step of the
   (batch, D) sketches (all-gathered).
 
-Per process: the median over the steps after the first (first-call allocations) of the step's wall seconds
-(zero_grad to optimizer.step, everything synchronous on gloo) and of its parts ("model": forward and backward;
-"sorter": step_units / step, and within it "gather" (all_gather_units), "products" (with their all-reduce),
-"update" (the running sum's); "optimizer"); ru_maxrss at the end and the resident memory after the model was
-sharded; and per step the bytes it sends and receives in every torch.distributed collective, counted by
-wrapping torch.distributed's functions (FSDP2 calls all_gather_single and reduce_scatter_single through them;
-the child checks that it did) and sorters.gather's all-gather, split into "fsdp" (everything outside the sorter's
-call) and "cdgrab" (inside it). Bytes are those of a direct exchange: an all-gather sends its input to each other
-process and receives theirs; a reduce-scatter sends each other process its chunk of the input and receives its
-own chunk from each; an all-reduce counts as a reduce-scatter and an all-gather (2 (P - 1) / P of the tensor
-each way); an all-to-all sends and receives everything but its own block. Per round a variant counts its slowest
-rank's step and its largest peak; per variant the median over the interleaved rounds (every variant once a
-round), with the ratios to plain's. "cheaper_route": the records route with the shorter sorter's part (the only
-part of the step a route changes; whole steps vary more with the machine's load than the routes differ), with
-the shorter records' exchange ("gather") and with fewer bytes received. Writes ONE JSON object to --out (and
-prints it), then a markdown table.
+Per process: the median over the steps after the second (after the first in a run of 2 steps; the same steps
+in every variant: first-call allocations, and owners-overlapped exchanges after the backward in its first two) of
+the step's wall seconds (zero_grad to optimizer.step, everything synchronous on gloo but the overlapped
+exchange) and of its parts ("model": forward and backward, and within it "backward_exchange", the overlapped
+exchange's calls in the backward, which start its collectives; "sorter": step_units / step, and within it
+"gather" (all_gather_units), "products" (with their all-reduce), "update" (the running sum's); "agree_tokens":
+the overlapped exchange's wait for the other processes' kinds and token counts of the records, in the backward
+or in "gather"; "optimizer"); ru_maxrss at the end and the resident memory after the model
+was sharded; and per step the bytes it sends and receives in every torch.distributed collective, counted by
+wrapping torch.distributed's functions
+(FSDP2 calls all_gather_single and reduce_scatter_single through them; the child checks that it did) and
+sorters.gather's all-gather, split into "fsdp" (everything outside the sorter's call and the overlapped
+exchange's calls) and "cdgrab" (inside them). Bytes are those of a direct exchange: an all-gather sends its
+input to each other process and receives theirs; a reduce-scatter sends each other process its chunk of the
+input and receives its own chunk from each; an all-reduce counts as a reduce-scatter and an all-gather
+(2 (P - 1) / P of the tensor each way); an all-to-all sends and receives everything but its own block. Per
+round a variant counts its slowest rank's step and its largest peak; per variant the median over the
+interleaved rounds (every variant once a round), with the ratios to plain's. "cheaper_route": of "owners" and
+"all", the route with the shorter sorter's part (the only part of the step those routes change; whole steps
+vary more with the machine's load than the routes differ), with the shorter records' exchange ("gather") and
+with fewer bytes received. "overlapped_vs_owners": owners-overlapped's step, model part, sorter's part and
+bytes received over owners' (the overlapped exchange moves work from the sorter's part into the backward).
+Writes ONE JSON object to --out (and prints it), then a markdown table.
 """
 import argparse
 import contextlib
@@ -60,9 +70,10 @@ sys.path.insert(0, str(REPO))  # run from anywhere
 WORLD = 2  # processes
 GPT2_SMALL = {"vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024}
 SMALL = {"vocab_size": 1000, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 128}  # --small-config
-ROUTES = ("owners", "all")
+ROUTES = ("owners", "all", "owners-overlapped")
+UNOVERLAPPED = ("owners", "all")  # the routes whose whole exchange is inside the sorter's call
 TARGETS = {"step_vs_plain": 1.4, "peak_vs_plain": 1.15}  # issue #61 goal 2, for exact CD-GraB
-PHASES = ("model", "sorter", "gather", "products", "update", "optimizer")
+PHASES = ("model", "backward_exchange", "agree_tokens", "sorter", "gather", "products", "update", "optimizer")
 
 
 def variant_names(dim: int, sketch: bool = True) -> list[str]:
@@ -182,6 +193,7 @@ def child(variant: str, args, tokens_file: str, folder: Path) -> None:
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard
 
+    import sorters.gather as gather
     import sorters.sampler as sampler_module
     from models.gpt2 import build_gpt2
     from sorters import CDGraBSampler, LayerSketch
@@ -209,6 +221,13 @@ def child(variant: str, args, tokens_file: str, folder: Path) -> None:
         sampler_module.all_gather_units = clock.timed("gather", sampler_module.all_gather_units)
         UnitGradients.products = clock.timed("products", UnitGradients.products)
         UnitGradients.add_to = clock.timed("update", UnitGradients.add_to)
+        started = clock.timed("backward_exchange", gather.OverlappedExchange.layer_done)  # (owners-overlapped only)
+
+        def layer_done(*args, **kwargs):  # its collectives are CD-GraB's, though they run inside the backward
+            with traffic.phase("cdgrab"):
+                return started(*args, **kwargs)
+        gather.OverlappedExchange.layer_done = layer_done
+        gather._longest_tokens = clock.timed("agree_tokens", gather._longest_tokens)
     elif variant.startswith("sketch"):
         sketcher = LayerSketch(model, args.dim, seed=0)  # after fully_shard
         sampler = CDGraBSampler(m, batch_size=args.batch, d=sketcher.dim, seed=0)
@@ -249,9 +268,14 @@ def child(variant: str, args, tokens_file: str, folder: Path) -> None:
         sys.exit("bench: FSDP2's all-gathers and reduce-scatters did not go through torch.distributed's functions "
                  "(the byte counts would miss them)")
     share = getattr(getattr(sampler, "sorter", None), "share", None)
+    # the steps timed, the same in every variant: after the first two (first-call allocations; owners-overlapped's
+    # first two exchange after the backward: the sampler installs the exchange at the first, the second's backward
+    # learns which layer records which parameter); after the first only in a run of 2 steps
+    warm = min(2, len(steps) - 1)
     result = {
-        "rank": rank, "steps": len(steps), "step_seconds": statistics.median(steps[1:]), "steps_seconds": steps,
-        "part_seconds": {part: statistics.median(p.get(part, 0.0) for p in parts[1:]) for part in PHASES
+        "rank": rank, "steps": len(steps), "timed_from_step": warm, "step_seconds": statistics.median(steps[warm:]),
+        "steps_seconds": steps,
+        "part_seconds": {part: statistics.median(p.get(part, 0.0) for p in parts[warm:]) for part in PHASES
                          if any(part in p for p in parts)},
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_sharding_mb": rss_built,
         "bytes_per_step": {phase: {"sent": c["sent"] / len(steps), "received": c["received"] / len(steps)}
@@ -323,13 +347,13 @@ def summarise(rounds: dict) -> dict:
 
 
 def orders_equal(rounds: dict) -> bool | None:
-    """Whether both records routes end every round with the same next-epoch orders on every rank (the same
-    products: routing moves bytes, not numbers); None when a route was left out."""
+    """Whether every records route ends every round with the same next-epoch orders on every rank as the first
+    route (the same products: routing moves bytes, not numbers); None when a route was left out."""
     names = [f"exact records={route}" for route in ROUTES]
     if not all(name in rounds for name in names):
         return None
     return all(a["next_orders"] == b["next_orders"] for runs in zip(*(rounds[name] for name in names))
-               for a, b in zip(runs[0]["ranks"], runs[1]["ranks"]))
+               for other in runs[1:] for a, b in zip(runs[0]["ranks"], other["ranks"]))
 
 
 def markdown(result: dict) -> str:
@@ -387,8 +411,16 @@ def measure(args) -> dict:
     first = summary["plain"]["rounds"][0]["ranks"][0]
     exact_names = [name for name in names if name.startswith("exact")]
 
-    def cheapest(cost):  # the route of the exact variant with the smallest cost
-        return min(exact_names, key=lambda name: cost(summary[name])).split("=")[1]
+    def cheapest(cost):  # the unoverlapped route with the smallest cost
+        return min(UNOVERLAPPED, key=lambda route: cost(summary[f"exact records={route}"]))
+
+    def overlapped_vs_owners(get):  # owners-overlapped's cost over owners'
+        owners, overlapped = (get(summary[f"exact records={route}"]) for route in ("owners", "owners-overlapped"))
+        return round(overlapped / owners, 3) if owners else None
+    overlap = {"step_seconds": overlapped_vs_owners(lambda v: v["step_seconds"]),
+               "model_seconds": overlapped_vs_owners(lambda v: v["part_seconds"].get("model", 0.0)),
+               "sorter_seconds": overlapped_vs_owners(lambda v: v["part_seconds"].get("sorter", 0.0)),
+               "cdgrab_bytes_received": overlapped_vs_owners(lambda v: v["bytes_per_step"]["cdgrab"]["received"])}
     return {
         "variants": summary,
         "targets": {"exact": TARGETS, "met": {name: {key: summary[name][key] <= limit for key, limit in TARGETS.items()}
@@ -396,6 +428,7 @@ def measure(args) -> dict:
         "cheaper_route": {"sorter_seconds": cheapest(lambda v: v["part_seconds"].get("sorter", 0.0)),
                           "gather_seconds": cheapest(lambda v: v["part_seconds"].get("gather", 0.0)),
                           "bytes_received": cheapest(lambda v: v["bytes_per_step"]["cdgrab"]["received"])},
+        "overlapped_vs_owners": overlap,
         "routes_give_the_same_orders": orders_equal(rounds),
         "settings": {
             "model": f"models.gpt2.build_gpt2(**{SMALL if args.small_config else GPT2_SMALL}): eager attention, "
@@ -405,18 +438,19 @@ def measure(args) -> dict:
             "batch_per_process": args.batch, "block": args.block, "steps_per_run": args.steps,
             "rounds": args.rounds, "threads_per_process": args.threads, "sketch_dim": args.dim,
             "optimizer": "AdamW", "tokens": source,
-            "statistic": "per rank the median over steps (first dropped); per run the max over ranks; then the "
+            "statistic": "per rank the median over steps (first two dropped); per run the max over ranks; then the "
                          "median over rounds",
             "peak": "ru_maxrss of each fresh process at the end of training",
             "bytes": "per step and process, a direct exchange (module docstring); fsdp: outside the sorter's call, "
-                     "cdgrab: inside step_units / step",
+                     "cdgrab: inside step_units / step and the overlapped exchange's calls in the backward",
             "torch": torch.__version__, "cpu_count": os.cpu_count(),
             "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="steps per run, one epoch (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=4,
+                        help="steps per run, one epoch (the first two are not timed; the first only, of 2)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per process and step")
     parser.add_argument("--block", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of every variant")

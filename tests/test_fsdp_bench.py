@@ -108,9 +108,11 @@ def test_a_run_is_its_slowest_rank_and_the_ratios_are_medians_over_plains():
 def test_the_routes_orders_are_compared_rank_by_rank():
     same = [bench.over_ranks([rank(1, 1, 1, 1), rank(1, 1, 1, 1, ((1, 0),))])]
     other = [bench.over_ranks([rank(1, 1, 1, 1), rank(1, 1, 1, 1)])]
-    assert bench.orders_equal({"exact records=owners": same, "exact records=all": same}) is True
-    assert bench.orders_equal({"exact records=owners": same, "exact records=all": other}) is False
-    assert bench.orders_equal({"exact records=owners": same}) is None
+    routes = ["exact records=owners", "exact records=all", "exact records=owners-overlapped"]
+    assert bench.orders_equal(dict.fromkeys(routes, same)) is True
+    assert bench.orders_equal({**dict.fromkeys(routes, same), "exact records=all": other}) is False
+    assert bench.orders_equal({**dict.fromkeys(routes, same), "exact records=owners-overlapped": other}) is False
+    assert bench.orders_equal({"exact records=owners": same, "exact records=all": same}) is None
 
 
 @pytest.mark.parametrize("args, message", [(["--steps", "1"], "--steps must be >= 2"),
@@ -130,7 +132,7 @@ def smoke(tmp_path_factory):
     head = expected_head()
     path = tmp_path_factory.mktemp("fsdp-bench") / "report.json"
     result = run_python([sys.executable, "bench/fsdp_gpt2_small.py", "--small-config", "--tokens", "random",
-                         "--steps", "2", "--block", "16", "--dim", str(DIM), "--out", path], timeout=600)
+                         "--steps", "3", "--block", "16", "--dim", str(DIM), "--out", path], timeout=600)
     check_ok(result)
     return json.loads(path.read_text()), result.stdout, head
 
@@ -146,15 +148,19 @@ def test_report_layout_and_fsdps_bytes_from_the_parameters(smoke):
     """Every variant's entry and every rank's steps; FSDP's bytes a step from the sharded parameters' sizes: each
     block all-gathered in the forward and again in the backward, the root once (not resharded after its forward),
     every gradient reduce-scattered; CD-GraB's: the sketch's (batch, D) float32 to the other process, one
-    all-reduce a step for exact CD-GraB, fewer bytes by the owners' route, and the same orders by both."""
+    all-reduce a step for exact CD-GraB, fewer bytes by the owners' route (overlapped or not: the same bytes,
+    the overlapped route's all-to-alls in its third step's backward), and the same orders by every route."""
     report, stdout, head = smoke
     assert json.loads(stdout[:stdout.rindex("\n}") + 2]) == report  # the printed object is the written one
     assert report["git_commit"] in (head, f"{head}-dirty" if GIT_CHECKOUT else head)
-    names = ["plain", "exact records=owners", "exact records=all", f"sketch D={DIM}"]
+    names = ["plain", "exact records=owners", "exact records=all", "exact records=owners-overlapped", f"sketch D={DIM}"]
     assert list(report["variants"]) == names and "| exact records=owners |" in stdout
     assert report["routes_give_the_same_orders"] is True and report["cheaper_route"]["bytes_received"] == "owners"
     assert set(report["cheaper_route"]) == {"sorter_seconds", "gather_seconds", "bytes_received"}
-    assert set(report["targets"]["met"]) == {"exact records=owners", "exact records=all"}
+    assert set(report["targets"]["met"]) == set(names[1:4])
+    assert set(report["overlapped_vs_owners"]) == {"step_seconds", "model_seconds", "sorter_seconds",
+                                                   "cdgrab_bytes_received"}
+    assert report["overlapped_vs_owners"]["cdgrab_bytes_received"] == 1.0
     from models.gpt2 import build_gpt2
     model = build_gpt2(**bench.SMALL)
     blocks = [p.shape for block in model.transformer.h for p in block.parameters()]
@@ -162,7 +168,7 @@ def test_report_layout_and_fsdps_bytes_from_the_parameters(smoke):
     fsdp_sent = 4 * (2 * padded_halves(everything) + padded_halves(blocks))
     for name in names:
         (run,) = report["variants"][name]["rounds"]
-        assert [(r["rank"], r["steps"]) for r in run["ranks"]] == [(0, 2), (1, 2)], name
+        assert [(r["rank"], r["steps"]) for r in run["ranks"]] == [(0, 3), (1, 3)], name
         for r in run["ranks"]:
             assert r["bytes_per_step"]["fsdp"] == {"sent": fsdp_sent, "received": fsdp_sent}, name
             assert r["d"] == sum(p.numel() for p in model.parameters())
@@ -170,9 +176,12 @@ def test_report_layout_and_fsdps_bytes_from_the_parameters(smoke):
     for r in report["variants"][f"sketch D={DIM}"]["rounds"][0]["ranks"]:
         assert r["bytes_per_step"]["cdgrab"] == {"sent": batch * DIM * 4, "received": batch * DIM * 4}
     sent = {}
-    for route in ("owners", "all"):
+    for route in ("owners", "all", "owners-overlapped"):
         for r in report["variants"][f"exact records={route}"]["rounds"][0]["ranks"]:
             assert r["calls_per_step"]["cdgrab"]["all_reduce"] == 1 and r["records"] == route
-            assert ("all_to_all_single" in r["calls_per_step"]["cdgrab"]) == (route == "owners")
+            assert ("all_to_all_single" in r["calls_per_step"]["cdgrab"]) == (route != "all")
             sent.setdefault(route, []).append(r["bytes_per_step"]["cdgrab"]["sent"])
     assert all(owners < every for owners, every in zip(sent["owners"], sent["all"]))
+    assert sent["owners-overlapped"] == sent["owners"]
+    overlapped = report["variants"]["exact records=owners-overlapped"]["rounds"][0]["ranks"]
+    assert all(r["timed_from_step"] == 2 and r["part_seconds"]["backward_exchange"] > 0 for r in overlapped)
