@@ -247,11 +247,12 @@ class OverlappedExchange:
         self.calls: dict[torch.nn.Module, int] = {}  # the forward's calls of each recorded layer
         self.expected: dict[int, int] | None = None  # id(p) -> the records the step will give it (learned)
         self.arrived: dict[int, int] = {}
-        self.started: dict[int, tuple[int, list[Contribution]]] = {}  # id(p) -> (its records then, exchanged)
+        # id(p) -> (its records' list, their number then, its contributions exchanged)
+        self.started: dict[int, tuple[Pieces, int, list[Contribution]]] = {}
         self.works: list[tuple[dist.Work, torch.Tensor]] = []
-        # the parameters whose token counts are being agreed: (id(p), its records, their number, the
+        # the parameters whose token counts are being agreed: (id(p), its records' list, their contributions, the
         # _token_table, its collective), sent at the next layer_done or at finish
-        self.agreeing: list[tuple[int, list[Contribution], int, torch.Tensor, tuple[dist.Work, torch.Tensor]]] = []
+        self.agreeing: list[tuple[int, Pieces, list[Contribution], torch.Tensor, tuple[dist.Work, torch.Tensor]]] = []
         self.units = 0
 
     def forward_call(self, module: torch.nn.Module) -> None:
@@ -278,26 +279,28 @@ class OverlappedExchange:
                 if len(fresh) == len(records):  # (else left to all_gather_units, which checks the records)
                     works: list[tuple[dist.Work, torch.Tensor]] = []
                     table = _token_table(fresh, works)
-                    self.agreeing.append((key, fresh, len(records), table, works[0]))
-                    self.started[key] = (len(records), [])  # (its contributions once sent)
+                    self.agreeing.append((key, records, fresh, table, works[0]))
+                    self.started[key] = (records, len(records), [])  # (its contributions once sent)
 
     def _send_agreed(self) -> None:
         """Start the exchange of the parameters whose token counts were being agreed, in the order they came."""
-        for key, fresh, count, table, (work, _sent) in self.agreeing:
+        for key, records, fresh, table, (work, _sent) in self.agreeing:
             i = self.index[key]
             mine = list(zip(fresh, _longest_tokens(table, work)))
             device = (fresh[0].left if isinstance(fresh[0], Outer) else fresh[0].values).device
-            self.started[key] = (count, _exchange_parameter(self.share.params[i], i, mine, self.units, self.share,
-                                                            device, self.works))
+            self.started[key] = (records, len(fresh), _exchange_parameter(self.share.params[i], i, mine, self.units,
+                                                                          self.share, device, self.works))
         self.agreeing = []
 
     def finish(self, pieces: dict[int, Pieces]) -> dict[int, list[Contribution]]:
         """Wait for the started collectives: {id(p): p's contributions of every process's units} of the
-        parameters whose records (pieces: the units handed over) are the ones sent; then a new recording."""
+        parameters whose records (pieces: the units handed over) are the ones sent, the same records (not
+        another recording's) and no more; then a new recording."""
         self._send_agreed()
         for work, _sent in self.works:
             work.wait()
-        done = {key: xs for key, (count, xs) in self.started.items() if len(pieces.get(key, [])) == count}
+        done = {key: xs for key, (records, count, xs) in self.started.items()
+                if pieces.get(key) is records and len(records) == count}
         self.begin()
         return done
 

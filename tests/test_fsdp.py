@@ -347,3 +347,80 @@ def test_one_all_reduce_a_step_and_the_records_route(ranks):
         else:
             assert all(count > 0 for count in routed) if records == "owners" else not any(routed)
             assert not any(in_backward)
+
+
+# ---------------------------------------------------------------------------------- the overlapped exchange
+
+class TwoCalls(torch.nn.Module):
+    """Linear(4, 3) and a second Linear tied to its weight, which the forward calls only when asked: the tied
+    weight then gets two records a step, and the second layer is new to the exchange the first time."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        self.second.weight = self.first.weight
+
+    def forward(self, x, both):
+        y = self.first(x)
+        return (y + self.second(x) if both else y).square().sum(1)
+
+
+def contribution_tensors(x):
+    """A contribution's tensors, to compare two exchanges' results exactly."""
+    return [x.left, x.right] if hasattr(x, "left") else [x.ids, x.values] if hasattr(x, "ids") else [x.values]
+
+
+def overlapped_rank(rank, port, path):
+    """One of 2 forked gloo processes: TwoCalls (not sharded: ShardedRows splits its rows 2/1) recorded over 4
+    steps with an OverlappedExchange, the second layer called from the third step on. Per step: which parameters
+    the backward started, whether each started one was sent with all its records, and whether all_gather_units'
+    result equals the owners' route's on the same records, exchanged after the backward (to the bit)."""
+    from sorters.exact import UnitGradients
+    from sorters.gather import OverlappedExchange, all_gather_units
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = TwoCalls()
+        exact = ExactGradients(model)
+        share = ShardedRows(exact, records="owners-overlapped")
+        exact.overlapped = OverlappedExchange(share)
+        names = {id(p): name for name, p in zip(exact.names, exact.params)}
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        steps = []
+        for both in (False, False, True, True):
+            with exact.recording() as rec:
+                losses = model(x, both)
+                rec.watch(losses)
+            losses.sum().backward()
+            units = rec.units()
+            started = exact.overlapped.started
+            whole = {key: count == len(records) for key, (records, count, _) in started.items()}
+            after = all_gather_units(UnitGradients(units.owner, units.units, units.pieces, units.scale), share)
+            got = all_gather_units(units, share)
+            same = got.pieces.keys() == after.pieces.keys() and all(
+                len(got.pieces[key]) == len(after.pieces[key]) and all(
+                    torch.equal(a, b) for (_, x), (_, y) in zip(got.pieces[key], after.pieces[key])
+                    for a, b in zip(contribution_tensors(x), contribution_tensors(y)))
+                for key in got.pieces)
+            steps.append({"started": sorted(names[key] for key in whole), "whole": all(whole.values()), "same": same})
+        torch.save(steps, f"{path}.rank{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_overlapped_exchange_starts_what_it_has_learned_and_sends_the_owners_records(tmp_path):
+    """The exchange starts nothing in the backward it learns in, nor in one that calls a layer first met there;
+    then every parameter, the tied weight only with both its records; and what all_gather_units returns is the
+    owners' route's exchange of the same records after the backward, to the bit."""
+    pytest.importorskip("torch.distributed")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    run_forked(overlapped_rank, (port, tmp_path / "run"), 2)
+    everything = ["first.bias", "first.weight", "second.bias"]
+    for rank in range(2):
+        steps = torch.load(tmp_path / f"run.rank{rank}")
+        assert [step["started"] for step in steps] == [[], ["first.bias", "first.weight"], [], everything]
+        assert all(step["whole"] and step["same"] for step in steps), steps
