@@ -16,7 +16,9 @@ Exact CD-GraB from layer records (sorters/exact.py) gathers records instead: `al
 its records and its per-unit gradient (`exchange_bytes`); `gather_parts` does it for a step recorded in
 parts (the engine's chunks), part by part. With a `ParameterShare` (ExactCDGraB dividing the products over
 the processes: the HF Trainer under torchrun, `CDGraBSampler(divide_products=True)`) each parameter's
-records go to its owning process only (`_gather_rows_to`).
+records go to its owning process only (`_gather_rows_to`). `OverlappedExchange` starts the owners' route of a
+sharded model (sorters.fsdp.ShardedRows) inside the backward, parameter by parameter; all_gather_units
+finishes it.
 """
 from collections.abc import Callable
 
