@@ -114,8 +114,9 @@ class ShardedRows(ParameterShare):
     - "all": every unit's whole records to every process (all-gathered, as in the data-parallel exact path);
     - "owners-overlapped": "owners", each parameter's records sent inside the backward as soon as its layers'
       output gradients are in, by asynchronous collectives that run while the backward goes on
-      (sorters.gather.OverlappedExchange, which CDGraBSampler installs on the model's ExactGradients: from its
-      second step on; docs/fsdp.md).
+      (sorters.gather.OverlappedExchange, which CDGraBSampler installs on the model's ExactGradients at its
+      first step; the second step's backward learns which layer records which parameter, and the third's
+      sends; docs/fsdp.md).
 
     All give the same products and orders; "owners" sends up to (P - 1) / P fewer of the row factor's bytes.
 
