@@ -185,3 +185,16 @@ def test_report_layout_and_fsdps_bytes_from_the_parameters(smoke):
     assert sent["owners-overlapped"] == sent["owners"]
     overlapped = report["variants"]["exact records=owners-overlapped"]["rounds"][0]["ranks"]
     assert all(r["timed_from_step"] == 2 and r["part_seconds"]["backward_exchange"] > 0 for r in overlapped)
+
+
+def test_the_docs_quote_the_shipped_json():
+    """docs/fsdp.md's cost table is the bench's markdown of bench/results/fsdp-gpt2-small-cpu.json, the commit it
+    names is the JSON's, and its verdict on the targets is the JSON's."""
+    bench = load_bench()
+    result = json.loads((REPO / "bench" / "results" / "fsdp-gpt2-small-cpu.json").read_text())
+    docs = (REPO / "docs" / "fsdp.md").read_text()
+    for line in bench.markdown(result).splitlines():
+        assert line in docs, line
+    assert f"clean worktree of {result['git_commit'][:7]} on a quiet machine" in docs
+    owners = result["targets"]["met"]["exact records=owners"]
+    assert ("targets **not met**" in docs) == (not all(owners.values()))
