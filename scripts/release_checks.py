@@ -45,6 +45,9 @@ sys.path.insert(0, str(REPO))  # the checkout's tests/ (the docs' quick-start sn
 
 from common.errors import OneLineErrorParser  # noqa: E402
 
+# the data the release-check tests read (the compiled step trains on real data): this checkout's, by the rule of
+# tests/helpers.py ($CDGRAB_DATA, else ../shared/data beside the checkout), not the clean copy's neighbour
+DATA_DIR = Path(os.environ.get("CDGRAB_DATA") or REPO / ".." / "shared" / "data").resolve()
 # what a checkout may hold that is not the project's (a copy without git leaves these out)
 NOT_SOURCE = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "build", "dist", "results",
               "figures", "datasets", "mutants", "gpu-data", ".ipynb_checkpoints"}
@@ -387,7 +390,7 @@ def release_checks(work: Path) -> list:
                          "[sketch]",
                          "tests/test_reproduction.py::test_analysis_draws_the_reproduction_figures"]
         checked = run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *release_tests],
-                      cwd=source, env={**python_env, "CDGRAB_RELEASE_CHECKS": "1"},
+                      cwd=source, env={**python_env, "CDGRAB_RELEASE_CHECKS": "1", "CDGRAB_DATA": str(DATA_DIR)},
                       what="the release-check tests (mypy, ruff, the reference's build, the documented install)")
         print(f"   {checked.stdout.strip().splitlines()[-1]}")
     return times
