@@ -277,8 +277,8 @@ def sharded_state_dict(owner: "CDGraBSampler | ExactCDGraB", exact: ExactGradien
         process's rows r0..r1-1 local (copies).
 
     Raises:
-        TypeError / ValueError: not an exact sampler or sorter and the ExactGradients of its model, or a model not
-            sharded with fully_shard over the default process group (one line).
+        TypeError: not an exact sampler or sorter and the ExactGradients of its model (one line).
+        ValueError: a model not sharded with fully_shard over the default process group (one line).
     """
     sorter, sampler, share = _sharded_sorter(owner, exact, "sharded_state_dict")
     sorter_state = sorter.state_dict(sharded=True)

@@ -183,7 +183,7 @@ def module_path(module: str) -> Path:
 
 def test_the_api_page_reads_its_tables():
     public, internal = api_page()
-    assert list(public) == ["sorters", "sorters.exact", "sorters.hf", "sorters.lightning"]
+    assert list(public) == ["sorters", "sorters.exact", "sorters.fsdp", "sorters.hf", "sorters.lightning"]
     assert "CDGraBSampler" in public["sorters"] and "watch" in public["sorters.lightning"]
     assert "sorters.balance" in internal and "sorters" not in internal
 

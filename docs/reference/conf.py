@@ -41,5 +41,5 @@ nitpick_ignore_regex = [
     ("py:class", r"(optional|default.*)"),
     # the public classes' bases and helpers that live in internal modules (every module but the four public
     # ones, docs/api.md): named, not documented
-    ("py:class", r"sorters\.(?!(exact|hf|lightning)\.)\w+\.\w+"),
+    ("py:class", r"sorters\.(?!(exact|fsdp|hf|lightning)\.)\w+\.\w+"),
 ]
