@@ -28,6 +28,7 @@ Only FSDP2's Shard(0) on a one-dimensional mesh is taken (HSDP's two-dimensional
 """
 import io
 import math
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from sorters.exact import ExactCDGraB, ExactGradients, UnitGradients
 from sorters.exact_products import Contribution, Formed, Outer, Pieces, Rows, matrix_shape
 from sorters.gather import ParameterShare
+from sorters.layer_sketch import LayerSketch
 
 if TYPE_CHECKING:  # sorters.sampler imports this module
     from sorters.sampler import CDGraBSampler
@@ -410,3 +412,30 @@ def _formed_units(exact: ExactGradients, share: ShardedRows, rows: torch.Tensor)
             pieces[id(p)] = [(0, Formed(values.reshape(U, r1 - r0, C).to(p.device, p.dtype)))]
     first = exact.params[0]
     return UnitGradients(exact, U, pieces, torch.ones(U, dtype=first.dtype, device=first.device))
+
+
+def _exact_over_current_parameters(exact: ExactGradients) -> ExactGradients:
+    """`exact` while its parameters are still its model's; else, when fully_shard replaced them (Lightning's
+    configure_model runs after the module's setup(), where `exact` was built), the ExactGradients of the same
+    parameters, by name, as the model holds them now: the sharded DTensors that the sampler's running sum
+    follows (sorters.fsdp.ShardedRows), and no reference left to the unsharded ones."""
+    current = dict(exact.model.named_parameters())
+    if all(current.get(name) is p for name, p in zip(exact.names, exact.params)):
+        return exact
+    return ExactGradients(exact.model, params=[f"^{re.escape(name)}$" for name in exact.names], how=exact.how)
+
+
+def _sketch_over_current_parameters(sketcher: LayerSketch) -> LayerSketch:
+    """`sketcher` while its parameters are still its model's; else (fully_shard replaced them after it was
+    built) the LayerSketch of the same parameters, by name, over the model as it is now, with the same map: the
+    same dim and seed, and a min_numel that blocks the same weights (the smallest block's entries; above d
+    without blocks), checked against the old map's blocks."""
+    current = dict(sketcher.model.named_parameters())
+    if all(id(current.get(name)) in sketcher.layout.offsets for name in sketcher.names):  # (offsets: by id)
+        return sketcher
+    blocks = [(block.offset, block.rows, block.cols) for block in sketcher.sketch.blocks]
+    min_numel = min((rows * cols for _, rows, cols in blocks), default=sketcher.d + 1)
+    rebuilt = LayerSketch(sketcher.model, sketcher.dim, sketcher.sketch.seed, min_numel=min_numel,
+                          params=[f"^{re.escape(name)}$" for name in sketcher.names], batch_dim=sketcher.batch_dim)
+    assert [(block.offset, block.rows, block.cols) for block in rebuilt.sketch.blocks] == blocks, "another map"
+    return rebuilt

@@ -617,17 +617,12 @@ class CDGraBTrainerMixin(_TrainerBase):
         sampler and its ExactGradients (or LayerSketch), so at the first micro-batch they are built again over
         the sharded parameters (the same names, the same d and map): exact CD-GraB's running sum then follows
         them (ShardedRows), and no unsharded copy of the model is kept alive."""
+        from sorters.fsdp import _exact_over_current_parameters, _sketch_over_current_parameters
         grads = self.cdgrab_grads
         if isinstance(grads, ExactGradients):
-            held = [id(p) for p in grads.params]
+            self.cdgrab_grads = _exact_over_current_parameters(grads)
         elif isinstance(grads, LayerSketch):
-            held = list(grads.layout.offsets)  # by id(parameter)
-        else:
-            return
-        current = {id(p) for p in self._module.parameters()}
-        if any(key not in current for key in held):
-            self.cdgrab_grads = self.cdgrab_settings.exact_gradients(self._module) \
-                if isinstance(grads, ExactGradients) else self._layer_sketch()
+            self.cdgrab_grads = _sketch_over_current_parameters(grads)
 
     def _records_write_grads(self) -> bool:
         """exact_low_memory: whether the records write .grad (the backward skipping the recorded weights'

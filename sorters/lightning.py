@@ -85,7 +85,6 @@ parameters), are refused for a balancing sorter.
 
 Lightning is imported here, so `import sorters` never needs it (pip extra: `cdgrab-sorters[lightning]`).
 """
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +92,7 @@ import torch
 
 from sorters._state_format import FORMAT_KEY, LIGHTNING_STATE_FORMAT, saved_format
 from sorters.exact import ExactCDGraB, ExactGradients, ExactRecording
+from sorters.fsdp import _exact_over_current_parameters, _sketch_over_current_parameters
 from sorters.layer_sketch import LayerSketch, Recording
 from sorters.per_example import BackwardGradient
 from sorters.sampler import CDGraBSampler
@@ -291,7 +291,7 @@ class CDGraBCallback(Callback):
         if not _has_dtensors(pl_module):
             return
         if self.sketcher is not None:
-            stale_sketcher, self.sketcher = self.sketcher, _sketcher_over_current_parameters(self.sketcher)
+            stale_sketcher, self.sketcher = self.sketcher, _sketch_over_current_parameters(self.sketcher)
             if getattr(pl_module, "sketcher", None) is stale_sketcher:  # the module's attribute, as found
                 pl_module.sketcher = self.sketcher  # type: ignore[assignment]  # nn.Module.__setattr__: tensors, modules
             return
@@ -301,7 +301,7 @@ class CDGraBCallback(Callback):
                              "whole; balance from layer records: exact CD-GraB (CDGraBSettings(exact_low_memory="
                              "True), self.exact = settings.exact_gradients(self.net)) or structured sketches (a "
                              "sketcher), with watch(self, losses) in training_step (docs/fsdp.md)")
-        stale, self.exact = self.exact, _over_current_parameters(self.exact)
+        stale, self.exact = self.exact, _exact_over_current_parameters(self.exact)
         if getattr(pl_module, "exact", None) is stale:  # the module's attribute, as the callback found it
             pl_module.exact = self.exact  # type: ignore[assignment]  # nn.Module.__setattr__: tensors, modules
 
@@ -510,33 +510,6 @@ def _has_dtensors(module: torch.nn.Module) -> bool:
         return False
     from torch.distributed.tensor import DTensor
     return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def _over_current_parameters(exact: ExactGradients) -> ExactGradients:
-    """`exact` while its parameters are still its model's; else, when fully_shard replaced them (Lightning's
-    configure_model runs after the module's setup(), where `exact` was built), the ExactGradients of the same
-    parameters, by name, as the model holds them now: the sharded DTensors that the sampler's running sum
-    follows (sorters.fsdp.ShardedRows), and no reference left to the unsharded ones."""
-    current = dict(exact.model.named_parameters())
-    if all(current.get(name) is p for name, p in zip(exact.names, exact.params)):
-        return exact
-    return ExactGradients(exact.model, params=[f"^{re.escape(name)}$" for name in exact.names], how=exact.how)
-
-
-def _sketcher_over_current_parameters(sketcher: LayerSketch) -> LayerSketch:
-    """`sketcher` while its parameters are still its model's; else (fully_shard replaced them after it was
-    built) the LayerSketch of the same parameters, by name, over the model as it is now, with the same map: the
-    same dim and seed, and a min_numel that blocks the same weights (the smallest block's entries; above d
-    without blocks), checked against the old map's blocks."""
-    current = dict(sketcher.model.named_parameters())
-    if all(id(current.get(name)) in sketcher.layout.offsets for name in sketcher.names):  # (offsets: by id)
-        return sketcher
-    blocks = [(block.offset, block.rows, block.cols) for block in sketcher.sketch.blocks]
-    min_numel = min((rows * cols for _, rows, cols in blocks), default=sketcher.d + 1)
-    rebuilt = LayerSketch(sketcher.model, sketcher.dim, sketcher.sketch.seed, min_numel=min_numel,
-                          params=[f"^{re.escape(name)}$" for name in sketcher.names], batch_dim=sketcher.batch_dim)
-    assert [(block.offset, block.rows, block.cols) for block in rebuilt.sketch.blocks] == blocks, "another map"
-    return rebuilt
 
 
 def watch(pl_module: LightningModule, losses: torch.Tensor) -> torch.Tensor:
