@@ -665,7 +665,7 @@ class ExactCDGraB(PairBalancer):
             self.running_sum = torch.empty(share.size, dtype=self.dtype, device="meta")
         else:
             self.running_sum = share.part(self.running_sum)
-        self.share, self.sum_all = share, True
+        self.share, self.sum_all = share, share.keeps_unit_sums
 
     def _reset_running_sums(self) -> None:
         size = self.d if self.share is None else self.share.size

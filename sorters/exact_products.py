@@ -28,8 +28,8 @@ Two ways to get (a) and (b) for a parameter of shape (R, C) (`parameter_products
 Both give the same numbers up to rounding; the tests check each rule against gradients formed by
 autograd, one example at a time.
 
-(c) is one product per contribution: Outer S += left^T diag(w) right over the tokens, Rows an
-index_add of the weighted rows, Formed a weighted sum; units of weight 0 are skipped.
+(c) is one product per contribution: Outer S += left^T diag(w) right over the tokens of the units of
+nonzero weight, Rows an index_add of their weighted rows, Formed a weighted sum.
 
 Which contributions a layer makes is the library's one table of layer rules (sorters/layer_rules.py); here
 they arrive through a ContributionSink, which keeps them factored.
@@ -60,11 +60,20 @@ class Outer:
         return ((self.right @ S.T) * self.left).sum((1, 2))
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
-        """S (R, C) += sum_u w_u x_u: unit by unit, so that no weighted copy of the records is made; units
-        of weight 0 are skipped."""
-        for u, weight in enumerate(w.tolist()):
-            if weight:
-                S.addmm_(self.left[u].T, self.right[u], alpha=weight)
+        """S (R, C) += sum_u w_u x_u over the units of nonzero weight, as ONE product over their tokens (a long
+        inner dimension runs faster than one product per unit): the smaller of the two factors of those units
+        is copied times the weights (k T min(R, C) numbers), the other is read as it is."""
+        kept = _nonzero_units(w)
+        if kept is None:
+            return
+        left, right, weights = self.left, self.right, w
+        if len(kept) < self.units:
+            left, right, weights = left[kept], right[kept], w[kept]
+        if left.shape[2] <= right.shape[2]:
+            left = left * weights[:, None, None]
+        else:
+            right = right * weights[:, None, None]
+        S.addmm_(left.reshape(-1, left.shape[2]).T, right.reshape(-1, right.shape[2]))
 
     def add_sum(self, S: torch.Tensor) -> None:
         """S (R, C) += sum_u x_u: one product over every unit's tokens (a layer's weight gradient)."""
@@ -104,9 +113,14 @@ class Rows:
         return (S[self.ids] * self.values).sum((1, 2))
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
-        for u, weight in enumerate(w.tolist()):
-            if weight:
-                S.index_add_(0, self.ids[u], self.values[u], alpha=weight)
+        """S (R, C) += sum_u w_u x_u over the units of nonzero weight: one index_add of their weighted values."""
+        kept = _nonzero_units(w)
+        if kept is None:
+            return
+        ids, values, weights = self.ids, self.values, w
+        if len(kept) < self.units:
+            ids, values, weights = ids[kept], values[kept], w[kept]
+        S.index_add_(0, ids.reshape(-1), (values * weights[:, None, None]).reshape(-1, values.shape[2]))
 
     def add_sum(self, S: torch.Tensor) -> None:
         S.index_add_(0, self.ids.reshape(-1), self.values.reshape(-1, self.values.shape[2]))
@@ -159,6 +173,12 @@ class Formed:
     def rows(self, r0: int, r1: int) -> "Formed":
         """The units' gradients of rows r0..r1-1 only, (U, r1 - r0, C) views (a bias: its entries r0..r1-1)."""
         return Formed(self.values[:, r0:r1])
+
+
+def _nonzero_units(w: torch.Tensor) -> torch.Tensor | None:
+    """The units of nonzero weight in w (U,): None when there are none, else their indices ((k,) LongTensor)."""
+    kept = w.ne(0).nonzero().reshape(-1)
+    return None if len(kept) == 0 else kept
 
 
 # one layer call's contribution to a parameter's per-unit gradients, factored (Outer, Rows) or formed
@@ -216,30 +236,37 @@ def _ghost_possible(pieces: Pieces) -> bool:
     return Formed not in kinds or kinds == {Formed}
 
 
-def stream_cost(pieces: Pieces, U: int, R: int, C: int) -> float:
+def stream_cost(pieces: Pieces, U: int, R: int, C: int, pairs: int | None = None) -> float:
     """Forming the units' gradients block by block: each contribution's batched product (Outer: 2 U T R C
-    flops; Rows: writing U T C), zeroing and reading the (U, R, C) blocks for (a) and (b)."""
+    flops; Rows: writing U T C), zeroing and reading the (U, R, C) blocks, then (a) and (b) of the U units
+    (2 U (U + 1) R C), or with `pairs` (r of them) the r differences' (2 r (r + 1) R C) and the U norms."""
     form = sum(2 * x.units * x.tokens * R * C if isinstance(x, Outer) else x.units * x.tokens * C
                for _, x in pieces)
-    return form + (2 * U + 4) * U * R * C
+    products = (2 * U + 2) * U if pairs is None else (2 * pairs + 3) * pairs + 2 * U
+    return form + (products + 2 * U) * R * C
 
 
-def ghost_cost(pieces: Pieces, R: int, C: int) -> float:
-    """The ghost formulas: (a) 2 U T R C per Outer, (b) 2 (U T)(U' T') (R + C) per pair of contributions."""
+def ghost_cost(pieces: Pieces, R: int, C: int, grad_units: int = 0) -> float:
+    """The ghost formulas: (a) 2 U T R C per Outer, (b) 2 (U T)(U' T') (R + C) per pair of contributions; with
+    grad_units, the sum of those units' gradients too (`summed`: 2 U T R C per Outer; streaming has it from its
+    blocks)."""
     dot = sum(2 * x.units * x.tokens * R * C if isinstance(x, Outer) else 2 * x.units * x.tokens * C
               for _, x in pieces)
     gram = sum(2 * (x.units * x.tokens) * (y.units * y.tokens) * (R + C)
                for i, (_, x) in enumerate(pieces) for _, y in pieces[i:])
-    return dot + gram
+    grad = sum(2 * x.units * x.tokens * R * C if isinstance(x, Outer) else x.units * x.tokens * C
+               for first, x in pieces if first < grad_units)
+    return dot + gram + grad
 
 
-def ghost_pays(pieces: Pieces, U: int, R: int, C: int) -> bool:
-    """Whether the ghost formulas are cheaper than streaming: GHOST_MARGIN * ghost flops < stream flops.
-    Streaming also writes and reads the (U, R, C) blocks, which the flop count undercounts, so ghost wins
-    up to about twice streaming's flops (bench/exact_products.py times both; docs/exact-cdgrab.md)."""
+def ghost_pays(pieces: Pieces, U: int, R: int, C: int, grad_units: int = 0, pairs: int | None = None) -> bool:
+    """Whether the ghost formulas are cheaper than streaming: GHOST_MARGIN * ghost flops < stream flops, both
+    for what the call asks (`pairs` differences, the sum of `grad_units` units). Streaming also writes and reads
+    the (U, R, C) blocks, which the flop count undercounts, so ghost wins up to about twice streaming's flops
+    (bench/exact_products.py times both; docs/exact-cdgrab.md)."""
     if not _ghost_possible(pieces) or all(isinstance(x, Formed) for _, x in pieces):
         return False
-    return GHOST_MARGIN * ghost_cost(pieces, R, C) < stream_cost(pieces, U, R, C)
+    return GHOST_MARGIN * ghost_cost(pieces, R, C, grad_units) < stream_cost(pieces, U, R, C, pairs)
 
 
 GHOST_MARGIN = 0.5
@@ -404,7 +431,8 @@ def parameter_products(pieces: Pieces, S: torch.Tensor, U: int, how: str | None 
     scale (pairs.inverse_scale (U,)). how: "stream", "ghost", or None (the cheaper by `ghost_pays`). grad_units > 0:
     grad (R, C) is also the sum of the records of units 0..grad_units-1 (streaming: from its blocks), else None."""
     if how is None:
-        how = "ghost" if ghost_pays(pieces, U, *S.shape) else "stream"
+        how = "ghost" if ghost_pays(pieces, U, *S.shape, grad_units, None if pairs is None else len(pairs.firsts)) \
+            else "stream"
     if how == "ghost" and not _ghost_possible(pieces):
         how = "stream"
     grad = None
@@ -424,8 +452,8 @@ def parameter_products(pieces: Pieces, S: torch.Tensor, U: int, how: str | None 
 
 
 def add_weighted(pieces: Pieces, S: torch.Tensor, w: torch.Tensor) -> None:
-    """S (R, C) += sum_u w_u g_u over the units of nonzero weight (w (U,) in S's dtype): Outer and Rows skip
-    the others unit by unit (no copy of the kept units' records), Formed multiplies them by 0."""
+    """S (R, C) += sum_u w_u g_u over the units of nonzero weight (w (U,) in S's dtype): one product per
+    contribution over the kept units' tokens (Outer and Rows leave the others out), Formed multiplies them by 0."""
     for first, x in pieces:
         weights = w[first:first + x.units]
         if bool(weights.ne(0).any()):

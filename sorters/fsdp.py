@@ -140,6 +140,9 @@ class ShardedRows(ParameterShare):
     """
 
     gathers_to_owners = False
+    # no sum of the units per parameter for the update (ExactCDGraB's sum_all): it would double the running sum's
+    # memory (d / P floats) under a sharding chosen for memory; the update takes every unit's records instead
+    keeps_unit_sums = False
     RECORDS = "owners"  # the default route (bench/fsdp_gpt2_small.py: the cheaper on GPT-2 small)
 
     def __init__(self, exact: ExactGradients, rank: int | None = None, world: int | None = None,

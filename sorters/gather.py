@@ -20,6 +20,7 @@ records go to its owning process only (`_gather_rows_to`). `OverlappedExchange` 
 sharded model (sorters.fsdp.ShardedRows) inside the backward, parameter by parameter; all_gather_units
 finishes it.
 """
+import math
 from collections.abc import Callable
 
 import torch
@@ -85,21 +86,6 @@ def _gather(local: torch.Tensor, into: list[torch.Tensor] | None, dst: int) -> N
     dist.gather(local, into, dst=dst)
 
 
-def _rows_to_owners(x: torch.Tensor, dim: int, splits: list[tuple[int, int]],
-                    works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> torch.Tensor:
-    """x (U, ..., R, ...) in each process, R on `dim` -> (world_size * U, ..., r1 - r0, ...) in each: every
-    process's U units (rank-major), of this process's rows r0..r1-1 = splits[rank] only (one all-to-all).
-    splits: every process's (r0, r1), rank-major, the same in every process. works: as all_gather_rows'."""
-    sends = [x.narrow(dim, r0, r1 - r0) for r0, r1 in splits]
-    r0, r1 = splits[dist.get_rank()]
-    shape = list(x.shape)
-    shape[dim] = r1 - r0
-    out = torch.empty([len(splits)] + shape, dtype=x.dtype, device=x.device)
-    _all_to_all(out.view(-1), torch.cat([part.reshape(-1) for part in sends]), [part.numel() for part in sends],
-                [out[0].numel()] * len(splits), works)
-    return out.view([len(splits) * shape[0]] + shape[1:])
-
-
 def _all_to_all(out: torch.Tensor, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
                 works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> None:
     """out (sum(receive_sizes),) <- receive_sizes[q] numbers from each process q; send (sum(send_sizes),):
@@ -117,13 +103,15 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     to its owner only (_gather_rows_to), so a process holds every unit of its own parameters and nothing of
     the others' (its own records of them are sent, then dropped); or a share with row_splits
     (sorters.fsdp.ShardedRows(records="owners")): each process receives the rows it owns of each parameter's
-    row factor (Outer's left, Formed's rows; `_rows_to_owners`) and the rest whole, so the units' Outer and
-    Formed contributions have r1 - r0 rows there.
+    row factor (Outer's left, Formed's rows) and the rest whole, so the units' Outer and Formed contributions
+    have r1 - r0 rows there.
     Per parameter, whichever is smaller per unit (`exchange_bytes`, weighed on the route's own bytes) is
     sent: its contributions' records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and
     values (U, T, C), Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over
     many tokens, several Formed contributions). Tokens are padded with zeros to the longest process's T, which adds
-    nothing to any product. The result holds no backward gradient (step_grads): under DDP .grad is the
+    nothing to any product. Without a share or with row_splits, every parameter's tensors go together
+    (`Exchange`: one all-gather and one all-to-all per dtype, not one or two collectives per parameter).
+    The result holds no backward gradient (step_grads): under DDP .grad is the
     processes' mean, so the running sum's update reads every unit's records."""
     def ints(values: list[int]) -> list[list[int]]:  # one process's integers -> (world_size, n), every process's
         rows: list[list[int]] = all_gather_rows(torch.tensor([values], dtype=torch.long)).tolist()
@@ -132,8 +120,7 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     owner, U = units.owner, units.units
     parts = [(p, x) for p in owner.params for first, x in units.pieces.get(id(p), [])
              if first == 0 and x.units == U]
-    shapes = all_gather_rows(torch.tensor([[len(parts)] + [len(units.pieces.get(id(p), [])) for p in owner.params]],
-                                          dtype=torch.long)).tolist()
+    shapes = ints([len(parts)] + [len(units.pieces.get(id(p), [])) for p in owner.params])
     if len(parts) != sum(shapes[0][1:]) or any(row != shapes[0] for row in shapes):
         raise ValueError("CDGraBSampler: the processes recorded different layers for this step (every process "
                          "must run the same model through the same layers, and hand over fresh records)")
@@ -142,17 +129,104 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     units.in_flight = None
     rest = [(p, x) for p, x in parts if id(p) not in started]
     longest = _longest_tokens(_token_table([x for _, x in rest]))
-    pieces: dict[int, Pieces] = {}
+    exchange = Exchange()
+    built: dict[int, Callable[[], list[Contribution]]] = {}
     for i, p in enumerate(owner.params):
-        if id(p) in started:
-            pieces[id(p)] = [(0, x) for x in started[id(p)]]
-            continue
         mine: list[tuple[Contribution, int]] = [(x, T) for (q, x), T in zip(rest, longest) if q is p]
-        if mine:
-            contributions = _exchange_parameter(p, i, mine, U, share, units.scale.device)
-            if contributions:
-                pieces[id(p)] = [(0, x) for x in contributions]
-    return UnitGradients(owner, dist.get_world_size() * U, pieces, all_gather_rows(units.scale.reshape(-1)))
+        if mine and id(p) not in started:
+            built[id(p)] = _exchange_parameter(p, i, mine, U, share, units.scale.device, exchange)
+    scale = exchange.gather(units.scale.reshape(-1))
+    exchange.start()
+    pieces: dict[int, Pieces] = {}
+    for p in owner.params:  # in the parameters' order
+        contributions = started[id(p)] if id(p) in started else built[id(p)]() if id(p) in built else []
+        if contributions:
+            pieces[id(p)] = [(0, x) for x in contributions]
+    return UnitGradients(owner, dist.get_world_size() * U, pieces, exchange.result(scale))
+
+
+class Exchange:
+    """The tensors of one exchange of records, sent together: per dtype ONE all-gather of those every process
+    receives whole (`gather`) and ONE all-to-all of those whose rows go to the rows' owners (`to_owners`), not
+    one collective per tensor, whose fixed cost and wait for the slowest process add up over a model's
+    hundreds of parameters. Every process registers the same tensors (shapes and dtypes) in the same order;
+    `start` sends them (or starts the collectives, asynchronously), and `result` unpacks one (after the
+    collectives are waited on), a copy out of the received buffer unless it is the buffer's only tensor.
+    """
+
+    def __init__(self) -> None:
+        self.whole: list[torch.Tensor] = []
+        self.owned: list[tuple[torch.Tensor, int, list[tuple[int, int]]]] = []
+        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (kind, dtype) -> received (world, n)
+        self.places: dict[tuple[str, int], tuple[torch.dtype, int, int, tuple[int, ...]]] = {}
+
+    def gather(self, x: torch.Tensor) -> tuple[str, int]:
+        """Register x (U, ...): every process's, (world_size * U, ...) rank-major, in every process."""
+        self.whole.append(x)
+        return ("whole", len(self.whole) - 1)
+
+    def to_owners(self, x: torch.Tensor, dim: int, splits: list[tuple[int, int]]) -> tuple[str, int]:
+        """Register x (U, ..., R, ...), R on `dim`: every process's U units of this process's rows
+        r0..r1-1 = splits[rank], (world_size * U, ..., r1 - r0, ...) rank-major (splits: every process's
+        (r0, r1), rank-major, the same in every process)."""
+        self.owned.append((x, dim, splits))
+        return ("owned", len(self.owned) - 1)
+
+    def start(self, works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> None:
+        """Send everything registered: per dtype one all-gather and one all-to-all. works: None (done on
+        return), or the list the started collectives go to (as all_gather_rows')."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for dtype in dict.fromkeys(x.dtype for x in self.whole):  # (in the order of first registration)
+            items = [(i, x) for i, x in enumerate(self.whole) if x.dtype == dtype]
+            pieces = [(i, x, x) for i, x in items]  # (handle, its tensor, what of it this process sends)
+            send = items[0][1].contiguous().reshape(-1) if len(items) == 1 else _packed(pieces, items[0][1].device)
+            self.buffers[("whole", dtype)] = all_gather_rows(send[None], works)
+            self._place("whole", dtype, [(i, tuple(x.shape)) for i, x in items])
+        for dtype in dict.fromkeys(x.dtype for x, _, _ in self.owned):
+            owned = [(i, x, dim, splits) for i, (x, dim, splits) in enumerate(self.owned) if x.dtype == dtype]
+            # rank-major: every tensor's rows of process 0, then of process 1, ...
+            parts = [(i, x, x.narrow(dim, splits[q][0], splits[q][1] - splits[q][0]))
+                     for q in range(world) for i, x, dim, splits in owned]
+            mine = [(i, _with_rows(x.shape, dim, *splits[rank])) for i, x, dim, splits in owned]
+            at = self._place("owned", dtype, mine)
+            out = torch.empty(world, at, dtype=dtype, device=owned[0][1].device)
+            sizes = [sum(part.numel() for _, _, part in parts[q * len(owned):(q + 1) * len(owned)])
+                     for q in range(world)]
+            _all_to_all(out.view(-1), _packed(parts, out.device), sizes, [at] * world, works)
+            self.buffers[("owned", dtype)] = out
+
+    def _place(self, kind: str, dtype: torch.dtype, items: list[tuple[int, tuple[int, ...]]]) -> int:
+        """Note where each item (handle index, shape received from one process) lies in what one process sends
+        of this kind and dtype; returns the numbers one process sends."""
+        at = 0
+        for i, shape in items:
+            n = math.prod(shape)
+            self.places[(kind, i)] = (dtype, at, n, shape)
+            at += n
+        return at
+
+    def result(self, handle: tuple[str, int]) -> torch.Tensor:
+        """A registered tensor's every-process result (after start, and after its collectives' works are
+        waited on)."""
+        dtype, at, n, shape = self.places[handle]
+        received = self.buffers[(handle[0], dtype)]
+        world = received.shape[0]
+        return received[:, at:at + n].reshape((world,) + shape).reshape((world * shape[0],) + shape[1:])
+
+
+def _with_rows(shape: torch.Size, dim: int, r0: int, r1: int) -> tuple[int, ...]:
+    """shape with r1 - r0 on dim."""
+    return tuple(r1 - r0 if k == dim else size for k, size in enumerate(shape))
+
+
+def _packed(parts: list[tuple[int, torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """The sent parts [(handle, tensor, part)] one after the other in one flat tensor (one copy of each)."""
+    send = torch.empty(sum(part.numel() for _, _, part in parts), dtype=parts[0][2].dtype, device=device)
+    at = 0
+    for _, _, part in parts:
+        send[at:at + part.numel()].view(part.shape).copy_(part)
+        at += part.numel()
+    return send
 
 
 def _token_table(contributions: list[Contribution],
@@ -176,18 +250,14 @@ def _longest_tokens(table: torch.Tensor, work: dist.Work | None = None) -> list[
 
 def _exchange_parameter(p: torch.Tensor, i: int, mine: list[tuple[Contribution, int]], U: int,
                         share: "ParameterShare | None", device: torch.device,
-                        works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> list[Contribution]:
+                        exchange: Exchange) -> Callable[[], list[Contribution]]:
     """Parameter p's (exact.params[i]) contributions of this process's U units, each with the longest process's
-    token count [(contribution, T)] -> its contributions of every process's world_size * U units here (none in a
-    process a ParameterShare does not send p to), by the route of all_gather_units. works: None (the
-    contributions are whole on return), or the list the started collectives go to (asynchronous: their tensors
-    are filled once those are waited on)."""
+    token count [(contribution, T)] -> a callable that returns its contributions of every process's
+    world_size * U units here (none in a process a ParameterShare does not send p to), by the route of
+    all_gather_units: its tensors registered in `exchange` (call it once the exchange is done), or, to the
+    owner of p alone (a ParameterShare that gathers to owners), sent now."""
     dst = None if share is None or not share.gathers_to_owners else share.owners[i]
     splits = None if share is None or share.row_splits is None else share.row_splits[i]
-
-    def gathered(x: torch.Tensor, T: int | None) -> torch.Tensor | None:
-        x = x if T is None else padded(x, T)  # (U, t, ...) padded to T tokens, then gathered
-        return all_gather_rows(x, works) if dst is None else _gather_rows_to(x, dst)
 
     # on the owners route the choice weighs what that route sends: a formed gradient's rows go to their owners
     rows = None if splits is None else max(r1 - r0 for r0, r1 in splits)
@@ -197,23 +267,43 @@ def _exchange_parameter(p: torch.Tensor, i: int, mine: list[tuple[Contribution, 
         for x, _ in mine:
             x.add_rows(out, 0, out.shape[1])
         mine = [(Formed(out), 1)]
-    contributions: list[Contribution] = []
+    if dst is not None:  # the owner's alone, now: each tensor gathered to it
+        contributions = [x for x in (_gathered_to(x, T, dst) for x, T in mine) if x is not None]
+        return lambda: contributions
+
+    def whole(x: torch.Tensor, T: int | None) -> Callable[[], torch.Tensor]:
+        handle = exchange.gather(x if T is None else padded(x, T))  # (U, t, ...) padded to T tokens, then sent
+        return lambda: exchange.result(handle)
+
+    def rows_of(x: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
+        handle = exchange.to_owners(x, dim, splits) if splits is not None else exchange.gather(x)
+        return lambda: exchange.result(handle)
+
+    makers: list[Callable[[], Contribution]] = []
     for x, T in mine:
-        # the gathered tensors, None in a process that does not own p (it keeps nothing of it)
-        all_units: Contribution | None
         if isinstance(x, Outer):  # left (U, T, R): the rows are its columns
-            left = gathered(x.left, T) if splits is None else _rows_to_owners(padded(x.left, T), 2, splits, works)
-            right = gathered(x.right, T)
-            all_units = None if left is None or right is None else Outer(left, right)
+            left, right = rows_of(padded(x.left, T), 2), whole(x.right, T)
+            makers.append(lambda left=left, right=right: Outer(left(), right()))
         elif isinstance(x, Rows):
-            ids, values = gathered(x.ids, T), gathered(x.values, T)
-            all_units = None if ids is None or values is None else Rows(ids, values, x.num_rows)
+            ids, values, num_rows = whole(x.ids, T), whole(x.values, T), x.num_rows
+            makers.append(lambda ids=ids, values=values, num_rows=num_rows: Rows(ids(), values(), num_rows))
         else:  # (U, R, C)
-            formed_values = gathered(x.values, None) if splits is None else _rows_to_owners(x.values, 1, splits, works)
-            all_units = None if formed_values is None else Formed(formed_values)
-        if all_units is not None:
-            contributions.append(all_units)
-    return contributions
+            formed_values = rows_of(x.values, 1)
+            makers.append(lambda formed_values=formed_values: Formed(formed_values()))
+    return lambda: [make() for make in makers]
+
+
+def _gathered_to(x: Contribution, T: int, dst: int) -> Contribution | None:
+    """A contribution of this process's units -> of every process's, in process `dst` (None in the others):
+    each of its tensors gathered there (padded to T tokens)."""
+    if isinstance(x, Outer):
+        left, right = _gather_rows_to(padded(x.left, T), dst), _gather_rows_to(padded(x.right, T), dst)
+        return None if left is None or right is None else Outer(left, right)
+    if isinstance(x, Rows):
+        ids, values = _gather_rows_to(padded(x.ids, T), dst), _gather_rows_to(padded(x.values, T), dst)
+        return None if ids is None or values is None else Rows(ids, values, x.num_rows)
+    formed_values = _gather_rows_to(x.values, dst)
+    return None if formed_values is None else Formed(formed_values)
 
 
 class OverlappedExchange:
@@ -249,8 +339,8 @@ class OverlappedExchange:
         self.calls: dict[torch.nn.Module, int] = {}  # the forward's calls of each recorded layer
         self.expected: dict[int, int] | None = None  # id(p) -> the records the step will give it (learned)
         self.arrived: dict[int, int] = {}
-        # id(p) -> (its records' list, their number then, its contributions exchanged)
-        self.started: dict[int, tuple[Pieces, int, list[Contribution]]] = {}
+        # id(p) -> (its records' list, their number then, its contributions exchanged: once the works are done)
+        self.started: dict[int, tuple[Pieces, int, Callable[[], list[Contribution]]]] = {}
         self.works: list[tuple[dist.Work, torch.Tensor]] = []
         # the parameters whose token counts are being agreed: (id(p), its records' list, their contributions, the
         # _token_table, its collective), sent at the next layer_done or at finish
@@ -282,7 +372,7 @@ class OverlappedExchange:
                     works: list[tuple[dist.Work, torch.Tensor]] = []
                     table = _token_table(fresh, works)
                     self.agreeing.append((key, records, fresh, table, works[0]))
-                    self.started[key] = (records, len(records), [])  # (its contributions once sent)
+                    self.started[key] = (records, len(records), list)  # (its contributions once sent)
 
     def _send_agreed(self) -> None:
         """Start the exchange of the parameters whose token counts were being agreed, in the order they came."""
@@ -290,8 +380,10 @@ class OverlappedExchange:
             i = self.index[key]
             mine = list(zip(fresh, _longest_tokens(table, work)))
             device = (fresh[0].left if isinstance(fresh[0], Outer) else fresh[0].values).device
-            self.started[key] = (records, len(fresh), _exchange_parameter(self.share.params[i], i, mine, self.units,
-                                                                          self.share, device, self.works))
+            exchange = Exchange()  # the parameter's tensors: one all-gather and one all-to-all per dtype
+            built = _exchange_parameter(self.share.params[i], i, mine, self.units, self.share, device, exchange)
+            exchange.start(self.works)
+            self.started[key] = (records, len(fresh), built)
         self.agreeing = []
 
     def finish(self, pieces: dict[int, Pieces]) -> dict[int, list[Contribution]]:
@@ -301,7 +393,7 @@ class OverlappedExchange:
         self._send_agreed()
         for work, _sent in self.works:
             work.wait()
-        done = {key: xs for key, (records, count, xs) in self.started.items()
+        done = {key: built() for key, (records, count, built) in self.started.items()
                 if pieces.get(key) is records and len(records) == count}
         self.begin()
         return done
@@ -318,11 +410,15 @@ class ParameterShare:
     view, part, whole). reduce(x): x summed over the processes in place (all_reduce) and returned; a test
     passes its own. gathers_to_owners: all_gather_units sends each parameter's records to its owner only (a
     share whose processes each own rows of every parameter, sorters.fsdp.ShardedRows, gathers them to all).
+    keeps_unit_sums: ExactCDGraB keeps each owned parameter's sum over the step's units for the update (sum_all).
     row_splits: None here (ShardedRows(records="owners"): per parameter every process's rows, which
     all_gather_units sends each process only)."""
 
     gathers_to_owners = True
     row_splits: list[list[tuple[int, int]]] | None = None
+    # ExactCDGraB's sum_all under this share: each owned parameter's sum over the step's units, kept from the
+    # products' blocks for the update (d / P floats more during a step, about half the update's products fewer)
+    keeps_unit_sums = True
 
     def __init__(self, exact: ExactGradients, rank: int | None = None, world: int | None = None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

@@ -125,6 +125,24 @@ def test_the_products_reach_the_host_in_one_copy(case, monkeypatch):
     assert len(exact.last_how) > 1 and copies == [(B, B + 1)]
 
 
+def test_the_choice_between_ghost_and_stream_counts_what_the_call_asks_for():
+    """The flop counts of docs/exact-cdgrab.md, by hand, for one Conv1D row block of GPT-2 small sharded over 2
+    processes (U = 4 units of T = 64 tokens, R x C = 384 x 3072; r = 2 pairs): streaming forms the blocks
+    (2 U T R C) and takes the differences' products and the norms from them ((2 r^2 + 3 r + 2 U) R C) besides
+    zeroing and reading them (2 U R C); ghost takes (a) (2 U T R C) and (b) (2 (U T)^2 (R + C)), and, when the
+    call wants the units' sum (ExactCDGraB's sum_all), one more product of 2 U T R C, which streaming has from
+    its blocks. With the sum ghost costs more than twice streaming, so streaming is taken."""
+    U, T, R, C, r = 4, 64, 384, 3072, 2
+    pieces = [(0, products.Outer(torch.zeros(U, T, R), torch.zeros(U, T, C)))]
+    form, gram = 2 * U * T * R * C, 2 * (U * T) ** 2 * (R + C)
+    assert products.stream_cost(pieces, U, R, C, pairs=r) == form + (2 * r * r + 3 * r + 2 * U) * R * C + 2 * U * R * C
+    assert products.stream_cost(pieces, U, R, C) == form + (2 * U + 4) * U * R * C  # every unit's (a) and (b)
+    assert products.ghost_cost(pieces, R, C) == form + gram
+    assert products.ghost_cost(pieces, R, C, grad_units=U) == 2 * form + gram
+    assert products.ghost_pays(pieces, U, R, C, pairs=r)
+    assert not products.ghost_pays(pieces, U, R, C, grad_units=U, pairs=r)
+
+
 @pytest.mark.parametrize("from_grad", [False, True])
 def test_the_running_sums_update_is_the_weighted_sum_of_the_formed_gradients(case, from_grad):
     """(c) S += sum_u w_u g_u from the records, and with the backward's own gradient (half the records)."""

@@ -196,9 +196,13 @@ def sharded_rank(rank, port, path, case_name, records="owners"):
                 per_example.mean().backward()
                 in_backward = calls["all_to_all_single"] - before["all_to_all_single"]
                 before = dict(calls)
-                sampler.step_units(rec.units())
+                units = rec.units()
+                # the parameters recorded: each has rows to route in these tiny models (an Outer's left, a formed
+                # vector, an embedding's gradient formed: smaller than its records)
+                routed = sum(bool(units.pieces.get(id(p))) for p in exact.params)
+                sampler.step_units(units)
                 collectives.append({**{name: calls[name] - before[name] for name in calls},
-                                    "all_to_all_single in the backward": in_backward})
+                                    "all_to_all_single in the backward": in_backward, "routed parameters": routed})
                 optimizer.step()
                 losses.append(per_example.detach())
                 share = sampler.sorter.share
@@ -207,6 +211,7 @@ def sharded_rank(rank, port, path, case_name, records="owners"):
         torch.save({"orders": orders, "losses": losses, "params": [p.full_tensor() for p in model.parameters()],
                     "products": products, "sums": sums, "collectives": collectives, "norms": norms,
                     "sum_numel": sampler.sorter.running_sum.numel(), "d": exact.d,
+                    "unit_sums": sampler.sorter.sum_all,
                     "rows": sampler.sorter.share.rows,
                     "local": [p.to_local().shape[0] for p in exact.params]}, f"{path}.rank{rank}")
     finally:
@@ -311,8 +316,10 @@ def test_sharded_model_gives_one_process_orders_bit_for_bit(ranks):
 
 def test_each_process_keeps_the_running_sum_of_its_own_rows(ranks):
     """The running sums' lengths add up to d, each near d / 2; the owned rows are FSDP2's local shards (their
-    lengths), first rank first: by hand for MLP-M4's (rows 3/2, 3/2, 1/0 of the three layers)."""
+    lengths), first rank first: by hand for MLP-M4's (rows 3/2, 3/2, 1/0 of the three layers). No process keeps
+    the units' sum of each parameter for the update (ExactCDGraB's sum_all: d / P floats more, as much as S)."""
     case_name, ranks, _ = ranks
+    assert not any(got["unit_sums"] for got in ranks)
     sizes = [got["sum_numel"] for got in ranks]
     assert sum(sizes) == ranks[0]["d"] and min(sizes) > 0.3 * ranks[0]["d"]
     for first, second, local0, local1 in zip(ranks[0]["rows"], ranks[1]["rows"], ranks[0]["local"], ranks[1]["local"]):
@@ -326,11 +333,12 @@ def test_each_process_keeps_the_running_sum_of_its_own_rows(ranks):
 def test_one_all_reduce_a_step_and_the_records_route(ranks):
     """Each step_units makes one all-reduce: the products' partials, with ||S||^2's parts riding along (docs/fsdp.md
     item 5), which the near-tie count gets whole: the one-process oracle's ||S||^2 at the step's start (0 at an
-    epoch's). The records take the route asked for: all-to-alls of the row factors' owned rows ("owners", one
-    per Linear's Outer and per formed bias / LayerNorm vector a step), none ("all"); "owners-overlapped" makes the
-    owners' all-to-alls in step_units at the first step (the sampler installs the exchange there) and the second
-    (whose backward learns which layer records which parameter), then as many a step, each started inside the
-    backward but the last recorded call's (sent once the other process's token counts are in: at step_units)."""
+    epoch's). The records take the route asked for: the row factors' owned rows ("owners": every parameter's in
+    ONE all-to-all a step, sorters.gather.Exchange), none ("all"); "owners-overlapped" makes that one packed
+    all-to-all in step_units at the first step (the sampler installs the exchange there) and the second (whose
+    backward learns which layer records which parameter), then one per parameter a step, each started
+    inside the backward but the last recorded call's (sent once the other process's token counts are in: at
+    step_units)."""
     case_name, ranks, records = ranks
     sums = one_process(CASES[case_name])[4]
     steps_per_epoch = -(-M // K)
@@ -340,12 +348,14 @@ def test_one_all_reduce_a_step_and_the_records_route(ranks):
         assert all(step["all_reduce"] == 1 for step in got["collectives"])
         routed = [step["all_to_all_single"] for step in got["collectives"]]
         in_backward = [step["all_to_all_single in the backward"] for step in got["collectives"]]
+        parameters = [step["routed parameters"] for step in got["collectives"]]
+        assert min(parameters) > 2
         if records == "owners-overlapped":
-            assert routed[0] == routed[1] > 0 and in_backward[:2] == [0, 0]
-            assert all(0 < late < routed[0] for late in routed[2:])
-            assert all(late + early == routed[0] for late, early in zip(routed[2:], in_backward[2:]))
+            assert routed[:2] == [1, 1] and in_backward[:2] == [0, 0]
+            assert all(0 < late < count for late, count in zip(routed[2:], parameters[2:]))
+            assert all(late + early == count for late, early, count in zip(routed[2:], in_backward[2:], parameters[2:]))
         else:
-            assert all(count > 0 for count in routed) if records == "owners" else not any(routed)
+            assert all(count == 1 for count in routed) if records == "owners" else not any(routed)
             assert not any(in_backward)
 
 
