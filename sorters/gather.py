@@ -146,84 +146,126 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
 
 
 class Exchange:
-    """The tensors of one exchange of records, sent together: per dtype ONE all-gather of those every process
-    receives whole (`gather`) and ONE all-to-all of those whose rows go to the rows' owners (`to_owners`), not
-    one collective per tensor, whose fixed cost and wait for the slowest process add up over a model's
-    hundreds of parameters. Every process registers the same tensors (shapes and dtypes) in the same order;
-    `start` sends them (or starts the collectives, asynchronously), and `result` unpacks one (after the
-    collectives are waited on), a copy out of the received buffer unless it is the buffer's only tensor.
+    """The tensors of one exchange of records, sent together in buckets: per dtype, an all-gather of each
+    bucket of those every process receives whole (`gather`) and an all-to-all of each bucket of those whose
+    rows go to the rows' owners (`to_owners`), not one collective per tensor, whose fixed cost and wait for the
+    slowest process add up over a model's hundreds of parameters. A bucket receives at most BUCKET_BYTES (a
+    tensor that receives more goes alone, with no copy where it can), so the packed copies alive at once stay
+    small beside the records (DDP buckets its gradients' all-reduce the same way). Every process registers the same tensors (shapes and dtypes) in the same order;
+    `start` sends them, or starts the collectives asynchronously; `result` gives one tensor's every-process
+    result (once the started collectives are waited on).
     """
 
+    BUCKET_BYTES = 32 * 2**20  # received by one collective at most
+
     def __init__(self) -> None:
-        self.whole: list[torch.Tensor] = []
-        self.owned: list[tuple[torch.Tensor, int, list[tuple[int, int]]]] = []
-        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (kind, dtype) -> received (world, n)
-        self.places: dict[tuple[str, int], tuple[torch.dtype, int, int, tuple[int, ...]]] = {}
+        # registered: (kind "whole" or "owned", the tensor, its rows' dim and every process's (r0, r1) when owned)
+        self.items: list[tuple[str, torch.Tensor, int, list[tuple[int, int]] | None]] = []
+        self.results: dict[int, torch.Tensor] = {}
+        # started asynchronously, unpacked at the first result(): (received (world, n), [(item, at, n, shape)])
+        self.unpack: list[tuple[torch.Tensor, list[tuple[int, int, int, tuple[int, ...]]]]] = []
 
-    def gather(self, x: torch.Tensor) -> tuple[str, int]:
+    def gather(self, x: torch.Tensor) -> int:
         """Register x (U, ...): every process's, (world_size * U, ...) rank-major, in every process."""
-        self.whole.append(x)
-        return ("whole", len(self.whole) - 1)
+        self.items.append(("whole", x, 0, None))
+        return len(self.items) - 1
 
-    def to_owners(self, x: torch.Tensor, dim: int, splits: list[tuple[int, int]]) -> tuple[str, int]:
+    def to_owners(self, x: torch.Tensor, dim: int, splits: list[tuple[int, int]]) -> int:
         """Register x (U, ..., R, ...), R on `dim`: every process's U units of this process's rows
         r0..r1-1 = splits[rank], (world_size * U, ..., r1 - r0, ...) rank-major (splits: every process's
         (r0, r1), rank-major, the same in every process)."""
-        self.owned.append((x, dim, splits))
-        return ("owned", len(self.owned) - 1)
+        self.items.append(("owned", x, dim, splits))
+        return len(self.items) - 1
 
     def start(self, works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> None:
-        """Send everything registered: per dtype one all-gather and one all-to-all. works: None (done on
-        return), or the list the started collectives go to (as all_gather_rows')."""
+        """Send everything registered, bucket by bucket. works: None (done on return, each bucket unpacked
+        before the next is sent), or the list the started collectives go to (as all_gather_rows')."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        for dtype in dict.fromkeys(x.dtype for x in self.whole):  # (in the order of first registration)
-            items = [(i, x) for i, x in enumerate(self.whole) if x.dtype == dtype]
-            pieces = [(i, x, x) for i, x in items]  # (handle, its tensor, what of it this process sends)
-            send = items[0][1].contiguous().reshape(-1) if len(items) == 1 else _packed(pieces, items[0][1].device)
-            self.buffers[("whole", dtype)] = all_gather_rows(send[None], works)
-            self._place("whole", dtype, [(i, tuple(x.shape)) for i, x in items])
-        for dtype in dict.fromkeys(x.dtype for x, _, _ in self.owned):
-            owned = [(i, x, dim, splits) for i, (x, dim, splits) in enumerate(self.owned) if x.dtype == dtype]
-            # rank-major: every tensor's rows of process 0, then of process 1, ...
-            parts = [(i, x, x.narrow(dim, splits[q][0], splits[q][1] - splits[q][0]))
-                     for q in range(world) for i, x, dim, splits in owned]
-            mine = [(i, _with_rows(x.shape, dim, *splits[rank])) for i, x, dim, splits in owned]
-            at = self._place("owned", dtype, mine)
-            out = torch.empty(world, at, dtype=dtype, device=owned[0][1].device)
-            sizes = [sum(part.numel() for _, _, part in parts[q * len(owned):(q + 1) * len(owned)])
-                     for q in range(world)]
-            _all_to_all(out.view(-1), _packed(parts, out.device), sizes, [at] * world, works)
-            self.buffers[("owned", dtype)] = out
+        for kind, bucket in self._buckets(world, rank):
+            if kind == "whole" and len(bucket) == 1:  # gathered straight into its result
+                i = bucket[0]
+                self.results[i] = all_gather_rows(self.items[i][1], works)
+                continue
+            received_shapes = [(i, self._received_shape(i, rank)) for i in bucket]
+            places, at = [], 0
+            for i, shape in received_shapes:
+                places.append((i, at, math.prod(shape), shape))
+                at += math.prod(shape)
+            if kind == "whole":
+                send = _packed([self.items[i][1] for i in bucket], self.items[bucket[0]][1].device)
+                received = all_gather_rows(send[None], works)
+            else:  # rank-major: every tensor's rows of process 0, then of process 1, ...
+                parts = [[_rows(x, dim, splits[q]) for _, x, dim, splits in (self.items[i] for i in bucket)]  # type: ignore[index]
+                         for q in range(world)]
+                send = _packed([part for q_parts in parts for part in q_parts], self.items[bucket[0]][1].device)
+                received = torch.empty(world, at, dtype=send.dtype, device=send.device)
+                _all_to_all(received.view(-1), send, [sum(part.numel() for part in q_parts) for q_parts in parts],
+                            [at] * world, works)
+            if works is None:
+                self._unpacked(received, places)
+            else:
+                self.unpack.append((received, places))
 
-    def _place(self, kind: str, dtype: torch.dtype, items: list[tuple[int, tuple[int, ...]]]) -> int:
-        """Note where each item (handle index, shape received from one process) lies in what one process sends
-        of this kind and dtype; returns the numbers one process sends."""
-        at = 0
-        for i, shape in items:
-            n = math.prod(shape)
-            self.places[(kind, i)] = (dtype, at, n, shape)
-            at += n
-        return at
-
-    def result(self, handle: tuple[str, int]) -> torch.Tensor:
+    def result(self, handle: int) -> torch.Tensor:
         """A registered tensor's every-process result (after start, and after its collectives' works are
         waited on)."""
-        dtype, at, n, shape = self.places[handle]
-        received = self.buffers[(handle[0], dtype)]
+        for received, places in self.unpack:
+            self._unpacked(received, places)
+        self.unpack = []
+        return self.results[handle]
+
+    def _unpacked(self, received: torch.Tensor, places: list[tuple[int, int, int, tuple[int, ...]]]) -> None:
+        """Each item of a received bucket (world, n) into its result, (world * U, ...): a view when the bucket
+        holds it alone, else a copy into one buffer of the bucket's size that holds all its items' results
+        (the received bucket is then dropped). A step's exchange thus keeps a few large blocks, which the
+        allocator hands back whole when the step drops them (glibc maps large blocks apart), not many small
+        ones that would stay in the heap between the holes of the next forward's tensors."""
         world = received.shape[0]
-        return received[:, at:at + n].reshape((world,) + shape).reshape((world * shape[0],) + shape[1:])
+        if len(places) == 1:
+            i, at, n, shape = places[0]
+            self.results[i] = received.view((world * shape[0],) + shape[1:])
+            return
+        results = torch.empty(received.numel(), dtype=received.dtype, device=received.device)
+        for i, at, n, shape in places:
+            result = results[world * at:world * (at + n)]
+            result.view(world, n).copy_(received[:, at:at + n])
+            self.results[i] = result.view((world * shape[0],) + shape[1:])
+
+    def _received_shape(self, i: int, rank: int) -> tuple[int, ...]:
+        """The shape item i arrives in from one process: whole, or this process's rows on its dim."""
+        kind, x, dim, splits = self.items[i]
+        if kind == "whole" or splits is None:
+            return tuple(x.shape)
+        r0, r1 = splits[rank]
+        return tuple(r1 - r0 if k == dim else size for k, size in enumerate(x.shape))
+
+    def _buckets(self, world: int, rank: int) -> list[tuple[str, list[int]]]:
+        """The registered items in buckets of one kind and dtype, in the order of registration, each receiving
+        at most BUCKET_BYTES (an item that receives more: a bucket of its own)."""
+        open_buckets: dict[tuple[str, torch.dtype], tuple[list[int], int]] = {}
+        buckets: list[tuple[str, list[int]]] = []
+        for i, (kind, x, _, _) in enumerate(self.items):
+            size = world * math.prod(self._received_shape(i, rank)) * x.element_size()
+            key = (kind, x.dtype)
+            bucket, filled = open_buckets.get(key, ([], 0))
+            if bucket and filled + size > self.BUCKET_BYTES:
+                buckets.append((kind, bucket))
+                bucket, filled = [], 0
+            open_buckets[key] = (bucket + [i], filled + size)
+        buckets.extend((kind, bucket) for (kind, _), (bucket, _) in open_buckets.items())
+        return buckets
 
 
-def _with_rows(shape: torch.Size, dim: int, r0: int, r1: int) -> tuple[int, ...]:
-    """shape with r1 - r0 on dim."""
-    return tuple(r1 - r0 if k == dim else size for k, size in enumerate(shape))
+def _rows(x: torch.Tensor, dim: int, span: tuple[int, int]) -> torch.Tensor:
+    """x's rows span = (r0, r1) on dim, r0..r1-1 (a view)."""
+    return x.narrow(dim, span[0], span[1] - span[0])
 
 
-def _packed(parts: list[tuple[int, torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """The sent parts [(handle, tensor, part)] one after the other in one flat tensor (one copy of each)."""
-    send = torch.empty(sum(part.numel() for _, _, part in parts), dtype=parts[0][2].dtype, device=device)
+def _packed(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The parts one after the other in one flat tensor (one copy of each)."""
+    send = torch.empty(sum(part.numel() for part in parts), dtype=parts[0].dtype, device=device)
     at = 0
-    for _, _, part in parts:
+    for part in parts:
         send[at:at + part.numel()].view(part.shape).copy_(part)
         at += part.numel()
     return send
