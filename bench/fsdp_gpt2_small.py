@@ -49,6 +49,11 @@ interleaved rounds (every variant once a round), with the ratios to plain's. "ch
 vary more with the machine's load than the routes differ), with the shorter records' exchange ("gather") and
 with fewer bytes received. "overlapped_vs_owners": owners-overlapped's step, model part, sorter's part and
 bytes received over owners' (the overlapped exchange moves work from the sorter's part into the backward).
+After every step (untimed) each process hands the heap that glibc keeps of freed tensors back to the system
+(malloc_trim(0)), in every variant, so that a peak counts what a step holds rather than what glibc kept of the
+steps before, which moved the same variant's peak by up to 350 MB between runs. Plain and the owners' route run
+again without it ("plain, heap kept", "exact records=owners, heap kept", their ratios against each other): what
+a training loop that never trims sees (--no-heap-kept leaves them out).
 Writes ONE JSON object to --out (and prints it), then a markdown table.
 """
 import argparse
@@ -76,9 +81,29 @@ TARGETS = {"step_vs_plain": 1.4, "peak_vs_plain": 1.15}  # issue #61 goal 2, for
 PHASES = ("model", "backward_exchange", "agree_tokens", "sorter", "gather", "products", "update", "optimizer")
 
 
-def variant_names(dim: int, sketch: bool = True) -> list[str]:
-    """The variants of a run, plain first."""
-    return ["plain"] + [f"exact records={route}" for route in ROUTES] + ([f"sketch D={dim}"] if sketch else [])
+HEAP_KEPT = ", heap kept"  # a variant's name with it: glibc's freed heap not returned between steps
+
+
+def variant_names(dim: int, sketch: bool = True, heap_kept: bool = True) -> list[str]:
+    """The variants of a run, plain first; with heap_kept, plain and the owners' route again without the trim
+    after each step."""
+    names = ["plain"] + [f"exact records={route}" for route in ROUTES] + ([f"sketch D={dim}"] if sketch else [])
+    return names + ([f"plain{HEAP_KEPT}", f"exact records=owners{HEAP_KEPT}"] if heap_kept else [])
+
+
+def plain_of(name: str) -> str:
+    """The plain variant a variant's ratios are taken against: the one trimmed as it is, or not."""
+    return f"plain{HEAP_KEPT}" if name.endswith(HEAP_KEPT) else "plain"
+
+
+def trim_heap() -> None:
+    """Return the freed heap to the operating system (glibc's malloc_trim(0); nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 # ------------------------------------------------------------------------------------------- the bytes
@@ -200,6 +225,8 @@ def child(variant: str, args, tokens_file: str, folder: Path) -> None:
     from sorters.exact import ExactGradients, UnitGradients
     from sorters.fsdp import ShardedRows
 
+    trim = not variant.endswith(HEAP_KEPT)
+    variant = variant.removesuffix(HEAP_KEPT)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -263,6 +290,8 @@ def child(variant: str, args, tokens_file: str, folder: Path) -> None:
             optimizer.step()
         steps.append(time.perf_counter() - start)
         parts.append(dict(clock.parts))
+        if trim:  # (untimed) the step's freed heap back to the system, so the peak counts what a step holds
+            trim_heap()
     if not traffic.counts["fsdp"]["calls"].get("all_gather_single") or \
             not traffic.counts["fsdp"]["calls"].get("reduce_scatter_single"):
         sys.exit("bench: FSDP2's all-gathers and reduce-scatters did not go through torch.distributed's functions "
@@ -326,10 +355,10 @@ def summarise(rounds: dict) -> dict:
     def median(name, get):
         return statistics.median(get(run) for run in rounds[name])
 
-    plain_step = median("plain", lambda run: run["step_seconds"])
-    plain_peak = median("plain", lambda run: run["peak_rss_mb"])
     summary = {}
     for name in rounds:
+        plain_step = median(plain_of(name), lambda run: run["step_seconds"])
+        plain_peak = median(plain_of(name), lambda run: run["peak_rss_mb"])
         step, peak = median(name, lambda run: run["step_seconds"]), median(name, lambda run: run["peak_rss_mb"])
         parts = sorted({part for run in rounds[name] for part in run["part_seconds"]})
         moved = {phase: {way: median(name, lambda run, p=phase, w=way: run["bytes_per_step"][p][w])
@@ -397,7 +426,7 @@ def measure(args) -> dict:
     """Every variant once per round, interleaved; the result object (without the commit)."""
     import torch
     load_before = os.getloadavg()
-    names = variant_names(args.dim, not args.no_sketch)
+    names = variant_names(args.dim, not args.no_sketch, not args.no_heap_kept)
     rounds: dict = {}
     with tempfile.TemporaryDirectory() as folder:
         tokens_file = str(Path(folder) / "tokens.pt")
@@ -409,7 +438,7 @@ def measure(args) -> dict:
                       f"{rounds[name][-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
     summary = summarise(rounds)
     first = summary["plain"]["rounds"][0]["ranks"][0]
-    exact_names = [name for name in names if name.startswith("exact")]
+    exact_names = [name for name in names if name.startswith("exact") and not name.endswith(HEAP_KEPT)]
 
     def cheapest(cost):  # the unoverlapped route with the smallest cost
         return min(UNOVERLAPPED, key=lambda route: cost(summary[f"exact records={route}"]))
@@ -441,6 +470,9 @@ def measure(args) -> dict:
             "statistic": "per rank the median over steps (first two dropped); per run the max over ranks; then the "
                          "median over rounds",
             "peak": "ru_maxrss of each fresh process at the end of training",
+            "heap": "after every step (untimed) each process returns glibc's freed heap to the system "
+                    "(malloc_trim(0)), in every variant but those named '<variant>, heap kept' (ratios against "
+                    "'plain, heap kept')",
             "bytes": "per step and process, a direct exchange (module docstring); fsdp: outside the sorter's call, "
                      "cdgrab: inside step_units / step and the overlapped exchange's calls in the backward",
             "torch": torch.__version__, "cpu_count": os.cpu_count(),
@@ -457,6 +489,8 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each process")
     parser.add_argument("--dim", type=int, default=1024, help="sketch dimension D of the sketch variant")
     parser.add_argument("--no-sketch", action="store_true", help="leave out the structured sketch")
+    parser.add_argument("--no-heap-kept", action="store_true",
+                        help="leave out plain and the owners' route run without the trim after each step")
     parser.add_argument("--tokens", choices=("wikitext103", "random"), default="wikitext103",
                         help="WikiText-103's validation split from $CDGRAB_DATA, or random ids")
     parser.add_argument("--small-config", action="store_true", help=f"build_gpt2(**{SMALL}) instead of GPT-2 small")

@@ -105,6 +105,21 @@ def test_a_run_is_its_slowest_rank_and_the_ratios_are_medians_over_plains():
     assert entry["cdgrab_bytes_vs_fsdp"] == {"sent": round(5 / 10, 4), "received": round(6 / 11, 4)}
 
 
+def test_a_variant_with_the_heap_kept_is_compared_with_plain_with_the_heap_kept():
+    """Ratios of '<variant>, heap kept' against 'plain, heap kept' (neither trims between steps), of the others
+    against plain (both trim)."""
+    runs = {"plain": [bench.over_ranks([rank(2.0, 100, 10, 0)])],
+            "plain, heap kept": [bench.over_ranks([rank(4.0, 200, 10, 0)])],
+            "exact records=owners": [bench.over_ranks([rank(3.0, 120, 10, 1)])],
+            "exact records=owners, heap kept": [bench.over_ranks([rank(5.0, 230, 10, 1)])]}
+    summary = bench.summarise(runs)
+    assert summary["exact records=owners"]["step_vs_plain"] == 1.5 and summary["exact records=owners"]["peak_vs_plain"] == 1.2
+    kept = summary["exact records=owners, heap kept"]
+    assert kept["step_vs_plain"] == 1.25 and kept["peak_vs_plain"] == 1.15
+    assert summary["plain, heap kept"]["step_vs_plain"] == 1.0
+    assert bench.variant_names(8, heap_kept=False)[-1] == "sketch D=8"
+
+
 def test_the_routes_orders_are_compared_rank_by_rank():
     same = [bench.over_ranks([rank(1, 1, 1, 1), rank(1, 1, 1, 1, ((1, 0),))])]
     other = [bench.over_ranks([rank(1, 1, 1, 1), rank(1, 1, 1, 1)])]
@@ -153,7 +168,8 @@ def test_report_layout_and_fsdps_bytes_from_the_parameters(smoke):
     report, stdout, head = smoke
     assert json.loads(stdout[:stdout.rindex("\n}") + 2]) == report  # the printed object is the written one
     assert report["git_commit"] in (head, f"{head}-dirty" if GIT_CHECKOUT else head)
-    names = ["plain", "exact records=owners", "exact records=all", "exact records=owners-overlapped", f"sketch D={DIM}"]
+    names = ["plain", "exact records=owners", "exact records=all", "exact records=owners-overlapped", f"sketch D={DIM}",
+             "plain, heap kept", "exact records=owners, heap kept"]
     assert list(report["variants"]) == names and "| exact records=owners |" in stdout
     assert report["routes_give_the_same_orders"] is True and report["cheaper_route"]["bytes_received"] == "owners"
     assert set(report["cheaper_route"]) == {"sorter_seconds", "gather_seconds", "bytes_received"}
