@@ -30,7 +30,10 @@ floating-point operations / sustained rate. The step's compute is 6 (forward 2, 
 every matrix per token, plus attention's 12 L T^2 h per example (forward and backward). CD-GraB's own arithmetic,
 either route: each example's gradient of each matrix, formed (2 T R C) or streamed against the running sum's rows
 (the n = P U examples' 2 T (R / P) C on each of the P processes: the same total), the products over a process's
-rows (<S, g_u> and <g_u, g_v>: 2 (n + n^2) d / P) and the running sum's update (2 n d / P). A plain FSDP step
+rows (<S, g_u> and <g_u, g_v>: 2 (n + n^2) d / P) and the running sum's update: 2 n d / P of formed gradients,
+and for a matrix whose records are streamed one product over the n examples' tokens again (2 T (R / P) C each: a
+sharded process keeps no per-parameter sum of the examples, which would spare half of it for d / P more
+memory). A plain FSDP step
 takes the longer of its compute and its wire (FSDP overlaps them); an exact CD-GraB step adds its arithmetic and
 its wire to that (nothing of it overlapped): "step_vs_plain". Nothing here is measured; the assumptions are in
 the JSON.
@@ -119,6 +122,18 @@ def records_per_example(p: dict, T: int) -> int:
     return size
 
 
+def goes_formed(p: dict, P: int, T: int, route: str) -> bool:
+    """Whether the library sends parameter p's gradient formed per example rather than its records: the smaller,
+    on route "owners" weighed on that route's own bytes (sorters.gather.exchange_bytes(rows=)); a vector never."""
+    R, C = p["R"], p["C"]
+    if route == "owners":
+        mine = math.ceil(R / P)
+        records = sum({"matrix": T * (mine + C) * FLOAT32, "embedding": T * (ID + C * FLOAT32),
+                       "vector": mine * FLOAT32}[kind] for kind in p["kinds"])
+        return mine * C * FLOAT32 < records and p["kinds"] != ["vector"]
+    return R * C * FLOAT32 < records_per_example(p, T) and p["kinds"] != ["vector"]
+
+
 def cdgrab_bytes(params: list[dict], P: int, rank: int, U: int, T: int, route: str) -> tuple[int, int]:
     """(bytes one process sends per step in exact CD-GraB's records exchange, the float32 entries of the
     gradients it forms per example), U examples a process of T tokens; route "all" or "owners"."""
@@ -126,15 +141,7 @@ def cdgrab_bytes(params: list[dict], P: int, rank: int, U: int, T: int, route: s
     for p in params:
         R, C = p["R"], p["C"]
         rows_sent = R - chunk(R, P, rank)  # an all-to-all of rows: all but this process's own
-        formed = R * C * FLOAT32
-        if route == "owners":  # the choice on the route's own bytes (sorters.gather.exchange_bytes(rows=))
-            mine = math.ceil(R / P)
-            records = sum({"matrix": T * (mine + C) * FLOAT32, "embedding": T * (ID + C * FLOAT32),
-                           "vector": mine * FLOAT32}[kind] for kind in p["kinds"])
-            goes_formed = mine * C * FLOAT32 < records and p["kinds"] != ["vector"]
-        else:
-            goes_formed = formed < records_per_example(p, T) and p["kinds"] != ["vector"]
-        if goes_formed:
+        if goes_formed(p, P, T, route):
             formed_entries += R * C
             sent += U * (rows_sent * C if route != "all" else R * C * (P - 1)) * FLOAT32
             continue
@@ -195,7 +202,12 @@ def scale(P: int, link_gb_s: float, tflop_s: float, settings: list[tuple[int, in
         n = P * U
         for route in ("all", "owners"):
             sent, formed = cdgrab_bytes(params, P, 0, U, T, route)
-            flops = 2 * T * matrices * U + 2 * (n + n * n) * d / P + 2 * n * d / P
+            # each example's gradient of every matrix, formed by its process or streamed by the rows' owners; the
+            # products; the update: a formed gradient's rows times the n signs, a streamed matrix's one product over
+            # the n examples' tokens again (no per-parameter sum of the examples is kept under sharding)
+            streamed = sum(p["R"] * p["C"] for p in params if p["kinds"] == ["matrix"] and not goes_formed(p, P, T, route))
+            update = 2 * n * (d - streamed) / P + 2 * n * T * streamed / P
+            flops = 2 * T * matrices * U + 2 * (n + n * n) * d / P + update
             wire, compute = sent / (link_gb_s * 1e9), flops / (tflop_s * 1e12)
             row["routes"][route] = {"gb_sent": round(sent / 1e9, 2), "vs_fsdp_bytes": round(sent / fsdp, 3),
                                     "wire_s": round(wire, 3), "compute_s": round(compute, 3),
