@@ -431,7 +431,8 @@ def parameter_products(pieces: Pieces, S: torch.Tensor, U: int, how: str | None 
     scale (pairs.inverse_scale (U,)). how: "stream", "ghost", or None (the cheaper by `ghost_pays`). grad_units > 0:
     grad (R, C) is also the sum of the records of units 0..grad_units-1 (streaming: from its blocks), else None."""
     if how is None:
-        how = "ghost" if ghost_pays(pieces, U, *S.shape, grad_units, None if pairs is None else len(pairs.firsts)) \
+        R, C = S.shape
+        how = "ghost" if ghost_pays(pieces, U, R, C, grad_units, None if pairs is None else len(pairs.firsts)) \
             else "stream"
     if how == "ghost" and not _ghost_possible(pieces):
         how = "stream"

@@ -151,9 +151,10 @@ class Exchange:
     rows go to the rows' owners (`to_owners`), not one collective per tensor, whose fixed cost and wait for the
     slowest process add up over a model's hundreds of parameters. A bucket receives at most BUCKET_BYTES (a
     tensor that receives more goes alone, with no copy where it can), so the packed copies alive at once stay
-    small beside the records (DDP buckets its gradients' all-reduce the same way). Every process registers the same tensors (shapes and dtypes) in the same order;
-    `start` sends them, or starts the collectives asynchronously; `result` gives one tensor's every-process
-    result (once the started collectives are waited on).
+    small beside the records (DDP buckets its gradients' all-reduce the same way). Every process registers the
+    same tensors (shapes and dtypes) in the same order; `start` sends them, or starts the collectives
+    asynchronously; `result` gives one tensor's every-process result (once the started collectives are waited
+    on).
     """
 
     BUCKET_BYTES = 32 * 2**20  # received by one collective at most
@@ -313,26 +314,31 @@ def _exchange_parameter(p: torch.Tensor, i: int, mine: list[tuple[Contribution, 
         contributions = [x for x in (_gathered_to(x, T, dst) for x, T in mine) if x is not None]
         return lambda: contributions
 
-    def whole(x: torch.Tensor, T: int | None) -> Callable[[], torch.Tensor]:
-        handle = exchange.gather(x if T is None else padded(x, T))  # (U, t, ...) padded to T tokens, then sent
-        return lambda: exchange.result(handle)
+    def whole(x: torch.Tensor) -> int:
+        return exchange.gather(x)
 
-    def rows_of(x: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
-        handle = exchange.to_owners(x, dim, splits) if splits is not None else exchange.gather(x)
-        return lambda: exchange.result(handle)
+    def rows_of(x: torch.Tensor, dim: int) -> int:
+        return exchange.to_owners(x, dim, splits) if splits is not None else exchange.gather(x)
 
-    makers: list[Callable[[], Contribution]] = []
+    # per contribution its kind, the handles of its tensors in the exchange, and an embedding's row count;
+    # tokens padded with zeros to the longest process's T before they are sent
+    plan: list[tuple[type, list[int], int]] = []
     for x, T in mine:
         if isinstance(x, Outer):  # left (U, T, R): the rows are its columns
-            left, right = rows_of(padded(x.left, T), 2), whole(x.right, T)
-            makers.append(lambda left=left, right=right: Outer(left(), right()))
+            plan.append((Outer, [rows_of(padded(x.left, T), 2), whole(padded(x.right, T))], 0))
         elif isinstance(x, Rows):
-            ids, values, num_rows = whole(x.ids, T), whole(x.values, T), x.num_rows
-            makers.append(lambda ids=ids, values=values, num_rows=num_rows: Rows(ids(), values(), num_rows))
+            plan.append((Rows, [whole(padded(x.ids, T)), whole(padded(x.values, T))], x.num_rows))
         else:  # (U, R, C)
-            formed_values = rows_of(x.values, 1)
-            makers.append(lambda formed_values=formed_values: Formed(formed_values()))
-    return lambda: [make() for make in makers]
+            plan.append((Formed, [rows_of(x.values, 1)], 0))
+
+    def build() -> list[Contribution]:
+        built: list[Contribution] = []
+        for kind, handles, num_rows in plan:
+            got = [exchange.result(handle) for handle in handles]
+            built.append(Outer(got[0], got[1]) if kind is Outer else Rows(got[0], got[1], num_rows) if kind is Rows
+                         else Formed(got[0]))
+        return built
+    return build
 
 
 def _gathered_to(x: Contribution, T: int, dst: int) -> Contribution | None:
