@@ -29,7 +29,8 @@ class CDGraB(PairBalancer):
     - elsewhere (GPUs), `signs_by_gram`: per step the r = n * pairs differences D (r, d), then
       a = D S and G = D D^T in float64, the r signs by the recursion
       <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij, and S += D^T signs: a few matrix products and
-      three small kernels per difference instead of two passes over d per difference.
+      a handful of small kernels per block of up to 12 differences instead of two passes over d per
+      difference.
 
     Args:
         n_workers: n, the number of workers.
@@ -90,7 +91,11 @@ class CDGraB(PairBalancer):
         if xp is np:  # the Gram path on the CPU: tensors sharing the arrays' memory
             first_units, second_units = torch.from_numpy(first_units), torch.from_numpy(second_units)
         firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
-        diffs = (firsts - seconds).transpose(0, 1).reshape(-1, self.d)  # (P * n, d) pair-major, worker-minor
+        # (P * n, d) pair-major, worker-minor: the difference of the (P, n, d) views written in that order (one
+        # kernel; the views' own order would need a copy to reshape)
+        diffs = torch.empty(n_pairs, self.n, self.d, dtype=firsts.dtype, device=firsts.device)
+        torch.sub(firsts.transpose(0, 1), seconds.transpose(0, 1), out=diffs)
+        diffs = diffs.view(-1, self.d)
         first_left = signs_by_gram(self.running_sum, diffs).reshape(-1, self.n).T
         return first_left.numpy() if xp is np else first_left
 
@@ -161,7 +166,10 @@ def _pair_signs_cpu() -> Callable[..., None]:
     return signs
 
 
-GRAM_CHUNK_BYTES = 32 * 2**20  # float64 copies of the differences are made this many bytes at a time
+GRAM_CHUNK_BYTES = 32 * 2**20  # float64 copies of the differences are made this many bytes at a time, or
+GRAM_CHUNK_SHARE = 0.5         # this share of the differences' own bytes when that is more: at most 2 / share
+                               # chunks, each a few kernels a step (bench/dispatch_count.py), the copy's memory
+                               # bounded by the differences' own
 
 
 def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
@@ -171,7 +179,7 @@ def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tenso
     running_sum: (d,) float64 S, updated in place to S + D^T signs; diffs: (r, d) D, in visiting order.
     Returns (r,) bool, True = sign +1 (<S_i, v_i> <= 0). With a = D S and G = D D^T in float64,
     <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij (S_i = S + sum_{j<i} sign_j v_j). Columns are widened to
-    float64 GRAM_CHUNK_BYTES at a time, so the extra memory stays bounded for any d.
+    float64 a chunk at a time (gram_products), so the extra memory stays bounded by D's own.
     """
     a, gram, widened = gram_products(running_sum, diffs)
     signs = gram_signs(a, gram)
@@ -189,17 +197,17 @@ def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij <= 0. (Exact CD-GraB, sorters/exact.py, gets a and G without
     the differences.)
 
-    Up to ENUMERATED_SIGNS_MAX differences, a fixed handful of kernels (_enumerated_gram_signs); more, a
-    loop of three small kernels per difference."""
+    Blocks of up to ENUMERATED_SIGNS_MAX differences in turn, each a fixed handful of kernels
+    (_enumerated_gram_signs) after one product that adds the earlier blocks' signed terms to its a:
+    <S_i, v_i> = (a_i + sum_{j < block} sign_j G_ij) + sum_{block <= j < i} sign_j G_ij."""
     r = a.shape[0]
     if r <= ENUMERATED_SIGNS_MAX:
         return _enumerated_gram_signs(a, gram)
-    signs = torch.zeros(r, dtype=torch.float64, device=a.device)  # sign_j, 0 until decided
-    plus_one, minus_one = signs.new_ones(()), -signs.new_ones(())
-    dot = torch.empty(1, dtype=torch.float64, device=a.device)
-    for i in range(r):  # the k-step recursion: three small kernels per difference
-        torch.addmv(a[i:i + 1], gram[i:i + 1], signs, out=dot)  # signs[j >= i] are still 0
-        torch.where(dot <= 0, plus_one, minus_one, out=signs[i:i + 1])
+    signs = torch.empty(r, dtype=torch.float64, device=a.device)
+    for i0 in range(0, r, ENUMERATED_SIGNS_MAX):
+        i1 = min(r, i0 + ENUMERATED_SIGNS_MAX)
+        block_a = a[i0:i1] if i0 == 0 else torch.addmv(a[i0:i1], gram[i0:i1, :i0], signs[:i0])
+        signs[i0:i1] = _enumerated_gram_signs(block_a, gram[i0:i1, i0:i1])
     return signs
 
 
@@ -207,13 +215,14 @@ def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """gram_signs for a small block (a (r,), gram (r, r) float64) without a kernel per difference: the inner
     products <S_i, v_i> = a_i + sum_{j<i} s_j G_ij under every one of the 2^r sign vectors s at once, then the
     vector whose every sign is the rule's own (<S_i, v_i> <= 0 exactly where s_i = +1). The sequential signs
-    are such a vector, and the only one: by induction on i, a prefix that agrees fixes the next sign. Each
-    row's products are an elementwise product and a sum over one row, so rows with the same prefix give the
-    same values; should rounding ever make rows disagree at a near-tie, the vector that agrees on the longest
-    prefix is taken (scores weigh the agreement at i by 2^(r-1-i)). Returns (r,) float64 of +-1."""
+    are such a vector, and the only one: by induction on i, a prefix that agrees fixes the next sign. The
+    products of all sign vectors are one matrix product with a added (a few kernels whatever r); rows with the
+    same prefix hold the same terms, the rest exact zeros, and should rounding ever make them disagree at a
+    near-tie, the vector that agrees on the longest prefix is taken (scores weigh the agreement at i by
+    2^(r-1-i)). Returns (r,) float64 of +-1."""
     vectors, plus, weights = _sign_vectors(a.shape[0], a.device)
     below = torch.tril(gram, diagonal=-1)  # G_ij for j < i: only earlier signs enter <S_i, v_i>
-    dots = (vectors[:, None, :] * below).sum(-1).add_(a)  # (2^r, r): <S_i, v_i> under each sign vector
+    dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
     agrees = (dots <= 0).eq_(plus)
     best = (agrees.to(torch.float64) @ weights).argmax()
     return vectors[best[None]][0]  # a 1-element index: a 0-d one is read on the host (a synchronisation)
@@ -231,15 +240,16 @@ def _sign_vectors(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Ten
 def gram_products(running_sum: torch.Tensor,
                   diffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[list[slice], torch.Tensor | None]]:
     """(a, G, widened) for the device path: a = D S (r,) and G = D D^T (r, r) in float64, from the (r, d)
-    differences D widened to float64 GRAM_CHUNK_BYTES at a time; `widened` is (columns, the last chunk
-    widened), which add_signed reuses when there is a single chunk."""
+    differences D widened to float64 a chunk of columns at a time (GRAM_CHUNK_BYTES, or GRAM_CHUNK_SHARE of
+    D's own bytes when that is more); `widened` is (columns, the last chunk widened), which add_signed reuses
+    when there is a single chunk."""
     r, d = diffs.shape
-    width = max(1, GRAM_CHUNK_BYTES // (8 * r))
+    chunk_bytes = max(GRAM_CHUNK_BYTES, int(GRAM_CHUNK_SHARE * diffs.numel() * diffs.element_size()))
+    width = max(1, chunk_bytes // (8 * r))
     columns = [slice(c, min(c + width, d)) for c in range(0, d, width)]
-    a = torch.zeros(r, dtype=torch.float64, device=diffs.device)
-    gram = torch.zeros(r, r, dtype=torch.float64, device=diffs.device)
-    wide = None
-    for cols in columns:
+    wide = diffs[:, columns[0]].to(torch.float64)
+    a, gram = torch.mv(wide, running_sum[columns[0]]), torch.mm(wide, wide.T)  # the first chunk makes them
+    for cols in columns[1:]:
         wide = diffs[:, cols].to(torch.float64)
         a.addmv_(wide, running_sum[cols])
         gram.addmm_(wide, wide.T)

@@ -60,6 +60,25 @@ def test_gram_signs_of_a_small_block_take_the_same_few_kernel_ops_at_any_size():
     assert len(set(counts.values())) == 1 and counts[4] < 3 * 4, counts
 
 
+def test_gram_signs_of_more_differences_take_a_few_kernel_ops_a_block():
+    """Beyond ENUMERATED_SIGNS_MAX differences, blocks of that many in turn: each block's ops of the small
+    case, one product adding the earlier blocks' terms and one copy of its signs; not three a difference."""
+    from sorters import balance
+
+    block = balance.ENUMERATED_SIGNS_MAX
+    counts = {}
+    for r in (block, 2 * block, 3 * block):
+        diffs = torch.randn(r, 5, dtype=torch.float64)
+        a, gram = diffs @ torch.randn(5, dtype=torch.float64), diffs @ diffs.T
+        balance.gram_signs(a, gram)  # the tables of sign vectors
+        with OpCounter() as counter:
+            balance.gram_signs(a, gram)
+        counts[r] = counter.kernel_ops
+    one = counts[block]
+    assert counts[2 * block] <= 2 * one + 4 and counts[3 * block] <= 3 * one + 6, counts
+    assert counts[3 * block] < 3 * 3 * block / 2, counts
+
+
 def test_per_step_counts_split_each_steps_work_from_the_epochs_once_only_work():
     # 5 steps: mm twice a step, one sort for the epoch (5 kernel ops), 30 calls dispatched; 10 steps: 50
     short = {"dispatched": 30, "kernel_ops": collections.Counter({"aten.mm": 10, "aten.sort": 5})}

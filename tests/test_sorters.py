@@ -452,6 +452,7 @@ def test_signs_by_gram_over_column_chunks_equals_one_chunk(monkeypatch):
     one_chunk = start.clone()
     assert balance.signs_by_gram(one_chunk, diffs).tolist() == expected
     monkeypatch.setattr(balance, "GRAM_CHUNK_BYTES", 8 * r * 64)  # 64 columns per chunk: 16 chunks
+    monkeypatch.setattr(balance, "GRAM_CHUNK_SHARE", 0.0)  # (not the differences' share: 2 chunks)
     chunked = start.clone()
     assert balance.signs_by_gram(chunked, diffs).tolist() == expected
     torch.testing.assert_close(chunked, expected_sum, rtol=1e-12, atol=1e-12)
@@ -640,14 +641,14 @@ def sequential_gram_signs(a: list[float], gram: list[list[float]]) -> list[float
 
 
 def test_gram_signs_equal_the_sequential_rule_for_every_block_size():
-    """gram_signs, enumerated up to ENUMERATED_SIGNS_MAX differences and a loop beyond, gives the sequential
+    """gram_signs, enumerated in blocks of up to ENUMERATED_SIGNS_MAX differences, gives the sequential
     rule's signs on random blocks of every size (a = D S, G = D D^T), on blocks of zero differences and a zero
     sum (exact ties: +1), and on blocks that repeat one difference (v, v, -v, ...: every later sign decided by
     the earlier ones)."""
     import sorters.balance as balance
 
     generator = torch.Generator().manual_seed(4)
-    for r in [*range(1, balance.ENUMERATED_SIGNS_MAX + 2), 20]:
+    for r in [*range(1, balance.ENUMERATED_SIGNS_MAX + 2), 20, 24, 37]:
         for trial in range(12):
             diffs = torch.randn(r, 6, generator=generator, dtype=torch.float64) * 10.0 ** (trial % 4 - 2)
             start = torch.randn(6, generator=generator, dtype=torch.float64) * (trial % 3)  # 0: a zero sum
@@ -658,6 +659,20 @@ def test_gram_signs_equal_the_sequential_rule_for_every_block_size():
             a, gram = diffs @ start, diffs @ diffs.T
             expected = sequential_gram_signs(a.tolist(), gram.tolist())
             assert balance.gram_signs(a, gram).tolist() == expected, (r, trial)
+
+
+def test_the_device_path_widens_at_most_a_share_of_the_differences_bytes_at_once(monkeypatch):
+    """A chunk of columns is GRAM_CHUNK_BYTES widened, or GRAM_CHUNK_SHARE of the differences' own bytes when
+    that is more: by hand, 4 float32 differences of 1,000 entries (16,000 bytes) with 320-byte chunks (10
+    float64 columns) asked, and half their bytes allowed: 8,000 bytes, 250 columns, 4 chunks, not 100."""
+    import sorters.balance as balance
+
+    monkeypatch.setattr(balance, "GRAM_CHUNK_BYTES", 8 * 4 * 10)
+    diffs, start = torch.randn(4, 1000), torch.zeros(1000, dtype=torch.float64)
+    _, _, (columns, _) = balance.gram_products(start, diffs)
+    assert columns == [slice(c, c + 250) for c in range(0, 1000, 250)]
+    monkeypatch.setattr(balance, "GRAM_CHUNK_SHARE", 0.0)
+    assert len(balance.gram_products(start, diffs)[2][0]) == 100
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 6])
