@@ -3,8 +3,10 @@
 A task names the methods that make its data-parallel step's gradients (Task.compiled_methods: pure
 tensor functions of their arguments and the model's parameters, such as LR-HMDA's closed-form
 gradients, MLP-M4's loss, whose backward AOTAutograd then compiles too, and its per-window gradients),
-and compile_step replaces each by its torch.compile'd version on the task instance. What the engine does
-around them (the exchange, the sorter, the optimizer) stays eager.
+and compile_step replaces each by its torch.compile'd version on the task instance. CD-GraB's Gram sign
+step (`--sign-loop gram`, the path a GPU takes) is compiled too (`CDGraB.compile_sign_step`, which
+engine/run_setup.py calls). What the engine does around them (the exchange, the rest of the sorter, the
+optimizer) stays eager.
 
 Why: on a GPU every operator of a step is a kernel launch, and at the paper's small models the
 launches, not the arithmetic, set a step's time (bench/dispatch_count.py counts them on the CPU: its

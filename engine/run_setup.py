@@ -85,6 +85,8 @@ def build_run(task, args, comm, device) -> Run:
     else:
         sorter = build_sorter(args.sorter, n, m, sorted_d, seed=args.seed, device=device, epochs=args.epochs,
                               sign_loop=resolve_sign_loop(args, device, d, sorted_d), batch_size=k)
+        if getattr(args, "compile", "off") != "off" and getattr(sorter, "sign_loop", None) == "gram":
+            sorter.compile_sign_step(args.compile)  # --compile: CD-GraB's Gram sign step too
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer, sketch=sketch)
     if exact is None:  # the records of a step are the sorter's input only while it steps: no background thread

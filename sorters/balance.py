@@ -51,7 +51,8 @@ class CDGraB(PairBalancer):
     name = "CD-GraB"
     SIGN_LOOPS = ("compiled", "gram")
 
-    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("sign_loop",)  # how the signs are computed, not what they are
+    # how the signs are computed, not what they are
+    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("sign_loop", "_gram_step")
 
     def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, sign_loop: str | None = None, nonfinite: str = "raise") -> None:
@@ -91,13 +92,26 @@ class CDGraB(PairBalancer):
         if xp is np:  # the Gram path on the CPU: tensors sharing the arrays' memory
             first_units, second_units = torch.from_numpy(first_units), torch.from_numpy(second_units)
         firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
-        # (P * n, d) pair-major, worker-minor: the difference of the (P, n, d) views written in that order (one
-        # kernel; the views' own order would need a copy to reshape)
-        diffs = torch.empty(n_pairs, self.n, self.d, dtype=firsts.dtype, device=firsts.device)
-        torch.sub(firsts.transpose(0, 1), seconds.transpose(0, 1), out=diffs)
-        diffs = diffs.view(-1, self.d)
-        first_left = signs_by_gram(self.running_sum, diffs).reshape(-1, self.n).T
+        first_left = self._gram_step(self.running_sum, firsts, seconds)
         return first_left.numpy() if xp is np else first_left
+
+    def compile_sign_step(self, backend: str = "inductor") -> None:
+        """Take the Gram sign step (sign_loop "gram": the pairs' differences, a and G, the signs, the running
+        sum's update) through torch.compile with `backend`, one graph a step shape: inductor fuses its dozen
+        small operators into a few kernels (on a GPU, launches: bench/dispatch_count.py); "aot_eager" runs the
+        traced operators as they are. The same rule and signs; not part of the state.
+
+        Raises:
+            ValueError: the sorter's sign loop is not "gram" (one line).
+        """
+        if self.sign_loop != "gram":
+            raise ValueError(f"{self.name}: compile_sign_step compiles the Gram sign step; this sorter takes "
+                             f"sign_loop={self.sign_loop!r} (build it with sign_loop='gram')")
+        self._gram_step = torch.compile(gram_pair_signs, backend=backend, dynamic=False)
+
+    @staticmethod
+    def _gram_step(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
+        return gram_pair_signs(running_sum, firsts, seconds)
 
 
 # sign_loop_for: models of at least this many parameters whose gradients are balanced as sketches take the
@@ -172,6 +186,20 @@ GRAM_CHUNK_SHARE = 0.5         # this share of the differences' own bytes when t
                                # bounded by the differences' own
 
 
+def gram_pair_signs(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
+    """CD-GraB's signs for n workers' P pairs (firsts, seconds: (n, P, d) views), visited pair-major, worker-
+    minor, by the Gram path (`signs_by_gram`, which updates running_sum (d,) float64 in place). Returns
+    (n, P) bool, True = the pair's first unit goes left."""
+    n, P, d = firsts.shape
+    if torch.compiler.is_compiling():  # (a compiled graph lays the difference out itself; out= does not trace)
+        diffs = (firsts.transpose(0, 1) - seconds.transpose(0, 1)).reshape(-1, d)
+    else:  # (P * n, d) pair-major, worker-minor: written in that order (the views' own would need a copy)
+        diffs = torch.empty(P, n, d, dtype=firsts.dtype, device=firsts.device)
+        torch.sub(firsts.transpose(0, 1), seconds.transpose(0, 1), out=diffs)
+        diffs = diffs.view(-1, d)
+    return signs_by_gram(running_sum, diffs).reshape(-1, n).T
+
+
 def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
     """The signs of CD-GraB's sequential rule for a block of r differences, without a pass over d per
     difference and without a host synchronisation (the device path; the CPU uses the compiled loop).
@@ -220,7 +248,9 @@ def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     same prefix hold the same terms, the rest exact zeros, and should rounding ever make them disagree at a
     near-tie, the vector that agrees on the longest prefix is taken (scores weigh the agreement at i by
     2^(r-1-i)). Returns (r,) float64 of +-1."""
-    vectors, plus, weights = _sign_vectors(a.shape[0], a.device)
+    # (a compiled sign step makes the table in its graph: dynamo traces the cache's function itself)
+    table = _sign_vectors.__wrapped__ if torch.compiler.is_compiling() else _sign_vectors
+    vectors, plus, weights = table(a.shape[0], a.device)
     below = torch.tril(gram, diagonal=-1)  # G_ij for j < i: only earlier signs enter <S_i, v_i>
     dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
     agrees = (dots <= 0).eq_(plus)

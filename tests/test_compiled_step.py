@@ -18,7 +18,9 @@ TINY = {"LR-HMDA": ["--max-train-examples", "320", "--max-eval-examples", "64"],
 
 
 def train_in_process(benchmark: str, sorter: str, compile_backend: str, out) -> tuple[list[dict], list, int]:
-    """(metrics rows, the epochs' orders, graphs torch.compile made) of a 2-epoch run in this process."""
+    """(metrics rows, the epochs' orders, graphs torch.compile made) of a 2-epoch run in this process; sorter
+    "CD-GraB gram": CD-GraB with --sign-loop gram (the GPU's path, whose sign step --compile compiles too)."""
+    flags = ["--sorter", "CD-GraB", "--sign-loop", "gram"] if sorter == "CD-GraB gram" else ["--sorter", sorter]
     import torch._dynamo
 
     from engine.comm import LocalCommunicator
@@ -26,7 +28,7 @@ def train_in_process(benchmark: str, sorter: str, compile_backend: str, out) -> 
 
     torch._dynamo.reset()  # each run compiles its own task's methods
     torch._dynamo.utils.counters.clear()
-    task, args = entry_task(SCRIPTS[benchmark], torch.device("cpu"), "--sorter", sorter, "--epochs", "2",
+    task, args = entry_task(SCRIPTS[benchmark], torch.device("cpu"), *flags, "--epochs", "2",
                             "--progress", "off", "--record-orders", "--out", out, "--compile", compile_backend,
                             *TINY[benchmark])
     rows = train(task, args, LocalCommunicator(args.node_cnt), torch.device("cpu"))
@@ -47,17 +49,22 @@ def assert_same_training(eager, compiled, exact: bool) -> None:
                 assert row[column] == pytest.approx(eager_row[column], rel=1e-5), (column, row, eager_row)
 
 
-@pytest.mark.parametrize("sorter", ["D-RR", "CD-GraB"])
+@pytest.mark.parametrize("sorter", ["D-RR", "CD-GraB", "CD-GraB gram"])
 def test_the_traced_step_equals_the_eager_step_bit_for_bit(tmp_path, sorter):
-    """aot_eager runs the traced graphs' operators, the eager step's own: orders and losses equal to the bit."""
+    """aot_eager runs the traced graphs' operators, the eager step's own: orders and losses equal to the bit;
+    with the Gram sign loop its sign step is a compiled graph of its own (more graphs than the gradients')."""
     eager = train_in_process("LR-HMDA", sorter, "off", tmp_path / "eager")
-    assert_same_training(eager, train_in_process("LR-HMDA", sorter, "aot_eager", tmp_path / "compiled"), exact=True)
+    compiled = train_in_process("LR-HMDA", sorter, "aot_eager", tmp_path / "compiled")
+    assert_same_training(eager, compiled, exact=True)
+    if sorter == "CD-GraB gram":
+        gradients_only = train_in_process("LR-HMDA", "CD-GraB", "aot_eager", tmp_path / "gradients")
+        assert compiled[2] > gradients_only[2]
 
 
 @release_check
 @needs_data("m4/Weekly-train.csv", "m4/Weekly-test.csv")
 @pytest.mark.parametrize("benchmark", ["LR-HMDA", "MLP-M4"])
-@pytest.mark.parametrize("sorter", ["D-RR", "CD-GraB"])
+@pytest.mark.parametrize("sorter", ["D-RR", "CD-GraB", "CD-GraB gram"])
 def test_the_inductor_step_equals_the_eager_step(tmp_path, benchmark, sorter):
     """inductor's fused kernels: the orders bit for bit, losses to float32 rounding."""
     eager = train_in_process(benchmark, sorter, "off", tmp_path / "eager")

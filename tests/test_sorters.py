@@ -675,6 +675,23 @@ def test_the_device_path_widens_at_most_a_share_of_the_differences_bytes_at_once
     assert len(balance.gram_products(start, diffs)[2][0]) == 100
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_compiled_gram_sign_step_gives_the_eager_orders_and_sums(k):
+    """CDGraB.compile_sign_step (aot_eager: the traced operators themselves) over 3 epochs, k = 3 with a pending
+    unit: the same orders and running sums as the eager Gram path, bit for bit; a compiled loop refuses it."""
+    from sorters.balance import CDGraB
+
+    n, m, d = 3, 12, 10
+    eager, compiled = CDGraB(n, m, d, seed=1, sign_loop="gram"), CDGraB(n, m, d, seed=1, sign_loop="gram")
+    compiled.compile_sign_step("aot_eager")
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(5))
+    for _ in range(3):
+        assert torch.equal(run_epoch(eager, gather_units(z), k), run_epoch(compiled, gather_units(z), k))
+        assert torch.equal(eager.running_sum, compiled.running_sum)
+    with pytest.raises(ValueError, match="sign_loop='gram'"):
+        CDGraB(n, m, d, sign_loop="compiled").compile_sign_step("aot_eager")
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 3, 6])
 def test_the_device_path_forms_products_and_sums_chunk_by_chunk(monkeypatch, chunks):
     """signs_by_gram (the sign rule off the CPU) with the differences widened `d / chunks` columns at a time
