@@ -63,6 +63,8 @@ class CDGraB(PairBalancer):
             raise ValueError(f"{self.name}: sign_loop must be 'gram', or 'compiled' on the CPU, got {sign_loop!r} "
                              f"on {self.device}")
         self.sign_loop = sign_loop  # not in checkpoints: a resumed run may take the other loop (same signs)
+        # the Gram path's step (sign_loop "gram"); compile_sign_step puts torch.compile's version here
+        self._gram_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = gram_pair_signs
         if sign_loop == "compiled":  # compile (or load) the sign loop now, not inside the first epoch
             units = np.zeros((1, 2, 1), np.float32)
             _pair_signs_cpu()(np.zeros(1, np.float64), units, 0, units, 1, np.empty((1, 1), np.bool_),
@@ -109,9 +111,6 @@ class CDGraB(PairBalancer):
                              f"sign_loop={self.sign_loop!r} (build it with sign_loop='gram')")
         self._gram_step = torch.compile(gram_pair_signs, backend=backend, dynamic=False)
 
-    @staticmethod
-    def _gram_step(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
-        return gram_pair_signs(running_sum, firsts, seconds)
 
 
 # sign_loop_for: models of at least this many parameters whose gradients are balanced as sketches take the
