@@ -64,7 +64,7 @@ class CDGraB(PairBalancer):
                              f"on {self.device}")
         self.sign_loop = sign_loop  # not in checkpoints: a resumed run may take the other loop (same signs)
         # the Gram path's step (sign_loop "gram"); compile_sign_step puts torch.compile's version here
-        self._gram_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = gram_pair_signs
+        self._gram_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = _gram_pair_signs
         if sign_loop == "compiled":  # compile (or load) the sign loop now, not inside the first epoch
             units = np.zeros((1, 2, 1), np.float32)
             _pair_signs_cpu()(np.zeros(1, np.float64), units, 0, units, 1, np.empty((1, 1), np.bool_),
@@ -109,7 +109,7 @@ class CDGraB(PairBalancer):
         if self.sign_loop != "gram":
             raise ValueError(f"{self.name}: compile_sign_step compiles the Gram sign step; this sorter takes "
                              f"sign_loop={self.sign_loop!r} (build it with sign_loop='gram')")
-        self._gram_step = torch.compile(gram_pair_signs, backend=backend, dynamic=False)
+        self._gram_step = torch.compile(_gram_pair_signs, backend=backend, dynamic=False)
 
 
 
@@ -185,7 +185,7 @@ GRAM_CHUNK_SHARE = 0.5         # this share of the differences' own bytes when t
                                # bounded by the differences' own
 
 
-def gram_pair_signs(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
+def _gram_pair_signs(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
     """CD-GraB's signs for n workers' P pairs (firsts, seconds: (n, P, d) views), visited pair-major, worker-
     minor, by the Gram path (`signs_by_gram`, which updates running_sum (d,) float64 in place). Returns
     (n, P) bool, True = the pair's first unit goes left."""
