@@ -71,23 +71,24 @@ def rank_child(settings: dict | None, steps: int, threads: int, config: dict | N
     import sorters.sampler as sampler
 
     counted = {"gathered": 0, "records": 0, "received": 0}
-    all_gather, gather_to, all_gather_units = gather._all_gather_single, gather._gather, sampler.all_gather_units
+    all_gather, all_to_all, all_gather_units = gather._all_gather_single, gather._all_to_all, sampler.all_gather_units
 
     def gather_counted(out, local):  # every all-gather of sorters/gather.py: sketches, records, their sizes
         counted["gathered"] += local.numel() * local.element_size()
         counted["received"] += out.numel() * out.element_size() - local.numel() * local.element_size()
         return all_gather(out, local)
 
-    def gather_to_counted(local, into, dst):  # records sent to the parameter's owner only (a ParameterShare)
-        counted["gathered"] += local.numel() * local.element_size()
-        counted["received"] += sum(x.numel() * x.element_size() for x in into[1:]) if into else 0
-        return gather_to(local, into, dst)
+    def all_to_all_counted(out, send, send_sizes, receive_sizes, works=None):  # records to their owners only
+        import torch.distributed as dist  # (a ParameterShare: each parameter's records to the process owning it)
+        counted["gathered"] += send.numel() * send.element_size()
+        counted["received"] += (sum(receive_sizes) - receive_sizes[dist.get_rank()]) * out.element_size()
+        return all_to_all(out, send, send_sizes, receive_sizes, works)
 
     def units_counted(units, share=None):
         counted["records"] += gather.records_bytes([units])
         return all_gather_units(units, share)
 
-    gather._all_gather_single, gather._gather, sampler.all_gather_units = gather_counted, gather_to_counted, \
+    gather._all_gather_single, gather._all_to_all, sampler.all_gather_units = gather_counted, all_to_all_counted, \
         units_counted
     distributed = "LOCAL_RANK" in os.environ
     ddp = {"ddp_backend": "gloo"} if distributed else {}

@@ -16,12 +16,13 @@ Exact CD-GraB from layer records (sorters/exact.py) gathers records instead: `al
 its records and its per-unit gradient (`exchange_bytes`); `gather_parts` does it for a step recorded in
 parts (the engine's chunks), part by part. With a `ParameterShare` (ExactCDGraB dividing the products over
 the processes: the HF Trainer under torchrun, `CDGraBSampler(divide_products=True)`) each parameter's
-records go to its owning process only (`_gather_rows_to`). `OverlappedExchange` starts the owners' route of a
+records go to its owning process only (`Exchange.to_owner`). `OverlappedExchange` starts the owners' route of a
 sharded model (sorters.fsdp.ShardedRows) inside the backward, parameter by parameter; all_gather_units
 finishes it.
 """
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -69,23 +70,6 @@ def sketch_then_gather(local: torch.Tensor, sketch: GradientSketch | None = None
     return sketched if gather is None else gather(sketched)
 
 
-def _gather_rows_to(local: torch.Tensor, dst: int) -> torch.Tensor | None:
-    """local (r, ...) in each process -> (world_size * r, ...) in process `dst` only (rank-major, as
-    all_gather_rows), None in the others. Every process calls it at the same time with the same shape."""
-    local = local.contiguous()
-    if dist.get_rank() != dst:
-        _gather(local, None, dst)
-        return None
-    out = torch.empty((dist.get_world_size() * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
-                      device=local.device)
-    _gather(local, list(out.chunk(dist.get_world_size())), dst)
-    return out
-
-
-def _gather(local: torch.Tensor, into: list[torch.Tensor] | None, dst: int) -> None:  # one place to count it (bench/)
-    dist.gather(local, into, dst=dst)
-
-
 def _all_to_all(out: torch.Tensor, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
                 works: list[tuple[dist.Work, torch.Tensor]] | None = None) -> None:
     """out (sum(receive_sizes),) <- receive_sizes[q] numbers from each process q; send (sum(send_sizes),):
@@ -100,7 +84,7 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     """This process's U units (records fresh from one backward: each contribution covers all U) -> the
     world_size * U units of every process, rank-major, in every process, with the loss weights (U,).
     share: None, or the ParameterShare of an ExactCDGraB that divides the products: each parameter's records go
-    to its owner only (_gather_rows_to), so a process holds every unit of its own parameters and nothing of
+    to its owner only (Exchange.to_owner), so a process holds every unit of its own parameters and nothing of
     the others' (its own records of them are sent, then dropped); or a share with row_splits
     (sorters.fsdp.ShardedRows(records="owners")): each process receives the rows it owns of each parameter's
     row factor (Outer's left, Formed's rows) and the rest whole, so the units' Outer and Formed contributions
@@ -109,8 +93,8 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
     sent: its contributions' records (Outer's left (U, T, R) and right (U, T, C), Rows' int64 ids (U, T) and
     values (U, T, C), Formed's (U, R, C)), or its gradient formed per unit (U, R, C) (a wide output layer over
     many tokens, several Formed contributions). Tokens are padded with zeros to the longest process's T, which adds
-    nothing to any product. Without a share or with row_splits, every parameter's tensors go together
-    (`Exchange`: one all-gather and one all-to-all per dtype, not one or two collectives per parameter).
+    nothing to any product. Every parameter's tensors go together (`Exchange`: in buckets, one collective a
+    bucket, not one or two per parameter).
     The result holds no backward gradient (step_grads): under DDP .grad is the
     processes' mean, so the running sum's update reads every unit's records."""
     def ints(values: list[int]) -> list[list[int]]:  # one process's integers -> (world_size, n), every process's
@@ -142,13 +126,16 @@ def all_gather_units(units: UnitGradients, share: "ParameterShare | None" = None
         contributions = started[id(p)] if id(p) in started else built[id(p)]() if id(p) in built else []
         if contributions:
             pieces[id(p)] = [(0, x) for x in contributions]
-    return UnitGradients(owner, dist.get_world_size() * U, pieces, exchange.result(scale))
+    every_scale = exchange.result(scale)
+    assert every_scale is not None  # (gathered to every process)
+    return UnitGradients(owner, dist.get_world_size() * U, pieces, every_scale)
 
 
 class Exchange:
     """The tensors of one exchange of records, sent together in buckets: per dtype, an all-gather of each
-    bucket of those every process receives whole (`gather`) and an all-to-all of each bucket of those whose
-    rows go to the rows' owners (`to_owners`), not one collective per tensor, whose fixed cost and wait for the
+    bucket of those every process receives whole (`gather`), and an all-to-all of each bucket of those whose
+    rows go to the rows' owners (`to_owners`) or that go whole to one owner (`to_owner`: a ParameterShare's
+    records), not one collective per tensor, whose fixed cost and wait for the
     slowest process add up over a model's hundreds of parameters. A bucket receives at most BUCKET_BYTES (a
     tensor that receives more goes alone, with no copy where it can), so the packed copies alive at once stay
     small beside the records (DDP buckets its gradients' all-reduce the same way). Every process registers the
@@ -160,15 +147,22 @@ class Exchange:
     BUCKET_BYTES = 32 * 2**20  # received by one collective at most
 
     def __init__(self) -> None:
-        # registered: (kind "whole" or "owned", the tensor, its rows' dim and every process's (r0, r1) when owned)
+        # registered: (kind "whole", "owned" or "owner", the tensor, its rows' dim (owned) or its owner's rank
+        # (owner), every process's (r0, r1) (owned))
         self.items: list[tuple[str, torch.Tensor, int, list[tuple[int, int]] | None]] = []
-        self.results: dict[int, torch.Tensor] = {}
+        self.results: dict[int, torch.Tensor | None] = {}
         # started asynchronously, unpacked at the first result(): (received (world, n), [(item, at, n, shape)])
         self.unpack: list[tuple[torch.Tensor, list[tuple[int, int, int, tuple[int, ...]]]]] = []
 
     def gather(self, x: torch.Tensor) -> int:
         """Register x (U, ...): every process's, (world_size * U, ...) rank-major, in every process."""
         self.items.append(("whole", x, 0, None))
+        return len(self.items) - 1
+
+    def to_owner(self, x: torch.Tensor, dst: int) -> int:
+        """Register x (U, ...): every process's, (world_size * U, ...) rank-major, in process `dst` only (its
+        result None in the others)."""
+        self.items.append(("owner", x, dst, None))
         return len(self.items) - 1
 
     def to_owners(self, x: torch.Tensor, dim: int, splits: list[tuple[int, int]]) -> int:
@@ -187,29 +181,35 @@ class Exchange:
                 i = bucket[0]
                 self.results[i] = all_gather_rows(self.items[i][1], works)
                 continue
-            received_shapes = [(i, self._received_shape(i, rank)) for i in bucket]
+            mine = [i for i in bucket if self.items[i][0] != "owner" or self.items[i][2] == rank]  # received here
             places, at = [], 0
-            for i, shape in received_shapes:
+            for i in mine:
+                shape = self._received_shape(i, rank)
                 places.append((i, at, math.prod(shape), shape))
                 at += math.prod(shape)
             if kind == "whole":
                 send = _packed([self.items[i][1] for i in bucket], self.items[bucket[0]][1].device)
                 received = all_gather_rows(send[None], works)
-            else:  # rank-major: every tensor's rows of process 0, then of process 1, ...
-                parts = [[_rows(x, dim, splits[q]) for _, x, dim, splits in (self.items[i] for i in bucket)]  # type: ignore[index]
+            else:  # rank-major: what goes to process 0, then to process 1, ...: rows of q, or a tensor q owns
+                parts = [[_rows(x, dim, splits[q]) if kind == "owned" else x  # type: ignore[index]
+                          for _, x, dim, splits in (self.items[i] for i in bucket) if kind == "owned" or dim == q]
                          for q in range(world)]
-                send = _packed([part for q_parts in parts for part in q_parts], self.items[bucket[0]][1].device)
+                device = self.items[bucket[0]][1].device
+                send = _packed([part for q_parts in parts for part in q_parts], device, self.items[bucket[0]][1].dtype)
                 received = torch.empty(world, at, dtype=send.dtype, device=send.device)
                 _all_to_all(received.view(-1), send, [sum(part.numel() for part in q_parts) for q_parts in parts],
                             [at] * world, works)
+            for i in bucket:
+                if i not in mine:  # sent to its owner, not kept here
+                    self.results[i] = None
             if works is None:
                 self._unpacked(received, places)
             else:
                 self.unpack.append((received, places))
 
-    def result(self, handle: int) -> torch.Tensor:
+    def result(self, handle: int) -> torch.Tensor | None:
         """A registered tensor's every-process result (after start, and after its collectives' works are
-        waited on)."""
+        waited on); None for a tensor sent to another process's ownership (`to_owner`)."""
         for received, places in self.unpack:
             self._unpacked(received, places)
         self.unpack = []
@@ -235,7 +235,7 @@ class Exchange:
     def _received_shape(self, i: int, rank: int) -> tuple[int, ...]:
         """The shape item i arrives in from one process: whole, or this process's rows on its dim."""
         kind, x, dim, splits = self.items[i]
-        if kind == "whole" or splits is None:
+        if kind != "owned" or splits is None:
             return tuple(x.shape)
         r0, r1 = splits[rank]
         return tuple(r1 - r0 if k == dim else size for k, size in enumerate(x.shape))
@@ -246,7 +246,7 @@ class Exchange:
         open_buckets: dict[tuple[str, torch.dtype], tuple[list[int], int]] = {}
         buckets: list[tuple[str, list[int]]] = []
         for i, (kind, x, _, _) in enumerate(self.items):
-            size = world * math.prod(self._received_shape(i, rank)) * x.element_size()
+            size = world * math.prod(self._received_shape(i, rank)) * x.element_size()  # (as its owner gets it)
             key = (kind, x.dtype)
             bucket, filled = open_buckets.get(key, ([], 0))
             if bucket and filled + size > self.BUCKET_BYTES:
@@ -262,9 +262,10 @@ def _rows(x: torch.Tensor, dim: int, span: tuple[int, int]) -> torch.Tensor:
     return x.narrow(dim, span[0], span[1] - span[0])
 
 
-def _packed(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The parts one after the other in one flat tensor (one copy of each)."""
-    send = torch.empty(sum(part.numel() for part in parts), dtype=parts[0].dtype, device=device)
+def _packed(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The parts one after the other in one flat tensor (one copy of each; dtype: theirs, given when there may
+    be none)."""
+    send = torch.empty(sum(part.numel() for part in parts), dtype=dtype or parts[0].dtype, device=device)
     at = 0
     for part in parts:
         send[at:at + part.numel()].view(part.shape).copy_(part)
@@ -310,15 +311,11 @@ def _exchange_parameter(p: torch.Tensor, i: int, mine: list[tuple[Contribution, 
         for x, _ in mine:
             x.add_rows(out, 0, out.shape[1])
         mine = [(Formed(out), 1)]
-    if dst is not None:  # the owner's alone, now: each tensor gathered to it
-        contributions = [x for x in (_gathered_to(x, T, dst) for x, T in mine) if x is not None]
-        return lambda: contributions
-
-    def whole(x: torch.Tensor) -> int:
-        return exchange.gather(x)
+    def whole(x: torch.Tensor) -> int:  # to every process, or to p's owner alone
+        return exchange.gather(x) if dst is None else exchange.to_owner(x, dst)
 
     def rows_of(x: torch.Tensor, dim: int) -> int:
-        return exchange.to_owners(x, dim, splits) if splits is not None else exchange.gather(x)
+        return exchange.to_owners(x, dim, splits) if splits is not None else whole(x)
 
     # per contribution its kind, the handles of its tensors in the exchange, and an embedding's row count;
     # tokens padded with zeros to the longest process's T before they are sent
@@ -331,27 +328,17 @@ def _exchange_parameter(p: torch.Tensor, i: int, mine: list[tuple[Contribution, 
         else:  # (U, R, C)
             plan.append((Formed, [rows_of(x.values, 1)], 0))
 
-    def build() -> list[Contribution]:
+    def build() -> list[Contribution]:  # (none in a process that does not own p: it keeps nothing of it)
         built: list[Contribution] = []
         for kind, handles, num_rows in plan:
             got = [exchange.result(handle) for handle in handles]
-            built.append(Outer(got[0], got[1]) if kind is Outer else Rows(got[0], got[1], num_rows) if kind is Rows
-                         else Formed(got[0]))
+            if any(x is None for x in got):
+                continue
+            tensors = cast(list[torch.Tensor], got)
+            built.append(Outer(tensors[0], tensors[1]) if kind is Outer
+                         else Rows(tensors[0], tensors[1], num_rows) if kind is Rows else Formed(tensors[0]))
         return built
     return build
-
-
-def _gathered_to(x: Contribution, T: int, dst: int) -> Contribution | None:
-    """A contribution of this process's units -> of every process's, in process `dst` (None in the others):
-    each of its tensors gathered there (padded to T tokens)."""
-    if isinstance(x, Outer):
-        left, right = _gather_rows_to(padded(x.left, T), dst), _gather_rows_to(padded(x.right, T), dst)
-        return None if left is None or right is None else Outer(left, right)
-    if isinstance(x, Rows):
-        ids, values = _gather_rows_to(padded(x.ids, T), dst), _gather_rows_to(padded(x.values, T), dst)
-        return None if ids is None or values is None else Rows(ids, values, x.num_rows)
-    formed_values = _gather_rows_to(x.values, dst)
-    return None if formed_values is None else Formed(formed_values)
 
 
 class OverlappedExchange:

@@ -1,6 +1,7 @@
 """sorters.gather.Exchange, the bucketed exchange of records (docs/fsdp.md, "The cost"), on 2 forked gloo
 processes, against an oracle that needs no packing: each tensor all-gathered on its own (torch.distributed's
-all_gather into a list), and a to_owners tensor's rows of this process cut from those whole tensors by hand."""
+all_gather into a list), a to_owners tensor's rows of this process cut from those whole tensors by hand, and a
+to_owner tensor kept by its owner only."""
 import os
 import socket
 
@@ -26,6 +27,10 @@ def tensors(rank):
         ("owned", torch.randn(U, 3, generator=g), 1, [(0, 3), (3, 3)]),  # process 1 owns no row
         ("whole", torch.randn(U, generator=g).double(), 0, None),
         ("owned", torch.randn(U, 30, 8, generator=g), 1, [(0, 15), (15, 30)]),
+        ("owner", torch.randn(U, 6, generator=g), 1, None),  # to process 1 alone
+        ("owner", torch.randint(0, 9, (U, 2), generator=g), 0, None),
+        ("owner", torch.randn(U, 50, 3, generator=g), 0, None),  # larger than a bucket
+        ("owner", torch.randn(U, 2, generator=g), 1, None),
     ]
 
 
@@ -37,12 +42,13 @@ def exchange_rank(rank, port, path, bucket_bytes, asynchronous):
         Exchange.BUCKET_BYTES = bucket_bytes  # (this forked process only)
         exchange, handles = Exchange(), []
         for kind, x, dim, splits in tensors(rank):
-            handles.append(exchange.gather(x) if kind == "whole" else exchange.to_owners(x, dim, splits))
+            handles.append(exchange.gather(x) if kind == "whole" else exchange.to_owner(x, dim) if kind == "owner"
+                           else exchange.to_owners(x, dim, splits))
         works = [] if asynchronous else None
         exchange.start(works)
         for work, _ in works or []:
             work.wait()
-        got = [exchange.result(handle).clone() for handle in handles]
+        got = [None if (result := exchange.result(handle)) is None else result.clone() for handle in handles]
         expected = []
         for kind, x, dim, splits in tensors(rank):
             every = [torch.empty_like(x.contiguous()) for _ in range(2)]
@@ -50,7 +56,7 @@ def exchange_rank(rank, port, path, bucket_bytes, asynchronous):
             if kind == "owned":
                 r0, r1 = splits[rank]
                 every = [t.narrow(dim, r0, r1 - r0) for t in every]
-            expected.append(torch.cat(every))
+            expected.append(None if kind == "owner" and dim != rank else torch.cat(every))
         torch.save({"got": got, "expected": expected}, f"{path}.rank{rank}")
     finally:
         torch.distributed.destroy_process_group()
@@ -59,8 +65,9 @@ def exchange_rank(rank, port, path, bucket_bytes, asynchronous):
 @pytest.mark.parametrize("bucket_bytes,asynchronous", [(400, False), (400, True), (2**30, False)])
 def test_every_tensor_arrives_as_its_own_all_gather_gives_it(tmp_path, bucket_bytes, asynchronous):
     """Each registered tensor's result equals every process's copy of it (rank-major), or of the rows this process
-    owns, bit for bit: in buckets of 400 bytes received (several a dtype and kind, the large tensor alone),
-    started asynchronously too, and in one bucket a dtype and kind."""
+    owns, or, for a tensor to one owner, that in the owner and None in the other, bit for bit: in buckets of 400
+    bytes received (several a dtype and kind, the large tensors alone), started asynchronously too, and in one
+    bucket a dtype and kind."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -68,6 +75,9 @@ def test_every_tensor_arrives_as_its_own_all_gather_gives_it(tmp_path, bucket_by
     for rank in range(2):
         saved = torch.load(tmp_path / f"run.rank{rank}", weights_only=True)
         for got, expected in zip(saved["got"], saved["expected"], strict=True):
+            if expected is None:  # another process's to own
+                assert got is None
+                continue
             assert got.dtype == expected.dtype and got.shape == expected.shape
             assert torch.equal(got, expected)
 
