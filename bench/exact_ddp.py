@@ -67,6 +67,8 @@ def variants(dim: int, exact: bool, one_process: bool) -> dict:
 def rank_child(settings: dict | None, steps: int, threads: int, config: dict | None, folder: Path) -> None:
     """One process of a variant (a torchrun rank, or the one process): one.child() with 4 sequences a
     replica, counting what the sorter all-gathers; writes its measurements to folder/rank<R>.json."""
+    import torch.distributed as torch_distributed
+
     import sorters.gather as gather
     import sorters.sampler as sampler
 
@@ -79,9 +81,9 @@ def rank_child(settings: dict | None, steps: int, threads: int, config: dict | N
         return all_gather(out, local)
 
     def all_to_all_counted(out, send, send_sizes, receive_sizes, works=None):  # records to their owners only
-        import torch.distributed as dist  # (a ParameterShare: each parameter's records to the process owning it)
+        # (a ParameterShare: each parameter's records to the process owning it)
         counted["gathered"] += send.numel() * send.element_size()
-        counted["received"] += (sum(receive_sizes) - receive_sizes[dist.get_rank()]) * out.element_size()
+        counted["received"] += (sum(receive_sizes) - receive_sizes[torch_distributed.get_rank()]) * out.element_size()
         return all_to_all(out, send, send_sizes, receive_sizes, works)
 
     def units_counted(units, share=None):

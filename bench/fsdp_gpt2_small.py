@@ -58,6 +58,7 @@ Writes ONE JSON object to --out (and prints it), then a markdown table.
 """
 import argparse
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -98,12 +99,19 @@ def plain_of(name: str) -> str:
 
 def trim_heap() -> None:
     """Return the freed heap to the operating system (glibc's malloc_trim(0); nothing elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (looked up once: find_library runs ldconfig)."""
     import ctypes
     import ctypes.util
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    return getattr(libc, "malloc_trim", None) if libc is not None else None
 
 
 # ------------------------------------------------------------------------------------------- the bytes

@@ -63,12 +63,10 @@ class Outer:
         """S (R, C) += sum_u w_u x_u over the units of nonzero weight, as ONE product over their tokens (a long
         inner dimension runs faster than one product per unit): the smaller of the two factors of those units
         is copied times the weights (k T min(R, C) numbers), the other is read as it is."""
-        kept = _nonzero_units(w)
+        kept = _nonzero_units(w, self.left, self.right)
         if kept is None:
             return
-        left, right, weights = self.left, self.right, w
-        if len(kept) < self.units:
-            left, right, weights = left[kept], right[kept], w[kept]
+        weights, (left, right) = kept
         if left.shape[2] <= right.shape[2]:
             left = left * weights[:, None, None]
         else:
@@ -114,12 +112,10 @@ class Rows:
 
     def add_to(self, S: torch.Tensor, w: torch.Tensor) -> None:
         """S (R, C) += sum_u w_u x_u over the units of nonzero weight: one index_add of their weighted values."""
-        kept = _nonzero_units(w)
+        kept = _nonzero_units(w, self.ids, self.values)
         if kept is None:
             return
-        ids, values, weights = self.ids, self.values, w
-        if len(kept) < self.units:
-            ids, values, weights = ids[kept], values[kept], w[kept]
+        weights, (ids, values) = kept
         S.index_add_(0, ids.reshape(-1), (values * weights[:, None, None]).reshape(-1, values.shape[2]))
 
     def add_sum(self, S: torch.Tensor) -> None:
@@ -175,10 +171,16 @@ class Formed:
         return Formed(self.values[:, r0:r1])
 
 
-def _nonzero_units(w: torch.Tensor) -> torch.Tensor | None:
-    """The units of nonzero weight in w (U,): None when there are none, else their indices ((k,) LongTensor)."""
+def _nonzero_units(w: torch.Tensor, *records: torch.Tensor
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+    """The units of nonzero weight in w (U,): (their weights (k,), each of the records' (U, ...) rows of them:
+    the records themselves when every unit is kept), or None when there are none."""
     kept = w.ne(0).nonzero().reshape(-1)
-    return None if len(kept) == 0 else kept
+    if len(kept) == 0:
+        return None
+    if len(kept) == len(w):
+        return w, records
+    return w[kept], tuple(x[kept] for x in records)
 
 
 # one layer call's contribution to a parameter's per-unit gradients, factored (Outer, Rows) or formed

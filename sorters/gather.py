@@ -181,7 +181,7 @@ class Exchange:
                 i = bucket[0]
                 self.results[i] = all_gather_rows(self.items[i][1], works)
                 continue
-            mine = [i for i in bucket if self.items[i][0] != "owner" or self.items[i][2] == rank]  # received here
+            mine = [i for i in bucket if self._sent_to(i, rank) is not None]  # the items received here
             places, at = [], 0
             for i in mine:
                 shape = self._received_shape(i, rank)
@@ -190,10 +190,8 @@ class Exchange:
             if kind == "whole":
                 send = _packed([self.items[i][1] for i in bucket], self.items[bucket[0]][1].device)
                 received = all_gather_rows(send[None], works)
-            else:  # rank-major: what goes to process 0, then to process 1, ...: rows of q, or a tensor q owns
-                parts = [[_rows(x, dim, splits[q]) if kind == "owned" else x  # type: ignore[index]
-                          for _, x, dim, splits in (self.items[i] for i in bucket) if kind == "owned" or dim == q]
-                         for q in range(world)]
+            else:  # rank-major: what goes to process 0, then to process 1, ...
+                parts = [[part for i in bucket if (part := self._sent_to(i, q)) is not None] for q in range(world)]
                 device = self.items[bucket[0]][1].device
                 send = _packed([part for q_parts in parts for part in q_parts], device, self.items[bucket[0]][1].dtype)
                 received = torch.empty(world, at, dtype=send.dtype, device=send.device)
@@ -231,6 +229,14 @@ class Exchange:
             result = results[world * at:world * (at + n)]
             result.view(world, n).copy_(received[:, at:at + n])
             self.results[i] = result.view((world * shape[0],) + shape[1:])
+
+    def _sent_to(self, i: int, q: int) -> torch.Tensor | None:
+        """What item i sends process q: a whole tensor all of it, an owned one q's rows of it (a view), one to
+        an owner all of it if q owns it, else None."""
+        kind, x, dim, splits = self.items[i]
+        if kind == "owned" and splits is not None:
+            return _rows(x, dim, splits[q])
+        return x if kind == "whole" or dim == q else None  # (an owner item's dim holds its owner's rank)
 
     def _received_shape(self, i: int, rank: int) -> tuple[int, ...]:
         """The shape item i arrives in from one process: whole, or this process's rows on its dim."""
