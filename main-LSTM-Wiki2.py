@@ -90,8 +90,8 @@ class LSTMWiki2(Task):
     def _load_training_chunks(self, tokens, max_chunks) -> int:
         """The training split as B columns cut into bptt chunks: sets n_chunks (rounded down to even: the
         pair sorters need m even; at most max_chunks), train_matrix (the rows those chunks read, on the
-        device) and worker_chunks (n, m, bptt + 1, mb): worker j's view of chunk i, its input rows and the
-        one extra target row. Returns the number of chunks available."""
+        device) and chunk_tokens (bptt + 1, n, m, mb): [:, j, i] is worker j's view of chunk i, its input rows
+        and the one extra target row. Returns the number of chunks available."""
         train = batchify(tokens, self.B)  # (rows, B)
         available = n_chunks(train.size(0), self.bptt)
         chunks = min(available, max_chunks or available) // 2 * 2
@@ -104,7 +104,9 @@ class LSTMWiki2(Task):
         self.train_matrix = train[: chunks * self.bptt + 1].to(self.device)
         rows = self.train_matrix.unfold(0, self.bptt + 1, self.bptt)[:chunks]  # (m, B, bptt + 1)
         rows = rows.reshape(chunks, self.n_workers, self.mb, self.bptt + 1)
-        self.worker_chunks = rows.permute(1, 0, 3, 2).contiguous()
+        # time-major in memory: a step's units, picked along dims 1-2, are then (bptt + 1, U, mb) tokens in the
+        # LSTM's own time-major order, and the loss reads them without a copy
+        self.chunk_tokens = rows.permute(3, 1, 0, 2).contiguous()
         return available
 
     def _evaluation_matrices(self, corpus, max_chunks) -> dict:
@@ -145,13 +147,14 @@ class LSTMWiki2(Task):
             raise ValueError(f"units: the workers of one call must be consecutive, got {list(workers)}")
         # the carried states of these workers, as a slice: indexing with a list would copy it to the GPU
         self._local_workers = slice(workers[0], workers[0] + len(workers))
-        unit_ids = unit_ids.to(self.worker_chunks.device)
+        chunks = self.chunk_tokens
+        unit_ids, rows = unit_ids.to(chunks.device), self.worker_rows(workers, chunks.device)
         if self.order_unit == "chunk":
-            seq = self.pick_units(self.worker_chunks, workers, unit_ids)  # (U, bptt + 1, mb)
+            seq = chunks[:, rows, unit_ids].flatten(1, 2)  # (bptt + 1, U, mb), worker-major units
         else:
-            rows = self.worker_rows(workers, self.worker_chunks.device)
             chunk, column = unit_ids // self.mb, unit_ids % self.mb
-            seq = self.worker_chunks[rows, chunk, :, column].flatten(0, 1).unsqueeze(-1)  # (U, bptt + 1, 1)
+            seq = chunks[:, rows, chunk, column].flatten(1, 2).unsqueeze(-1)  # (bptt + 1, U, 1)
+        seq = seq.permute(1, 0, 2)  # (U, bptt + 1, w): a view, time-major in memory
         inputs, targets = seq[:, :-1], seq[:, 1:]
         if self.carry_hidden:
             h0, c0 = (state[self._local_workers] for state in self.hidden)  # k == 1: one unit per worker
@@ -181,21 +184,23 @@ class LSTMWiki2(Task):
         backward per unit (torch.vmap has no batching rule for the CPU LSTM kernel)."""
         units = n_local * k
         buffer = self._unit_grad_buffer(units)
-        losses, states = torch.empty(units, dtype=flat.dtype, device=flat.device), []
+        losses, states = [], []  # per pass, or per unit
         with self._gradient_kernels(flat):
             if flat is self.model.flat and self.units_per_pass:
                 for start in range(0, units, self.units_per_pass):
                     rows = slice(start, min(start + self.units_per_pass, units))
-                    losses[rows], aux = unit_gradients(self.model.module, *(t[rows] for t in batch), out=buffer[rows])
+                    pass_losses, aux = unit_gradients(self.model.module, *(t[rows] for t in batch), out=buffer[rows])
+                    losses.append(pass_losses)
                     states.append(aux)
             else:
                 for u in range(units):
-                    g, losses[u], aux = self.batch_grad(flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
+                    g, loss, aux = self.batch_grad(flat, tree_map(lambda t, u=u: t[u:u + 1], batch))
                     buffer[u].copy_(g)
+                    losses.append(loss.view(1))
                     states.append(aux)
         if self.carry_hidden:
-            self._pending_hidden = tuple(torch.cat([s[i] for s in states]) for i in range(2))
-        return buffer.view(n_local, k, -1), losses.view(n_local, k)
+            self._pending_hidden = tuple(_joined([s[i] for s in states]) for i in range(2))
+        return buffer.view(n_local, k, -1), _joined(losses).view(n_local, k)
 
     def batch_grad(self, flat, batch):
         with self._gradient_kernels(flat):
@@ -210,9 +215,9 @@ class LSTMWiki2(Task):
         return without_cudnn() if self.device.type == "cuda" and (through_func or not self.cudnn) else nullcontext()
 
     def start_epoch(self, epoch):
-        if self.carry_hidden:
-            zeros = torch.zeros(self.n_workers, LAYERS, self.mb, HIDDEN, device=self.device,
-                                dtype=self.model.flat.dtype)
+        if self.carry_hidden:  # (n, layers, mb, hidden), layer-major in memory as `loss` reads it
+            zeros = torch.zeros(LAYERS, self.n_workers, self.mb, HIDDEN, device=self.device,
+                                dtype=self.model.flat.dtype).permute(1, 0, 2, 3)
             self.hidden = (zeros, zeros.clone())
 
     def end_step(self, aux):
@@ -220,8 +225,13 @@ class LSTMWiki2(Task):
             return
         if aux is None:  # the unit_grads path: states were kept aside there
             aux, self._pending_hidden = self._pending_hidden, None
-        for carried, new in zip(self.hidden, aux):
-            carried[self._local_workers] = new.detach()
+        if self._local_workers == slice(0, self.n_workers):
+            # every worker's state is new: keep the step's own tensors, in the memory layout the step made (its
+            # next step reads them without a copy)
+            self.hidden = tuple(new.detach() for new in aux)
+        else:
+            for carried, new in zip(self.hidden, aux):
+                carried[self._local_workers] = new.detach()
 
     # ------------------------------------------------------------------ evaluation
     def _eval_column_groups(self, comm) -> list[tuple[int, int]]:
@@ -268,6 +278,11 @@ class LSTMWiki2(Task):
             metrics[f"{split}_loss"] = loss
             metrics[f"{split}_ppl"] = math.exp(loss) if loss < 700 else math.inf
         return metrics
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts concatenated along dim 0; one part as it is (one pass: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def make_parser():

@@ -4,6 +4,7 @@ Embedding(V, ninp) -> nn.LSTM(ninp, nhid, nlayers) -> Linear(nhid, V, bias=False
 embedding's weight -> log_softmax. With V = 33,278 and 32/32/2: d = 1,064,896 + 2 * 8,448 = 1,081,792
 (the tied matrix counted once).
 """
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -57,6 +58,12 @@ def without_cudnn():
         torch.backends.cudnn.enabled = enabled
 
 
+@functools.lru_cache(maxsize=8)
+def _identity(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The (n, n) identity, made once per size, dtype and device (unit_gradients' block-diagonal weights)."""
+    return torch.eye(n, dtype=dtype, device=device)
+
+
 @torch.no_grad()
 def unit_gradients(model: LSTMModel, inputs, targets, h0, c0, out: torch.Tensor):
     """Every unit's gradient of its own mean token NLL from ONE forward and ONE backward for all units.
@@ -79,17 +86,19 @@ def unit_gradients(model: LSTMModel, inputs, targets, h0, c0, out: torch.Tensor)
     U, T, w = inputs.shape
     H, V, layers = model.nhid, model.ntoken, model.nlayers
     E = model.encoder.weight
-    eye = torch.eye(U, dtype=E.dtype, device=E.device)
-    weights = []  # the block-diagonal LSTM, gate-major rows (gate, unit, hidden), unit-major columns
+    lstm = [[getattr(model.rnn, f"{name}_l{layer}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+            for layer in range(layers)]
+    # the block-diagonal LSTM's weights, all made at once: (2 * layers, 4, U, H, U, H), rows gate-major (gate,
+    # unit, hidden), columns unit-major; block (u, u) the model's weight (ninp == nhid: every matrix (4H, H)),
+    # the rest exact zeros; its biases (2 * layers, 4, U, H), the model's repeated for every unit
+    matrices = torch.stack([weight.view(4, 1, H, 1, H) for layer in lstm for weight in layer[:2]])
+    blocks = _identity(U, E.dtype, E.device).view(1, 1, U, 1, U, 1) * matrices
+    biases = torch.stack([bias.view(4, 1, H).expand(4, U, H) for layer in lstm for bias in layer[2:]])
+    weights = []  # _VF.lstm's order: each layer's weight_ih, weight_hh, bias_ih, bias_hh
     for layer in range(layers):
-        w_ih, w_hh, b_ih, b_hh = (getattr(model.rnn, f"{name}_l{layer}")
-                                  for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
-        for weight in (w_ih, w_hh):
-            block = torch.einsum("uv,ghc->guhvc", eye, weight.view(4, H, -1))  # exact copies and zeros
-            weights.append(block.reshape(4 * U * H, -1).requires_grad_())
-        for bias in (b_ih, b_hh):
-            weights.append(bias.view(4, 1, H).expand(4, U, H).reshape(-1).requires_grad_())
-    x = F.embedding(inputs, E).permute(1, 2, 0, 3).reshape(T, w, U * H).requires_grad_()  # (T, w, U * H)
+        weights += [blocks[2 * layer + i].view(4 * U * H, U * H).requires_grad_() for i in range(2)]
+        weights += [biases[2 * layer + i].view(-1).requires_grad_() for i in range(2)]
+    x = F.embedding(inputs.permute(1, 2, 0), E).view(T, w, U * H).requires_grad_()  # (T, w, U * H)
     state = tuple(s.permute(1, 2, 0, 3).reshape(layers, w, U * H).contiguous() for s in (h0, c0))
     with torch.enable_grad():
         output, h, c = _VF.lstm(x, state, weights, True, layers, 0.0, True, False, False)
@@ -103,15 +112,18 @@ def unit_gradients(model: LSTMModel, inputs, targets, h0, c0, out: torch.Tensor)
     sink = FormedSink()
     apply_rule(model.decoder, "Linear", hidden.detach(), g_logits, sink)        # (U, V, H)
     g_emb = g_x.view(T, w, U, H).permute(2, 0, 1, 3).reshape(U, T * w, H)
-    apply_rule(model.encoder, "Embedding", inputs.reshape(U, T * w), g_emb, sink)
-    pieces = [sink.grads[id(E)].view(U, -1)]
-    for i, g in enumerate(g_weights):
-        if i % 4 < 2:  # a block-diagonal weight: unit u's gradient is block (u, u)
-            g = torch.diagonal(g.view(4, U, H, U, -1), dim1=1, dim2=3)           # (4, H, in, U)
-            pieces.append(g.permute(3, 0, 1, 2).reshape(U, -1))
-        else:
-            pieces.append(g.view(4, U, H).transpose(0, 1).reshape(U, -1))
-    torch.cat(pieces, dim=1, out=out)
+    apply_rule(model.encoder, "Embedding", inputs.reshape(U, T * w), g_emb, sink)  # tokens (t, column), as g_emb
+    out[:, :E.numel()].view(U, V, H).copy_(sink.grads[id(E)])
+    # each layer's LSTM gradients in one copy for its two matrices and one for its two biases, straight into
+    # out's columns: unit u's gradient of a block-diagonal weight is its block (u, u)
+    per_layer = out[:, E.numel():].view(U, layers, -1)
+    matrix_grads = per_layer[..., :8 * H * H].view(U, layers, 2, 4, H, H).permute(1, 2, 3, 4, 5, 0)
+    bias_grads = per_layer[..., 8 * H * H:].view(U, layers, 2, 4, H).permute(1, 2, 3, 0, 4)
+    for layer in range(layers):
+        g_ih, g_hh, g_bias_ih, g_bias_hh = g_weights[4 * layer:4 * layer + 4]
+        torch.stack([torch.diagonal(g.view(4, U, H, U, H), dim1=1, dim2=3) for g in (g_ih, g_hh)],
+                    out=matrix_grads[layer])                                          # (2, 4, H, H, U)
+        torch.stack([g.view(4, U, H) for g in (g_bias_ih, g_bias_hh)], out=bias_grads[layer])  # (2, 4, U, H)
     del g_hidden
     final = tuple(s.view(layers, w, U, H).permute(2, 0, 1, 3) for s in (h, c))
     return losses.detach(), final

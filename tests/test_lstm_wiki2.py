@@ -149,3 +149,46 @@ def test_units_gradients_hidden_state_and_evaluation():
     with pytest.raises(UserFacingError, match="need at least 2"):
         module.LSTMWiki2(task_args(max_train_examples=1), torch.device("cpu"))
     assert module.LSTMWiki2(task_args(clip=0.25), torch.device("cpu")).clip_grad_norm == 0.25
+
+
+def test_time_major_units_and_carried_states_copy_nothing_and_equal_unit_major_copies_bit_for_bit():
+    """The units are views of time-major tokens, the carried (h, c) stay in the layout their step made them:
+    a D-RR step (loss) copies no tokens or states, a CD-GraB step (unit_grads) no states; both give what they
+    give on contiguous unit-major copies of the same batch (the layout before), bit for bit."""
+    from bench.dispatch_count import OpCounter
+    module = load_script()
+    torch.manual_seed(0)
+    task = module.LSTMWiki2(task_args(carry_hidden=True), torch.device("cpu"))
+    flat = task.model.flat
+    task.start_epoch(1)
+    task.hidden = tuple(torch.randn_like(s) for s in task.hidden)  # layer-major, as start_epoch lays it out
+    batch = task.units([0, 1], torch.tensor([[3], [1]]))
+    inputs, targets, h0, _ = batch
+    assert inputs.permute(1, 0, 2).is_contiguous() and targets.permute(1, 0, 2).is_contiguous()
+    unit_major = tuple(t.contiguous() for t in batch)
+    assert not unit_major[0].permute(1, 0, 2).is_contiguous() and h0.data_ptr() == task.hidden[0].data_ptr()
+
+    grad, loss, aux = (t.clone() if isinstance(t, torch.Tensor) else t for t in task.batch_grad(flat, batch))
+    other_grad, other_loss, other_aux = task.batch_grad(flat, unit_major)
+    assert torch.equal(grad, other_grad) and torch.equal(loss, other_loss)
+    assert all(torch.equal(s, t) for s, t in zip(aux, other_aux))
+    with OpCounter() as counter:  # the D-RR step on the carried states: nothing copied
+        _, _, aux = task.batch_grad(flat, task.units([0, 1], torch.tensor([[0], [5]])))
+        task.end_step(aux)
+    assert counter.calls["aten.clone"] + counter.calls["aten.copy_"] + counter.calls["aten.cat"] == 0, counter.calls
+
+    task.hidden = tuple(torch.randn_like(s) for s in task.hidden)
+    batch = task.units([0, 1], torch.tensor([[3], [1]]))
+    unit_major = tuple(t.contiguous() for t in batch)
+    grads, losses = (t.clone() for t in task.unit_grads(flat, batch, 2, 1))
+    states = task._pending_hidden
+    other_grads, other_losses = task.unit_grads(flat, unit_major, 2, 1)
+    assert torch.equal(grads, other_grads) and torch.equal(losses, other_losses)
+    assert all(torch.equal(s, t) for s, t in zip(states, task._pending_hidden))
+    task.end_step(None)
+    with OpCounter() as counter:  # the CD-GraB step on the states the last one made: the states not copied
+        task.unit_grads(flat, task.units([0, 1], torch.tensor([[0], [5]])), 2, 1)
+        task.end_step(None)
+    # the copies left: the outputs unit-major, the targets and ids to their tokens' order, the embedding's
+    # gradient (a view of the decoder's) into the gradients, a backward's own
+    assert counter.calls["aten.clone"] + counter.calls["aten.copy_"] + counter.calls["aten.cat"] <= 5, counter.calls
