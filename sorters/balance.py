@@ -179,10 +179,11 @@ def _pair_signs_cpu() -> Callable[..., None]:
     return signs
 
 
-GRAM_CHUNK_BYTES = 32 * 2**20  # float64 copies of the differences are made this many bytes at a time, or
+GRAM_CHUNK_BYTES = 64 * 2**20  # float64 copies of the differences are made this many bytes at a time, or
 GRAM_CHUNK_SHARE = 0.5         # this share of the differences' own bytes when that is more: at most 2 / share
                                # chunks, each a few kernels a step (bench/dispatch_count.py), the copy's memory
-                               # bounded by the differences' own
+                               # bounded by the differences' own; differences that fit one chunk are made in
+                               # float64 at once (the LSTM's 4 x 1.08 M: one chunk, not two)
 
 
 def _gram_pair_signs(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
@@ -193,7 +194,10 @@ def _gram_pair_signs(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: t
     if torch.compiler.is_compiling():  # (a compiled graph lays the difference out itself; out= does not trace)
         diffs = (firsts.transpose(0, 1) - seconds.transpose(0, 1)).reshape(-1, d)
     else:  # (P * n, d) pair-major, worker-minor: written in that order (the views' own would need a copy)
-        diffs = torch.empty(P, n, d, dtype=firsts.dtype, device=firsts.device)
+        # when gram_products would widen them in one chunk, they are written in float64 at once: torch.sub
+        # computes in the units' dtype and casts to out's, so each is the same difference widened
+        one_chunk = len(_gram_columns(n * P, d, firsts.element_size())) == 1
+        diffs = torch.empty(P, n, d, dtype=torch.float64 if one_chunk else firsts.dtype, device=firsts.device)
         torch.sub(firsts.transpose(0, 1), seconds.transpose(0, 1), out=diffs)
         diffs = diffs.view(-1, d)
     return signs_by_gram(running_sum, diffs).reshape(-1, n).T
@@ -249,33 +253,41 @@ def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     2^(r-1-i)). Returns (r,) float64 of +-1."""
     # (a compiled sign step makes the table in its graph: dynamo traces the cache's function itself)
     table = _sign_vectors.__wrapped__ if torch.compiler.is_compiling() else _sign_vectors
-    vectors, plus, weights = table(a.shape[0], a.device)
+    vectors, weight_if_plus, weight_if_minus = table(a.shape[0], a.device)
     below = torch.tril(gram, diagonal=-1)  # G_ij for j < i: only earlier signs enter <S_i, v_i>
     dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
-    agrees = (dots <= 0).eq_(plus)
-    best = (agrees.to(torch.float64) @ weights).argmax()
-    return vectors[best[None]][0]  # a 1-element index: a 0-d one is read on the host (a synchronisation)
+    scores = torch.where(dots <= 0, weight_if_plus, weight_if_minus).sum(1)  # the agreeing signs' weights
+    return vectors[scores.argmax()[None]][0]  # a 1-element index: a 0-d one is read on the host (a synchronisation)
 
 
 @functools.cache
 def _sign_vectors(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(every sign vector (2^r, r) float64 of +-1, the same as bool (True: +1), the weights (r,) float64
-    2^(r-1-i) of _enumerated_gram_signs' score), made once per r and device."""
+    """(every sign vector (2^r, r) float64 of +-1; then _enumerated_gram_signs' score weights 2^(r-1-i), each
+    (2^r, r) float64: where the vector's sign i is +1 (zero elsewhere), and where it is -1), made once per r
+    and device."""
     bits = torch.arange(r - 1, -1, -1, device=device)
     plus = (torch.arange(2 ** r, device=device)[:, None] >> bits & 1) == 0
-    return plus.to(torch.float64) * 2 - 1, plus, (2.0 ** bits).to(torch.float64)
+    weights = (2.0 ** bits).to(torch.float64)
+    return plus.to(torch.float64) * 2 - 1, torch.where(plus, weights, 0.0), torch.where(plus, 0.0, weights)
+
+
+def _gram_columns(r: int, d: int, element_size: int) -> list[slice]:
+    """The chunks of columns gram_products widens to float64 one at a time, for r differences of length d and
+    element_size bytes: GRAM_CHUNK_BYTES widened, or GRAM_CHUNK_SHARE of the differences' own bytes when that
+    is more."""
+    chunk_bytes = max(GRAM_CHUNK_BYTES, int(GRAM_CHUNK_SHARE * r * d * element_size))
+    width = max(1, chunk_bytes // (8 * r))
+    return [slice(c, min(c + width, d)) for c in range(0, d, width)]
 
 
 def gram_products(running_sum: torch.Tensor,
                   diffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[list[slice], torch.Tensor | None]]:
     """(a, G, widened) for the device path: a = D S (r,) and G = D D^T (r, r) in float64, from the (r, d)
-    differences D widened to float64 a chunk of columns at a time (GRAM_CHUNK_BYTES, or GRAM_CHUNK_SHARE of
-    D's own bytes when that is more); `widened` is (columns, the last chunk widened), which add_signed reuses
+    differences D widened to float64 a chunk of columns at a time (_gram_columns; float64 differences are
+    one chunk, used as they are); `widened` is (columns, the last chunk widened), which add_signed reuses
     when there is a single chunk."""
     r, d = diffs.shape
-    chunk_bytes = max(GRAM_CHUNK_BYTES, int(GRAM_CHUNK_SHARE * diffs.numel() * diffs.element_size()))
-    width = max(1, chunk_bytes // (8 * r))
-    columns = [slice(c, min(c + width, d)) for c in range(0, d, width)]
+    columns = [slice(0, d)] if diffs.dtype == torch.float64 else _gram_columns(r, d, diffs.element_size())
     wide = diffs[:, columns[0]].to(torch.float64)
     a, gram = torch.mv(wide, running_sum[columns[0]]), torch.mm(wide, wide.T)  # the first chunk makes them
     for cols in columns[1:]:

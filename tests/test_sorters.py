@@ -675,6 +675,35 @@ def test_the_device_path_widens_at_most_a_share_of_the_differences_bytes_at_once
     assert len(balance.gram_products(start, diffs)[2][0]) == 100
 
 
+def test_differences_that_fit_one_chunk_are_made_in_float64_with_the_widened_float32_ones_results(monkeypatch):
+    """The Gram step forms differences that gram_products would widen in one chunk directly in float64: each
+    the float32 difference widened (not the exact float64 one), and the orders and running sums are those of
+    float32 differences widened in chunks, bit for bit; the operators a step: one subtraction, no widening copy."""
+    import sorters.balance as balance
+    from bench.dispatch_count import OpCounter
+    from sorters.balance import CDGraB
+
+    n, m, d, k = 3, 12, 700, 2
+    # entries of very different sizes: a float32 difference rounds where the float64 one would not
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(21)) * torch.logspace(-6, 6, d)
+    gathered = gather_units(z)
+    firsts, seconds = z[:, 0:1], z[:, 1:2]
+    assert not torch.equal((firsts - seconds).double(), firsts.double() - seconds.double())
+    at_once = CDGraB(n, m, d, seed=1, sign_loop="gram")
+    run_epoch(at_once, gathered, k)
+    orders = run_epoch(at_once, gathered, k)
+    monkeypatch.setattr(balance, "GRAM_CHUNK_BYTES", 8 * n * 100)  # 7 chunks of float32 differences
+    monkeypatch.setattr(balance, "GRAM_CHUNK_SHARE", 0.0)
+    chunked = CDGraB(n, m, d, seed=1, sign_loop="gram")
+    run_epoch(chunked, gathered, k)
+    assert torch.equal(run_epoch(chunked, gathered, k), orders)
+    assert torch.equal(chunked.running_sum, at_once.running_sum)
+    monkeypatch.undo()
+    with OpCounter() as counter:
+        balance._gram_pair_signs(torch.zeros(d, dtype=torch.float64), firsts, seconds)
+    assert counter.calls["aten.sub"] == 1 and counter.calls["aten._to_copy"] == 0, counter.calls
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_compiled_gram_sign_step_gives_the_eager_orders_and_sums(k):
     """CDGraB.compile_sign_step (aot_eager: the traced operators themselves) over 3 epochs, k = 3 with a pending
