@@ -238,11 +238,11 @@ def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     for i0 in range(0, r, ENUMERATED_SIGNS_MAX):
         i1 = min(r, i0 + ENUMERATED_SIGNS_MAX)
         block_a = a[i0:i1] if i0 == 0 else torch.addmv(a[i0:i1], gram[i0:i1, :i0], signs[:i0])
-        signs[i0:i1] = _enumerated_gram_signs(block_a, gram[i0:i1, i0:i1])
+        _enumerated_gram_signs(block_a, gram[i0:i1, i0:i1], out=signs[i0:i1])
     return signs
 
 
-def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gram_signs for a small block (a (r,), gram (r, r) float64) without a kernel per difference: the inner
     products <S_i, v_i> = a_i + sum_{j<i} s_j G_ij under every one of the 2^r sign vectors s at once, then the
     vector whose every sign is the rule's own (<S_i, v_i> <= 0 exactly where s_i = +1). The sequential signs
@@ -250,14 +250,18 @@ def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     products of all sign vectors are one matrix product with a added (a few kernels whatever r); rows with the
     same prefix hold the same terms, the rest exact zeros, and should rounding ever make them disagree at a
     near-tie, the vector that agrees on the longest prefix is taken (scores weigh the agreement at i by
-    2^(r-1-i)). Returns (r,) float64 of +-1."""
+    2^(r-1-i)). Returns (r,) float64 of +-1, written into `out` (r,) when given (no copy)."""
     # (a compiled sign step makes the table in its graph: dynamo traces the cache's function itself)
     table = _sign_vectors.__wrapped__ if torch.compiler.is_compiling() else _sign_vectors
     vectors, weight_if_plus, weight_if_minus = table(a.shape[0], a.device)
     below = torch.tril(gram, diagonal=-1)  # G_ij for j < i: only earlier signs enter <S_i, v_i>
     dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
     scores = torch.where(dots <= 0, weight_if_plus, weight_if_minus).sum(1)  # the agreeing signs' weights
-    return vectors[scores.argmax()[None]][0]  # a 1-element index: a 0-d one is read on the host (a synchronisation)
+    # a 1-element index: a 0-d one is read on the host (a synchronisation)
+    if out is None or torch.compiler.is_compiling():  # (out= does not trace)
+        best = vectors[scores.argmax()[None]][0]
+        return best if out is None else out.copy_(best)
+    return torch.index_select(vectors, 0, scores.argmax()[None], out=out[None])[0]
 
 
 @functools.cache

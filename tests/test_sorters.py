@@ -704,13 +704,14 @@ def test_differences_that_fit_one_chunk_are_made_in_float64_with_the_widened_flo
     assert counter.calls["aten.sub"] == 1 and counter.calls["aten._to_copy"] == 0, counter.calls
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_a_compiled_gram_sign_step_gives_the_eager_orders_and_sums(k):
+@pytest.mark.parametrize("n,k", [(3, 2), (3, 3), (14, 2)])
+def test_a_compiled_gram_sign_step_gives_the_eager_orders_and_sums(n, k):
     """CDGraB.compile_sign_step (aot_eager: the traced operators themselves) over 3 epochs, k = 3 with a pending
-    unit: the same orders and running sums as the eager Gram path, bit for bit; a compiled loop refuses it."""
+    unit, 14 workers in two blocks of signs: the same orders and running sums as the eager Gram path, bit for
+    bit; a compiled loop refuses it."""
     from sorters.balance import CDGraB
 
-    n, m, d = 3, 12, 10
+    m, d = 12, 10
     eager, compiled = CDGraB(n, m, d, seed=1, sign_loop="gram"), CDGraB(n, m, d, seed=1, sign_loop="gram")
     compiled.compile_sign_step("aot_eager")
     z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(5))
