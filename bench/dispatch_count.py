@@ -30,7 +30,9 @@ GPT-2's gradients in one pass per step, `--grad-chunk all`, as a GPU computes th
   multi-tensor (_foreach) kernels torch takes by default on CUDA;
 - D-RR and CD-GraB: `engine.train.train` in this process, its first epoch counted from its start to
   its last step; CD-GraB with the CPU's sign loop (numba: its work is invisible to the counter) and as
-  "CD-GraB gram" with `--sign-loop gram`, the path a GPU takes; all with `--overlap off` (the counter
+  "CD-GraB gram" with the paths a GPU takes: `--sign-loop gram`, and per-unit products and token sums written
+  straight into their gradient columns (engine.functional.PRODUCTS_INTO_SLOTS, off on the CPU, where a
+  product into strided views is slow); all with `--overlap off` (the counter
   sees its own thread only; overlap moves the same sorter operators to a background thread).
 Each run is counted twice, over an epoch (a pass) of s and of 2s steps (s: 100 for LR-HMDA and MLP-M4,
 as many as the H200 profile's epoch; 4 for the LSTM, 2 for GPT-2): the difference over s is what each
@@ -78,7 +80,7 @@ from bench.gpu_epochs import (  # noqa: E402
 )
 from common.errors import OneLineErrorParser, UserFacingError  # noqa: E402
 from common.paths import default_data_dir  # noqa: E402
-from engine import runlog  # noqa: E402
+from engine import functional, runlog  # noqa: E402
 from engine.cli import int_flag  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.compiled import COMPILED_BENCHMARKS  # noqa: E402
@@ -287,7 +289,12 @@ def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_lo
             return evaluate(flat, comm)
 
         task.start_epoch, task.evaluate = start, evaluate_after_training
-        train(task, args, LocalCommunicator(args.node_cnt, device), device)
+        # the Gram sign loop is the GPU's path; so is writing per-unit products into their gradient columns
+        previous, functional.PRODUCTS_INTO_SLOTS = functional.PRODUCTS_INTO_SLOTS, sign_loop == "gram" or None
+        try:
+            train(task, args, LocalCommunicator(args.node_cnt, device), device)
+        finally:
+            functional.PRODUCTS_INTO_SLOTS = previous
     return totals(counter)
 
 

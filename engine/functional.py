@@ -287,15 +287,23 @@ def _recording_forward(module, records: list, keep_grad: bool = False):
     return recording
 
 
+# whether outer_unit_gradients writes a parameter's first product or token sum straight into its columns of the
+# (U, d) gradients (one kernel, out=) instead of forming it and copying it in (two); None: off the CPU only.
+# cuBLAS writes a strided batch of matrices as they lie; the CPU's bmm into strided views loops over the units
+# and costs several times a contiguous product plus one copy. bench/dispatch_count.py counts the GPU's way.
+PRODUCTS_INTO_SLOTS: bool | None = None
+
+
 class _Slots(Sink):
     """outer_unit_gradients' sink (sorters.layer_rules.Sink): the (U, *p.shape) views of each parameter's
     columns of a (U, d) gradient matrix, written without zeroing the matrix first: a parameter's first
-    contribution is copied in, later ones (a tied weight, a layer used twice) are added. Writing into the
-    strided views directly (baddbmm_ in place) costs several times a contiguous product plus one copy."""
+    contribution is copied in (or, `into_slots`: its product or token sum written there by the operator
+    itself), later ones (a tied weight, a layer used twice) are added."""
 
     def __init__(self, model: FlatModel, grads: torch.Tensor):
         self.model, self.grads, self.written = model, grads, set()
         self.offsets = model.offsets  # id(parameter) -> its first column in grads (U, d)
+        self.into_slots = grads.device.type != "cpu" if PRODUCTS_INTO_SLOTS is None else PRODUCTS_INTO_SLOTS
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
         offset = self.offsets[id(p)]
@@ -308,6 +316,22 @@ class _Slots(Sink):
         else:
             self.view(p).copy_(value)
             self.written.add(id(p))
+
+    def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        """Add sum_t left[u, t] right[u, t]^T (left (U, T, rows), right (U, T, cols)) to p's (rows, cols)."""
+        if self.into_slots and id(p) not in self.written:
+            torch.bmm(left.transpose(1, 2), right, out=self.view(p))
+            self.written.add(id(p))
+        else:
+            super().add_outer(p, left, right)
+
+    def add_token_sum(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        """Add sum_t values[u, t] (values (U, T, p.numel())) to p's gradients."""
+        if self.into_slots and id(p) not in self.written:
+            torch.sum(values, 1, out=self.view(p).view(values.shape[0], -1))
+            self.written.add(id(p))
+        else:
+            super().add_token_sum(p, values)
 
     def zeroed(self, p: torch.Tensor) -> torch.Tensor:
         """p's view, zeroed if nothing was written to it yet (for in-place scatter-adds)."""

@@ -230,20 +230,23 @@ def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
 
     Blocks of up to ENUMERATED_SIGNS_MAX differences in turn, each a fixed handful of kernels
     (_enumerated_gram_signs) after one product that adds the earlier blocks' signed terms to its a:
-    <S_i, v_i> = (a_i + sum_{j < block} sign_j G_ij) + sum_{block <= j < i} sign_j G_ij."""
+    <S_i, v_i> = (a_i + sum_{j < block} sign_j G_ij) + sum_{block <= j < i} sign_j G_ij. Only G_ij with
+    j < i ever enters, within a block and from the earlier ones: G's strictly lower triangle, made once."""
     r = a.shape[0]
+    below = torch.tril(gram, diagonal=-1)
     if r <= ENUMERATED_SIGNS_MAX:
-        return _enumerated_gram_signs(a, gram)
+        return _enumerated_gram_signs(a, below)
     signs = torch.empty(r, dtype=torch.float64, device=a.device)
     for i0 in range(0, r, ENUMERATED_SIGNS_MAX):
         i1 = min(r, i0 + ENUMERATED_SIGNS_MAX)
-        block_a = a[i0:i1] if i0 == 0 else torch.addmv(a[i0:i1], gram[i0:i1, :i0], signs[:i0])
-        _enumerated_gram_signs(block_a, gram[i0:i1, i0:i1], out=signs[i0:i1])
+        block_a = a[i0:i1] if i0 == 0 else torch.addmv(a[i0:i1], below[i0:i1, :i0], signs[:i0])
+        _enumerated_gram_signs(block_a, below[i0:i1, i0:i1], out=signs[i0:i1])
     return signs
 
 
-def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """gram_signs for a small block (a (r,), gram (r, r) float64) without a kernel per difference: the inner
+def _enumerated_gram_signs(a: torch.Tensor, below: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gram_signs for a small block (a (r,); below (r, r) float64, the block's G_ij where j < i and zeros on
+    and above the diagonal) without a kernel per difference: the inner
     products <S_i, v_i> = a_i + sum_{j<i} s_j G_ij under every one of the 2^r sign vectors s at once, then the
     vector whose every sign is the rule's own (<S_i, v_i> <= 0 exactly where s_i = +1). The sequential signs
     are such a vector, and the only one: by induction on i, a prefix that agrees fixes the next sign. The
@@ -254,7 +257,6 @@ def _enumerated_gram_signs(a: torch.Tensor, gram: torch.Tensor, out: torch.Tenso
     # (a compiled sign step makes the table in its graph: dynamo traces the cache's function itself)
     table = _sign_vectors.__wrapped__ if torch.compiler.is_compiling() else _sign_vectors
     vectors, weight_if_plus, weight_if_minus = table(a.shape[0], a.device)
-    below = torch.tril(gram, diagonal=-1)  # G_ij for j < i: only earlier signs enter <S_i, v_i>
     dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
     scores = torch.where(dots <= 0, weight_if_plus, weight_if_minus).sum(1)  # the agreeing signs' weights
     # a 1-element index: a 0-d one is read on the host (a synchronisation)

@@ -11,8 +11,8 @@ gradient is then a function of the layer's input a and that output gradient g al
 | Linear    | weight (out, in)  | sum_t g_t a_t^T                                   | sink.add_outer(W, g, a)|
 | Conv1D    | weight (in, out)  | sum_t a_t g_t^T  (transformers' y = a W + b)      | sink.add_outer(W, a, g)|
 | Embedding | weight (rows, C)  | g_t added to row ids_t (none to padding_idx's row)| sink.add_rows(W, ids, g)|
-| LayerNorm | weight (n,)       | sum_t g_t * xhat_t (xhat: the normalised input)   | sink.add(w, ...)       |
-| the other 3| bias (width,)    | sum_t g_t                                         | sink.add(b, ...)       |
+| LayerNorm | weight (n,)       | sum_t g_t * xhat_t (xhat: the normalised input)   | sink.add_token_sum(w, g * xhat)|
+| the other 3| bias (width,)    | sum_t g_t                                         | sink.add_token_sum(b, g)|
 
 (A LayerNorm over several last dims: n is their product, its weight and bias keep their shape.)
 
@@ -60,7 +60,8 @@ class Sink:
     wants(p):               whether p's gradient is wanted at all (a rule skips the work for the others);
     add(p, value):          add value (U, *p.shape) to the units' gradients of p;
     add_outer(p, l, r):     add sum_t l[u, t] r[u, t]^T, l (U, T, rows), r (U, T, cols), p (rows, cols);
-    add_rows(p, ids, g):    add g[u, t] (U, T, cols) to row ids[u, t] (U, T) of p (rows, cols).
+    add_rows(p, ids, g):    add g[u, t] (U, T, cols) to row ids[u, t] (U, T) of p (rows, cols);
+    add_token_sum(p, v):    add sum_t v[u, t], v (U, T, p.numel()) (a bias, a LayerNorm weight).
     """
 
     def wants(self, p: torch.Tensor) -> bool:
@@ -74,6 +75,9 @@ class Sink:
 
     def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
         self.add(p, scatter_rows(g.new_zeros(ids.shape[0], *p.shape), ids, g))
+
+    def add_token_sum(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        self.add(p, values.sum(1).view(values.shape[0], *p.shape))
 
 
 class FormedSink(Sink):
@@ -110,6 +114,9 @@ class BlockSink(Sink):
     def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
         self.formed.add(p, value)
 
+    def add_token_sum(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        self.formed.add_token_sum(p, values)
+
     def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
         block = self.blocks.get(id(p))
         if block is None:
@@ -142,6 +149,9 @@ class AliasSink(Sink):
     def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
         self.sink.add(self._chosen(p), value)
 
+    def add_token_sum(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        self.sink.add_token_sum(self._chosen(p), values)
+
     def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
         self.sink.add_outer(self._chosen(p), left, right)
 
@@ -160,7 +170,7 @@ def scatter_rows(view: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torc
 def _add_bias(module: torch.nn.Module, g: torch.Tensor, sink: Sink) -> None:
     bias = getattr(module, "bias", None)
     if bias is not None and sink.wants(bias):
-        sink.add(bias, g.sum(1))
+        sink.add_token_sum(bias, g)
 
 
 def _linear_rule(module: torch.nn.Linear, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
@@ -188,12 +198,12 @@ def _embedding_rule(module: torch.nn.Embedding, ids: torch.Tensor, g: torch.Tens
 
 def _layer_norm_rule(module: torch.nn.LayerNorm, a: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
     """nn.LayerNorm over its last dims, flattened to n entries; a (U, T, n), g (U, T, n)."""
-    U, weight, bias = g.shape[0], module.weight, module.bias
+    weight, bias = module.weight, module.bias
     if weight is not None and sink.wants(weight):
         xhat = F.layer_norm(a, (a.shape[-1],), eps=module.eps)
-        sink.add(weight, (g * xhat).sum(1).view(U, *weight.shape))
+        sink.add_token_sum(weight, g * xhat)
     if bias is not None and sink.wants(bias):
-        sink.add(bias, g.sum(1).view(U, *bias.shape))
+        sink.add_token_sum(bias, g)
 
 
 # kind -> rule(module, a, g, sink); each rule takes the module of its kind (layer_kind)

@@ -61,9 +61,9 @@ def test_gram_signs_of_a_small_block_take_the_same_few_kernel_ops_at_any_size():
 
 
 def test_gram_signs_of_more_differences_take_a_few_kernel_ops_a_block():
-    """Beyond ENUMERATED_SIGNS_MAX differences, blocks of that many in turn: each block's ops of the small
-    case (its signs written in place: no copy) and one product adding the earlier blocks' terms; not three a
-    difference."""
+    """Beyond ENUMERATED_SIGNS_MAX differences, blocks of that many in turn: each later block the ops of the
+    small case but the triangle of G (made once for all blocks), its signs written in place (no copy), and one
+    product adding the earlier blocks' terms; not three a difference."""
     from sorters import balance
 
     block = balance.ENUMERATED_SIGNS_MAX
@@ -76,7 +76,7 @@ def test_gram_signs_of_more_differences_take_a_few_kernel_ops_a_block():
             balance.gram_signs(a, gram)
         counts[r] = counter.kernel_ops
     one = counts[block]
-    assert counts[2 * block] == 2 * one + 1 and counts[3 * block] == 3 * one + 2, counts
+    assert counts[2 * block] == one + (one - 1 + 1) and counts[3 * block] == one + 2 * (one - 1 + 1), counts
     assert counts[3 * block] < 3 * 3 * block / 2, counts
 
 

@@ -139,10 +139,15 @@ def outer_cases():
            lambda f, b: F.cross_entropy(gpt2_logits(f, b)[:, :-1].transpose(1, 2), b[:, 1:], reduction="none").mean(1))
 
 
+@pytest.mark.parametrize("into_slots", [False, True], ids=["copied", "into-slots"])
 @pytest.mark.parametrize("case", list(outer_cases()), ids=lambda case: case[0])
-def test_outer_product_unit_gradients_equal_vmap(case):
+def test_outer_product_unit_gradients_equal_vmap(case, into_slots, monkeypatch):
     """The fast per-unit path (one backward + outer products, tied GPT-2 embedding included) against
-    the general torch.func path, to float32 rounding (the reductions run in another order)."""
+    the general torch.func path, to float32 rounding (the reductions run in another order); its products
+    and token sums formed and copied in (the CPU's way) or written into their columns (the GPU's)."""
+    import engine.functional
+
+    monkeypatch.setattr(engine.functional, "PRODUCTS_INTO_SLOTS", into_slots)
     _, model, batch, mean_loss, unit_losses = case
     assert model.supports_outer
     expected, expected_losses = unit_gradients(lambda f, b: (mean_loss(f, b), None), model.flat, batch)
@@ -151,6 +156,29 @@ def test_outer_product_unit_gradients_equal_vmap(case):
     assert grads.data_ptr() == buffer.data_ptr()
     torch.testing.assert_close(grads, expected, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", list(outer_cases()), ids=lambda case: case[0])
+def test_products_written_into_their_slots_equal_the_copied_ones_with_a_copy_less_a_parameter(case, monkeypatch):
+    """PRODUCTS_INTO_SLOTS (the GPU's way): the same per-unit gradients as forming each product or token sum
+    and copying it in (equal here to 1e-6 relative: the CPU's product into strided views runs unit by unit),
+    with no copy: one kernel op less for every parameter a product or token sum writes first."""
+    import engine.functional
+    from bench.dispatch_count import OpCounter
+
+    _, model, batch, _, unit_losses = case
+    results, copies = {}, {}
+    for into_slots in (False, True):
+        monkeypatch.setattr(engine.functional, "PRODUCTS_INTO_SLOTS", into_slots)
+        with OpCounter() as counter:
+            results[into_slots] = model.outer_unit_gradients(unit_losses, batch)[0]
+        copies[into_slots] = counter.calls["aten.copy_"]
+    torch.testing.assert_close(results[True], results[False], rtol=1e-6, atol=1e-7)
+    # every parameter but an embedding's rows (scattered onto zeros, or onto the tied product) is written first
+    # by a product or a token sum
+    firsts = sum(1 for module, kind in model.layers.items() if kind != "Embedding"
+                 for p in module.parameters(recurse=False) if id(p) in model.offsets)
+    assert firsts > 0 and copies[False] - copies[True] == firsts, (copies, firsts)
 
 
 def test_outer_products_refuse_models_they_cannot_differentiate():
