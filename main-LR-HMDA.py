@@ -113,8 +113,11 @@ class LogisticHMDA(Task):
                 logits = torch.baddbmm(params[:, None, -1:], rows, params[:, :-1, None]).view(-1)
             losses = F.binary_cross_entropy_with_logits(logits, y, reduction="none")
             residual = torch.sigmoid(logits).sub_(y)
-            torch.mul(x, residual[:, None], out=out[:, :-1])
-            out[:, -1] = residual
+            if torch.compiler.is_compiling():  # one store of [x r, r] fuses with the rest (out= does not)
+                out.copy_(torch.cat([x * residual[:, None], residual[:, None]], dim=1))
+            else:
+                torch.mul(x, residual[:, None], out=out[:, :-1])
+                out[:, -1] = residual
         return out, losses
 
     def evaluate(self, flat, comm):

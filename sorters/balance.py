@@ -257,7 +257,10 @@ def _enumerated_gram_signs(a: torch.Tensor, below: torch.Tensor, out: torch.Tens
     # (a compiled sign step makes the table in its graph: dynamo traces the cache's function itself)
     table = _sign_vectors.__wrapped__ if torch.compiler.is_compiling() else _sign_vectors
     vectors, weight_if_plus, weight_if_minus = table(a.shape[0], a.device)
-    dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
+    if torch.compiler.is_compiling():  # a reduction, which fuses with the table and the scores (a BLAS call does not)
+        dots = a + (vectors[:, None, :] * below).sum(-1)
+    else:
+        dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
     scores = torch.where(dots <= 0, weight_if_plus, weight_if_minus).sum(1)  # the agreeing signs' weights
     # a 1-element index: a 0-d one is read on the host (a synchronisation)
     if out is None or torch.compiler.is_compiling():  # (out= does not trace)
