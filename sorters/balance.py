@@ -218,8 +218,10 @@ def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tenso
     return signs > 0
 
 
-# blocks of at most this many differences get their signs from every sign vector at once (2^r of them)
-ENUMERATED_SIGNS_MAX = 12
+# blocks of at most this many differences get their signs from every sign vector at once (2^r of them): a
+# block of 16 is one product over 65,536 rows, a small kernel on a GPU and a few ms on the CPU (where the Gram
+# path serves sketches of large models only), and each block is a handful of kernels (bench/dispatch_count.py)
+ENUMERATED_SIGNS_MAX = 16
 
 
 def gram_signs(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
