@@ -80,6 +80,18 @@ def test_gram_signs_of_more_differences_take_a_few_kernel_ops_a_block():
     assert counts[3 * block] < 3 * 3 * block / 2, counts
 
 
+def test_differences_that_fit_one_chunk_take_one_subtraction_and_no_widening_copy():
+    """The Gram step forms differences that fit one chunk in float64 by the subtraction itself (out=), with
+    no float32 copy widened after it (tests/test_sorters.py: the same orders and sums as widened chunks)."""
+    from sorters import balance
+
+    firsts, seconds = torch.randn(3, 1, 700), torch.randn(3, 1, 700)
+    balance._gram_pair_signs(torch.zeros(700, dtype=torch.float64), firsts, seconds)  # the sign table, made once
+    with OpCounter() as counter:
+        balance._gram_pair_signs(torch.zeros(700, dtype=torch.float64), firsts, seconds)
+    assert counter.calls["aten.sub"] == 1 and counter.calls["aten._to_copy"] == 0, counter.calls
+
+
 def test_per_step_counts_split_each_steps_work_from_the_epochs_once_only_work():
     # 5 steps: mm twice a step, one sort for the epoch (5 kernel ops), 30 calls dispatched; 10 steps: 50
     short = {"dispatched": 30, "kernel_ops": collections.Counter({"aten.mm": 10, "aten.sort": 5})}
