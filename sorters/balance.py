@@ -29,7 +29,7 @@ class CDGraB(PairBalancer):
     - elsewhere (GPUs), `signs_by_gram`: per step the r = n * pairs differences D (r, d), then
       a = D S and G = D D^T in float64, the r signs by the recursion
       <S_i, v_i> = a_i + sum_{j<i} sign_j G_ij, and S += D^T signs: a few matrix products and
-      a handful of small kernels per block of up to 12 differences instead of two passes over d per
+      a handful of small kernels per block of up to 16 differences instead of two passes over d per
       difference.
 
     Args:
