@@ -51,8 +51,14 @@ class CDGraB(PairBalancer):
     name = "CD-GraB"
     SIGN_LOOPS = ("compiled", "gram")
 
-    # how the signs are computed, not what they are
-    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("sign_loop", "_gram_step")
+    # how the signs are computed, not what they are (a state holds no deferred pairs: `state_dict` decides them)
+    NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("sign_loop", "_gram_step", "_gram_decide", "_deferred",
+                                                "_deferred_count", "_deferred_position")
+    # the Gram path keeps the pairs' differences of several steps and decides them at once, up to this many
+    # (their float64 copies at most GRAM_CHUNK_BYTES): the same signs, a few kernels per block of differences
+    # and one placement instead of a sign step and a placement every step (bench/dispatch_count.py); 0: decide
+    # every step's pairs in that step
+    DEFERRED_DIFFERENCES = 256
 
     def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, sign_loop: str | None = None, nonfinite: str = "raise") -> None:
@@ -65,6 +71,8 @@ class CDGraB(PairBalancer):
         self.sign_loop = sign_loop  # not in checkpoints: a resumed run may take the other loop (same signs)
         # the Gram path's step (sign_loop "gram"); compile_sign_step puts torch.compile's version here
         self._gram_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = _gram_pair_signs
+        self._gram_decide: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = signs_by_gram  # deferred pairs'
+        self._deferred: torch.Tensor | None = None  # (capacity, d) float64: deferred differences, visiting order
         if sign_loop == "compiled":  # compile (or load) the sign loop now, not inside the first epoch
             units = np.zeros((1, 2, 1), np.float32)
             _pair_signs_cpu()(np.zeros(1, np.float64), units, 0, units, 1, np.empty((1, 1), np.bool_),
@@ -72,6 +80,7 @@ class CDGraB(PairBalancer):
 
     def _reset_running_sums(self) -> None:
         self.running_sum = torch.zeros(self.d, dtype=torch.float64, device=self.device)
+        self._deferred_count, self._deferred_position = 0, 0  # deferred differences; their first pair's position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` (`Sorter.load_state_dict`); a float32 running sum of an older
@@ -83,6 +92,51 @@ class CDGraB(PairBalancer):
         super().load_state_dict(state)
         # checkpoints written before the sum was float64 hold a float32 one
         self.running_sum = self.running_sum.to(torch.float64)
+        self._deferred_count = 0  # pairs deferred before the state was loaded are not the state's
+
+    def _deferral_capacity(self) -> int:
+        """How many differences the Gram path keeps to decide at once (0: the compiled loop decides each step's)."""
+        if self.sign_loop != "gram":
+            return 0
+        return min(self.DEFERRED_DIFFERENCES, GRAM_CHUNK_BYTES // (8 * self.d))
+
+    def _balance_pairs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
+                       second_units: HostOrDeviceArray, second_index: int, n_pairs: int, first_position: int) -> None:
+        """The Gram path: the pairs' differences, formed in float64 (each the units' difference widened), join
+        the deferred ones; they are decided together when no more fit, at the epoch's last step, or before a
+        state is saved (`_place_deferred_pairs`). Pairs follow each other in visiting order (epoch positions,
+        then workers), so deciding them together is the sequential rule over the same differences."""
+        r, capacity = self.n * n_pairs, self._deferral_capacity()
+        follows = first_position == self._deferred_position + 2 * (self._deferred_count // self.n)
+        if self._deferred_count and (self._deferred_count + r > capacity or not follows):
+            self._place_deferred_pairs()
+        if r > capacity:  # the compiled loop, or more differences than are kept: decided now
+            super()._balance_pairs(xp, first_units, first_index, second_units, second_index, n_pairs, first_position)
+            return
+        if self._deferred is None or self._deferred.shape[0] != capacity:
+            self._deferred = torch.empty(capacity, self.d, dtype=torch.float64, device=self.device)
+        if xp is np:  # tensors sharing the arrays' memory
+            first_units, second_units = torch.from_numpy(first_units), torch.from_numpy(second_units)
+        firsts, seconds = pair_views(first_units, first_index, second_units, second_index, n_pairs)
+        if not self._deferred_count:
+            self._deferred_position = first_position
+        rows = self._deferred[self._deferred_count:self._deferred_count + r].view(n_pairs, self.n, self.d)
+        torch.sub(firsts.transpose(0, 1), seconds.transpose(0, 1), out=rows)  # pair-major, worker-minor
+        self._deferred_count += r
+
+    def _place_deferred_pairs(self) -> None:
+        """Decide the deferred differences' signs (`signs_by_gram`, which updates the running sum) and place
+        their pairs."""
+        if not self._deferred_count:
+            return
+        assert self._deferred is not None
+        first_left = self._gram_decide(self.running_sum, self._deferred[:self._deferred_count])
+        first_left = first_left.view(-1, self.n).T  # (n, P)
+        self._deferred_count = 0
+        if self.device.type == "cpu":
+            self._place_pairs(np, first_left.numpy(), self._deferred_position)
+        else:
+            self._place_pairs(torch, first_left, self._deferred_position)
 
     def _pair_signs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
                     second_units: HostOrDeviceArray, second_index: int, n_pairs: int) -> HostOrDeviceArray:
@@ -110,6 +164,7 @@ class CDGraB(PairBalancer):
             raise ValueError(f"{self.name}: compile_sign_step compiles the Gram sign step; this sorter takes "
                              f"sign_loop={self.sign_loop!r} (build it with sign_loop='gram')")
         self._gram_step = torch.compile(_gram_pair_signs, backend=backend, dynamic=False)
+        self._gram_decide = torch.compile(signs_by_gram, backend=backend, dynamic=False)
 
 
 

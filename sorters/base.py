@@ -385,12 +385,11 @@ class PairBalancer(OnlineBalancer):
             pending = array_views(self.pending)[1][0]
             if xp is np and not pending.flags.c_contiguous:  # a kept (n, d) row slice of an (n, k, d) step
                 pending = np.ascontiguousarray(pending)
-            self._place_pairs(xp, self._pair_signs(xp, pending[:, None], 0, grads_xp, 0, 1), self.pending_position)
+            self._balance_pairs(xp, pending[:, None], 0, grads_xp, 0, 1, self.pending_position)
             self.pending, paired_from = None, 1
         n_pairs = (k - paired_from) // 2
         if n_pairs:
-            signs = self._pair_signs(xp, grads_xp, paired_from, grads_xp, paired_from + 1, n_pairs)
-            self._place_pairs(xp, signs, start + paired_from)
+            self._balance_pairs(xp, grads_xp, paired_from, grads_xp, paired_from + 1, n_pairs, start + paired_from)
         if (k - paired_from) % 2:  # an unpaired last unit: its partner comes with the next step
             # a copy, unless the caller promised to keep this step's grads (grads_stay_valid); never a
             # view of a buffer that the next step overwrites (the original's bug: it cached a reference
@@ -404,10 +403,26 @@ class PairBalancer(OnlineBalancer):
                 else:
                     self.pending.copy_(grads_xp[:, k - 1])
             self.pending_position = start + k - 1
+        if self._next_position == self.m:
+            self._place_deferred_pairs()
         if self._next_position == self.m and self.pending is not None:
             assert self.left == self.right
             self.next_orders[:, self.left] = self.orders[:, self.pending_position]
             self.pending, self.left, self.right = None, self.left + 1, self.right - 1
+
+    def _balance_pairs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
+                       second_units: HostOrDeviceArray, second_index: int, n_pairs: int, first_position: int) -> None:
+        """Decide the signs of n_pairs pairs (as `_pair_signs`) whose first pair starts at epoch position
+        first_position, and place them. A subclass may defer both (`_place_deferred_pairs`)."""
+        self._place_pairs(xp, self._pair_signs(xp, first_units, first_index, second_units, second_index, n_pairs),
+                          first_position)
+
+    def _place_deferred_pairs(self) -> None:
+        """Decide and place the pairs a subclass deferred (at the epoch's last step, before a state is saved)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        self._place_deferred_pairs()  # a state holds no deferred pairs: they are decided now
+        return super().state_dict()
 
     def _pending_buffer(self, n: int, d: int) -> torch.Tensor:
         """One (n, d) tensor reused for every cached first unit: a fresh one per pair costs page faults

@@ -92,6 +92,26 @@ def test_differences_that_fit_one_chunk_take_one_subtraction_and_no_widening_cop
     assert counter.calls["aten.sub"] == 1 and counter.calls["aten._to_copy"] == 0, counter.calls
 
 
+def test_deferred_pairs_cost_one_subtraction_a_step_and_a_few_ops_when_decided():
+    """The Gram path defers its pairs (CDGraB.DEFERRED_DIFFERENCES): a step that only keeps its pairs' differences
+    dispatches one kernel op (the subtraction into the kept float64 rows); the epoch's last step decides all 30
+    differences at once: a, G, two blocks of signs, the sum's update (its placement is NumPy's on the CPU)."""
+    from sorters.balance import CDGraB
+
+    n, m, k, d = 3, 20, 2, 10
+    sorter = CDGraB(n, m, d, sign_loop="gram")
+    grads = torch.randn(n, k, d)
+    for epoch in range(2):  # the second: the sign tables made
+        sorter.sort()
+        counts = []
+        for t in range(0, m, k):
+            with OpCounter() as counter:
+                sorter.step(grads, range(t, t + k))
+            counts.append(counter.kernel_ops)
+    assert counts[:-1] == [1] * (m // k - 1), counts
+    assert counts[-1] <= 1 + 20, counts
+
+
 def test_per_step_counts_split_each_steps_work_from_the_epochs_once_only_work():
     # 5 steps: mm twice a step, one sort for the epoch (5 kernel ops), 30 calls dispatched; 10 steps: 50
     short = {"dispatched": 30, "kernel_ops": collections.Counter({"aten.mm": 10, "aten.sort": 5})}

@@ -617,7 +617,8 @@ def test_the_classes_defaults_are_seed_zero_on_the_cpu(name):
 def test_a_step_on_another_device_keeps_everything_there(name, dtype):
     """The device path (torch ops, as on a GPU) on meta tensors: a step of CPU float32 gradients (moved to the
     sorter, in its dtype or not), including a pair left open for the next step, makes and keeps every tensor
-    on the sorter's device, the floating ones in its dtype (CD-GraB's running sum is float64 in any case)."""
+    on the sorter's device, the floating ones in its dtype (CD-GraB's running sum and the differences it defers
+    are float64 in any case)."""
     sorter = SORTERS[name](2, 6, 3, device="meta", dtype=dtype)
     sorter.sort()
     sorter.step(torch.zeros(2, 3, 3), range(0, 3))
@@ -627,7 +628,7 @@ def test_a_step_on_another_device_keeps_everything_there(name, dtype):
     assert kept and all(value.device.type == "meta" for value in kept.values()), kept.keys()
     for key, value in kept.items():
         if value.is_floating_point():
-            assert value.dtype == (torch.float64 if key == "running_sum" else dtype), key
+            assert value.dtype == (torch.float64 if key in ("running_sum", "_deferred") else dtype), key
 
 
 def sequential_gram_signs(a: list[float], gram: list[list[float]]) -> list[float]:
@@ -697,6 +698,44 @@ def test_differences_that_fit_one_chunk_are_made_in_float64_with_the_widened_flo
     run_epoch(chunked, gathered, k)
     assert torch.equal(run_epoch(chunked, gathered, k), orders)
     assert torch.equal(chunked.running_sum, at_once.running_sum)
+
+
+@pytest.mark.parametrize("m,k", [(12, 2), (13, 1), (13, 3), (12, 4)])
+@pytest.mark.parametrize("capacity", [256, 7])
+def test_deferred_pairs_give_each_steps_own_decisions(m, k, capacity):
+    """The Gram path defers the pairs' differences (DEFERRED_DIFFERENCES) and decides them together: when
+    full (capacity 7: mid-epoch, a step's pairs split across decisions), at the epoch's last step, before a
+    state is saved. Over 3 epochs (pairs across steps, a middle unit) the orders are those of every step's pairs
+    decided in their step, the running sums equal to float64 rounding; a state saved mid-epoch holds no deferred
+    pairs, and a sorter loaded from it continues with the same orders and sums as the one that saved it."""
+    from sorters.balance import CDGraB
+
+    n, d = 3, 10
+    z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(m * k))
+    grads_of = gather_units(z)
+    deferred, each_step = CDGraB(n, m, d, seed=2, sign_loop="gram"), CDGraB(n, m, d, seed=2, sign_loop="gram")
+    deferred.DEFERRED_DIFFERENCES, each_step.DEFERRED_DIFFERENCES = capacity, 0
+    for _ in range(3):
+        assert torch.equal(run_epoch(deferred, grads_of, k), run_epoch(each_step, grads_of, k))
+        torch.testing.assert_close(deferred.running_sum, each_step.running_sum, rtol=1e-12, atol=1e-12)
+    orders = deferred.sort()
+    assert torch.equal(orders, each_step.sort())
+    half = (m // 2) // k * k
+    for t in range(0, half, k):
+        deferred.step(grads_of(orders, torch.arange(t, t + k)), torch.arange(t, t + k))
+    assert deferred._deferred_count > 0 or capacity < n
+    state = deferred.state_dict()
+    assert deferred._deferred_count == 0 and not any(key.startswith("_deferred") for key in state)
+    resumed = CDGraB(n, m, d, seed=2, sign_loop="gram")
+    resumed.DEFERRED_DIFFERENCES = capacity
+    resumed.sort()
+    resumed.step(grads_of(orders, torch.arange(0, k)) * 3, torch.arange(0, k))  # deferred pairs the state drops
+    resumed.load_state_dict(state)
+    for sorter in (deferred, resumed):
+        for t in range(half, m, k):
+            positions = torch.arange(t, min(t + k, m))
+            sorter.step(grads_of(orders, positions), positions)
+    assert torch.equal(deferred.sort(), resumed.sort()) and torch.equal(deferred.running_sum, resumed.running_sum)
 
 
 @pytest.mark.parametrize("n,k", [(3, 2), (3, 3), (18, 2)])
