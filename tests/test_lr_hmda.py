@@ -40,15 +40,25 @@ def test_every_sorter_trains_and_writes_the_run_directory(tmp_path, sorter):
     check_run_files(out, epochs=2, m=400)
 
 
-@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR"])
+@pytest.mark.parametrize("sorter", ["CD-GraB", "D-RR", "CD-GraB --sign-loop gram"])
 def test_one_process_and_torchrun_give_the_same_orders_and_losses(tmp_path, sorter):
-    single = tmp_path / "single"
-    check_ok(run_script(SCRIPT, "--sorter", sorter, "--epochs", "2", "--out", single, *QUICK))
-    for nproc in (2, 4):
+    """(The Gram sign loop, the GPU's, decides its pairs several steps at a time: 2 processes.)"""
+    single, flags = tmp_path / "single", ["--sorter", *sorter.split()]
+    check_ok(run_script(SCRIPT, *flags, "--epochs", "2", "--out", single, *QUICK))
+    for nproc in (2,) if "gram" in sorter else (2, 4):
         multi = tmp_path / f"nproc{nproc}"
-        check_ok(run_script(SCRIPT, "--sorter", sorter, "--epochs", "2", "--out", multi, *QUICK, nproc=nproc))
+        check_ok(run_script(SCRIPT, *flags, "--epochs", "2", "--out", multi, *QUICK, nproc=nproc))
         assert_runs_agree(single, multi, RESULT_COLUMNS)
         assert json.loads((multi / "config.json").read_text())["sizes"]["world_size"] == nproc
+
+
+def test_the_gram_sign_loop_gives_the_compiled_loops_orders_and_losses(tmp_path):
+    """--sign-loop gram (the GPU's: pairs decided several steps at a time, S in float64 products) against the
+    CPU's compiled sequential loop on the real data: the same orders and losses, bit for bit."""
+    runs = {loop: tmp_path / loop for loop in ("compiled", "gram")}
+    for loop, out in runs.items():
+        check_ok(run_script(SCRIPT, "--sorter", "CD-GraB", "--sign-loop", loop, "--epochs", "3", "--out", out, *QUICK))
+    assert_runs_agree(runs["compiled"], runs["gram"], RESULT_COLUMNS, exact=True)
 
 
 def test_fast_paths_agree_with_the_general_paths(tmp_path):
