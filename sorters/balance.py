@@ -237,25 +237,45 @@ def _pair_signs_cpu() -> Callable[..., None]:
 GRAM_CHUNK_BYTES = 64 * 2**20  # float64 copies of the differences are made this many bytes at a time, or
 GRAM_CHUNK_SHARE = 0.5         # this share of the differences' own bytes when that is more: at most 2 / share
                                # chunks, each a few kernels a step (bench/dispatch_count.py), the copy's memory
-                               # bounded by the differences' own; differences that fit one chunk are made in
-                               # float64 at once (the LSTM's 4 x 1.08 M: one chunk, not two)
+                               # bounded by the differences' own; CD-GraB's step forms no float32 copy of them,
+                               # so its chunks take twice the share (at most 2), and differences that fit one
+                               # chunk are made in float64 at once (the LSTM's 4 x 1.08 M: one chunk, not two)
 
 
 def _gram_pair_signs(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
     """CD-GraB's signs for n workers' P pairs (firsts, seconds: (n, P, d) views), visited pair-major, worker-
-    minor, by the Gram path (`signs_by_gram`, which updates running_sum (d,) float64 in place). Returns
-    (n, P) bool, True = the pair's first unit goes left."""
+    minor, by the Gram path (`signs_by_gram`'s products, running_sum (d,) float64 updated in place). Returns
+    (n, P) bool, True = the pair's first unit goes left.
+
+    The differences are written in float64 by the subtraction itself (torch.sub computes in the units' dtype
+    and casts to out's: each is the same difference widened), pair-major: at once when they fit one chunk
+    (_gram_columns), else a chunk of columns at a time, straight from the units, and again for the running
+    sum's update (the last chunk kept); no float32 copy of them is made, so a chunk may take the bytes that
+    copy would have (twice GRAM_CHUNK_SHARE of the units' bytes)."""
     n, P, d = firsts.shape
     if torch.compiler.is_compiling():  # (a compiled graph lays the difference out itself; out= does not trace)
-        diffs = (firsts.transpose(0, 1) - seconds.transpose(0, 1)).reshape(-1, d)
-    else:  # (P * n, d) pair-major, worker-minor: written in that order (the views' own would need a copy)
-        # when gram_products would widen them in one chunk, they are written in float64 at once: torch.sub
-        # computes in the units' dtype and casts to out's, so each is the same difference widened
-        one_chunk = len(_gram_columns(n * P, d, firsts.element_size())) == 1
-        diffs = torch.empty(P, n, d, dtype=torch.float64 if one_chunk else firsts.dtype, device=firsts.device)
-        torch.sub(firsts.transpose(0, 1), seconds.transpose(0, 1), out=diffs)
-        diffs = diffs.view(-1, d)
-    return signs_by_gram(running_sum, diffs).reshape(-1, n).T
+        return signs_by_gram(running_sum, (firsts.transpose(0, 1) - seconds.transpose(0, 1)).reshape(-1, d)
+                             ).reshape(-1, n).T
+    r = n * P
+    columns = _gram_columns(r, d, firsts.element_size(), share=2 * GRAM_CHUNK_SHARE)
+    buffer = torch.empty(r * (columns[0].stop - columns[0].start), dtype=torch.float64, device=firsts.device)
+
+    def widened(cols: slice) -> torch.Tensor:  # (r, cols) float64 differences, pair-major, worker-minor
+        wide = buffer[:r * (cols.stop - cols.start)].view(P, n, cols.stop - cols.start)
+        torch.sub(firsts[..., cols].transpose(0, 1), seconds[..., cols].transpose(0, 1), out=wide)
+        return wide.view(r, -1)
+
+    wide = widened(columns[0])
+    a, gram = torch.mv(wide, running_sum[columns[0]]), torch.mm(wide, wide.T)  # the first chunk makes them
+    for cols in columns[1:]:
+        wide = widened(cols)
+        a.addmv_(wide, running_sum[cols])
+        gram.addmm_(wide, wide.T)
+    signs = gram_signs(a, gram)
+    for cols in columns[::-1]:  # the last chunk first: it is still formed
+        part = wide if cols is columns[-1] else widened(cols)
+        running_sum[cols].addmv_(part.T, signs)
+    return (signs > 0).reshape(-1, n).T
 
 
 def signs_by_gram(running_sum: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
@@ -337,11 +357,12 @@ def _sign_vectors(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return plus.to(torch.float64) * 2 - 1, torch.where(plus, weights, 0.0), torch.where(plus, 0.0, weights)
 
 
-def _gram_columns(r: int, d: int, element_size: int) -> list[slice]:
+def _gram_columns(r: int, d: int, element_size: int, share: float | None = None) -> list[slice]:
     """The chunks of columns gram_products widens to float64 one at a time, for r differences of length d and
-    element_size bytes: GRAM_CHUNK_BYTES widened, or GRAM_CHUNK_SHARE of the differences' own bytes when that
-    is more."""
-    chunk_bytes = max(GRAM_CHUNK_BYTES, int(GRAM_CHUNK_SHARE * r * d * element_size))
+    element_size bytes: GRAM_CHUNK_BYTES widened, or `share` (default GRAM_CHUNK_SHARE) of the differences'
+    own bytes when that is more."""
+    share = GRAM_CHUNK_SHARE if share is None else share
+    chunk_bytes = max(GRAM_CHUNK_BYTES, int(share * r * d * element_size))
     width = max(1, chunk_bytes // (8 * r))
     return [slice(c, min(c + width, d)) for c in range(0, d, width)]
 

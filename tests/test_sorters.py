@@ -677,9 +677,10 @@ def test_the_device_path_widens_at_most_a_share_of_the_differences_bytes_at_once
 
 
 def test_differences_that_fit_one_chunk_are_made_in_float64_with_the_widened_float32_ones_results(monkeypatch):
-    """The Gram step forms differences that gram_products would widen in one chunk directly in float64: each
-    the float32 difference widened (not the exact float64 one), and the orders and running sums are those of
-    float32 differences widened in chunks, bit for bit (tests/test_dispatch_count.py: no widening copy)."""
+    """The Gram step forms differences that fit one chunk directly in float64: each the float32 difference
+    widened (not the exact float64 one); the orders and running sums are those of the same differences formed
+    a chunk of columns at a time (7 chunks, each formed again for the sum's update but the last), bit for bit
+    (tests/test_dispatch_count.py: no widening copy)."""
     import sorters.balance as balance
     from sorters.balance import CDGraB
 
