@@ -85,6 +85,7 @@ from engine.cli import int_flag  # noqa: E402
 from engine.comm import LocalCommunicator  # noqa: E402
 from engine.compiled import COMPILED_BENCHMARKS  # noqa: E402
 from engine.train import train  # noqa: E402
+from sorters import balance  # noqa: E402
 
 # operators that launch no kernel on a GPU: allocation, metadata, a read of one value to the host
 # (a device-to-host copy and a synchronisation, not a launch)
@@ -268,6 +269,10 @@ def count_engine(benchmark: str, sorter: str, steps: int, data_dir: str, sign_lo
     step (the two Task calls the engine makes around an epoch's training, as bench/gpu_epochs.EpochProbe), by
     `counter` (an OpCounter unless given; a ProfiledCounter for --compile runs)."""
     device, counter = torch.device("cpu"), counter or OpCounter()
+    # the Gram path's sign tables are made once per process and size: cleared, every run makes its own, in the
+    # short epoch and the long alike, and they count as once-only work (not as the long epoch's steps' work less
+    # the tables, which an earlier run's tables would make them)
+    balance._sign_vectors.cache_clear()
     # --overlap off: the counter sees one thread, and with auto a long model's sorter steps in a background
     # thread (the same operators, elsewhere)
     extra = ["--sorter", sorter, "--epochs", str(counted_epoch), "--progress", "off", "--max-eval-examples", "1",
