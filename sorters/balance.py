@@ -265,16 +265,9 @@ def _gram_pair_signs(running_sum: torch.Tensor, firsts: torch.Tensor, seconds: t
         torch.sub(firsts[..., cols].transpose(0, 1), seconds[..., cols].transpose(0, 1), out=wide)
         return wide.view(r, -1)
 
-    wide = widened(columns[0])
-    a, gram = torch.mv(wide, running_sum[columns[0]]), torch.mm(wide, wide.T)  # the first chunk makes them
-    for cols in columns[1:]:
-        wide = widened(cols)
-        a.addmv_(wide, running_sum[cols])
-        gram.addmm_(wide, wide.T)
+    a, gram, last = _products_by_chunk(running_sum, columns, widened)
     signs = gram_signs(a, gram)
-    for cols in columns[::-1]:  # the last chunk first: it is still formed
-        part = wide if cols is columns[-1] else widened(cols)
-        running_sum[cols].addmv_(part.T, signs)
+    _add_signed_by_chunk(running_sum, columns, widened, last, signs)
     return (signs > 0).reshape(-1, n).T
 
 
@@ -368,28 +361,43 @@ def _gram_columns(r: int, d: int, element_size: int, share: float | None = None)
 
 
 def gram_products(running_sum: torch.Tensor,
-                  diffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[list[slice], torch.Tensor | None]]:
+                  diffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[list[slice], torch.Tensor]]:
     """(a, G, widened) for the device path: a = D S (r,) and G = D D^T (r, r) in float64, from the (r, d)
     differences D widened to float64 a chunk of columns at a time (_gram_columns; float64 differences are
-    one chunk, used as they are); `widened` is (columns, the last chunk widened), which add_signed reuses
-    when there is a single chunk."""
+    one chunk, used as they are); `widened` is (columns, the last chunk widened), which add_signed reuses."""
     r, d = diffs.shape
     columns = [slice(0, d)] if diffs.dtype == torch.float64 else _gram_columns(r, d, diffs.element_size())
-    wide = diffs[:, columns[0]].to(torch.float64)
-    a, gram = torch.mv(wide, running_sum[columns[0]]), torch.mm(wide, wide.T)  # the first chunk makes them
-    for cols in columns[1:]:
-        wide = diffs[:, cols].to(torch.float64)
-        a.addmv_(wide, running_sum[cols])
-        gram.addmm_(wide, wide.T)
-    return a, gram, (columns, wide)
+    a, gram, last = _products_by_chunk(running_sum, columns, lambda cols: diffs[:, cols].to(torch.float64))
+    return a, gram, (columns, last)
 
 
 def add_signed(running_sum: torch.Tensor, diffs: torch.Tensor, signs: torch.Tensor,
-               widened: tuple[list[slice], torch.Tensor | None]) -> None:
-    """running_sum (d,) float64 += D^T signs, for diffs (r, d) and signs (r,) float64 of +-1."""
-    columns, wide = widened
-    for cols in columns:
-        part = wide if len(columns) == 1 and wide is not None else diffs[:, cols].to(torch.float64)
+               widened: tuple[list[slice], torch.Tensor]) -> None:
+    """running_sum (d,) float64 += D^T signs, for diffs (r, d), signs (r,) float64 of +-1 and gram_products'
+    `widened`."""
+    columns, last = widened
+    _add_signed_by_chunk(running_sum, columns, lambda cols: diffs[:, cols].to(torch.float64), last, signs)
+
+
+def _products_by_chunk(running_sum: torch.Tensor, columns: list[slice],
+                       widened: Callable[[slice], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a = D S (r,), G = D D^T (r, r), the last chunk) in float64, with widened(cols) giving D's columns cols
+    as (r, cols) float64, one chunk of `columns` at a time; the first chunk makes a and G."""
+    wide = widened(columns[0])
+    a, gram = torch.mv(wide, running_sum[columns[0]]), torch.mm(wide, wide.T)
+    for cols in columns[1:]:
+        wide = widened(cols)
+        a.addmv_(wide, running_sum[cols])
+        gram.addmm_(wide, wide.T)
+    return a, gram, wide
+
+
+def _add_signed_by_chunk(running_sum: torch.Tensor, columns: list[slice], widened: Callable[[slice], torch.Tensor],
+                         last: torch.Tensor, signs: torch.Tensor) -> None:
+    """running_sum (d,) += D^T signs a chunk of columns at a time (as _products_by_chunk), the last chunk first:
+    `last` is it, still widened; each column's update is its own, so the order changes nothing."""
+    for cols in columns[::-1]:
+        part = last if cols is columns[-1] else widened(cols)
         running_sum[cols].addmv_(part.T, signs)
 
 
