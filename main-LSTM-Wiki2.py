@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 from common.errors import UserFacingError
 from data.wikitext2 import batchify, load_wikitext2, n_chunks
 from engine.cli import MAX_LR, common_parser, float_flag, int_flag
-from engine.functional import FlatModel
+from engine.functional import FlatModel, products_into_slots
 from engine.task import Task, shard, sum_over_processes
 from engine.entry import run_entry_point
 from models.lstm import LSTMModel, unit_gradients, without_cudnn
@@ -189,7 +189,8 @@ class LSTMWiki2(Task):
             if flat is self.model.flat and self.units_per_pass:
                 for start in range(0, units, self.units_per_pass):
                     rows = slice(start, min(start + self.units_per_pass, units))
-                    pass_losses, aux = unit_gradients(self.model.module, *(t[rows] for t in batch), out=buffer[rows])
+                    pass_losses, aux = unit_gradients(self.model.module, *(t[rows] for t in batch), out=buffer[rows],
+                                                      into_slots=products_into_slots(buffer.device))
                     losses.append(pass_losses)
                     states.append(aux)
             else:

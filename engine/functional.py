@@ -20,8 +20,8 @@ import torch
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
-from sorters.layer_rules import STRUCTURED_KINDS, BlockSink, Layout, Sink, apply_rule, calls_as_tokens, check_units, \
-    scatter_rows
+from sorters.layer_rules import STRUCTURED_KINDS, BlockSink, ColumnSink, Layout, Sink, apply_rule, calls_as_tokens, \
+    check_units
 
 
 class FlatModel:
@@ -294,62 +294,26 @@ def _recording_forward(module, records: list, keep_grad: bool = False):
 PRODUCTS_INTO_SLOTS: bool | None = None
 
 
-class _Slots(Sink):
-    """outer_unit_gradients' sink (sorters.layer_rules.Sink): the (U, *p.shape) views of each parameter's
-    columns of a (U, d) gradient matrix, written without zeroing the matrix first: a parameter's first
-    contribution is copied in (or, `into_slots`: its product or token sum written there by the operator
-    itself), later ones (a tied weight, a layer used twice) are added."""
+class _Slots(ColumnSink):
+    """outer_unit_gradients' sink (sorters.layer_rules.ColumnSink): the (U, *p.shape) views of each parameter's
+    columns of a (U, d) gradient matrix, a parameter's products or token sums written straight into them where
+    PRODUCTS_INTO_SLOTS says so (by default off the CPU)."""
 
     def __init__(self, model: FlatModel, grads: torch.Tensor):
-        self.model, self.grads, self.written = model, grads, set()
-        self.offsets = model.offsets  # id(parameter) -> its first column in grads (U, d)
-        self.into_slots = grads.device.type != "cpu" if PRODUCTS_INTO_SLOTS is None else PRODUCTS_INTO_SLOTS
-
-    def view(self, p: torch.Tensor) -> torch.Tensor:
-        offset = self.offsets[id(p)]
-        return self.grads[:, offset:offset + p.numel()].view(self.grads.shape[0], *p.shape)
-
-    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
-        """Add value (U, *p.shape) to p's gradients."""
-        if id(p) in self.written:
-            self.view(p).add_(value)
-        else:
-            self.view(p).copy_(value)
-            self.written.add(id(p))
-
-    def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-        """Add sum_t left[u, t] right[u, t]^T (left (U, T, rows), right (U, T, cols)) to p's (rows, cols)."""
-        if self.into_slots and id(p) not in self.written:
-            torch.bmm(left.transpose(1, 2), right, out=self.view(p))
-            self.written.add(id(p))
-        else:
-            super().add_outer(p, left, right)
-
-    def add_token_sum(self, p: torch.Tensor, values: torch.Tensor) -> None:
-        """Add sum_t values[u, t] (values (U, T, p.numel())) to p's gradients."""
-        if self.into_slots and id(p) not in self.written:
-            torch.sum(values, 1, out=self.view(p).view(values.shape[0], -1))
-            self.written.add(id(p))
-        else:
-            super().add_token_sum(p, values)
-
-    def zeroed(self, p: torch.Tensor) -> torch.Tensor:
-        """p's view, zeroed if nothing was written to it yet (for in-place scatter-adds)."""
-        view = self.view(p)
-        if id(p) not in self.written:
-            view.zero_()
-            self.written.add(id(p))
-        return view
-
-    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
-        """Add g[u, t] (U, T, cols) to row ids[u, t] of unit u's gradient of p (rows, cols): an embedding."""
-        scatter_rows(self.zeroed(p), ids, g)
+        super().__init__(grads, model.offsets, products_into_slots(grads.device))
+        self.model = model
 
     def zero_untouched(self) -> None:
         for module in self.model.layers:
             for p in module.parameters(recurse=False):
                 if id(p) in self.offsets:
                     self.zeroed(p)
+
+
+def products_into_slots(device: torch.device) -> bool:
+    """Whether per-unit products and token sums go straight into their gradient columns on `device`
+    (PRODUCTS_INTO_SLOTS, or by default: off the CPU)."""
+    return device.type != "cpu" if PRODUCTS_INTO_SLOTS is None else PRODUCTS_INTO_SLOTS
 
 
 class _SketchSlots(Sink):

@@ -26,6 +26,7 @@ sketches them without ever forming the (U, rows, cols) gradient.
 from these rules, where each sits in the flat (d,) vector of the chosen parameters, and which weights a
 structured sketch may make blocks (`Layout.blocks(min_numel)`).
 """
+import functools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -60,7 +61,8 @@ class Sink:
     wants(p):               whether p's gradient is wanted at all (a rule skips the work for the others);
     add(p, value):          add value (U, *p.shape) to the units' gradients of p;
     add_outer(p, l, r):     add sum_t l[u, t] r[u, t]^T, l (U, T, rows), r (U, T, cols), p (rows, cols);
-    add_rows(p, ids, g):    add g[u, t] (U, T, cols) to row ids[u, t] (U, T) of p (rows, cols);
+    add_rows(p, ids, g):    add g[u, t] (U, T, cols) to row ids[u, t] (U, T) of p (rows, cols) (the tokens
+                            may take several dims: ids (U, T...), g (U, T..., cols));
     add_token_sum(p, v):    add sum_t v[u, t], v (U, T, p.numel()) (a bias, a LayerNorm weight).
     """
 
@@ -78,26 +80,6 @@ class Sink:
 
     def add_token_sum(self, p: torch.Tensor, values: torch.Tensor) -> None:
         self.add(p, values.sum(1).view(values.shape[0], *p.shape))
-
-
-class FormedSink(Sink):
-    """The units' formed gradients, grads {id(p): (U, *p.shape)}. A parameter's first value is kept as given
-    (the rules pass fresh tensors, so no copy), later ones (a tied weight, a layer used twice) are added in
-    place, and rows are scattered onto it (onto zeros when nothing came first)."""
-
-    def __init__(self) -> None:
-        self.grads: dict[int, torch.Tensor] = {}
-
-    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
-        if id(p) in self.grads:
-            self.grads[id(p)].add_(value)
-        else:
-            self.grads[id(p)] = value
-
-    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
-        if id(p) not in self.grads:
-            self.grads[id(p)] = g.new_zeros(ids.shape[0], *p.shape)
-        scatter_rows(self.grads[id(p)], ids, g)
 
 
 class BlockSink(Sink):
@@ -159,9 +141,69 @@ class AliasSink(Sink):
         self.sink.add_rows(self._chosen(p), ids, g)
 
 
+class ColumnSink(Sink):
+    """Every unit's gradient of a parameter p written into p's columns of a (U, d) matrix `out` (columns
+    offsets[id(p)] onward, p.numel() of them in p's layout), without zeroing `out` first: a parameter's first
+    contribution is copied in (or, `into_slots`: written there by its product or token sum itself, out=: one
+    kernel instead of two), later ones (a tied weight, a layer used twice) are added, and rows are scattered
+    onto what is there (onto zeros when nothing came first). `written` holds id(p) of the parameters written."""
+
+    def __init__(self, out: torch.Tensor, offsets: dict[int, int], into_slots: bool) -> None:
+        self.out, self.offsets, self.into_slots = out, offsets, into_slots
+        self.written: set[int] = set()
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        """p's columns of out as (U, *p.shape)."""
+        offset = self.offsets[id(p)]
+        return self.out[:, offset:offset + p.numel()].view(self.out.shape[0], *p.shape)
+
+    def add(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Add value (U, *p.shape) to p's gradients."""
+        if id(p) in self.written:
+            self.view(p).add_(value)
+        else:
+            self.view(p).copy_(value)
+            self.written.add(id(p))
+
+    def add_outer(self, p: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        """Add sum_t left[u, t] right[u, t]^T (left (U, T, rows), right (U, T, cols)) to p's (rows, cols)."""
+        if self.into_slots and id(p) not in self.written:
+            torch.bmm(left.transpose(1, 2), right, out=self.view(p))
+            self.written.add(id(p))
+        else:
+            super().add_outer(p, left, right)
+
+    def add_token_sum(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        """Add sum_t values[u, t] (values (U, T, p.numel())) to p's gradients."""
+        if self.into_slots and id(p) not in self.written:
+            torch.sum(values, 1, out=self.view(p).view(values.shape[0], -1))
+            self.written.add(id(p))
+        else:
+            super().add_token_sum(p, values)
+
+    def zeroed(self, p: torch.Tensor) -> torch.Tensor:
+        """p's view, zeroed if nothing was written to it yet (for in-place scatter-adds)."""
+        view = self.view(p)
+        if id(p) not in self.written:
+            view.zero_()
+            self.written.add(id(p))
+        return view
+
+    def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        """Add g[u, t] (U, T, cols) to row ids[u, t] of unit u's gradient of p (rows, cols): an embedding."""
+        scatter_rows(self.zeroed(p), ids, g)
+
+
+@functools.lru_cache(maxsize=16)
+def _unit_numbers(units: int, device: torch.device) -> torch.Tensor:
+    """arange(units) on device, made once per size and device (scatter_rows' first index)."""
+    return torch.arange(units, device=device)
+
+
 def scatter_rows(view: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """view (U, rows, cols) += g[u, t] (U, T, cols) at row ids[u, t] (U, T), in place; returns view."""
-    units = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+    """view (U, rows, cols) += g[u, t...] (U, T..., cols) at row ids[u, t...] (U, T...), in place; returns view.
+    The tokens may take several dims (T...), as they lie: one scatter, no copy of g or ids."""
+    units = _unit_numbers(ids.shape[0], ids.device).view(-1, *[1] * (ids.dim() - 1))
     return view.index_put_((units, ids), g, accumulate=True)
 
 
@@ -189,7 +231,7 @@ def _conv1d_rule(module: torch.nn.Module, a: torch.Tensor, g: torch.Tensor, sink
 
 
 def _embedding_rule(module: torch.nn.Embedding, ids: torch.Tensor, g: torch.Tensor, sink: Sink) -> None:
-    """nn.Embedding; ids (U, T) the looked-up rows, g (U, T, C)."""
+    """nn.Embedding; ids (U, T...) the looked-up rows, g (U, T..., C) (the tokens may take several dims)."""
     if module.padding_idx is not None:  # F.embedding gives the padding row no gradient
         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
     if sink.wants(module.weight):

@@ -72,6 +72,43 @@ def test_lstm_unit_gradients_in_one_pass_match_a_float64_oracle():
         torch.testing.assert_close(c[u].double(), cu.detach(), rtol=0, atol=1e-6)
 
 
+def test_lstm_unit_gradients_the_same_bits_from_a_flat_vector_into_their_columns_and_after_another_model():
+    """unit_gradients reads the LSTM's parameters as one view where they lie back to back (a FlatModel's flat
+    vector) and copies them otherwise; writes the decoder's product into its columns (into_slots) or copies it
+    in; reuses its block-diagonal weights from call to call. None of it changes a bit: a model whose weights
+    were written there by an earlier call of another model of the same size gives what it gives first."""
+    from engine.functional import FlatModel
+    from models import lstm
+
+    torch.manual_seed(0)
+    V, U, T, w = 50, 3, 5, 2
+    plain, other = LSTMModel(V, 32, 32, 2), LSTMModel(V, 32, 32, 2)
+    flat_bound = LSTMModel(V, 32, 32, 2)
+    flat_bound.load_state_dict(plain.state_dict())
+    FlatModel(flat_bound)  # its parameters now views of one flat vector, in named_parameters order
+    def shares_memory(model):
+        return lstm._lstm_parameters(model).untyped_storage().data_ptr() == \
+            model.rnn.weight_ih_l0.untyped_storage().data_ptr()
+    assert shares_memory(flat_bound) and not shares_memory(plain)
+    inputs, targets = torch.randint(0, V, (U, T, w)), torch.randint(0, V, (U, T, w))
+    h0, c0 = torch.randn(U, 2, w, 32), torch.randn(U, 2, w, 32)
+    d = n_params(plain)
+
+    def run(model, into_slots=False):
+        out = torch.full((U, d), float("nan"))
+        losses, (h, c) = unit_gradients(model, inputs, targets, h0, c0, out, into_slots=into_slots)
+        return out, losses, h, c
+
+    lstm._block_weights.cache_clear()
+    other_first = run(other)
+    lstm._block_weights.cache_clear()
+    first = run(plain)
+    assert not first[0].isnan().any()
+    assert all(torch.equal(a, b) for a, b in zip(other_first, run(other)))  # on the blocks plain's call left
+    for again in (run(plain), run(flat_bound), run(plain, into_slots=True), run(flat_bound, into_slots=True)):
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 # ---------------------------------------------------------------- MLP
 
 def test_mlp_size():
