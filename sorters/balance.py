@@ -53,12 +53,14 @@ class CDGraB(PairBalancer):
 
     # how the signs are computed, not what they are (a state holds no deferred pairs: `state_dict` decides them)
     NOT_IN_STATE = PairBalancer.NOT_IN_STATE + ("sign_loop", "_gram_step", "_gram_decide", "_deferred",
-                                                "_deferred_count", "_deferred_position")
-    # the Gram path keeps the pairs' differences of several steps and decides them at once, up to this many
-    # (their float64 copies at most GRAM_CHUNK_BYTES): the same signs, a few kernels per block of differences
-    # and one placement instead of a sign step and a placement every step (bench/dispatch_count.py); 0: decide
-    # every step's pairs in that step
+                                                "_deferred_count", "_deferred_position", "DEFERRED_DIFFERENCES",
+                                                "DEFERRED_BYTES")
+    # the Gram path keeps the pairs' differences of several steps and decides them at once, up to this many,
+    # their float64 copies at most DEFERRED_BYTES: the same signs, a few kernels per block of differences and
+    # one placement instead of a sign step and a placement every step (bench/dispatch_count.py); 0: decide
+    # every step's pairs in that step. (The LSTM's 4 x 1.08 M differences a pair of steps: 7 pairs kept.)
     DEFERRED_DIFFERENCES = 256
+    DEFERRED_BYTES = 256 * 2**20
 
     def __init__(self, n_workers: int, m: int, d: int, seed: int = 0, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, sign_loop: str | None = None, nonfinite: str = "raise") -> None:
@@ -98,7 +100,7 @@ class CDGraB(PairBalancer):
         """How many differences the Gram path keeps to decide at once (0: the compiled loop decides each step's)."""
         if self.sign_loop != "gram":
             return 0
-        return min(self.DEFERRED_DIFFERENCES, GRAM_CHUNK_BYTES // (8 * self.d))
+        return min(self.DEFERRED_DIFFERENCES, self.DEFERRED_BYTES // (8 * self.d))
 
     def _balance_pairs(self, xp: ModuleType, first_units: HostOrDeviceArray, first_index: int,
                        second_units: HostOrDeviceArray, second_index: int, n_pairs: int, first_position: int) -> None:
@@ -323,15 +325,25 @@ def _enumerated_gram_signs(a: torch.Tensor, below: torch.Tensor, out: torch.Tens
     products of all sign vectors are one matrix product with a added (a few kernels whatever r); rows with the
     same prefix hold the same terms, the rest exact zeros, and should rounding ever make them disagree at a
     near-tie, the vector that agrees on the longest prefix is taken (scores weigh the agreement at i by
-    2^(r-1-i)). Returns (r,) float64 of +-1, written into `out` (r,) when given (no copy)."""
+    2^(r-1-i)). Returns (r,) float64 of +-1, written into `out` (r,) when given (no copy). The scores are sums of
+    distinct powers of two, exact in any order."""
     # (a compiled sign step makes the table in its graph: dynamo traces the cache's function itself)
     table = _sign_vectors.__wrapped__ if torch.compiler.is_compiling() else _sign_vectors
-    vectors, weight_if_plus, weight_if_minus = table(a.shape[0], a.device)
+    vectors, base_scores, signed_weights, one = table(a.shape[0], a.device)
+    R, r = vectors.shape
+    # a vector's score: the weights 2^(r-1-i) of the signs it shares with the rule's, its base score (the weights of
+    # its minus signs) plus, where the rule says +1 (<S_i, v_i> <= 0), its weight signed by its own sign
     if torch.compiler.is_compiling():  # a reduction, which fuses with the table and the scores (a BLAS call does not)
         dots = a + (vectors[:, None, :] * below).sum(-1)
+        scores = base_scores + torch.where(dots <= 0, signed_weights, 0.0).sum(1)
     else:
-        dots = torch.addmm(a, vectors, below.T)  # (2^r, r): <S_i, v_i> under each sign vector
-    scores = torch.where(dots <= 0, weight_if_plus, weight_if_minus).sum(1)  # the agreeing signs' weights
+        # -<S_i, v_i> under each sign vector (2^r, r), negated exactly by the product's own factors, so that one
+        # heaviside says where the rule's sign is +1 (1 where the product is <= 0, ties included), and one
+        # batched product with the base scores added gives the scores
+        minus_dots = torch.addmm(a, vectors, below.T, beta=-1, alpha=-1)
+        rule_plus = torch.heaviside(minus_dots, one)
+        scores = torch.baddbmm(base_scores.view(R, 1, 1), rule_plus.view(R, 1, r), signed_weights.view(R, r, 1))
+        scores = scores.view(R)
     # a 1-element index: a 0-d one is read on the host (a synchronisation)
     if out is None or torch.compiler.is_compiling():  # (out= does not trace)
         best = vectors[scores.argmax()[None]][0]
@@ -340,14 +352,16 @@ def _enumerated_gram_signs(a: torch.Tensor, below: torch.Tensor, out: torch.Tens
 
 
 @functools.cache
-def _sign_vectors(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(every sign vector (2^r, r) float64 of +-1; then _enumerated_gram_signs' score weights 2^(r-1-i), each
-    (2^r, r) float64: where the vector's sign i is +1 (zero elsewhere), and where it is -1), made once per r
-    and device."""
+def _sign_vectors(r: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(every sign vector (2^r, r) float64 of +-1; _enumerated_gram_signs' base scores (2^r,), each vector's
+    weights 2^(r-1-i) summed over its -1 signs; its weights signed by its signs (2^r, r); a float64 1), made once
+    per r and device."""
     bits = torch.arange(r - 1, -1, -1, device=device)
     plus = (torch.arange(2 ** r, device=device)[:, None] >> bits & 1) == 0
     weights = (2.0 ** bits).to(torch.float64)
-    return plus.to(torch.float64) * 2 - 1, torch.where(plus, weights, 0.0), torch.where(plus, 0.0, weights)
+    vectors = plus.to(torch.float64) * 2 - 1
+    return vectors, torch.where(plus, 0.0, weights).sum(1), vectors * weights, torch.ones((), dtype=torch.float64,
+                                                                                          device=device)
 
 
 def _gram_columns(r: int, d: int, element_size: int, share: float | None = None) -> list[slice]:

@@ -702,9 +702,10 @@ def test_differences_that_fit_one_chunk_are_made_in_float64_with_the_widened_flo
 
 
 @pytest.mark.parametrize("m,k", [(12, 2), (13, 1), (13, 3), (12, 4)])
-@pytest.mark.parametrize("capacity", [256, 7])
-def test_deferred_pairs_give_each_steps_own_decisions(m, k, capacity):
-    """The Gram path defers the pairs' differences (DEFERRED_DIFFERENCES) and decides them together: when
+@pytest.mark.parametrize("capacity,bound_by", [(256, "count"), (7, "count"), (7, "bytes")])
+def test_deferred_pairs_give_each_steps_own_decisions(m, k, capacity, bound_by):
+    """The Gram path defers the pairs' differences (DEFERRED_DIFFERENCES, and no more than DEFERRED_BYTES of
+    float64 hold) and decides them together: when
     full (capacity 7: mid-epoch, a step's pairs split across decisions), at the epoch's last step, before a
     state is saved. Over 3 epochs (pairs across steps, a middle unit) the orders are those of every step's pairs
     decided in their step, the running sums equal to float64 rounding; a state saved mid-epoch holds no deferred
@@ -715,10 +716,15 @@ def test_deferred_pairs_give_each_steps_own_decisions(m, k, capacity):
     z = torch.randn(n, m, d, generator=torch.Generator().manual_seed(m * k))
     grads_of = gather_units(z)
     deferred, each_step = CDGraB(n, m, d, seed=2, sign_loop="gram"), CDGraB(n, m, d, seed=2, sign_loop="gram")
-    deferred.DEFERRED_DIFFERENCES, each_step.DEFERRED_DIFFERENCES = capacity, 0
+    each_step.DEFERRED_DIFFERENCES = 0
+    if bound_by == "count":
+        deferred.DEFERRED_DIFFERENCES = capacity
+    else:
+        deferred.DEFERRED_BYTES = 8 * d * capacity + 8 * d - 1  # capacity float64 differences, not one more
     for _ in range(3):
         assert torch.equal(run_epoch(deferred, grads_of, k), run_epoch(each_step, grads_of, k))
         torch.testing.assert_close(deferred.running_sum, each_step.running_sum, rtol=1e-12, atol=1e-12)
+    assert deferred._deferred is not None and deferred._deferred.shape == (capacity, d)
     orders = deferred.sort()
     assert torch.equal(orders, each_step.sort())
     half = (m // 2) // k * k
@@ -728,7 +734,7 @@ def test_deferred_pairs_give_each_steps_own_decisions(m, k, capacity):
     state = deferred.state_dict()
     assert deferred._deferred_count == 0 and not any(key.startswith("_deferred") for key in state)
     resumed = CDGraB(n, m, d, seed=2, sign_loop="gram")
-    resumed.DEFERRED_DIFFERENCES = capacity
+    resumed.DEFERRED_DIFFERENCES, resumed.DEFERRED_BYTES = deferred.DEFERRED_DIFFERENCES, deferred.DEFERRED_BYTES
     resumed.sort()
     resumed.step(grads_of(orders, torch.arange(0, k)) * 3, torch.arange(0, k))  # deferred pairs the state drops
     resumed.load_state_dict(state)
