@@ -125,7 +125,12 @@ class LossCheck:
                         disable=not show, leave=False, mininterval=0.5, file=sys.stderr)
 
     def add(self, local_loss: torch.Tensor, step: int) -> None:
-        """local_loss: this process's mean loss of 0-based step `step` (a device scalar)."""
+        """local_loss: this process's mean loss of 0-based step `step` (a device scalar), or the losses whose
+        mean it is (the local units' (n_local, k): summed as they are, averaged at the check, one kernel a
+        step instead of two)."""
+        if self.loss_sum.shape != local_loss.shape:  # summed so far as the mean of every element: the same mean
+            self.loss_sum = self.loss_sum.mean() + torch.zeros(local_loss.shape, dtype=torch.float64,
+                                                               device=self.loss_sum.device)
         self.loss_sum += local_loss
         if not (step + 1) % LOSS_CHECK_EVERY or step + 1 == self.run.steps_per_epoch:
             self.check(step)
@@ -136,7 +141,7 @@ class LossCheck:
         """Read the loss summed since the last check (steps checked_step..step, 0-based) on the host."""
         # the only host read of the loss: all processes check the same steps, so they stop together
         comm, n_local = self.run.comm, len(self.run.comm.local_workers)
-        window_loss = comm.all_reduce_sum((self.loss_sum * n_local).reshape(1, 1)).item() / self.run.task.n_workers
+        window_loss = comm.all_reduce_sum((self.loss_sum.mean() * n_local).reshape(1, 1)).item() / self.run.task.n_workers
         if not math.isfinite(window_loss):
             raise UserFacingError(self.stop_line(f"the training loss became {window_loss} at epoch {self.epoch}, "
                                                  f"between steps {self.checked_step + 1} and {step + 1}"))

@@ -13,7 +13,8 @@ import torch
 
 
 def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, timer, herding_log=None):
-    """One step of the paper's data-parallel training on the shared parameters; returns the local loss.
+    """One step of the paper's data-parallel training on the shared parameters; returns the local loss (a scalar)
+    or, where the sorter takes per-unit gradients, the local losses (n_local, k) or (n_local,) whose mean it is.
     herding_log (--log-herding): keeps this step's per-unit gradients (computed on the side for D-RR & co.)."""
     flat, (n_local, k) = task.model.flat, unit_ids.shape
     batch = task.units(exchange.comm.local_workers, unit_ids)
@@ -24,14 +25,14 @@ def data_parallel_step(task, sorter, exchange, optimizer, unit_ids, positions, t
         # gathered in place of the all-reduce; the update is their mean (sorters/microbatch.py)
         worker_grads, _, worker_losses = task.worker_gradients(flat, exchange.comm.local_workers, unit_ids,
                                                                per_unit=False)
-        unit_grads, local_mean_grad, local_loss, aux = worker_grads[:, None], None, worker_losses.mean(), None
+        unit_grads, local_mean_grad, local_loss, aux = worker_grads[:, None], None, worker_losses, None
         ended = True
     elif sorter.uses_grads and task.sketches_from_records(flat, exchange.sketch):  # --sketch-dim, no (units, d)
         unit_grads, local_mean_grad, unit_losses = task.unit_sketches(flat, batch, n_local, k, exchange.sketch)
-        local_loss, aux = unit_losses.mean(), None
+        local_loss, aux = unit_losses, None
     elif sorter.uses_grads:
         unit_grads, unit_losses = task.unit_grads(flat, batch, n_local, k)
-        local_mean_grad, local_loss, aux, real_unit_grads = None, unit_losses.mean(), None, unit_grads
+        local_mean_grad, local_loss, aux, real_unit_grads = None, unit_losses, None, unit_grads
     else:
         unit_grads = None
         local_mean_grad, local_loss, aux = task.batch_grad(flat, batch)

@@ -129,7 +129,8 @@ def finish_epoch(run: Run, timer: RegionTimer) -> dict:
 
 def take_step(run: Run, local_orders, step: int, global_step: int, timer):
     """Step `step` of the epoch (0-based) with the strategy the run uses: each local worker takes its
-    units local_orders[:, step*k:(step+1)*k] (local_orders (n_local, m)). Returns the local loss."""
+    units local_orders[:, step*k:(step+1)*k] (local_orders (n_local, m)). Returns the local loss (a scalar, or
+    the local losses whose mean it is: data_parallel_step)."""
     k = run.task.units_per_step
     unit_ids, positions = local_orders[:, step * k:(step + 1) * k], range(step * k, (step + 1) * k)
     if run.local is not None:
