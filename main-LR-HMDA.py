@@ -112,12 +112,12 @@ class LogisticHMDA(Task):
                 rows = x.view(params.shape[0], -1, x.shape[1])
                 logits = torch.baddbmm(params[:, None, -1:], rows, params[:, :-1, None]).view(-1)
             losses = F.binary_cross_entropy_with_logits(logits, y, reduction="none")
-            residual = torch.sigmoid(logits).sub_(y)
             if torch.compiler.is_compiling():  # one store of [x r, r] fuses with the rest (out= does not)
+                residual = torch.sigmoid(logits).sub_(y)
                 out.copy_(torch.cat([x * residual[:, None], residual[:, None]], dim=1))
-            else:
+            else:  # the residual made in the bias's column, where it is that gradient: no copy
+                residual = torch.sigmoid(logits, out=out[:, -1]).sub_(y)
                 torch.mul(x, residual[:, None], out=out[:, :-1])
-                out[:, -1] = residual
         return out, losses
 
     def evaluate(self, flat, comm):
