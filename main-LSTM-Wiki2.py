@@ -142,14 +142,20 @@ class LSTMWiki2(Task):
     # ------------------------------------------------------------------ training units
     def units(self, workers, unit_ids):
         """-> (inputs (U, bptt, w), targets (U, bptt, w), h0 (U, layers, w, hidden), c0 likewise), where
-        U = n_local * k and w = B/n columns per unit (chunk) or 1 (example)."""
+        U = n_local * k and w = B/n columns per unit (chunk) or 1 (example). The tokens are views of one index's
+        result, time-major in memory: units then columns for the batch's LSTM (`loss`), columns then units
+        when the run's steps form per-unit gradients (`per_unit_steps`: unit_gradients' order)."""
         if list(workers) != list(range(workers[0], workers[0] + len(workers))):
             raise ValueError(f"units: the workers of one call must be consecutive, got {list(workers)}")
         # the carried states of these workers, as a slice: indexing with a list would copy it to the GPU
         self._local_workers = slice(workers[0], workers[0] + len(workers))
         chunks = self.chunk_tokens
         unit_ids, rows = unit_ids.to(chunks.device), self.worker_rows(workers, chunks.device)
-        if self.order_unit == "chunk":
+        if self.order_unit == "chunk" and self.per_unit_steps:
+            # (bptt + 1, mb, U): the block-diagonal LSTM's token order (time, column, unit), which unit_gradients
+            # reads without a copy; the same tokens as below, laid out otherwise
+            seq = chunks.permute(0, 3, 1, 2)[:, :, rows, unit_ids].flatten(2, 3).permute(0, 2, 1)
+        elif self.order_unit == "chunk":
             seq = chunks[:, rows, unit_ids].flatten(1, 2)  # (bptt + 1, U, mb), worker-major units
         else:
             chunk, column = unit_ids // self.mb, unit_ids % self.mb

@@ -87,6 +87,7 @@ def build_run(task, args, comm, device) -> Run:
                               sign_loop=resolve_sign_loop(args, device, d, sorted_d), batch_size=k)
         if getattr(args, "compile", "off") != "off" and getattr(sorter, "sign_loop", None) == "gram":
             sorter.compile_sign_step(args.compile)  # --compile: CD-GraB's Gram sign step too
+    task.per_unit_steps = sorter.uses_grads and not getattr(sorter, "uses_batch_size", False)
     reducer = make_reducer(args.reducer, comm, d, device, args.density)
     exchange = GradientExchange(comm, gather_unit_grads=sorter.uses_grads, reducer=reducer, sketch=sketch)
     if exact is None:  # the records of a step are the sorter's input only while it steps: no background thread

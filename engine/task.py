@@ -26,6 +26,8 @@ class Task:
     lr_decay_gamma = 1.0
     clip_grad_norm: float | None = None  # clip the global-batch gradient to this L2 norm (None: off)
     unit_grad_path = "auto"           # --unit-grads: "vmap" forces the general path (own unit_grads ignore it)
+    per_unit_steps = False            # set by the engine: whether the run's steps form per-unit gradients (the
+                                      # sorter's), so that `units` may lay its tensors out for them
     # how many per-unit gradient buffers `_unit_grad_buffer` rotates: the engine raises it when step t's
     # gradients must survive later steps (a sorter running behind the loop, or keeping a reference)
     grad_buffers = 1
