@@ -141,7 +141,8 @@ class LossCheck:
         """Read the loss summed since the last check (steps checked_step..step, 0-based) on the host."""
         # the only host read of the loss: all processes check the same steps, so they stop together
         comm, n_local = self.run.comm, len(self.run.comm.local_workers)
-        window_loss = comm.all_reduce_sum((self.loss_sum.mean() * n_local).reshape(1, 1)).item() / self.run.task.n_workers
+        local = self.loss_sum if self.loss_sum.dim() == 0 else self.loss_sum.mean()  # the steps' means, summed
+        window_loss = comm.all_reduce_sum((local * n_local).reshape(1, 1)).item() / self.run.task.n_workers
         if not math.isfinite(window_loss):
             raise UserFacingError(self.stop_line(f"the training loss became {window_loss} at epoch {self.epoch}, "
                                                  f"between steps {self.checked_step + 1} and {step + 1}"))

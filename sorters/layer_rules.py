@@ -190,7 +190,7 @@ class ColumnSink(Sink):
         return view
 
     def add_rows(self, p: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
-        """Add g[u, t] (U, T, cols) to row ids[u, t] of unit u's gradient of p (rows, cols): an embedding."""
+        """Add g[u, t...] (U, T..., cols) to row ids[u, t...] of unit u's gradient of p (rows, cols): an embedding."""
         scatter_rows(self.zeroed(p), ids, g)
 
 
@@ -203,7 +203,9 @@ def _unit_numbers(units: int, device: torch.device) -> torch.Tensor:
 def scatter_rows(view: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """view (U, rows, cols) += g[u, t...] (U, T..., cols) at row ids[u, t...] (U, T...), in place; returns view.
     The tokens may take several dims (T...), as they lie: one scatter, no copy of g or ids."""
-    units = _unit_numbers(ids.shape[0], ids.device).view(-1, *[1] * (ids.dim() - 1))
+    # (a compiled graph makes its own: dynamo traces the cache's function itself)
+    numbers = _unit_numbers.__wrapped__ if torch.compiler.is_compiling() else _unit_numbers
+    units = numbers(ids.shape[0], ids.device).view(-1, *[1] * (ids.dim() - 1))
     return view.index_put_((units, ids), g, accumulate=True)
 
 
