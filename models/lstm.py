@@ -114,9 +114,10 @@ def unit_gradients(model: LSTMModel, inputs, targets, h0, c0, out: torch.Tensor,
     them needs the recurrence's backward through time for that unit alone, which the records of an
     ordinary batched forward do not hold; the block-diagonal LSTM above gives it in the same one pass.)
 
-    Tokens stay in the LSTM's order (time, column, unit) throughout, so nothing is permuted into copies but
-    the targets; the loss's backward, whose gradient is known, is written out (the NLL's and the log-softmax's
-    backward operators) rather than recorded, and autograd runs the LSTM's backward only.
+    Tokens stay in the LSTM's order (time, column, unit) throughout, so nothing is permuted into copies (the
+    targets are, unless they come laid out in that order, as the task's units of a per-unit run do); the loss's
+    backward, whose gradient is known, is written out (the NLL's and the log-softmax's backward operators)
+    rather than recorded, and autograd runs the LSTM's backward only.
     """
     U, T, w = inputs.shape
     H, V, layers = model.nhid, model.ntoken, model.nlayers
